@@ -1,0 +1,385 @@
+"""The gradient-health record: the one definition of its fields, histogram edges, merge rules and encodings.
+
+Every path (numpy writer, TF summary op, TPU host_call, readers, docs) uses this module, so a record written by
+one path is read and merged by any other. It imports numpy only.
+
+A record describes one tensor (normally one variable's gradient) at one logged step:
+
+* exact counts: ``size``, ``nan``, ``posinf``, ``neginf``, ``zero``;
+* exact finite statistics: ``min``, ``max``, ``mean`` (over finite values) and ``ssq_rel``, the sum of squares of
+  the finite values *divided by max|g|^2*. Storing the sum of squares relative to the largest magnitude keeps it
+  in ``[1, n]`` whatever the scale of the gradient, so the L2 norm ``max_abs * sqrt(ssq_rel)`` is right from
+  1e-38 to 1e+38 where a plain sum of squares under- or overflows float32 (at about 1e-19 and 1e+19);
+* optional fields (NaN when not recorded): the weight's and the applied update's max|.| and relative sum of
+  squares, the number of micro-batches and the relative spread of micro-batch gradients (gradient noise);
+* ``missing``: 1 when no gradient reached the variable (a ``None`` gradient), 0 otherwise;
+* a log-magnitude histogram of the finite nonzero values with fixed decade edges (:data:`HIST_EDGES`), holding
+  *estimated element counts* per bin, and ``hist_sample``: how many finite nonzero elements it was built from.
+  When ``hist_sample`` equals the finite nonzero count the histogram is exact; otherwise it is a uniform sample
+  scaled up to the finite nonzero count, so histograms of any parts still add.
+
+Values below float32's smallest normal number (1.18e-38) count as zero: TensorFlow and XLA flush them to zero on
+CPU, GPU and TPU, so that is what a device sees, and the numpy path does the same so that both writers agree.
+
+Three encodings share these fields:
+
+* memory form: float64 ``[..., NUM_FIELDS]`` (:data:`FIELDS` order); counts are exact integers in float64;
+* device form (the TF path): a pair ``(counts int32 [..., 5], values float32 [..., 12 + HIST_BINS])``;
+* disk form: one float32 ``[L, 5 + 12 + 1 + W]`` tensor per event: the 5 counts as int32 bit patterns (exact, no
+  float32 rounding), the 12 values, ``hist_lo`` (first histogram bin kept) and ``W`` histogram bins
+  ``[hist_lo, hist_lo + W)``: bins that are empty in every layer of the event are trimmed from both ends, which
+  keeps a layer-step near 150 bytes instead of 400.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+FORMAT_VERSION = 1
+
+COUNT_FIELDS: tuple[str, ...] = ("size", "nan", "posinf", "neginf", "zero")
+VALUE_FIELDS: tuple[str, ...] = (
+    "min",
+    "max",
+    "mean",
+    "ssq_rel",
+    "weight_max_abs",
+    "weight_ssq_rel",
+    "update_max_abs",
+    "update_ssq_rel",
+    "micro_batches",
+    "noise_ssq_rel",
+    "missing",
+    "hist_sample",
+)
+
+#: Decade edges of the log-magnitude histogram, float32 (the comparison is done in float32 on every path).
+#: Bin 0 is (0, 1e-37): every normal float32 below 1e-37; bin k (1..75) is [1e(k-38), 1e(k-37)); bin 76 is
+#: [1e38, inf): the open top. Zero and non-finite values are not in the histogram; they have exact counts.
+HIST_EDGES: np.ndarray = np.array([10.0**e for e in range(-37, 39)], dtype=np.float32)
+HIST_BINS: int = len(HIST_EDGES) + 1
+#: log10 of each bin's lower edge (bin 0 reports -38: its values sit between 1.18e-38 and 1e-37).
+HIST_BIN_LOG10_LO: np.ndarray = np.arange(-38, -38 + HIST_BINS, dtype=np.int64)
+
+HIST_FIELDS: tuple[str, ...] = tuple(f"hist_{i}" for i in range(HIST_BINS))
+FIELDS: tuple[str, ...] = COUNT_FIELDS + VALUE_FIELDS + HIST_FIELDS
+NUM_FIELDS: int = len(FIELDS)
+NUM_COUNTS: int = len(COUNT_FIELDS)
+NUM_VALUES: int = len(VALUE_FIELDS)
+INDEX: dict[str, int] = {name: i for i, name in enumerate(FIELDS)}
+HIST_START: int = NUM_COUNTS + NUM_VALUES
+#: Index of ``hist_lo`` in a disk row, and where its histogram bins start.
+DISK_HIST_LO: int = NUM_COUNTS + NUM_VALUES
+DISK_HIST_START: int = DISK_HIST_LO + 1
+
+#: Smallest normal float32: anything smaller in magnitude is flushed to zero (see module docstring).
+FLUSH_BELOW: float = float(np.finfo(np.float32).tiny)
+#: Default number of elements the histogram samples from a larger tensor (the exact fields stay exact).
+DEFAULT_HIST_SAMPLE: int = 4096
+#: Device counts are int32: one tensor part may hold at most this many elements.
+MAX_ELEMENTS_PER_PART: int = 2**31 - 1
+
+_OPTIONAL_PAIRS = (("weight_max_abs", "weight_ssq_rel"), ("update_max_abs", "update_ssq_rel"))
+
+
+def empty(shape: tuple[int, ...] = ()) -> np.ndarray:
+    """Records of empty tensors: the identity of :func:`merge` (min=+inf, max=-inf, optional fields NaN)."""
+    rec = np.zeros(tuple(shape) + (NUM_FIELDS,), dtype=np.float64)
+    rec[..., INDEX["min"]] = np.inf
+    rec[..., INDEX["max"]] = -np.inf
+    for name in ("weight_max_abs", "weight_ssq_rel", "update_max_abs", "update_ssq_rel", "micro_batches",
+                 "noise_ssq_rel"):
+        rec[..., INDEX[name]] = np.nan
+    return rec
+
+
+def missing() -> np.ndarray:
+    """The record of a variable that received no gradient (``None``)."""
+    rec = empty()
+    rec[INDEX["missing"]] = 1.0
+    return rec
+
+
+def flush_to_zero(x: np.ndarray) -> np.ndarray:
+    """The values as a float32 device sees them: subnormals flushed to zero (float64 data keeps its range)."""
+    x = np.asarray(x)
+    if x.dtype.kind != "f" or x.dtype.itemsize < 8:
+        x = x.astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        return np.where(np.abs(x) < FLUSH_BELOW, np.zeros((), x.dtype), x)
+
+
+def hist_bin(abs_values: np.ndarray) -> np.ndarray:
+    """Histogram bin of each magnitude (finite, nonzero), comparing in float32 exactly as the TF path does."""
+    a = np.asarray(abs_values, dtype=np.float64).astype(np.float32)  # float64 beyond float32 saturates to inf
+    return np.searchsorted(HIST_EDGES, a, side="right")
+
+
+def _max_abs_and_ssq_rel(finite: np.ndarray) -> tuple[float, float]:
+    """max|x| and sum((x / max|x|)^2) in float64, robust to any magnitude."""
+    if finite.size == 0:
+        return 0.0, 0.0
+    a = np.abs(finite.astype(np.float64))
+    m = float(a.max())
+    if m == 0.0 or not np.isfinite(m):
+        return m, 0.0
+    return m, float(np.sum(np.square(a / m)))
+
+
+def compute(
+    grad: np.ndarray | None,
+    weight: np.ndarray | None = None,
+    update: np.ndarray | None = None,
+    *,
+    size: int | None = None,
+    hist_sample: int | None = DEFAULT_HIST_SAMPLE,
+    rng: np.random.Generator | None = None,
+) -> np.ndarray:
+    """The record (memory form) of one gradient tensor, computed in float64 from the float32 view of the values.
+
+    ``grad=None`` gives the ``missing`` record (``size`` then defaults to the weight's size). ``hist_sample``
+    bounds the histogram's work: a larger tensor is sampled with replacement (``None`` or 0: always exact).
+    """
+    if grad is None:
+        rec = missing()
+        if size is not None:
+            rec[INDEX["size"]] = size
+        elif weight is not None:
+            rec[INDEX["size"]] = np.size(weight)
+        _set_optional(rec, "weight", weight)
+        _set_optional(rec, "update", update)
+        return rec
+    g = flush_to_zero(np.asarray(grad)).reshape(-1)
+    rec = empty()
+    nan = np.isnan(g)
+    posinf = np.isposinf(g)
+    neginf = np.isneginf(g)
+    finite = g[~(nan | posinf | neginf)]
+    rec[INDEX["size"]] = g.size
+    rec[INDEX["nan"]] = int(nan.sum())
+    rec[INDEX["posinf"]] = int(posinf.sum())
+    rec[INDEX["neginf"]] = int(neginf.sum())
+    rec[INDEX["zero"]] = int(np.count_nonzero(finite == 0))
+    if finite.size:
+        f64 = finite.astype(np.float64)
+        rec[INDEX["min"]] = f64.min()
+        rec[INDEX["max"]] = f64.max()
+        m, ssq = _max_abs_and_ssq_rel(finite)
+        rec[INDEX["mean"]] = float(np.mean(f64 / m)) * m if m > 0 else 0.0
+        rec[INDEX["ssq_rel"]] = ssq
+    nonzero = np.abs(finite[finite != 0])
+    n_nonzero = nonzero.size
+    if hist_sample and n_nonzero > hist_sample:
+        rng = rng if rng is not None else np.random.default_rng()
+        sample = nonzero[rng.integers(0, n_nonzero, size=hist_sample)]
+        counts = np.bincount(hist_bin(sample), minlength=HIST_BINS).astype(np.float64)
+        rec[HIST_START:] = counts * (n_nonzero / hist_sample)
+        rec[INDEX["hist_sample"]] = hist_sample
+    else:
+        rec[HIST_START:] = np.bincount(hist_bin(nonzero), minlength=HIST_BINS)
+        rec[INDEX["hist_sample"]] = n_nonzero
+    _set_optional(rec, "weight", weight)
+    _set_optional(rec, "update", update)
+    return rec
+
+
+def _set_optional(rec: np.ndarray, prefix: str, values: np.ndarray | None) -> None:
+    if values is None:
+        return
+    v = flush_to_zero(np.asarray(values)).reshape(-1)
+    v = v[np.isfinite(v)]
+    m, ssq = _max_abs_and_ssq_rel(v)
+    rec[INDEX[f"{prefix}_max_abs"]] = m
+    rec[INDEX[f"{prefix}_ssq_rel"]] = ssq
+
+
+def noise_fields(micro_grads: list[np.ndarray]) -> tuple[float, float]:
+    """``(micro_batches, noise_ssq_rel)`` for the mean of ``micro_grads``: the float64 reference of the noise.
+
+    ``noise_ssq_rel = sum_i ||g_i - mean||^2 / (k - 1) / max|mean|^2`` (0 for a single micro-batch), so that
+    ``noise = sqrt(noise_ssq_rel / ssq_rel)`` is the sample standard deviation of the micro-batch gradients (as
+    a vector norm) over the norm of their mean: the inverse of a gradient signal-to-noise ratio.
+    """
+    k = len(micro_grads)
+    stack = np.stack([flush_to_zero(np.asarray(g)).astype(np.float64).reshape(-1) for g in micro_grads])
+    mean = stack.mean(axis=0)
+    m = float(np.abs(mean).max()) if mean.size else 0.0
+    if k < 2 or m == 0.0:
+        return float(k), 0.0
+    dev = (stack - mean) / m
+    return float(k), float(np.sum(np.square(dev)) / (k - 1))
+
+
+def _rescaled(ssq_rel: np.ndarray, scale: np.ndarray, new_scale: np.ndarray) -> np.ndarray:
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratio = np.where(new_scale > 0, scale / np.where(new_scale > 0, new_scale, 1.0), 0.0)
+    return ssq_rel * np.square(ratio)
+
+
+def merge(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Merge records (memory form) of disjoint parts of one tensor (shards, slices) or of several steps.
+
+    The result describes all the parts' values together: counts and histograms add, min/max combine, the mean
+    is weighted by finite counts, relative sums of squares are rescaled to the larger max|.| and added. An
+    optional field is NaN (unknown) when either part lacks it. Broadcasts over leading dimensions.
+    """
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    out = np.empty(np.broadcast_shapes(a.shape, b.shape), dtype=np.float64)
+    for name in COUNT_FIELDS + ("hist_sample",):
+        out[..., INDEX[name]] = a[..., INDEX[name]] + b[..., INDEX[name]]
+    out[..., HIST_START:] = a[..., HIST_START:] + b[..., HIST_START:]
+    out[..., INDEX["min"]] = np.minimum(a[..., INDEX["min"]], b[..., INDEX["min"]])
+    out[..., INDEX["max"]] = np.maximum(a[..., INDEX["max"]], b[..., INDEX["max"]])
+    na, nb = finite_count(a), finite_count(b)
+    n = na + nb
+    with np.errstate(invalid="ignore", divide="ignore"):
+        wa = np.where(n > 0, na / np.where(n > 0, n, 1), 0.0)
+    out[..., INDEX["mean"]] = wa * a[..., INDEX["mean"]] + (1.0 - wa) * b[..., INDEX["mean"]]
+    ma, mb = max_abs(a), max_abs(b)
+    m = np.maximum(ma, mb)
+    out[..., INDEX["ssq_rel"]] = _rescaled(a[..., INDEX["ssq_rel"]], ma, m) + _rescaled(
+        b[..., INDEX["ssq_rel"]], mb, m
+    )
+    # Noise is relative to the gradient's max|g| too.
+    out[..., INDEX["noise_ssq_rel"]] = _rescaled(a[..., INDEX["noise_ssq_rel"]], ma, m) + _rescaled(
+        b[..., INDEX["noise_ssq_rel"]], mb, m
+    )
+    out[..., INDEX["micro_batches"]] = np.maximum(a[..., INDEX["micro_batches"]], b[..., INDEX["micro_batches"]])
+    for scale_name, ssq_name in _OPTIONAL_PAIRS:
+        sa, sb = a[..., INDEX[scale_name]], b[..., INDEX[scale_name]]
+        s = np.maximum(sa, sb)  # NaN propagates: unknown stays unknown
+        out[..., INDEX[scale_name]] = s
+        out[..., INDEX[ssq_name]] = _rescaled(a[..., INDEX[ssq_name]], sa, s) + _rescaled(
+            b[..., INDEX[ssq_name]], sb, s
+        )
+    out[..., INDEX["missing"]] = np.minimum(a[..., INDEX["missing"]], b[..., INDEX["missing"]])
+    return out
+
+
+def merge_all(records: np.ndarray, axis: int = 0) -> np.ndarray:
+    """Merge records along ``axis`` (e.g. the shard axis of a host_call tensor)."""
+    records = np.moveaxis(np.asarray(records, dtype=np.float64), axis, 0)
+    out = empty(records.shape[1:-1])
+    for r in records:
+        out = merge(out, r)
+    return out
+
+
+# --- derived quantities ---------------------------------------------------------------------------------------
+
+
+def finite_count(rec: np.ndarray) -> np.ndarray:
+    rec = np.asarray(rec)
+    return rec[..., INDEX["size"]] - rec[..., INDEX["nan"]] - rec[..., INDEX["posinf"]] - rec[..., INDEX["neginf"]]
+
+
+def max_abs(rec: np.ndarray) -> np.ndarray:
+    """max|g| over finite values (0 when there are none)."""
+    rec = np.asarray(rec)
+    m = np.maximum(-rec[..., INDEX["min"]], rec[..., INDEX["max"]])
+    return np.where(np.isfinite(m), m, 0.0) if np.ndim(m) else (float(m) if np.isfinite(m) else 0.0)
+
+
+def _norm(scale: np.ndarray, ssq_rel: np.ndarray) -> np.ndarray:
+    with np.errstate(invalid="ignore"):
+        return scale * np.sqrt(ssq_rel)
+
+
+def derived(rec: np.ndarray) -> dict[str, np.ndarray]:
+    """Human-facing quantities of records (memory form), as float64 arrays over the leading dimensions.
+
+    ``norm``/``rms``/``mean``/``max_abs`` are over finite values; ``zero_fraction`` and ``nonfinite`` over all
+    elements; ratios are NaN when their optional field was not recorded.
+    """
+    rec = np.asarray(rec, dtype=np.float64)
+    size = rec[..., INDEX["size"]]
+    n = finite_count(rec)
+    m = max_abs(rec)
+    norm = _norm(m, rec[..., INDEX["ssq_rel"]])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rms = np.where(n > 0, norm / np.sqrt(np.where(n > 0, n, 1)), np.nan)
+        weight_norm = _norm(rec[..., INDEX["weight_max_abs"]], rec[..., INDEX["weight_ssq_rel"]])
+        weight_rms = weight_norm / np.sqrt(np.where(size > 0, size, np.nan))
+        update_norm = _norm(rec[..., INDEX["update_max_abs"]], rec[..., INDEX["update_ssq_rel"]])
+        noise_norm = _norm(m, rec[..., INDEX["noise_ssq_rel"]])
+        out = {
+            "size": size,
+            "finite": n,
+            "nan": rec[..., INDEX["nan"]],
+            "inf": rec[..., INDEX["posinf"]] + rec[..., INDEX["neginf"]],
+            "zero": rec[..., INDEX["zero"]],
+            "zero_fraction": np.where(size > 0, rec[..., INDEX["zero"]] / np.where(size > 0, size, 1), np.nan),
+            "min": rec[..., INDEX["min"]],
+            "max": rec[..., INDEX["max"]],
+            "mean": rec[..., INDEX["mean"]],
+            "max_abs": m,
+            "norm": norm,
+            "rms": rms,
+            "weight_norm": weight_norm,
+            "weight_rms": weight_rms,
+            "grad_to_weight": norm / weight_norm,
+            "update_norm": update_norm,
+            "update_to_weight": update_norm / weight_norm,
+            "micro_batches": rec[..., INDEX["micro_batches"]],
+            "noise": np.where(norm > 0, noise_norm / np.where(norm > 0, norm, 1.0), np.nan),
+            "missing": rec[..., INDEX["missing"]],
+            "hist_exact": rec[..., INDEX["hist_sample"]] >= (n - rec[..., INDEX["zero"]]),
+        }
+    return out
+
+
+# --- encodings ------------------------------------------------------------------------------------------------
+
+
+def _check_rows(rec: np.ndarray) -> np.ndarray:
+    rec = np.asarray(rec, dtype=np.float64)
+    if rec.ndim != 2 or rec.shape[1] != NUM_FIELDS:
+        raise ValueError(f"expected records of shape [L, {NUM_FIELDS}], got {rec.shape}")
+    return rec
+
+
+def to_disk(rec: np.ndarray) -> np.ndarray:
+    """Memory-form rows ``[L, NUM_FIELDS]`` → the float32 disk tensor (counts as int32 bits, histogram trimmed)."""
+    rec = _check_rows(rec)
+    counts = rec[:, :NUM_COUNTS]
+    if np.any(counts > MAX_ELEMENTS_PER_PART):
+        raise ValueError(f"a count exceeds {MAX_ELEMENTS_PER_PART}: split the tensor into parts")
+    hist = rec[:, HIST_START:]
+    nonempty = np.flatnonzero(np.any(hist != 0, axis=0))
+    lo, hi = (int(nonempty[0]), int(nonempty[-1]) + 1) if nonempty.size else (0, 0)
+    out = np.empty((rec.shape[0], DISK_HIST_START + hi - lo), dtype=np.float32)
+    out.view(np.int32)[:, :NUM_COUNTS] = np.rint(counts).astype(np.int32)
+    out[:, NUM_COUNTS:DISK_HIST_LO] = rec[:, NUM_COUNTS:HIST_START]
+    out[:, DISK_HIST_LO] = lo
+    out[:, DISK_HIST_START:] = hist[:, lo:hi]
+    return out
+
+
+def from_disk(tensor: np.ndarray) -> np.ndarray:
+    """The float32 disk tensor (from any writer) → memory-form rows ``[L, NUM_FIELDS]`` float64."""
+    t = np.ascontiguousarray(np.asarray(tensor), dtype=np.float32)
+    if t.ndim != 2 or t.shape[1] < DISK_HIST_START:
+        raise ValueError(f"not a gradhealth v{FORMAT_VERSION} record tensor: shape {t.shape}")
+    width = t.shape[1] - DISK_HIST_START
+    out = np.zeros((t.shape[0], NUM_FIELDS), dtype=np.float64)
+    out[:, :NUM_COUNTS] = t.view(np.int32)[:, :NUM_COUNTS]
+    out[:, NUM_COUNTS:HIST_START] = t[:, NUM_COUNTS:DISK_HIST_LO]
+    if t.shape[0]:
+        lo = int(t[0, DISK_HIST_LO])
+        if lo < 0 or lo + width > HIST_BINS or not np.all(t[:, DISK_HIST_LO] == lo):
+            raise ValueError(f"corrupt record tensor: histogram window {lo}+{width} of {HIST_BINS}")
+        out[:, HIST_START + lo : HIST_START + lo + width] = t[:, DISK_HIST_START:]
+    return out
+
+
+def from_device(counts: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """The TF path's ``(counts int32 [..., 5], values float32 [..., 12 + HIST_BINS])`` → memory form."""
+    counts = np.asarray(counts)
+    values = np.asarray(values)
+    if counts.shape[-1] != NUM_COUNTS or values.shape[-1] != NUM_VALUES + HIST_BINS:
+        raise ValueError(
+            f"expected counts [..., {NUM_COUNTS}] and values [..., {NUM_VALUES + HIST_BINS}], "
+            f"got {counts.shape} and {values.shape}"
+        )
+    return np.concatenate([counts.astype(np.float64), values.astype(np.float64)], axis=-1)
