@@ -221,7 +221,8 @@ def merge(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
     The result describes all the parts' values together: counts and histograms add, min/max combine, the mean
     is weighted by finite counts, relative sums of squares are rescaled to the larger max|.| and added. An
-    optional field is NaN (unknown) when either part lacks it. Broadcasts over leading dimensions.
+    optional field that one part lacks (NaN) is taken from the other part, so :func:`empty` is the identity;
+    it stays NaN only when no part has it. Broadcasts over leading dimensions.
     """
     a = np.asarray(a, dtype=np.float64)
     b = np.asarray(b, dtype=np.float64)
@@ -241,18 +242,20 @@ def merge(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     out[..., INDEX["ssq_rel"]] = _rescaled(a[..., INDEX["ssq_rel"]], ma, m) + _rescaled(
         b[..., INDEX["ssq_rel"]], mb, m
     )
-    # Noise is relative to the gradient's max|g| too.
-    out[..., INDEX["noise_ssq_rel"]] = _rescaled(a[..., INDEX["noise_ssq_rel"]], ma, m) + _rescaled(
-        b[..., INDEX["noise_ssq_rel"]], mb, m
+    # Noise is relative to the gradient's max|g| too; a part without it (NaN) yields to the other.
+    na_noise = _rescaled(a[..., INDEX["noise_ssq_rel"]], ma, m)
+    nb_noise = _rescaled(b[..., INDEX["noise_ssq_rel"]], mb, m)
+    out[..., INDEX["noise_ssq_rel"]] = np.where(
+        np.isnan(na_noise) & np.isnan(nb_noise), np.nan, np.nan_to_num(na_noise) + np.nan_to_num(nb_noise)
     )
-    out[..., INDEX["micro_batches"]] = np.maximum(a[..., INDEX["micro_batches"]], b[..., INDEX["micro_batches"]])
+    out[..., INDEX["micro_batches"]] = np.fmax(a[..., INDEX["micro_batches"]], b[..., INDEX["micro_batches"]])
     for scale_name, ssq_name in _OPTIONAL_PAIRS:
         sa, sb = a[..., INDEX[scale_name]], b[..., INDEX[scale_name]]
-        s = np.maximum(sa, sb)  # NaN propagates: unknown stays unknown
+        s = np.fmax(sa, sb)  # NaN (not recorded) yields to the other part; NaN only if neither has it
+        ra = np.nan_to_num(_rescaled(a[..., INDEX[ssq_name]], sa, s))
+        rb = np.nan_to_num(_rescaled(b[..., INDEX[ssq_name]], sb, s))
+        out[..., INDEX[ssq_name]] = np.where(np.isnan(s), np.nan, ra + rb)
         out[..., INDEX[scale_name]] = s
-        out[..., INDEX[ssq_name]] = _rescaled(a[..., INDEX[ssq_name]], sa, s) + _rescaled(
-            b[..., INDEX[ssq_name]], sb, s
-        )
     out[..., INDEX["missing"]] = np.minimum(a[..., INDEX["missing"]], b[..., INDEX["missing"]])
     return out
 
