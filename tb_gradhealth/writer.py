@@ -1,0 +1,177 @@
+"""A TensorFlow-free writer of gradient-health summaries (for PyTorch, JAX or numpy training loops).
+
+It computes records with :func:`tb_gradhealth.record.compute` (the float64 reference, so it agrees with the TF
+path field for field) and writes them with TensorBoard's own event-file writer and protos, so the event files are
+exactly what ``tf.summary.write`` would produce: one event per (tag, step) holding the float32 disk tensor of all
+layers of that call (see docs/FORMAT.md for why one packed tag rather than one tag per layer).
+
+It imports numpy and tensorboard only. TensorBoard keeps the first ``SummaryMetadata`` it sees for a tag and
+ignores the rest, so the (layer-list) metadata is attached only to the first event of each tag in each event file,
+which saves ~5 bytes a layer on every later event.
+
+Example (PyTorch)::
+
+    with Writer("logs/run1") as w:
+        for step, batch in enumerate(loader):
+            loss = model(batch); loss.backward()
+            w.add_gradients(step, {n: p.grad.detach().cpu().numpy() if p.grad is not None else None
+                                   for n, p in model.named_parameters()},
+                            weights={n: p.detach().cpu().numpy() for n, p in model.named_parameters()})
+            w.add_scalars(step, {"loss": loss.item()})
+            opt.step(); opt.zero_grad()
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+from tensorboard.compat.proto import event_pb2, summary_pb2
+from tensorboard.plugins.scalar import metadata as scalar_metadata
+from tensorboard.summary.writer.event_file_writer import EventFileWriter
+from tensorboard.util import tensor_util
+
+from tb_gradhealth import metadata, record
+
+__all__ = ["Writer", "make_event"]
+
+
+def make_event(
+    step: int,
+    tag: str,
+    tensor: np.ndarray,
+    summary_metadata: summary_pb2.SummaryMetadata | None,
+    wall_time: float | None = None,
+) -> event_pb2.Event:
+    """One ``Event`` holding one tensor summary value (what ``tf.summary.write`` emits)."""
+    event = event_pb2.Event(wall_time=time.time() if wall_time is None else wall_time, step=int(step))
+    value = event.summary.value.add(tag=tag, tensor=tensor_util.make_tensor_proto(tensor))
+    if summary_metadata is not None:
+        value.metadata.CopyFrom(summary_metadata)
+    return event
+
+
+class Writer:
+    """Writes gradient-health records (and plain scalars) to an event file in ``logdir``, without TensorFlow.
+
+    ``hist_sample`` bounds the histogram work per tensor exactly as in the TF path (``None``/0: always exact);
+    ``seed`` makes the sampling reproducible. Not thread-safe (like ``tf.summary`` writers).
+    """
+
+    def __init__(
+        self,
+        logdir: str,
+        *,
+        hist_sample: int | None = record.DEFAULT_HIST_SAMPLE,
+        seed: int | None = None,
+        max_queue: int = 32,
+        flush_secs: float = 120,
+        filename_suffix: str = "",
+    ) -> None:
+        self._writer = EventFileWriter(
+            str(logdir), max_queue_size=max_queue, flush_secs=flush_secs, filename_suffix=filename_suffix
+        )
+        self.hist_sample = hist_sample
+        self._rng = np.random.default_rng(seed)
+        self._tags_with_metadata: set[str] = set()
+        self._closed = False
+
+    @property
+    def logdir(self) -> str:
+        return self._writer.get_logdir()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("tb_gradhealth.Writer is closed")
+
+    def add_gradients(
+        self,
+        step: int,
+        grads: Mapping[str, np.ndarray | None],
+        weights: Mapping[str, np.ndarray] | None = None,
+        updates: Mapping[str, np.ndarray] | None = None,
+        *,
+        name: str = "gradients",
+        wall_time: float | None = None,
+    ) -> str:
+        """Record ``{layer: gradient}`` (``None`` = no gradient reached it: recorded as missing) at ``step``.
+
+        Layers are rows in the dict's order, which should be the network's forward order. ``weights`` and
+        ``updates`` (same keys, any subset) add the optional weight / applied-update norms. Returns the tag.
+        """
+        self._check_open()
+        layers = list(grads)
+        weights = weights or {}
+        updates = updates or {}
+        rows = np.stack(
+            [
+                record.compute(
+                    None if grads[n] is None else np.asarray(grads[n]),
+                    weights.get(n),
+                    updates.get(n),
+                    hist_sample=self.hist_sample,
+                    rng=self._rng,
+                )
+                for n in layers
+            ]
+        ) if layers else record.empty((0,))
+        return self.add_records(step, layers, rows, name=name, wall_time=wall_time)
+
+    def add_records(
+        self,
+        step: int,
+        layers: Sequence[str],
+        mem_rows: np.ndarray,
+        *,
+        name: str = "gradients",
+        kind: str = "gradients",
+        wall_time: float | None = None,
+    ) -> str:
+        """Write already-computed records (memory form ``[L, NUM_FIELDS]``, rows = ``layers``). Returns the tag."""
+        self._check_open()
+        layers = [str(n) for n in layers]
+        rows = np.asarray(mem_rows, dtype=np.float64)
+        if rows.shape != (len(layers), record.NUM_FIELDS):
+            raise ValueError(f"expected records of shape [{len(layers)}, {record.NUM_FIELDS}], got {rows.shape}")
+        if len(set(layers)) != len(layers):
+            raise ValueError("layer names must be unique")
+        tag = metadata.tag_for(layers, name)
+        md = None
+        if tag not in self._tags_with_metadata:
+            md = metadata.create_summary_metadata(layers, kind=kind, hist_sample=self.hist_sample or 0)
+            self._tags_with_metadata.add(tag)
+        self._writer.add_event(make_event(step, tag, record.to_disk(rows), md, wall_time))
+        return tag
+
+    def add_scalars(self, step: int, scalars: Mapping[str, float], *, wall_time: float | None = None) -> None:
+        """Standard TensorBoard scalars (loss, learning rate, ...) shown in the Scalars tab, one event per call."""
+        self._check_open()
+        event = event_pb2.Event(wall_time=time.time() if wall_time is None else wall_time, step=int(step))
+        for tag, v in scalars.items():
+            value = event.summary.value.add(
+                tag=str(tag), tensor=tensor_util.make_tensor_proto(np.float32(v))
+            )
+            if tag not in self._tags_with_metadata:
+                md = scalar_metadata.create_summary_metadata(display_name=str(tag), description="")
+                md.data_class = summary_pb2.DATA_CLASS_SCALAR
+                value.metadata.CopyFrom(md)
+                self._tags_with_metadata.add(str(tag))
+        self._writer.add_event(event)
+
+    def flush(self) -> None:
+        """Write everything queued so far to disk."""
+        self._check_open()
+        self._writer.flush()
+
+    def close(self) -> None:
+        """Flush and close the event file (idempotent)."""
+        if not self._closed:
+            self._writer.close()
+            self._closed = True
+
+    def __enter__(self) -> Writer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

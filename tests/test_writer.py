@@ -1,0 +1,153 @@
+"""The TF-free Writer: event files that TensorBoard's own data provider reads back exactly, without TensorFlow."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from tensorboard import context
+from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
+from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+from tensorboard.compat.proto import summary_pb2
+
+from tb_gradhealth import metadata, record
+from tb_gradhealth.writer import Writer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def read_back(logdir: str, plugin: str = metadata.PLUGIN_NAME) -> dict:
+    """{tag: (content bytes, [(step, ndarray)])} of the single run in ``logdir``, via TensorBoard's data provider."""
+    mux = plugin_event_multiplexer.EventMultiplexer(tensor_size_guidance={plugin: 0, "scalars": 0})
+    mux.AddRunsFromDirectory(logdir)
+    mux.Reload()
+    dp = data_provider.MultiplexerDataProvider(mux, logdir)
+    ctx = context.RequestContext()
+    out = {}
+    if plugin == "scalars":
+        listing = dp.list_scalars(ctx, experiment_id="", plugin_name=plugin)
+        data = dp.read_scalars(ctx, experiment_id="", plugin_name=plugin, downsample=10**9)
+    else:
+        listing = dp.list_tensors(ctx, experiment_id="", plugin_name=plugin)
+        data = dp.read_tensors(ctx, experiment_id="", plugin_name=plugin, downsample=10**9)
+    for run, tags in listing.items():
+        for tag, ts in tags.items():
+            points = [(d.step, d.value if plugin == "scalars" else d.numpy) for d in data[run][tag]]
+            out[tag] = (ts.plugin_content, points)
+    return out
+
+
+def test_add_gradients_round_trip_through_data_provider(tmp_path):
+    rng = np.random.default_rng(0)
+    grads = {
+        "dense/kernel": rng.normal(size=(20, 30)).astype(np.float32) * 1e-30,
+        "dense/bias": np.array([1.0, np.nan, np.inf, 0.0, -3.0], np.float32),
+        "emb/embeddings": None,
+        "big/kernel": rng.normal(size=10_000).astype(np.float32) * 1e30,
+    }
+    weights = {"dense/kernel": np.ones((20, 30), np.float32), "emb/embeddings": np.full((4, 2), 2.0, np.float32)}
+    expected = {}
+    with Writer(str(tmp_path), hist_sample=4096, seed=1) as w:
+        for step in (3, 7):
+            tag = w.add_gradients(step, grads, weights=weights)
+        # the writer's own records, recomputed independently for the exact fields
+    for n, g in grads.items():
+        expected[n] = record.compute(g, weights.get(n), hist_sample=None)
+    got = read_back(str(tmp_path))
+    assert list(got) == [tag]
+    content, points = got[tag]
+    c = metadata.decode_content(content)
+    assert c.layers == tuple(grads) and c.kind == "gradients" and c.hist_sample == 4096
+    assert [s for s, _ in points] == [3, 7]
+    for _, t in points:
+        rows = record.from_disk(t)
+        for i, n in enumerate(grads):
+            exact = list(record.COUNT_FIELDS) + ["min", "max", "weight_max_abs", "missing"]
+            for f in exact:
+                np.testing.assert_array_equal(rows[i, record.INDEX[f]], np.float32(expected[n][record.INDEX[f]]), f)
+            for f in ("mean", "ssq_rel", "weight_ssq_rel"):
+                np.testing.assert_allclose(rows[i, record.INDEX[f]], expected[n][record.INDEX[f]], rtol=1e-6)
+        # the sampled layer's histogram totals the finite nonzero count; the small ones are exact
+        big = rows[3]
+        assert big[record.INDEX["hist_sample"]] == 4096
+        np.testing.assert_allclose(big[record.HIST_START:].sum(), 10_000, rtol=1e-5)
+        np.testing.assert_array_equal(rows[1, record.HIST_START:], expected["dense/bias"][record.HIST_START:])
+        assert rows[2, record.INDEX["missing"]] == 1 and rows[2, record.INDEX["size"]] == 8
+
+
+def test_metadata_only_on_first_event_per_tag_and_tensorboard_keeps_first(tmp_path):
+    with Writer(str(tmp_path)) as w:
+        for step in range(3):
+            w.add_gradients(step, {"a": np.ones(3, np.float32)})
+        w.add_gradients(0, {"a": np.ones(3, np.float32), "b": np.ones(2, np.float32)})
+    (path,) = glob.glob(str(tmp_path / "events.out.tfevents.*"))
+    values = [v for e in EventFileLoader(path).Load() for v in e.summary.value]
+    with_md = [v.tag for v in values if v.HasField("metadata")]
+    assert len(values) == 4 and len(with_md) == 2 and len(set(with_md)) == 2  # once per tag
+    # TensorBoard attributes the first metadata to every later event of the tag
+    got = read_back(str(tmp_path))
+    assert sorted(len(metadata.decode_content(c).layers) for c, _ in got.values()) == [1, 2]
+    mux = plugin_event_multiplexer.EventMultiplexer(tensor_size_guidance={"gradhealth": 0})
+    mux.AddRunsFromDirectory(str(tmp_path))
+    mux.Reload()
+    (run,) = mux.Runs()
+    for tag in with_md:
+        assert mux.SummaryMetadata(run, tag).data_class == summary_pb2.DATA_CLASS_TENSOR
+        assert len(mux.Tensors(run, tag)) in (1, 3)
+
+
+def test_add_scalars_are_standard_scalars(tmp_path):
+    with Writer(str(tmp_path)) as w:
+        for step in range(4):
+            w.add_scalars(step, {"loss": 1.0 / (step + 1), "lr": 0.1})
+    got = read_back(str(tmp_path), plugin="scalars")
+    assert set(got) == {"loss", "lr"}
+    steps, values = zip(*got["loss"][1], strict=True)
+    assert steps == (0, 1, 2, 3)
+    np.testing.assert_allclose(values, [1.0, 0.5, 1 / 3, 0.25], rtol=1e-6)
+
+
+def test_add_records_validates_and_close_is_final(tmp_path):
+    w = Writer(str(tmp_path))
+    with pytest.raises(ValueError):
+        w.add_records(0, ["a", "b"], record.empty((1,)))
+    with pytest.raises(ValueError):
+        w.add_records(0, ["a", "a"], record.empty((2,)))
+    tag = w.add_records(5, ["x", "y"], np.stack([record.compute(np.arange(4.0)), record.missing()]), kind="merged")
+    w.close()
+    w.close()
+    with pytest.raises(RuntimeError):
+        w.add_scalars(0, {"a": 1.0})
+    content, points = read_back(str(tmp_path))[tag]
+    assert metadata.decode_content(content).kind == "merged"
+    assert points[0][0] == 5 and record.from_disk(points[0][1])[1, record.INDEX["missing"]] == 1
+
+
+def test_works_with_tensorflow_absent(tmp_path):
+    """A subprocess where ``import tensorflow`` fails: the writer still writes readable events."""
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["tensorflow"] = None  # any `import tensorflow` now raises ImportError
+        import numpy as np
+        import tb_gradhealth
+        with tb_gradhealth.Writer({str(tmp_path)!r}) as w:
+            w.add_gradients(1, {{"l/kernel": np.arange(6, dtype=np.float32), "l/bias": None}})
+            w.add_scalars(1, {{"loss": 2.5}})
+        assert sys.modules["tensorflow"] is None
+        print("ok")
+        """
+    )
+    res = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().endswith("ok")
+    (content, points), = read_back(str(tmp_path)).values()
+    rows = record.from_disk(points[0][1])
+    assert metadata.decode_content(content).layers == ("l/kernel", "l/bias")
+    assert rows[0, record.INDEX["size"]] == 6 and rows[0, record.INDEX["zero"]] == 1
+    assert rows[1, record.INDEX["missing"]] == 1
