@@ -1,0 +1,306 @@
+"""Backend at scale: a real ``tensorboard`` process over 1,000 layers x 1,000 steps (and 100 x 10,000), side by side
+with TensorBoard's own histogram route over the seed-000 style logs of the same run.
+
+For each size it measures, in one run on this machine:
+
+* gradhealth: start of the ``tensorboard`` process → first *complete* ``health`` answer (every step, with
+  ``--samples_per_plugin=gradhealth=0``), warm ``health`` / ``series`` / ``profile`` / ``histograms`` latency
+  (medians; in a burst, and ``*_fresh_listing_s`` after the plugin's 1 s listing cache expired), the latency of a
+  health request with new thresholds (a fresh diagnosis), and the RSS of TensorBoard plus its data server;
+* seed-000 logs (a 30-bucket histogram + mean/std/max/min scalars per variable per step, what the seed logs):
+  start → the histogram route serving the last step of the last variable, warm histogram and scalar route latency,
+  the time to look at every layer once (1 histogram + 4 scalar requests per layer, extrapolated from a sample),
+  RSS. Goals (issue 6): first complete answer <= 15 s, warm health <= 0.5 s, series <= 0.1 s, and faster than the
+  histogram route it replaces.
+
+Generated logs are cached in ``--data`` (default /tmp/gradhealth-bench-data). No TensorFlow is needed to generate
+them; the ``tensorboard`` process imports it if installed, as it does for users. Run it under the team's lock:
+
+    flock /tmp/gradhealth-bench.lock python benchmarks/backend_scale.py [--sizes 1000x1000,100x10000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from importlib import metadata as importlib_metadata
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import gh_logdirs  # noqa: E402
+
+_WRAPPER = """
+import sys
+sys.path.insert(0, {root!r})
+from tensorboard import default, program
+from tb_gradhealth.plugin import GradHealthLoader
+tb = program.TensorBoard(plugins=default.get_plugins() + [GradHealthLoader])
+tb.configure(argv=[None] + sys.argv[1:])
+sys.exit(tb.main())
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def entry_point_installed() -> bool:
+    return any(ep.name == "gradhealth" for ep in importlib_metadata.entry_points().select(group="tensorboard_plugins"))
+
+
+def start_tensorboard(logdir: str, port: int, samples: str | None) -> subprocess.Popen:
+    """The installed ``tensorboard`` when the package's entry point is installed, else the same TensorBoard
+    program with the plugin added by a wrapper (the repository on PYTHONPATH)."""
+    args = ["--logdir", logdir, "--port", str(port), "--host", "127.0.0.1", "--reload_interval", "5"]
+    if samples:
+        args += ["--samples_per_plugin", samples]
+    if entry_point_installed():
+        cmd = [sys.executable, "-m", "tensorboard.main", *args]
+    else:
+        cmd = [sys.executable, "-c", _WRAPPER.format(root=str(ROOT)), *args]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, start_new_session=True)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def get(url: str, timeout: float = 120.0) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, headers={"Accept-Encoding": "gzip"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            body = r.read()
+            if r.headers.get("Content-Encoding") == "gzip":
+                import gzip
+
+                body = gzip.decompress(body)
+            return r.status, body
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return 0, b""
+
+
+def timed(url: str) -> tuple[float, int, bytes]:
+    t = time.perf_counter()
+    code, body = get(url)
+    return time.perf_counter() - t, code, body
+
+
+def rss_mb(pid: int) -> float:
+    """RSS of a process and all its descendants (TensorBoard's data server is a child process)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        todo += children.get(p, [])
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            pass
+    return total / 1024
+
+
+def wait_until(pred, deadline: float, interval: float = 0.25):
+    while time.monotonic() < deadline:
+        out = pred()
+        if out:
+            return out
+        time.sleep(interval)
+    return None
+
+
+def generate(data: Path, layers: int, steps: int, seed000: bool) -> tuple[Path, Path | None]:
+    gh = data / f"gh_{layers}x{steps}"
+    if not (gh / "done").exists():
+        shutil.rmtree(gh, ignore_errors=True)  # a half-written earlier attempt would add duplicate steps
+        t = time.perf_counter()
+        gh_logdirs.make_scale_logdir(str(gh), layers, steps, run="scale")
+        (gh / "done").write_text("")
+        print(f"  generated {gh} in {time.perf_counter() - t:.1f} s", flush=True)
+    hist = data / f"seed000_{layers}x{steps}"
+    if seed000 and not (hist / "done").exists():
+        shutil.rmtree(hist, ignore_errors=True)
+        t = time.perf_counter()
+        gh_logdirs.make_seed000_logdir(str(hist), layers, steps, run="seed000")
+        (hist / "done").write_text("")
+        print(f"  generated {hist} in {time.perf_counter() - t:.1f} s", flush=True)
+    return gh, hist if seed000 else None
+
+
+def du_mb(path: Path) -> float:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 1e6
+
+
+def bench_gradhealth(logdir: Path, layers: int, steps: int, limit: float) -> dict:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}/data/plugin/gradhealth"
+    t0 = time.monotonic()
+    proc = start_tensorboard(str(logdir), port, "gradhealth=0")
+    out: dict = {"logdir_mb": round(du_mb(logdir), 1)}
+    try:
+        deadline = t0 + limit
+        up = wait_until(lambda: get(f"http://127.0.0.1:{port}/data/plugins_listing", 5)[0] == 200, deadline, 0.1)
+        out["server_up_s"] = round(time.monotonic() - t0, 2) if up else None
+
+        def complete():
+            code, body = get(f"{base}/health?run=scale")
+            if code == 200:
+                h = json.loads(body)
+                if h["step"] == steps - 1 and len(h["layers"]) == layers:
+                    return h
+            return None
+
+        h = wait_until(complete, deadline, 0.5)
+        out["first_complete_health_s"] = round(time.monotonic() - t0, 2) if h else None
+        if h is None:
+            out["error"] = "no complete health answer in time"
+            return out
+        runs = json.loads(get(f"{base}/runs")[1])["runs"]
+        out["num_steps_served"] = runs[0]["num_steps"]
+        health_t = [timed(f"{base}/health?run=scale")[0] for _ in range(5)]
+        out["warm_health_s"] = round(statistics.median(health_t), 4)
+        out["health_json_kb"] = round(len(get(f"{base}/health?run=scale")[1]) / 1e3)
+        names = runs[0]["layers"]
+        picks = [names[i * (len(names) - 1) // 19] for i in range(20)]
+        q = urllib.parse.quote
+        series_t = [timed(f"{base}/series?run=scale&layer={q(n)}")[0] for n in picks]
+        out["series_s"] = round(statistics.median(series_t), 4)
+        hist_t = [timed(f"{base}/histograms?run=scale&layer={q(n)}")[0] for n in picks[:10]]
+        out["histograms_s"] = round(statistics.median(hist_t), 4)
+        prof_t = [timed(f"{base}/profile?run=scale&step={s}")[0] for s in (steps // 4, steps // 2, steps - 1)]
+        out["profile_s"] = round(statistics.median(prof_t), 4)
+        # The same after the plugin's 1 s listing cache expired (each request then asks the data server first).
+        slow_h, slow_s = [], []
+        for n in picks[:4]:
+            time.sleep(1.1)
+            slow_h.append(timed(f"{base}/health?run=scale")[0])
+            time.sleep(1.1)
+            slow_s.append(timed(f"{base}/series?run=scale&layer={q(n)}")[0])
+        out["warm_health_fresh_listing_s"] = round(statistics.median(slow_h), 4)
+        out["series_fresh_listing_s"] = round(statistics.median(slow_s), 4)
+        other = timed(f"{base}/health?run=scale&vanish_decades=2.5")[0]
+        out["health_new_thresholds_s"] = round(other, 3)
+        out["rss_mb"] = round(rss_mb(proc.pid))
+        return out
+    finally:
+        stop(proc)
+
+
+def bench_seed000(logdir: Path, layers: int, steps: int, limit: float) -> dict:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}/data/plugin"
+    t0 = time.monotonic()
+    proc = start_tensorboard(str(logdir), port, None)  # TensorBoard's defaults for histograms and scalars
+    out: dict = {"logdir_mb": round(du_mb(logdir), 1)}
+    names = [f"block_{i // 2:04d}/{'kernel' if i % 2 == 0 else 'bias'}" for i in range(layers)]
+    q = urllib.parse.quote
+    try:
+        deadline = t0 + limit
+        up = wait_until(lambda: get(f"http://127.0.0.1:{port}/data/plugins_listing", 5)[0] == 200, deadline, 0.1)
+        out["server_up_s"] = round(time.monotonic() - t0, 2) if up else None
+        last_tag = q(f"{names[-1]}-grad")
+
+        def complete():
+            code, body = get(f"{base}/histograms/histograms?run=seed000&tag={last_tag}")
+            if code == 200:
+                data = json.loads(body)
+                if data and data[-1][1] == steps - 1:
+                    return data
+            return None
+
+        data = wait_until(complete, deadline, 0.5)
+        out["first_complete_histogram_s"] = round(time.monotonic() - t0, 2) if data else None
+        if data is None:
+            out["error"] = "histogram route did not serve the last step in time"
+            return out
+        out["histogram_points_per_tag"] = len(data)
+        sample = [names[i * (len(names) - 1) // 19] for i in range(20)]
+        hist_t = [timed(f"{base}/histograms/histograms?run=seed000&tag={q(n + '-grad')}")[0] for n in sample]
+        scal_t = [timed(f"{base}/scalars/scalars?run=seed000&tag={q(n + '-grad-' + s)}")[0]
+                  for n in sample[:10] for s in ("mean", "std", "max", "min")]
+        out["histogram_route_s"] = round(statistics.median(hist_t), 4)
+        out["scalar_route_s"] = round(statistics.median(scal_t), 4)
+        out["every_layer_once_s"] = round(layers * (statistics.mean(hist_t) + 4 * statistics.mean(scal_t)), 1)
+        out["rss_mb"] = round(rss_mb(proc.pid))
+        return out
+    finally:
+        stop(proc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="1000x1000,100x10000", help="LAYERSxSTEPS,... (default: %(default)s)")
+    ap.add_argument("--data", default="/tmp/gradhealth-bench-data", help="where generated logdirs are cached")
+    ap.add_argument("--no-seed000", action="store_true", help="skip the histogram-route comparison")
+    ap.add_argument("--limit", type=float, default=120.0, help="seconds allowed for a server to answer completely")
+    ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    args = ap.parse_args(argv)
+    data = Path(args.data)
+    data.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for size in args.sizes.split(","):
+        layers, steps = (int(x) for x in size.lower().split("x"))
+        print(f"== {layers} layers x {steps} steps", flush=True)
+        gh, hist = generate(data, layers, steps, not args.no_seed000)
+        r = {"gradhealth": bench_gradhealth(gh, layers, steps, args.limit)}
+        print("  gradhealth:", json.dumps(r["gradhealth"]), flush=True)
+        if hist is not None:
+            r["seed000"] = bench_seed000(hist, layers, steps, args.limit)
+            print("  seed000:   ", json.dumps(r["seed000"]), flush=True)
+            g, s = r["gradhealth"], r["seed000"]
+            if g.get("warm_health_s") and s.get("every_layer_once_s"):
+                r["ratios"] = {
+                    "every_layer_ranked_vs_every_layer_once": round(s["every_layer_once_s"] / g["warm_health_s"], 1),
+                    "series_vs_histogram_route": round(s["histogram_route_s"] / g["series_s"], 2),
+                    "first_complete_gh_vs_hist": round(g["first_complete_health_s"] / s["first_complete_histogram_s"],
+                                                       2),
+                }
+                print("  ratios:    ", json.dumps(r["ratios"]), flush=True)
+        results[size] = r
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    goals = all(
+        (r["gradhealth"].get("first_complete_health_s") or 1e9) <= 15
+        and (r["gradhealth"].get("warm_health_s") or 1e9) <= 0.5
+        and (r["gradhealth"].get("series_s") or 1e9) <= 0.1
+        for r in results.values()
+    )
+    print("goals met" if goals else "goals NOT met", flush=True)
+    return 0 if goals else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

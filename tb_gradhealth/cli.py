@@ -1,0 +1,182 @@
+"""``tb-gradhealth report LOGDIR``: the diagnosis of every run as a ranked text table or JSON; a CI gate.
+
+Reads event files directly (:func:`tb_gradhealth.reader.read_logdir`, no TensorBoard server, no TensorFlow) and
+diagnoses with :mod:`tb_gradhealth.health`, so it agrees with the dashboard. The JSON is the ``health`` route's
+answer per run (docs/API.md) plus the run's read problems.
+
+Exit status: 1 when a reported layer has a status named in ``--fail-on`` (default ``nonfinite``; ``none`` never
+fails), 2 on bad usage or an unreadable or empty logdir, 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from tb_gradhealth import health, reader
+from tb_gradhealth.plugin import RequestError, health_payload
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+DEFAULT_FAIL_ON = "nonfinite"
+
+
+class UsageError(Exception):
+    """Bad arguments or an unreadable/empty logdir: exit 2 with this message."""
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tb-gradhealth", description="Gradient health of TensorBoard runs, without a server.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    rep = sub.add_parser(
+        "report",
+        help="rank the layers of every run worst first",
+        description="Diagnose every run in LOGDIR (nonfinite, exploding, vanishing, dead, missing, healthy) and "
+        "print a ranked table per run. Exit 1 if a layer has a status named in --fail-on, 2 on bad usage or an "
+        "unreadable or empty logdir, 0 otherwise.",
+    )
+    rep.add_argument("logdir", metavar="LOGDIR", help="directory of event files (runs are its subdirectories)")
+    rep.add_argument("--run", action="append", metavar="R", help="only this run (repeatable); default: all runs")
+    rep.add_argument("--step", metavar="S", help="diagnose as of this step (default: each run's last step)")
+    rep.add_argument("--json", action="store_true", help='print {"runs": [...]}, each the health route\'s JSON')
+    rep.add_argument("--fail-on", default=DEFAULT_FAIL_ON, metavar="STATUSES",
+                     help=f"comma-separated statuses that make the exit status 1 (of {', '.join(health.STATUSES)}), "
+                     f"or 'none' (default: {DEFAULT_FAIL_ON})")
+    rep.add_argument("--top", type=int, default=0, metavar="N", help="table: only the N worst layers per run")
+    group = rep.add_argument_group("thresholds (defaults and reasons in docs/DIAGNOSIS.md)")
+    for spec in health.Thresholds.spec():
+        spellings = dict.fromkeys([_flag(spec["name"]), "--" + spec["name"]])  # --vanish-decades, --vanish_decades
+        group.add_argument(*spellings, dest="t_" + spec["name"], metavar="V", default=None,
+                           help=f"{spec['description']} (default {spec['default']})")
+    return parser
+
+
+def _fail_on(raw: str) -> frozenset[str]:
+    names = {s.strip() for s in raw.split(",") if s.strip()}
+    if names == {"none"}:
+        return frozenset()
+    unknown = sorted(names - set(health.STATUSES))
+    if unknown or not names:
+        raise UsageError(f"--fail-on: unknown status {', '.join(unknown) or repr(raw)} "
+                         f"(choose from {', '.join(health.STATUSES)}, or none)")
+    return frozenset(names)
+
+
+def _step(raw: str | None) -> int | None:
+    if raw is None:
+        return None
+    if not raw.isdigit():
+        raise UsageError(f"--step: {raw!r} is not a non-negative integer")
+    return int(raw)
+
+
+def _thresholds(args: argparse.Namespace) -> health.Thresholds:
+    given = {k[2:]: v for k, v in vars(args).items() if k.startswith("t_") and v is not None}
+    try:
+        return health.Thresholds.from_mapping(given)
+    except ValueError as e:
+        raise UsageError(f"threshold flag: {e}") from e
+
+
+def _num(x: Any) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def _text(s: str) -> str:
+    """Names and reasons as plain, single-line text (control characters escaped)."""
+    return s if s.isprintable() else s.encode("unicode_escape").decode("ascii")
+
+
+def format_run(body: dict[str, Any], series: reader.RunSeries, top: int = 0) -> str:
+    """One run's ranked table (colour-free), with its summary line and read problems."""
+    counts = body["summary"]["counts"]
+    lines = [
+        f"run {_text(series.run)}: {len(series.layers)} layers, steps {series.first_step}..{series.last_step} "
+        f"({series.num_steps} logged), diagnosed at step {body['step']}",
+        "  " + ", ".join(f"{counts[s]} {s}" for s in health.STATUSES if counts.get(s)),
+    ]
+    fb = body["summary"]["first_bad"]
+    if fb:
+        lines.append(f"  first bad: {_text(fb['layer'])} ({fb['status']}) at step {fb['step']}")
+    for p in series.problems:
+        lines.append(f"  problem: {_text(p)}")
+    layers = body["layers"][:top] if top > 0 else body["layers"]
+    width = max([len(_text(x["layer"])) for x in layers] + [5])
+    lines.append(f"  {'#':>4}  {'status':<9}  {'severity':>8}  {'since':>7}  {'layer':<{width}}  {'rms':>9}  "
+                 f"{'max|g|':>9}  {'norm':>9}  reasons")
+    for rank, x in enumerate(layers, 1):
+        since = "-" if x["first_step"] is None else str(x["first_step"])
+        lines.append(
+            f"  {rank:>4}  {x['status']:<9}  {x['severity']:>8.1f}  {since:>7}  {_text(x['layer']):<{width}}  "
+            f"{_num(x['rms']):>9}  {_num(x['max_abs']):>9}  {_num(x['norm']):>9}  "
+            f"{_text('; '.join(x['reasons']))}")
+    if top > 0 and len(body["layers"]) > top:
+        lines.append(f"  ... {len(body['layers']) - top} more layers (--top 0 lists all)")
+    return "\n".join(lines)
+
+
+def report(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    fail_on = _fail_on(args.fail_on)
+    step = _step(args.step)
+    thresholds = _thresholds(args)
+    try:
+        data = reader.read_logdir(args.logdir, runs=args.run)
+    except (FileNotFoundError, NotADirectoryError, PermissionError) as e:
+        raise UsageError(str(e)) from e
+    for p in data.problems:
+        print(f"tb-gradhealth: warning: {_text(p)}", file=err)
+    found = {s.run for s in data.runs}
+    missing = [r for r in (args.run or []) if r not in found]
+    if missing:
+        raise UsageError(f"--run: no gradient-health data for run(s) {', '.join(map(repr, missing))} in "
+                         f"{args.logdir!r}")
+    runs = [s for s in data.runs if s.num_steps]
+    if not runs:
+        raise UsageError(f"no gradient-health records in {args.logdir!r} (write them with tb_gradhealth's writers)")
+    bodies = []
+    for series in runs:
+        try:
+            body = health_payload(series, thresholds, step)
+        except RequestError as e:
+            raise UsageError(f"--step: run {series.run!r}: {e.message}") from e
+        bodies.append((series, {**body, "problems": list(series.problems)}))
+    failed = sorted({x["status"] for _, b in bodies for x in b["layers"]} & fail_on)
+    if args.json:
+        text = json.dumps({"runs": [b for _, b in bodies], "problems": data.problems}, allow_nan=False)
+    else:
+        text = "\n\n".join(format_run(b, s, args.top) for s, b in bodies)
+    try:
+        out.write(text + "\n")
+        out.flush()
+    except BrokenPipeError:  # `tb-gradhealth report ... | head`: the exit status still tells the verdict
+        pass
+    if failed:
+        print(f"tb-gradhealth: failing: layers with status {', '.join(failed)} (--fail-on {args.fail_on})",
+              file=err)
+        return EXIT_FAIL
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point ``tb-gradhealth``; returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse exits 2 on bad usage, 0 on --help
+        return int(e.code) if isinstance(e.code, int) else EXIT_USAGE
+    try:
+        return report(args, sys.stdout, sys.stderr)
+    except UsageError as e:
+        print(f"tb-gradhealth: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,549 @@
+"""Gradient-health summaries → one :class:`RunSeries` per run, from a TensorBoard data provider or a logdir.
+
+Two sources share one assembly (:func:`assemble`): the plugin reads through ``context.data_provider`` (whichever
+loader TensorBoard runs: the Rust data server or the Python multiplexer), and the CLI reads event files directly
+(:func:`read_logdir`), so a CI job needs no server. Neither imports TensorFlow: the logdir reader parses TFRecord
+framing itself, because TensorBoard's ``event_file_loader`` goes through ``tensorboard.compat.tf``, which imports
+TensorFlow whenever it is installed.
+
+What can go wrong in a logdir is reported, never raised: an unreadable tag metadata, a record of a future format
+version, a tensor of the wrong shape, a corrupt or truncated event file each become a line in ``problems`` and the
+rest of the run is still read. A file that ends in a partial record (a writer mid-write, or a truncated copy) is
+read up to that record.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import struct
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from google.protobuf.message import DecodeError
+from tensorboard import errors as tb_errors
+from tensorboard.compat.proto import event_pb2
+from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+from tensorboard.data import provider as tb_provider
+from tensorboard.util import tensor_util
+
+from tb_gradhealth import metadata, record
+
+#: ``downsample`` meaning "every sample the loader kept": TensorBoard's hint 0 means all, but a data provider
+#: passed ``downsample=0`` returns nothing, so 0 must become a large number.
+SAMPLE_ALL = 2**31 - 1
+#: Samples per tag the loaders keep for a plugin without a ``--samples_per_plugin`` entry: the Python
+#: multiplexer's ``DEFAULT_SIZE_GUIDANCE[TENSORS]`` and the Rust data server's default for tensor series.
+PYTHON_LOADER_DEFAULT = 10
+RUST_LOADER_DEFAULT = 100
+#: Seconds a data provider's tensor listing is reused: new steps show up this much later at most (TensorBoard itself
+#: reloads the logdir every 5 s by default).
+LISTING_TTL_S = 1.0
+
+#: Errors a data provider call may raise (TensorBoard's public errors, I/O, and gRPC errors of the data server).
+try:  # grpc ships with tensorboard, but the reader must not depend on it
+    import grpc
+
+    PROVIDER_ERRORS: tuple[type[BaseException], ...] = (tb_errors.PublicError, OSError, grpc.RpcError)
+except ImportError:  # pragma: no cover - grpc is a tensorboard dependency
+    PROVIDER_ERRORS = (tb_errors.PublicError, OSError)
+
+
+_GENERATIONS = itertools.count(1)
+
+
+@dataclass(frozen=True, eq=False)
+class RunSeries:
+    """Every gradient-health record of one run.
+
+    ``layers`` in network order (the union of all tags' layer lists); ``steps`` int64 ``[S]`` ascending unique;
+    ``records`` float64 ``[S, L, record.NUM_FIELDS]`` memory form with a layer's row all-NaN at a step where it
+    has no record. ``sample_limit``: samples per tag the loader keeps (None: all); ``maybe_downsampled``: some tag
+    reached that limit, so older steps may have been dropped.
+    """
+
+    run: str
+    layers: tuple[str, ...]
+    steps: np.ndarray
+    records: np.ndarray
+    problems: tuple[str, ...] = ()
+    tags: tuple[str, ...] = ()
+    sample_limit: int | None = None
+    maybe_downsampled: bool = False
+    #: Unique per assembled series: caches of derived results key on it (the reader makes a new series, with a new
+    #: generation, whenever the data provider reports new data for the run).
+    generation: int = field(default_factory=lambda: next(_GENERATIONS))
+    _index: dict[str, int] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self._index.update({name: i for i, name in enumerate(self.layers)})
+
+    def layer_index(self, layer: str) -> int | None:
+        return self._index.get(layer)
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.steps.size)
+
+    @property
+    def first_step(self) -> int | None:
+        return int(self.steps[0]) if self.steps.size else None
+
+    @property
+    def last_step(self) -> int | None:
+        return int(self.steps[-1]) if self.steps.size else None
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.records.nbytes + self.steps.nbytes)
+
+    def present(self) -> np.ndarray:
+        """``[S, L]`` bool: where a layer has a record (absent rows are all-NaN; a record's size is never NaN)."""
+        return ~np.isnan(self.records[..., record.INDEX["size"]])
+
+    def summary(self) -> dict[str, Any]:
+        """The run's entry in the ``runs`` route."""
+        return {
+            "run": self.run,
+            "tags": list(self.tags),
+            "layers": list(self.layers),
+            "first_step": self.first_step,
+            "last_step": self.last_step,
+            "num_steps": self.num_steps,
+            "sample_limit": self.sample_limit,
+            "maybe_downsampled": self.maybe_downsampled,
+            "problems": list(self.problems),
+        }
+
+
+@dataclass
+class TagData:
+    """What a source found for one tag: its metadata content and its points ``(step, wall_time, tensor)``."""
+
+    tag: str
+    content: bytes
+    points: list[tuple[int, float, Any]] = field(default_factory=list)
+
+
+# --- assembly (shared by both sources) ----------------------------------------------------------------------------
+
+
+def _merge_order(orders: Iterable[Sequence[str]]) -> list[str]:
+    """Union of layer lists keeping each list's order: a new name goes right after its nearest known predecessor
+    in its own list (or before its nearest known successor), so layers stay in network order across tags."""
+    merged: list[str] = []
+    for order in orders:
+        for k, name in enumerate(order):
+            if name in merged:
+                continue
+            pos = None
+            for prev in reversed(order[:k]):
+                if prev in merged:
+                    pos = merged.index(prev) + 1
+                    break
+            if pos is None:
+                for nxt in order[k + 1 :]:
+                    if nxt in merged:
+                        pos = merged.index(nxt)
+                        break
+            merged.insert(len(merged) if pos is None else pos, name)
+    return merged
+
+
+PRIMARY_STREAM = "gradients"
+
+
+def stream_of(tag: str) -> str:
+    """The record stream of a tag: ``<name>`` of ``gradhealth/<name>/<hash8>`` (the writers' ``name=``)."""
+    body = tag[len(metadata.TAG_PREFIX) :] if tag.startswith(metadata.TAG_PREFIX) else tag
+    name, sep, _digest = body.rpartition("/")
+    return name if sep and name else body
+
+
+def split_streams(run: str, tags: Iterable[str]) -> dict[str, list[str]]:
+    """``{series name: [tags]}`` for one run directory.
+
+    Tags of one stream (same writer ``name``, different layer sets) are one series, merged by layer name. Different
+    streams are different measurements (e.g. Keras' training ``gradients`` and its ``probe_gradients`` on a fixed
+    batch) and must not be mixed: a run with one stream keeps its name; with several, the ``gradients`` stream (else
+    the first by name) keeps it and every other stream is its own series named ``"<run> [<stream>]"``.
+    """
+    by_stream: dict[str, list[str]] = {}
+    for tag in sorted(tags):
+        by_stream.setdefault(stream_of(tag), []).append(tag)
+    if not by_stream:
+        return {}
+    if len(by_stream) == 1:
+        return {run: next(iter(by_stream.values()))}
+    primary = PRIMARY_STREAM if PRIMARY_STREAM in by_stream else min(by_stream)
+    return {(run if name == primary else f"{run} [{name}]"): tags for name, tags in sorted(by_stream.items())}
+
+
+def _check_tensor(value: Any, n_layers: int) -> np.ndarray:
+    """The disk tensor as float32 ``[L, C]``, or ValueError saying what is wrong (cheap: no decoding).
+
+    A source passes a string instead of an array for a tensor it could not decode at all."""
+    if isinstance(value, str):
+        raise ValueError(value)
+    t = np.asarray(value)
+    if t.dtype != np.float32:
+        if t.dtype.kind not in "fiu":
+            raise ValueError(f"tensor of dtype {t.dtype}, expected float32")
+        t = t.astype(np.float32)
+    if t.ndim != 2 or t.shape[1] < record.DISK_HIST_START:
+        raise ValueError(f"tensor of shape {t.shape} is not a v{record.FORMAT_VERSION} record tensor")
+    if t.shape[0] != n_layers:
+        raise ValueError(f"tensor has {t.shape[0]} rows for {n_layers} layers in the tag's metadata")
+    if n_layers:
+        lo = t[0, record.DISK_HIST_LO]
+        width = t.shape[1] - record.DISK_HIST_START
+        if not (np.isfinite(lo) and lo == int(lo) and 0 <= lo and int(lo) + width <= record.HIST_BINS):
+            raise ValueError(f"corrupt histogram window {lo}+{width}")
+    return t
+
+
+def assemble(
+    run: str,
+    tags: Sequence[TagData],
+    *,
+    sample_limit: int | None = None,
+    problems: Sequence[str] = (),
+) -> RunSeries:
+    """Merge the tags of one run by layer name into a :class:`RunSeries`.
+
+    A tag whose metadata is unreadable or of a future version is skipped with a problem; a tensor that does not
+    decode is skipped with a problem (one line per tag, counting them). When two records of a layer share a step
+    (a rewritten step, or a layer in two tags), the one written last (wall time) wins.
+    """
+    problems = list(problems)
+    good: list[tuple[TagData, tuple[str, ...]]] = []
+    for td in sorted(tags, key=lambda t: t.tag):
+        try:
+            content = metadata.decode_content(td.content)
+        except ValueError as e:  # including metadata.UnsupportedVersion (a future format version)
+            problems.append(f"tag {td.tag}: skipped: {e}")
+            continue
+        good.append((td, content.layers))
+    # The tag with the most layers is the backbone of the order; the others' new layers go in around it.
+    layers = _merge_order([lay for _, lay in sorted(good, key=lambda g: (-len(g[1]), g[0].tag))])
+    col = {name: i for i, name in enumerate(layers)}
+
+    # Pass 1: validate every tensor (cheap) and collect the steps that will hold data.
+    valid: list[tuple[float, int, int, np.ndarray, np.ndarray]] = []  # (wall_time, order, step, cols, tensor)
+    order = 0
+    downsampled = False
+    for td, tag_layers in good:
+        cols = np.array([col[name] for name in tag_layers], dtype=np.int64)
+        bad, first_bad = 0, None
+        for step, wall_time, value in td.points:
+            try:
+                t = _check_tensor(value, len(tag_layers))
+            except (ValueError, TypeError) as e:
+                bad += 1
+                first_bad = first_bad or f"step {step}: {e}"
+                continue
+            valid.append((float(wall_time), order, int(step), cols, t))
+            order += 1
+        if bad:
+            problems.append(f"tag {td.tag}: {bad} unreadable record tensor(s) skipped, first at {first_bad}")
+        if sample_limit is not None and len(td.points) >= sample_limit:
+            downsampled = True
+    steps = np.unique(np.array([v[2] for v in valid], dtype=np.int64))
+    # Uninitialised, then each row written once: touching a 750 MB array twice (fill, then copy) doubles the
+    # first-load time of a 1,000 x 1,000 run. Rows no tensor wrote are set to NaN at the end.
+    records = np.empty((steps.size, len(layers), record.NUM_FIELDS))
+    filled = np.zeros((steps.size, len(layers)), dtype=bool)
+    # Pass 2: decode in write order (wall time, then read order) so the last written record of a step wins.
+    valid.sort(key=lambda v: (v[0], v[1]))
+    for _, _, step, cols, t in valid:
+        s = int(np.searchsorted(steps, step))
+        records[s, cols] = record.from_disk(t)
+        filled[s, cols] = True
+    if not filled.all():
+        records[~filled] = np.nan
+    return RunSeries(
+        run=run,
+        layers=tuple(layers),
+        steps=steps,
+        records=records,
+        problems=tuple(problems),
+        tags=tuple(td.tag for td, _ in good),
+        sample_limit=sample_limit,
+        maybe_downsampled=downsampled,
+    )
+
+
+# --- source 1: a TensorBoard data provider (the plugin) -----------------------------------------------------------
+
+
+def sampling(data_provider: Any, hint: int | None) -> tuple[int, int | None]:
+    """``(downsample, sample_limit)`` for ``read_tensors`` from ``--samples_per_plugin=gradhealth=N``.
+
+    ``downsample`` is always an int > 0 (hint 0 means all). Without a hint the loader keeps its default number of
+    samples per tag (10 in the Python multiplexer, 100 in the Rust data server): we ask for all it has and report
+    that limit so the dashboard can say how to keep every step.
+    """
+    if hint is not None and hint > 0:
+        return int(hint), int(hint)
+    if hint == 0:
+        return SAMPLE_ALL, None
+    name = type(data_provider).__name__
+    if name == "GrpcDataProvider":
+        return SAMPLE_ALL, RUST_LOADER_DEFAULT
+    if name == "MultiplexerDataProvider":
+        return SAMPLE_ALL, PYTHON_LOADER_DEFAULT
+    return SAMPLE_ALL, None
+
+
+class ProviderError(Exception):
+    """The data provider failed to list or read (message says what); callers answer 503, not 500."""
+
+
+class ProviderReader:
+    """Reads runs through a data provider, caching decoded runs until the provider reports new data.
+
+    The cache key of a run is its tags' ``(max_step, max_wall_time)`` from ``list_tensors`` (itself reused for
+    ``listing_ttl`` seconds): a training job that writes a new step changes it, a warm request reuses the decoded
+    arrays. Decoded runs are kept up to
+    ``cache_bytes`` (least recently used evicted first). Safe to call from TensorBoard's request threads: a run is
+    decoded once even when several requests ask for it at the same time.
+    """
+
+    def __init__(self, data_provider: Any, sampling_hint: int | None = None, *, cache_bytes: int = 4 << 30,
+                 listing_ttl: float = LISTING_TTL_S):
+        self._provider = data_provider
+        self._listing_ttl = listing_ttl
+        self._listings: dict[str, tuple[float, dict[str, Mapping[str, Any]]]] = {}
+        self.downsample, self.sample_limit = sampling(data_provider, sampling_hint)
+        self._cache_bytes = cache_bytes
+        self._cache: OrderedDict[tuple[str, str], tuple[Any, RunSeries]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._run_locks: dict[tuple[str, str], threading.Lock] = {}
+
+    def listing(self, ctx: Any, experiment_id: str) -> dict[str, Mapping[str, Any]]:
+        """``{run: {tag: TensorTimeSeries}}`` of gradient-health tags, at most ``listing_ttl`` seconds old; raises
+        :class:`ProviderError`. (The data server answers ``list_tensors`` in ~50 ms, which would otherwise be most
+        of every warm request; the dashboard sends its requests in bursts, which share one listing.)"""
+        now = time.monotonic()
+        with self._lock:
+            hit = self._listings.get(experiment_id)
+            if hit is not None and now - hit[0] < self._listing_ttl:
+                return hit[1]
+        try:
+            listing = self._provider.list_tensors(ctx, experiment_id=experiment_id, plugin_name=metadata.PLUGIN_NAME)
+        except PROVIDER_ERRORS as e:
+            with self._lock:
+                self._listings.pop(experiment_id, None)
+            raise ProviderError(f"data provider could not list gradhealth tensors: {e}") from e
+        with self._lock:
+            self._listings[experiment_id] = (now, listing)
+        return listing
+
+    def has_data(self, ctx: Any, experiment_id: str) -> bool:
+        try:
+            return metadata.PLUGIN_NAME in (self._provider.list_plugins(ctx, experiment_id=experiment_id) or ())
+        except PROVIDER_ERRORS:
+            return False
+
+    @staticmethod
+    def fingerprint(tag_map: Mapping[str, Any]) -> tuple:
+        return tuple(sorted((tag, ts.max_step, ts.max_wall_time) for tag, ts in tag_map.items()))
+
+    @staticmethod
+    def series_names(listing: Mapping[str, Mapping[str, Any]]) -> dict[str, tuple[str, dict[str, Any]]]:
+        """``{series name: (run, {tag: TensorTimeSeries})}`` (see :func:`split_streams`)."""
+        out = {}
+        for run, tag_map in listing.items():
+            for name, tags in split_streams(run, tag_map).items():
+                out[name] = (run, {t: tag_map[t] for t in tags})
+        return out
+
+    def run(self, ctx: Any, experiment_id: str, run: str, listing: Mapping[str, Mapping[str, Any]] | None = None
+            ) -> RunSeries | None:
+        """The named series (a run, or ``"<run> [<stream>]"``; None when the provider has no gradhealth data for
+        it); raises ProviderError."""
+        listing = self.listing(ctx, experiment_id) if listing is None else listing
+        entry = self.series_names(listing).get(run)
+        if entry is None:
+            return None
+        run_dir, tag_map = entry
+        key = (experiment_id, run)
+        fp = (self.fingerprint(tag_map), self.downsample)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None and hit[0] == fp:
+                self._cache.move_to_end(key)
+                return hit[1]
+            run_lock = self._run_locks.setdefault(key, threading.Lock())
+        with run_lock:
+            with self._lock:  # another thread may have decoded it meanwhile
+                hit = self._cache.get(key)
+                if hit is not None and hit[0] == fp:
+                    return hit[1]
+            series, ok = self._read(ctx, experiment_id, run_dir, tag_map, name=run)
+            if ok:  # a failed read is retried by the next request, not cached until new data arrives
+                with self._lock:
+                    self._cache[key] = (fp, series)
+                    self._cache.move_to_end(key)
+                    self._evict()
+            return series
+
+    def runs(self, ctx: Any, experiment_id: str) -> list[RunSeries]:
+        """Every run with gradhealth data, sorted by name; raises ProviderError if listing fails."""
+        listing = self.listing(ctx, experiment_id)
+        out = []
+        for run in sorted(self.series_names(listing)):
+            series = self.run(ctx, experiment_id, run, listing)
+            if series is not None:
+                out.append(series)
+        return out
+
+    def _read(self, ctx: Any, experiment_id: str, run: str, tag_map: Mapping[str, Any], name: str
+              ) -> tuple[RunSeries, bool]:
+        """The run's series and whether the provider answered. One ``read_tensors`` call per run: TensorBoard's
+        data server answers it in one gRPC message of at most 256 MB, about 2 million layer-steps of records;
+        a larger run needs a sample limit (``--samples_per_plugin=gradhealth=N``) and otherwise shows a problem."""
+        try:
+            data = self._provider.read_tensors(
+                ctx,
+                experiment_id=experiment_id,
+                plugin_name=metadata.PLUGIN_NAME,
+                downsample=self.downsample,
+                run_tag_filter=tb_provider.RunTagFilter(runs=[run], tags=list(tag_map)),
+            )
+        except PROVIDER_ERRORS as e:
+            return assemble(name, [], sample_limit=self.sample_limit,
+                            problems=[f"data provider could not read this run: {e}"]), False
+        series = data.get(run, {})
+        tags = [
+            TagData(tag, ts.plugin_content, [(d.step, d.wall_time, d.numpy) for d in series.get(tag, ())])
+            for tag, ts in tag_map.items()
+        ]
+        return assemble(name, tags, sample_limit=self.sample_limit), True
+
+    def _evict(self) -> None:
+        total = sum(s.nbytes for _, s in self._cache.values())
+        while total > self._cache_bytes and len(self._cache) > 1:
+            _, (_, old) = self._cache.popitem(last=False)
+            total -= old.nbytes
+
+
+# --- source 2: event files in a logdir (the CLI) ------------------------------------------------------------------
+
+
+@dataclass
+class LogdirData:
+    runs: list[RunSeries]
+    problems: list[str]
+
+
+def is_event_file(name: str) -> bool:
+    """TensorBoard's rule (``io_wrapper.IsTensorFlowEventsFile``): ``tfevents`` in the file name."""
+    return "tfevents" in name
+
+
+def iter_records(path: str, problems: list[str]) -> Iterable[bytes]:
+    """The TFRecord payloads of an event file. A bad length checksum or a partial last record ends the file with a
+    problem (framing cannot be trusted past it). Data checksums are not verified, as in TensorBoard's default
+    loader (the Rust data server's ``--checksum`` is off by default): a pure-Python CRC32C reads ~10 MB/s, and a
+    corrupt payload still fails to parse or to validate as a record."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        problems.append(f"{path}: unreadable: {e}")
+        return
+    pos, n = 0, len(data)
+    while pos < n:
+        if n - pos < 12:
+            problems.append(f"{path}: ends in a partial record at byte {pos} (truncated, or still being written)")
+            return
+        (length,) = struct.unpack_from("<Q", data, pos)
+        (length_crc,) = struct.unpack_from("<I", data, pos + 8)
+        if masked_crc32c(data[pos : pos + 8]) != length_crc:
+            problems.append(f"{path}: corrupt record header at byte {pos}; the rest of the file is skipped")
+            return
+        end = pos + 12 + length + 4
+        if end > n:
+            problems.append(f"{path}: ends in a partial record at byte {pos} (truncated, or still being written)")
+            return
+        yield data[pos + 12 : pos + 12 + length]
+        pos = end
+
+
+def read_run_dir(run: str, paths: Sequence[str], problems: list[str]) -> list[TagData]:
+    """Gradient-health tags of one run from its event files (in name order = creation order)."""
+    tags: dict[str, TagData] = {}
+    for path in paths:
+        bad_events = 0
+        for payload in iter_records(path, problems):
+            try:
+                event = event_pb2.Event.FromString(payload)
+            except DecodeError:
+                bad_events += 1
+                continue
+            if not event.HasField("summary"):
+                continue
+            for value in event.summary.value:
+                td = tags.get(value.tag)
+                if td is None:
+                    if value.metadata.plugin_data.plugin_name != metadata.PLUGIN_NAME:
+                        continue
+                    td = tags[value.tag] = TagData(value.tag, value.metadata.plugin_data.content)
+                if not value.HasField("tensor"):
+                    continue
+                try:
+                    arr = tensor_util.make_ndarray(value.tensor)
+                except (ValueError, TypeError) as e:
+                    arr = f"undecodable tensor proto: {e}"  # reported by assemble's validation
+                td.points.append((event.step, event.wall_time, arr))
+        if bad_events:
+            problems.append(f"{path}: {bad_events} corrupt event(s) skipped")
+    return list(tags.values())
+
+
+def find_runs(logdir: str) -> dict[str, list[str]]:
+    """``{run: [event file paths]}``; runs are directories relative to ``logdir`` (``.`` for the logdir itself),
+    named as TensorBoard names them."""
+    runs: dict[str, list[str]] = {}
+    for dirpath, dirnames, filenames in os.walk(logdir):
+        dirnames.sort()
+        files = sorted(f for f in filenames if is_event_file(f))
+        if not files:
+            continue
+        rel = os.path.relpath(dirpath, logdir)
+        run = "." if rel == "." else rel.replace(os.sep, "/")
+        runs[run] = [os.path.join(dirpath, f) for f in files]
+    return runs
+
+
+def read_logdir(logdir: str, runs: Sequence[str] | None = None) -> LogdirData:
+    """Every run of ``logdir`` that holds gradient-health data (or only ``runs``), read without a server.
+
+    Raises FileNotFoundError / NotADirectoryError when ``logdir`` is not a readable directory.
+    """
+    if not os.path.isdir(logdir):
+        if not os.path.exists(logdir):
+            raise FileNotFoundError(f"logdir {logdir!r} does not exist")
+        raise NotADirectoryError(f"logdir {logdir!r} is not a directory")
+    problems: list[str] = []
+    out = []
+    for run, paths in sorted(find_runs(logdir).items()):
+        if runs is not None and run not in runs and not any(r.startswith(run + " [") for r in runs):
+            continue
+        run_problems: list[str] = []
+        tags = {td.tag: td for td in read_run_dir(run, paths, run_problems)}
+        if not tags:
+            problems.extend(run_problems)
+            continue
+        for name, stream_tags in split_streams(run, tags).items():
+            if runs is None or name in runs:
+                out.append(assemble(name, [tags[t] for t in stream_tags], problems=run_problems))
+    out.sort(key=lambda s: s.run)
+    return LogdirData(out, problems)
+

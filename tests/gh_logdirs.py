@@ -1,0 +1,429 @@
+"""Generate gradient-health logdirs for tests and benchmarks, without TensorFlow.
+
+Event files are written with TensorBoard's own protos and TFRecord framing (``RecordWriter``) over a plain file,
+because TensorBoard's ``EventFileWriter`` reaches ``tf.io.gfile`` and so would import TensorFlow.
+
+* :func:`make_demo_logdir` writes demo-like runs whose diagnosis is known in advance (used by the reader, plugin,
+  CLI, browser and tensorboard-process tests): ``healthy``, ``vanishing`` (early layers decades below the rest),
+  ``exploding`` (growing, then NaN at a known step in the deepest layer first) and ``xss`` (a layer named like an
+  HTML injection).
+* :func:`make_scale_logdir` writes one run of N layers x M steps quickly (vectorised records and CRCs) for
+  ``benchmarks/backend_scale.py``; :func:`make_seed000_logdir` writes the seed-000 style logs of the same size
+  (a 30-bucket histogram and 4 scalars per variable per step) for the side-by-side histogram-route figure.
+* :func:`data_server` starts TensorBoard's own data server (the default loader of ``tensorboard``) on a logdir and
+  returns its ingester: ``ingester.data_provider`` is a real ``context.data_provider`` for in-process plugin tests.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from tensorboard.compat.proto import event_pb2, summary_pb2
+from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+from tensorboard.util import tensor_util
+
+from tb_gradhealth import metadata, record
+
+WALL_TIME0 = 1_700_000_000.0
+XSS_LAYER = "<img src=x onerror=alert(1)>"
+
+_counter = [0]
+
+
+def event_file_path(run_dir: str, wall_time: float = WALL_TIME0) -> str:
+    """A fresh TensorBoard-style event file name in ``run_dir`` (``tfevents`` in the name is what readers look for)."""
+    os.makedirs(run_dir, exist_ok=True)
+    _counter[0] += 1
+    name = f"events.out.tfevents.{int(wall_time)}.{socket.gethostname()}.{os.getpid()}.{_counter[0]}.v2"
+    return os.path.join(run_dir, name)
+
+
+def frame(data: bytes, crc: int | None = None) -> bytes:
+    """One TFRecord: length, masked CRC of the length, data, masked CRC of the data."""
+    header = struct.pack("<Q", len(data))
+    data_crc = masked_crc32c(data) if crc is None else crc
+    return header + struct.pack("<I", masked_crc32c(header)) + data + struct.pack("<I", data_crc)
+
+
+def version_event(wall_time: float = WALL_TIME0) -> bytes:
+    return event_pb2.Event(wall_time=wall_time, step=0, file_version="brain.Event:2").SerializeToString()
+
+
+def record_event(
+    step: int,
+    tag: str,
+    rows: np.ndarray | None = None,
+    *,
+    layers: Sequence[str] | None = None,
+    wall_time: float | None = None,
+    tensor: np.ndarray | None = None,
+    plugin_content: bytes | None = None,
+    kind: str = "gradients",
+) -> bytes:
+    """A serialized event holding one gradient-health record tensor (memory-form ``rows`` → disk form).
+
+    ``layers`` attaches the tag's metadata (TensorBoard keeps the first it sees); ``tensor`` writes a raw tensor
+    instead of ``to_disk(rows)`` and ``plugin_content`` raw metadata content (both for corruption tests).
+    """
+    value = summary_pb2.Summary.Value(tag=tag)
+    value.tensor.CopyFrom(tensor_util.make_tensor_proto(record.to_disk(rows) if tensor is None else tensor))
+    if layers is not None or plugin_content is not None:
+        md = metadata.create_summary_metadata(list(layers or []), kind=kind)
+        if plugin_content is not None:
+            md.plugin_data.content = plugin_content
+        value.metadata.CopyFrom(md)
+    wt = WALL_TIME0 + step if wall_time is None else wall_time
+    return event_pb2.Event(wall_time=wt, step=int(step), summary=summary_pb2.Summary(value=[value])).SerializeToString()
+
+
+def scalar_event(step: int, tag: str, value: float, wall_time: float | None = None) -> bytes:
+    """A TF2-style scalar summary (the scalars plugin's metadata), as the writers' ``add_scalars`` produce."""
+    md = summary_pb2.SummaryMetadata(
+        plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars"),
+        data_class=summary_pb2.DATA_CLASS_SCALAR,
+    )
+    v = summary_pb2.Summary.Value(tag=tag, metadata=md)
+    v.tensor.CopyFrom(tensor_util.make_tensor_proto(np.float32(value)))
+    wt = WALL_TIME0 + step if wall_time is None else wall_time
+    return event_pb2.Event(wall_time=wt, step=int(step), summary=summary_pb2.Summary(value=[v])).SerializeToString()
+
+
+def write_events(path: str, events: Iterable[bytes], *, with_version: bool = True) -> str:
+    """Write serialized events to ``path`` as TFRecords (appending if it exists)."""
+    with open(path, "ab") as f:
+        if with_version:
+            f.write(frame(version_event()))
+        for e in events:
+            f.write(frame(e))
+    return path
+
+
+def write_records(
+    run_dir: str,
+    layers: Sequence[str],
+    steps: Sequence[int],
+    records: np.ndarray,
+    *,
+    name: str = "gradients",
+    scalars: dict[str, Sequence[float]] | None = None,
+    metadata_every_event: bool = False,
+    wall_time0: float = WALL_TIME0,
+) -> str:
+    """Write memory-form ``records [S, L, F]`` of ``layers`` at ``steps`` as one tag; returns the event file path.
+
+    Rows that are all-NaN in ``records`` are not allowed (a writer writes every layer of its tag at a step).
+    Wall times are ``wall_time0 + step``.
+    """
+    tag = metadata.tag_for(list(layers), name)
+    events = []
+    for i, step in enumerate(steps):
+        with_md = metadata_every_event or i == 0
+        events.append(record_event(step, tag, records[i], layers=layers if with_md else None,
+                                   wall_time=wall_time0 + step))
+        for stag, values in (scalars or {}).items():
+            events.append(scalar_event(step, stag, values[i]))
+    return write_events(event_file_path(run_dir), events)
+
+
+# --- demo-like runs with a known diagnosis ------------------------------------------------------------------------
+
+
+@dataclass
+class RunFacts:
+    """What a generated run is known to contain, for assertions."""
+
+    layers: list[str]
+    steps: list[int]
+    vanishing: list[str] = field(default_factory=list)
+    exploding: list[str] = field(default_factory=list)
+    healthy: list[str] = field(default_factory=list)
+    nan_step: int | None = None
+    first_nan_layer: str | None = None
+
+
+def _records(scales: np.ndarray, sizes: Sequence[int], rng: np.random.Generator, nan_mask=None) -> np.ndarray:
+    """Memory-form records of Gaussian gradients with per-(step, layer) scale, and weights of RMS 0.05."""
+    steps, n_layers = scales.shape
+    out = np.empty((steps, n_layers, record.NUM_FIELDS))
+    weights = [rng.normal(0.0, 0.05, size=n) for n in sizes]
+    for s in range(steps):
+        for j, n in enumerate(sizes):
+            g = rng.normal(0.0, 1.0, size=n) * scales[s, j]
+            if nan_mask is not None and nan_mask[s, j]:
+                g[: max(1, n // 10)] = np.nan
+            out[s, j] = record.compute(g, weight=weights[j], hist_sample=None)
+    return out
+
+
+def _dense_layers(n: int, prefix: str = "dense") -> list[str]:
+    return [f"{prefix}_{i // 2}/{'kernel' if i % 2 == 0 else 'bias'}" for i in range(n)]
+
+
+def make_healthy(logdir: str, run: str = "healthy", steps: int = 30, seed: int = 0) -> RunFacts:
+    rng = np.random.default_rng(seed)
+    layers = _dense_layers(8)
+    sizes = [256 if i % 2 == 0 else 16 for i in range(len(layers))]
+    base = 10.0 ** rng.uniform(-3.0, -2.3, size=len(layers))
+    scales = base[None, :] * np.exp(rng.normal(0.0, 0.1, size=(steps, len(layers))))
+    step_list = list(range(10, steps * 10 + 10, 10))  # logged every 10 steps, from step 10
+    recs = _records(scales, sizes, rng)
+    loss = list(np.linspace(2.0, 0.5, steps))
+    write_records(os.path.join(logdir, run), layers, step_list, recs, scalars={"loss": loss})
+    return RunFacts(layers, step_list, healthy=list(layers))
+
+
+def make_vanishing(logdir: str, run: str = "vanishing", steps: int = 30, seed: int = 1) -> RunFacts:
+    """A deep sigmoid-like stack: the first three variables sit 4-6 decades below the median layer, all along."""
+    rng = np.random.default_rng(seed)
+    layers = [f"sigmoid_{i}/kernel" for i in range(10)]
+    sizes = [128] * len(layers)
+    base = np.array([1e-9, 1e-8, 1e-7] + list(10.0 ** np.linspace(-3.3, -2.7, 7)))
+    scales = base[None, :] * np.exp(rng.normal(0.0, 0.1, size=(steps, len(layers))))
+    step_list = list(range(steps))
+    write_records(os.path.join(logdir, run), layers, step_list, _records(scales, sizes, rng))
+    return RunFacts(layers, step_list, vanishing=layers[:3], healthy=layers[3:])
+
+
+def make_exploding(logdir: str, run: str = "exploding", steps: int = 40, nan_step: int = 30, seed: int = 2) -> RunFacts:
+    """Gradients grow x2 per step from step 10 (deeper layers larger); at ``nan_step`` the deepest (last) layer
+    turns NaN first, and from the next step on every layer is NaN."""
+    rng = np.random.default_rng(seed)
+    layers = [f"linear_{i}/kernel" for i in range(8)]
+    sizes = [128] * len(layers)
+    depth = 10.0 ** np.linspace(-3.0, -2.0, len(layers))
+    growth = 2.0 ** np.maximum(0, np.arange(steps) - 10)
+    scales = growth[:, None] * depth[None, :]
+    nan_mask = np.zeros((steps, len(layers)), dtype=bool)
+    nan_mask[nan_step, -1] = True
+    nan_mask[nan_step + 1 :, :] = True
+    step_list = list(range(steps))
+    write_records(os.path.join(logdir, run), layers, step_list, _records(scales, sizes, rng, nan_mask))
+    return RunFacts(layers, step_list, exploding=list(layers), nan_step=nan_step, first_nan_layer=layers[-1])
+
+
+def make_xss(logdir: str, run: str = "xss", steps: int = 10, seed: int = 3) -> RunFacts:
+    rng = np.random.default_rng(seed)
+    layers = [XSS_LAYER, "dense/kernel", "dense/bias"]
+    scales = np.full((steps, len(layers)), 1e-3) * np.exp(rng.normal(0.0, 0.1, size=(steps, len(layers))))
+    step_list = list(range(steps))
+    write_records(os.path.join(logdir, run), layers, step_list, _records(scales, [64, 64, 8], rng))
+    return RunFacts(layers, step_list, healthy=list(layers))
+
+
+def make_demo_logdir(logdir: str) -> dict[str, RunFacts]:
+    """The four demo-like runs in ``logdir`` (about 0.2 s); returns what each run is known to contain."""
+    return {
+        "healthy": make_healthy(logdir),
+        "vanishing": make_vanishing(logdir),
+        "exploding": make_exploding(logdir),
+        "xss": make_xss(logdir),
+    }
+
+
+# --- scale generators (benchmark) ---------------------------------------------------------------------------------
+
+_CRC_TABLE: np.ndarray | None = None
+
+
+def _crc_table() -> np.ndarray:
+    global _CRC_TABLE
+    if _CRC_TABLE is None:
+        table = np.zeros(256, dtype=np.uint32)
+        for i in range(256):
+            c = i
+            for _ in range(8):
+                c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+            table[i] = c
+        _CRC_TABLE = table
+    return _CRC_TABLE
+
+
+def masked_crc32c_many(datas: Sequence[bytes]) -> list[int]:
+    """Masked CRC32C of many byte strings at once: vectorised across strings of equal length (numpy), which is
+    ~100x faster than the pure-Python CRC for the millions of records a benchmark logdir holds."""
+    table = _crc_table()
+    out = [0] * len(datas)
+    by_len: dict[int, list[int]] = {}
+    for i, d in enumerate(datas):
+        by_len.setdefault(len(d), []).append(i)
+    for length, idx in by_len.items():
+        if len(idx) < 16:
+            for i in idx:
+                out[i] = masked_crc32c(datas[i])
+            continue
+        for start in range(0, len(idx), 65536):
+            chunk = idx[start : start + 65536]
+            buf = np.frombuffer(b"".join(datas[i] for i in chunk), dtype=np.uint8).reshape(len(chunk), length)
+            crc = np.full(len(chunk), 0xFFFFFFFF, dtype=np.uint32)
+            for pos in range(length):
+                crc = table[(crc ^ buf[:, pos]) & 0xFF] ^ (crc >> 8)
+            crc ^= np.uint32(0xFFFFFFFF)
+            masked = ((crc >> 15) | (crc << 17)) + np.uint32(0xA282EAD8)
+            for i, c in zip(chunk, masked.tolist(), strict=True):
+                out[i] = int(c) & 0xFFFFFFFF
+    return out
+
+
+def write_events_fast(path: str, events: Iterable[bytes], chunk: int = 200_000) -> str:
+    """Like :func:`write_events`, streaming, with vectorised data CRCs and one header CRC per distinct length
+    (for logdirs of millions of events)."""
+    headers: dict[int, bytes] = {}
+
+    def flush(f, batch: list[bytes]) -> None:
+        crcs = masked_crc32c_many(batch)
+        parts = []
+        for e, c in zip(batch, crcs, strict=True):
+            h = headers.get(len(e))
+            if h is None:
+                n = struct.pack("<Q", len(e))
+                h = headers[len(e)] = n + struct.pack("<I", masked_crc32c(n))
+            parts += (h, e, struct.pack("<I", c))
+        f.write(b"".join(parts))
+
+    with open(path, "wb") as f:
+        batch = [version_event()]
+        for e in events:
+            batch.append(e)
+            if len(batch) >= chunk:
+                flush(f, batch)
+                batch = []
+        if batch:
+            flush(f, batch)
+    return path
+
+
+def synthetic_records(rms: np.ndarray, size: int = 4096) -> np.ndarray:
+    """Memory-form records ``[..., F]`` of Gaussian-like gradients with the given RMS, built arithmetically (no
+    per-element work): exact counts, max|g| = 3 RMS, histogram in the three decades around the RMS."""
+    rms = np.asarray(rms, dtype=np.float64)
+    rec = np.zeros(rms.shape + (record.NUM_FIELDS,))
+    rec[..., record.INDEX["size"]] = size
+    m = 3.0 * rms
+    rec[..., record.INDEX["min"]] = -m
+    rec[..., record.INDEX["max"]] = m
+    rec[..., record.INDEX["mean"]] = 0.01 * rms
+    rec[..., record.INDEX["ssq_rel"]] = size / 9.0
+    rec[..., record.INDEX["weight_max_abs"]] = 0.15
+    rec[..., record.INDEX["weight_ssq_rel"]] = size / 9.0
+    for name in ("update_max_abs", "update_ssq_rel", "micro_batches", "noise_ssq_rel"):
+        rec[..., record.INDEX[name]] = np.nan
+    rec[..., record.INDEX["hist_sample"]] = size
+    centre = np.clip(np.floor(np.log10(rms)).astype(int) + 38, 1, record.HIST_BINS - 2)
+    hist = np.zeros(rms.shape + (record.HIST_BINS,))
+    np.put_along_axis(hist, (centre - 1)[..., None], 0.2 * size, axis=-1)
+    np.put_along_axis(hist, centre[..., None], 0.7 * size, axis=-1)
+    np.put_along_axis(hist, (centre + 1)[..., None], 0.1 * size, axis=-1)
+    rec[..., record.HIST_START :] = hist
+    return rec
+
+
+def make_scale_logdir(logdir: str, n_layers: int, n_steps: int, run: str = "scale", seed: int = 0) -> RunFacts:
+    """One run of ``n_layers`` x ``n_steps`` (one tag, one event per step, ~150 bytes a layer-step on disk).
+
+    Layer RMS spans ~4 decades with depth (a mildly vanishing stack) and drifts slowly over steps."""
+    rng = np.random.default_rng(seed)
+    layers = [f"block_{i // 2:04d}/{'kernel' if i % 2 == 0 else 'bias'}" for i in range(n_layers)]
+    tag = metadata.tag_for(layers)
+    depth = 10.0 ** np.linspace(-6.0, -2.0, n_layers)
+    events = []
+    for s in range(n_steps):
+        rms = depth * np.exp(rng.normal(0.0, 0.05, size=n_layers)) * (1.0 + 0.5 * s / max(1, n_steps))
+        events.append(record_event(s, tag, synthetic_records(rms), layers=layers if s == 0 else None))
+    write_events_fast(event_file_path(os.path.join(logdir, run)), events)
+    return RunFacts(layers, list(range(n_steps)))
+
+
+def make_seed000_logdir(logdir: str, n_layers: int, n_steps: int, run: str = "seed000", *, scalars: bool = True) -> str:
+    """The seed-000 way of logging the same run: per variable per step a 30-bucket ``tf.summary.histogram``
+    (v2 tensor ``[30, 3]`` float64) and mean/std/max/min scalars, one event per summary (as TF2 writes them)."""
+    from tensorboard.plugins.histogram import summary_v2 as hist_v2
+
+    rng = np.random.default_rng(0)
+    names = [f"block_{i // 2:04d}/{'kernel' if i % 2 == 0 else 'bias'}" for i in range(n_layers)]
+    scalar_md = summary_pb2.SummaryMetadata(
+        plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars"),
+        data_class=summary_pb2.DATA_CLASS_SCALAR,
+    ).SerializeToString()
+    # Summary bytes per (variable, step) are built once per variable and reused: only the event header (wall time,
+    # step) changes, which is what dominates a loader's work anyway. Varying values would not change the sizes.
+    hist_bodies, scalar_bodies = [], []
+    for name in names:
+        sample = rng.normal(0.0, 1e-3, size=1000)
+        hist_bodies.append(hist_v2.histogram_pb(f"{name}-grad", sample, buckets=30).SerializeToString())
+        per = []
+        for stat in ("mean", "std", "max", "min"):
+            v = summary_pb2.Summary.Value(tag=f"{name}-grad-{stat}")
+            v.metadata.ParseFromString(scalar_md)
+            v.tensor.CopyFrom(tensor_util.make_tensor_proto(np.float32(rng.normal())))
+            per.append(summary_pb2.Summary(value=[v]).SerializeToString())
+        scalar_bodies.append(per)
+    hist_parts = [b"\x2a" + _varint(len(b)) + b for b in hist_bodies]
+    scalar_parts = [[b"\x2a" + _varint(len(b)) + b for b in per] for per in scalar_bodies]
+
+    def events() -> Iterable[bytes]:
+        for s in range(n_steps):
+            head = struct.pack("<Bd", 0x09, WALL_TIME0 + s) + b"\x10" + _varint(s)
+            for j in range(n_layers):
+                yield head + hist_parts[j]
+                if scalars:
+                    for part in scalar_parts[j]:
+                        yield head + part
+
+    path = event_file_path(os.path.join(logdir, run))
+    write_events_fast(path, events())
+    return path
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+# --- a real TensorBoard data provider over a logdir (the Rust data server TensorBoard runs by default) ------------
+
+
+def data_server(logdir: str, samples_per_plugin: dict[str, int] | None = None, *, reload_interval: float = 0,
+                last_steps: dict[str, int] | None = None, timeout: float = 30.0):
+    """Start TensorBoard's data server (``tensorboard_data_server``) on ``logdir`` and return its ingester, whose
+    ``data_provider`` is what ``context.data_provider`` is inside ``tensorboard``. Waits until every run of
+    ``last_steps`` has gradhealth data up to that step (it loads in the background). The server exits with this
+    process (``--die-after-stdin``). No TensorFlow involved."""
+    import time
+
+    from tensorboard.data import server_ingester
+    from tensorboard.util import grpc_util
+
+    ingester = server_ingester.SubprocessServerDataIngester(
+        server_binary=server_ingester.get_server_binary(),
+        logdir=logdir,
+        reload_interval=reload_interval,
+        channel_creds_type=grpc_util.ChannelCredsType.LOCAL,
+        samples_per_plugin=dict(samples_per_plugin or {}),
+    )
+    ingester.start()
+    deadline = time.monotonic() + timeout
+    while last_steps:
+        listing = ingester.data_provider.list_tensors(None, experiment_id="", plugin_name=metadata.PLUGIN_NAME)
+        seen = {run: max(ts.max_step for ts in tags.values()) for run, tags in listing.items() if tags}
+        if all(seen.get(run, -1) >= step for run, step in last_steps.items()):
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"data server: {seen} in {logdir} after {timeout} s, waiting for {last_steps}")
+        time.sleep(0.05)
+    return ingester
+
+
+def last_steps(facts: dict[str, RunFacts]) -> dict[str, int]:
+    return {run: f.steps[-1] for run, f in facts.items()}
