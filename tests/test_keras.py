@@ -1,0 +1,345 @@
+"""GradientHealthCallback: the recorded gradient is the one fit() applies, in every supported set-up.
+
+The core check: with plain SGD (no momentum) at learning rate lr, w_s = w_{s-1} - lr * g_s, so the recorded norm
+of the gradient at step s must equal ||w_{s-1} - w_s|| / lr, per layer, measured from the weights a second
+callback saw. Records are read back from the event files on disk (TensorBoard's loader + record.from_disk).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+keras = pytest.importorskip("keras")
+
+from tensorboard.backend.event_processing.event_file_loader import EventFileLoader  # noqa: E402
+from tensorboard.util import tensor_util  # noqa: E402
+
+from tb_gradhealth import metadata, record  # noqa: E402
+from tb_gradhealth.keras import CaptureError, GradientHealthCallback  # noqa: E402
+
+LR = 0.1
+
+
+def read_records(log_dir: str, name: str = "gradients") -> tuple[tuple[str, ...], dict[int, np.ndarray]]:
+    """(layers, {step: rows [L, F]}) of the records of ``name`` under ``log_dir/train``; asserts one tag."""
+    layers: tuple[str, ...] = ()
+    out: dict[int, np.ndarray] = {}
+    tags = set()
+    for path in sorted(glob.glob(os.path.join(log_dir, "train", "events.out.tfevents.*"))):
+        for event in EventFileLoader(path).Load():
+            for value in event.summary.value:
+                if not value.tag.startswith(f"{metadata.TAG_PREFIX}{name}/"):
+                    continue
+                tags.add(value.tag)
+                if value.metadata.plugin_data.content:
+                    layers = metadata.decode_content(value.metadata.plugin_data.content).layers
+                assert event.step not in out, f"step {event.step} written twice"
+                out[event.step] = record.from_disk(tensor_util.make_ndarray(value.tensor))
+    assert len(tags) <= 1, tags
+    return layers, out
+
+
+def make_data(n: int = 32, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((n, 5)).astype("float32"), rng.standard_normal((n, 2)).astype("float32")
+
+
+def make_model(seed: int = 0, **compile_kw) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential(
+        [keras.Input((5,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(2)], name="net"
+    )
+    compile_kw.setdefault("optimizer", keras.optimizers.SGD(LR))
+    model.compile(loss="mse", **compile_kw)
+    return model
+
+
+class WeightLog(keras.callbacks.Callback):
+    """The trainable weights before training and after every train call (one entry per call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weights: list[list[np.ndarray]] = []
+
+    def on_train_begin(self, logs=None):
+        self.weights.append([v.numpy().copy() for v in self.model.trainable_variables])
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.weights.append([v.numpy().copy() for v in self.model.trainable_variables])
+
+
+def assert_applied(rows: np.ndarray, w_before: list[np.ndarray], w_after: list[np.ndarray], rtol: float = 1e-4):
+    d = record.derived(rows)
+    delta = [np.linalg.norm(a.astype(np.float64) - b) for a, b in zip(w_before, w_after, strict=True)]
+    np.testing.assert_allclose(d["norm"], np.array(delta) / LR, rtol=rtol)
+    np.testing.assert_allclose(d["update_norm"], delta, rtol=rtol)
+    np.testing.assert_allclose(d["weight_norm"], [np.linalg.norm(w.astype(np.float64)) for w in w_before], rtol=1e-5)
+    assert np.all(rows[:, record.INDEX["missing"]] == 0)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_recorded_gradient_is_the_applied_one(tmp_path, jit):
+    x, y = make_data()
+    model = make_model(jit_compile=jit)
+    weights = WeightLog()
+    cb = GradientHealthCallback(tmp_path, update_freq=1)
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[weights, cb])
+    layers, recs = read_records(str(tmp_path))
+    assert layers == tuple(v.path for v in model.trainable_variables)
+    assert sorted(recs) == list(range(1, 9))
+    for s, rows in recs.items():
+        assert_applied(rows, weights.weights[s - 1], weights.weights[s])
+    if jit:
+        return  # the life-cycle checks below are backend-independent: run them once (XLA compiles are slow)
+    # The hooks are gone after fit: the optimizer is the plain class again and a later fit records nothing.
+    opt = model.optimizer
+    assert "_backend_update_step" not in opt.__dict__ and "_all_reduce_sum_gradients" not in opt.__dict__
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert len(read_records(str(tmp_path))[1]) == 8
+    # A second fit with a new callback captures again (fresh trace), continuing the step count.
+    weights2 = WeightLog()
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+              callbacks=[weights2, GradientHealthCallback(tmp_path / "again", update_freq=2)])
+    _, recs2 = read_records(str(tmp_path / "again"))
+    assert sorted(recs2) == [14, 16]
+    assert_applied(recs2[14], weights2.weights[1], weights2.weights[2])
+
+
+def test_clipped_and_accumulated_gradients_are_the_applied_ones(tmp_path):
+    """The record is taken after the optimizer's clipping and gradient accumulation: what w moved by."""
+    x, y = make_data(16)
+    model = make_model(jit_compile=False, optimizer=keras.optimizers.SGD(LR, clipnorm=0.05))
+    weights = WeightLog()
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0,
+              callbacks=[weights, GradientHealthCallback(tmp_path / "clip", update_freq=1)])
+    _, recs = read_records(str(tmp_path / "clip"))
+    assert sorted(recs) == [1, 2, 3, 4]
+    for s, rows in recs.items():
+        assert_applied(rows, weights.weights[s - 1], weights.weights[s])
+        assert np.all(record.derived(rows)["norm"] <= 0.05 * (1 + 1e-5))
+
+    model = make_model(jit_compile=False, optimizer=keras.optimizers.SGD(LR, gradient_accumulation_steps=2))
+    weights = WeightLog()
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0,
+              callbacks=[weights, GradientHealthCallback(tmp_path / "accum", update_freq=1)])
+    _, recs = read_records(str(tmp_path / "accum"))
+    assert sorted(recs) == [2, 4]  # optimizer steps count micro-batches; updates happen on every second one
+    for s, rows in recs.items():
+        assert_applied(rows, weights.weights[s - 2], weights.weights[s])
+
+
+@pytest.mark.filterwarnings("ignore:.*(shuffle|ran out of data).*:UserWarning")
+def test_update_freq_integer_and_epoch(tmp_path):
+    x, y = make_data(40)
+    model = make_model(jit_compile=False)
+    log_dir = tmp_path / "every3"
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0,
+              callbacks=[keras.callbacks.TensorBoard(log_dir, update_freq=3, write_graph=False),
+                         GradientHealthCallback(log_dir, update_freq=3)])
+    assert sorted(read_records(str(log_dir))[1]) == [3, 6, 9]
+    # Keras' TensorBoard callback with the same arguments writes batch_loss into the same run at the same steps.
+    loss_steps = {
+        event.step
+        for path in glob.glob(os.path.join(log_dir, "train", "events.out.tfevents.*"))
+        for event in EventFileLoader(path).Load()
+        for value in event.summary.value
+        if value.tag == "batch_loss"
+    }
+    assert loss_steps == {3, 6, 9}
+
+    model = make_model(jit_compile=False)
+    weights = WeightLog()
+    model.fit(x[:16], y[:16], batch_size=4, epochs=3, shuffle=False, verbose=0,
+              callbacks=[weights, GradientHealthCallback(tmp_path / "epoch", update_freq="epoch")])
+    _, recs = read_records(str(tmp_path / "epoch"))
+    assert sorted(recs) == [4, 8, 12]  # the last step of each epoch
+    assert_applied(recs[8], weights.weights[7], weights.weights[8])
+
+    # Unknown epoch length (a filtered dataset): the first step of each epoch. (Keras 3.15 advances the optimizer's
+    # step once more in the call that finds such a dataset exhausted: count epoch starts on the device.)
+    starts = []
+    epoch_start = keras.callbacks.LambdaCallback(
+        on_epoch_begin=lambda epoch, logs: starts.append(int(model.optimizer.iterations.numpy()) + 1))
+    ds = tf.data.Dataset.from_tensor_slices((x[:16], y[:16])).filter(lambda a, b: True).batch(4)
+    model = make_model(jit_compile=False)
+    model.fit(ds, epochs=3, verbose=0,
+              callbacks=[epoch_start, GradientHealthCallback(tmp_path / "unknown", update_freq="epoch")])
+    assert len(starts) == 3 and sorted(read_records(str(tmp_path / "unknown"))[1]) == starts
+    # Integer update_freq on the same data: the host's step prediction stays in line with the device.
+    model = make_model(jit_compile=False)
+    model.fit(ds, epochs=3, verbose=0, callbacks=[GradientHealthCallback(tmp_path / "unknown2", update_freq=2)])
+    steps = int(model.optimizer.iterations.numpy())
+    assert sorted(read_records(str(tmp_path / "unknown2"))[1]) == list(range(2, steps + 1, 2))
+
+
+def test_steps_per_execution(tmp_path):
+    x, y = make_data(48)
+    reference = make_model(jit_compile=False)
+    reference.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[GradientHealthCallback(tmp_path / "ref", update_freq=1)])
+    _, ref = read_records(str(tmp_path / "ref"))
+    # Several logged steps inside one call (XLA while loop), and logged steps straddling call boundaries.
+    for freq, expected, jit in ((1, list(range(1, 13)), True), (3, [3, 6, 9, 12], False)):
+        model = make_model(jit_compile=jit, steps_per_execution=4)
+        model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[GradientHealthCallback(tmp_path / f"spe{freq}", update_freq=freq)])
+        _, recs = read_records(str(tmp_path / f"spe{freq}"))
+        assert sorted(recs) == expected
+        for s in expected:  # same data, same initial weights: the same trajectory step by step
+            np.testing.assert_allclose(record.derived(recs[s])["norm"], record.derived(ref[s])["norm"], rtol=1e-4)
+
+
+def test_mixed_precision_records_unscaled_gradient(tmp_path):
+    previous = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        x, y = make_data()
+        model = make_model(jit_compile=False)
+        assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+        assert float(model.optimizer.scale_loss(1.0)) > 1000  # the loss really is scaled
+        weights = WeightLog()
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[weights, GradientHealthCallback(tmp_path, update_freq=1)])
+    finally:
+        keras.mixed_precision.set_global_policy(previous)
+    _, recs = read_records(str(tmp_path))
+    assert sorted(recs) == [1, 2, 3, 4]
+    for s, rows in recs.items():
+        assert_applied(rows, weights.weights[s - 1], weights.weights[s], rtol=1e-3)
+
+
+_MIRRORED_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    import tensorflow as tf
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    import keras
+    from tb_gradhealth import record
+    from tb_gradhealth.keras import GradientHealthCallback
+    sys.path.insert(0, sys.argv[2])
+    from test_keras import WeightLog, make_data, read_records
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    x, y = make_data(32)
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="tanh"),
+                                  keras.layers.Dense(2)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=False)
+    weights = WeightLog()
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+              callbacks=[weights, GradientHealthCallback(sys.argv[1], update_freq=1)])
+    _, recs = read_records(sys.argv[1])
+    out = {}
+    for s, rows in recs.items():
+        delta = [float(np.linalg.norm(a.astype(np.float64) - b)) for a, b in zip(weights.weights[s - 1],
+                 weights.weights[s])]
+        out[s] = {"norm": record.derived(rows)["norm"].tolist(), "delta": delta}
+    print("RESULT" + json.dumps({"replicas": strategy.num_replicas_in_sync, "records": out}))
+    """
+)
+
+
+def test_mirrored_strategy(tmp_path):
+    """Two logical CPU devices must be configured before TF initialises devices: run in a fresh process."""
+    script = tmp_path / "mirrored.py"
+    script.write_text(_MIRRORED_SCRIPT)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="3")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "logs"), os.path.dirname(__file__)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
+    result = json.loads(line[len("RESULT"):])
+    assert result["replicas"] == 2
+    records = {int(k): v for k, v in result["records"].items()}
+    assert sorted(records) == [1, 2, 3, 4]
+    for rec in records.values():
+        np.testing.assert_allclose(rec["norm"], np.array(rec["delta"]) / LR, rtol=1e-4)
+
+
+def test_stop_on_nonfinite_stops_at_the_injected_step(tmp_path):
+    x, y = make_data(40)
+    x[5 * 4 + 1, 2] = np.nan  # a NaN in batch index 5: optimizer step 6
+    model = make_model(jit_compile=False)
+    cb = GradientHealthCallback(tmp_path, update_freq=1, stop_on=("nonfinite",))
+    model.fit(x, y, batch_size=4, epochs=3, shuffle=False, verbose=0, callbacks=[cb])
+    assert int(model.optimizer.iterations.numpy()) == 6  # stopped right after the bad step
+    layers, recs = read_records(str(tmp_path))
+    assert sorted(recs) == list(range(1, 7))
+    assert cb.stop_event is not None and cb.stop_event.step == 6 and cb.stop_event.status == "nonfinite"
+    assert cb.stop_event.layer == layers[-1]  # the deepest bad layer: the backward pass meets it first
+    assert record.derived(recs[6])["nan"].sum() > 0 and record.derived(recs[5])["nan"].sum() == 0
+
+
+def test_stop_on_exploding_uses_the_thresholds(tmp_path):
+    x, y = make_data(40)
+    y[7 * 4 : 8 * 4] = 1e5  # a huge target in batch 7: a gradient RMS far above the backstop at step 8
+    model = make_model(jit_compile=False)
+    cb = GradientHealthCallback(tmp_path, update_freq=1, stop_on=("exploding",),
+                                thresholds={"explode_rms_above": 1e3, "explode_decades": 30, "growth_decades": 30})
+    model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=[cb])
+    assert cb.stop_event is not None and cb.stop_event.step == 8 and cb.stop_event.status == "exploding"
+    assert int(model.optimizer.iterations.numpy()) == 8
+    with pytest.raises(ValueError, match="no_such_threshold"):
+        GradientHealthCallback(tmp_path, stop_on=("exploding",), thresholds={"no_such_threshold": 1})
+
+
+def test_probe_mode_writes_at_epoch_ends_only(tmp_path):
+    x, y = make_data(16)
+    probe = (x[:8], y[:8])
+    model = make_model(jit_compile=False)
+    cb = GradientHealthCallback(tmp_path, update_freq=None, probe_data=probe)
+    model.fit(x, y, batch_size=4, epochs=3, shuffle=False, verbose=0, callbacks=[cb])
+    layers, recs = read_records(str(tmp_path), name="probe_gradients")
+    assert sorted(recs) == [4, 8, 12]
+    assert read_records(str(tmp_path))[1] == {}  # no training-gradient records with update_freq=None
+    # The last probe is the gradient of the fixed batch at the final weights.
+    with tf.GradientTape() as tape:
+        loss = model.compute_loss(x=probe[0], y=probe[1], y_pred=model(probe[0], training=False), training=False)
+    grads = tape.gradient(loss, model.trainable_variables)
+    np.testing.assert_allclose(record.derived(recs[12])["norm"], [np.linalg.norm(g.numpy()) for g in grads], rtol=1e-5)
+
+
+def test_custom_train_step_that_bypasses_the_optimizer_raises(tmp_path):
+    class Manual(keras.Model):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(self(x, training=True) - y))
+            for g, v in zip(tape.gradient(loss, self.trainable_variables), self.trainable_variables, strict=True):
+                v.assign_sub(0.1 * g)
+            return {"loss": loss}
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,))
+    model = Manual(inputs, keras.layers.Dense(2)(inputs))
+    model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", jit_compile=False)
+    x, y = make_data(16)
+    with pytest.raises(CaptureError, match="summary.gradients"):
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[GradientHealthCallback(tmp_path)])
+    assert "_backend_update_step" not in model.optimizer.__dict__
+
+
+def test_other_backend_and_bad_arguments_raise(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="update_freq"):
+        GradientHealthCallback(tmp_path, update_freq=0)
+    with pytest.raises(ValueError, match="probe_data"):
+        GradientHealthCallback(tmp_path, update_freq=None)
+    with pytest.raises(ValueError, match="stop_on"):
+        GradientHealthCallback(tmp_path, stop_on=("vanishing",))
+    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
+    with pytest.raises(CaptureError, match="Writer"):
+        GradientHealthCallback(tmp_path)
