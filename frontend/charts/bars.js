@@ -1,0 +1,168 @@
+/**
+ * The depth profile: one bar per layer in network (forward) order, height = log10 of a magnitude (RMS by
+ * default) at one step, coloured by status, with the healthy band drawn: shaded below the vanishing line and
+ * above the exploding line, dashed at the median layer. A layer with no finite value (NaN/Inf) gets a full-height
+ * dark marker; an all-zero or missing layer a marker at the floor, so no layer silently disappears.
+ */
+
+import { el, fmt, replace } from '../dom.js';
+import { statusColor } from '../status.js';
+import {
+  decadeLabel, decadeTicks, drawOnResize, hiDpiCanvas, linearTicks, log10OrNull, logDomain,
+} from './scale.js';
+
+const MARGIN = { left: 52, right: 12, top: 8, bottom: 22 };
+
+/**
+ * @param {object} opts
+ * @param {{layer:string,index:number,status:string}[]} opts.layers network order
+ * @param {string} opts.key the magnitude to plot ('rms', 'norm' or 'max_abs')
+ * @param {{median_rms?:number, vanishing_below?:number, exploding_above?:number}} [opts.bands]
+ * @param {(layer:string)=>void} [opts.onSelect] click on a bar
+ * @param {number} [opts.height]
+ */
+export function depthBars({ layers, key = 'rms', bands = {}, onSelect = null, height = 190 }) {
+  const canvas = el('canvas', { class: 'chart-canvas profile-canvas' });
+  const readout = el('div', { class: 'chart-readout', text: 'hover a bar for the layer; click to open it' });
+  const plot = el('div', { class: 'chart-plot' }, canvas);
+  const root = el('div', { class: 'chart' }, plot, readout);
+  root.dataset.bars = String(layers.length);
+  const extra = [bands.median_rms, bands.vanishing_below, bands.exploding_above];
+  const domain = logDomain(layers.map((l) => l[key]), key === 'rms' ? extra : []);
+  let geometry = null;
+  let hover = null;
+  let currentWidth = 0;
+
+  function draw(width) {
+    currentWidth = width;
+    const { ctx } = hiDpiCanvas(canvas, width, height);
+    const w = width - MARGIN.left - MARGIN.right;
+    const h = height - MARGIN.top - MARGIN.bottom;
+    ctx.font = '11px system-ui, sans-serif';
+    if (!layers.length) {
+      geometry = null;
+      return;
+    }
+    const [lo, hi] = domain || [-1, 0];
+    const n = layers.length;
+    const slot = w / n;
+    const y = (l) => MARGIN.top + h - ((l - lo) / (hi - lo)) * h;
+    geometry = { slot, n };
+    const base = MARGIN.top + h;
+    // bands (RMS bands are the diagnosis' relative thresholds at this step)
+    if (key === 'rms') {
+      const vb = log10OrNull(bands.vanishing_below);
+      const ea = log10OrNull(bands.exploding_above);
+      if (vb !== null && vb > lo) {
+        ctx.fillStyle = 'rgba(0,114,178,0.10)';
+        const top = Math.max(MARGIN.top, y(Math.min(vb, hi)));
+        ctx.fillRect(MARGIN.left, top, w, base - top);
+      }
+      if (ea !== null && ea < hi) {
+        ctx.fillStyle = 'rgba(213,94,0,0.10)';
+        const bottom = Math.min(base, y(Math.max(ea, lo)));
+        ctx.fillRect(MARGIN.left, MARGIN.top, w, bottom - MARGIN.top);
+      }
+    }
+    ctx.strokeStyle = '#e4e4e4';
+    ctx.fillStyle = '#555';
+    ctx.textAlign = 'right';
+    ctx.textBaseline = 'middle';
+    for (const d of decadeTicks([lo, hi], Math.max(2, Math.floor(h / 22)))) {
+      const yy = Math.round(y(d)) + 0.5;
+      ctx.beginPath();
+      ctx.moveTo(MARGIN.left, yy);
+      ctx.lineTo(MARGIN.left + w, yy);
+      ctx.stroke();
+      ctx.fillText(decadeLabel(d), MARGIN.left - 5, yy);
+    }
+    ctx.textAlign = 'center';
+    ctx.textBaseline = 'top';
+    for (const t of linearTicks(0, n - 1, Math.max(2, Math.floor(w / 70)))) {
+      if (Number.isInteger(t)) ctx.fillText(String(t), MARGIN.left + (t + 0.5) * slot, base + 5);
+    }
+    const gap = slot > 4 ? Math.min(2, slot * 0.2) : 0;
+    layers.forEach((layer, i) => {
+      const l = log10OrNull(layer[key]);
+      const x0 = MARGIN.left + i * slot + gap / 2;
+      const bw = Math.max(slot - gap, 0.6);
+      if (l === null) {
+        const bad = layer.status === 'nonfinite' || layer[key] === Infinity;
+        ctx.fillStyle = bad ? 'rgba(0,0,0,0.85)' : statusColor(layer.status);
+        if (bad) ctx.fillRect(x0, MARGIN.top, bw, 6);
+        else ctx.fillRect(x0, base - 4, bw, 4);
+        return;
+      }
+      const top = y(Math.min(Math.max(l, lo), hi));
+      ctx.fillStyle = statusColor(layer.status);
+      ctx.fillRect(x0, top, bw, base - top);
+    });
+    if (key === 'rms') {
+      const med = log10OrNull(bands.median_rms);
+      const lines = [
+        [med, '#333333', 'median'],
+        [log10OrNull(bands.vanishing_below), '#0072B2', 'vanishing below'],
+        [log10OrNull(bands.exploding_above), '#D55E00', 'exploding above'],
+      ];
+      ctx.textAlign = 'left';
+      ctx.textBaseline = 'bottom';
+      for (const [v, color, label] of lines) {
+        if (v === null || v < lo || v > hi) continue;
+        // a white halo under each line and label keeps them readable on bars of the same colour
+        ctx.save();
+        ctx.strokeStyle = 'rgba(255,255,255,0.85)';
+        ctx.lineWidth = 3;
+        ctx.beginPath();
+        ctx.moveTo(MARGIN.left, y(v));
+        ctx.lineTo(MARGIN.left + w, y(v));
+        ctx.stroke();
+        ctx.setLineDash([5, 4]);
+        ctx.strokeStyle = color;
+        ctx.lineWidth = 1.5;
+        ctx.stroke();
+        ctx.restore();
+        const tw = ctx.measureText(label).width;
+        ctx.fillStyle = 'rgba(255,255,255,0.85)';
+        ctx.fillRect(MARGIN.left + 2, y(v) - 14, tw + 4, 12);
+        ctx.fillStyle = color;
+        ctx.fillText(label, MARGIN.left + 4, y(v) - 2);
+      }
+    }
+    if (hover !== null) {
+      ctx.strokeStyle = 'rgba(0,0,0,0.6)';
+      ctx.strokeRect(MARGIN.left + hover * slot, MARGIN.top, Math.max(slot, 1), h);
+    }
+    ctx.strokeStyle = '#999';
+    ctx.strokeRect(MARGIN.left + 0.5, MARGIN.top + 0.5, w, h);
+  }
+
+  drawOnResize(plot, draw);
+  const indexAt = (event) => {
+    if (!geometry) return null;
+    const rect = canvas.getBoundingClientRect();
+    const i = Math.floor((event.clientX - rect.left - MARGIN.left) / geometry.slot);
+    return i >= 0 && i < geometry.n ? i : null;
+  };
+  canvas.addEventListener('mousemove', (event) => {
+    const i = indexAt(event);
+    if (i === hover) return;
+    hover = i;
+    draw(currentWidth);
+    if (i === null) return;
+    const layer = layers[i];
+    replace(readout, el('b', { text: `#${layer.index} ` }), el('span', { class: 'mono', text: layer.layer }),
+      ` · ${layer.status} · rms ${fmt(layer.rms)} · max|g| ${fmt(layer.max_abs)} · norm ${fmt(layer.norm)}`);
+  });
+  canvas.addEventListener('mouseleave', () => {
+    hover = null;
+    draw(currentWidth);
+  });
+  if (onSelect) {
+    canvas.style.cursor = 'pointer';
+    canvas.addEventListener('click', (event) => {
+      const i = indexAt(event);
+      if (i !== null) onSelect(layers[i].layer);
+    });
+  }
+  return root;
+}

@@ -1,0 +1,509 @@
+"""The Gradient Health dashboard in a real browser, served by a real TensorBoard process.
+
+A ``tensorboard`` process (``tensorboard.program.TensorBoard`` with the default plugins plus ``gradhealth``: through
+the package's ``tensorboard_plugins`` entry point when it is installed, else added explicitly) serves a demo-like
+logdir written by ``gh_logdirs`` (healthy, vanishing, exploding→NaN, an XSS-named layer, and 1,000 layers), and
+Debian Chromium, driven by playwright, loads the tab inside TensorBoard's page and the plugin page itself.
+
+The launcher hides TensorFlow from TensorBoard (``sys.modules["tensorflow"] = None``): TensorBoard then uses its
+own TF stub, exactly as on a machine without TensorFlow. That changes nothing the plugin sees (it never imports TF)
+and starts the server in ~3 s instead of ~30 s on a busy two-core machine.
+
+Screenshots of every view go to ``test-artifacts/`` (gitignored); ``GRADHEALTH_UPDATE_SCREENSHOT=1`` also copies
+the overview to ``docs/screenshot.png`` (the README image). The 1,000-layer timings are printed and saved to
+``test-artifacts/timing_1000_layers.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gh_logdirs  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+ARTIFACTS = REPO / "test-artifacts"
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run"]
+SCALE_RUN = "scale1000"
+SCALE_LAYERS = 1000
+SCALE_STEPS = 30
+STARTUP_TIMEOUT_S = 120.0
+# Goal from issue 7: 1,000 layers interactive within 1 s of the data arriving. Asserted with headroom for a
+# shared two-core machine; the measured figure is printed and saved.
+TTI_GOAL_MS = 1000.0
+TTI_LIMIT_MS = 2000.0
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright (python) is not installed")
+if not (os.path.exists(CHROMIUM) and os.access(CHROMIUM, os.X_OK)):
+    pytest.skip(f"Debian chromium not found at {CHROMIUM}", allow_module_level=True)
+
+LAUNCHER = """
+import sys
+sys.modules["tensorflow"] = None  # TensorBoard falls back to its TF stub (see the test module's docstring)
+from importlib import metadata
+from tensorboard import default, program
+plugins = default.get_plugins()
+if not any(ep.name == "gradhealth" for ep in metadata.entry_points().select(group="tensorboard_plugins")):
+    from tb_gradhealth.plugin import GradHealthLoader
+    plugins.append(GradHealthLoader())
+tb = program.TensorBoard(plugins=plugins)
+tb.configure(argv=[None, *sys.argv[1:]])
+tb.main()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get_json(url: str) -> dict | None:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return json.loads(r.read())
+    except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):
+        return None
+
+
+@pytest.fixture(scope="module")
+def logdir(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
+    root = tmp_path_factory.mktemp("gh_browser_logdir")
+    facts = gh_logdirs.make_demo_logdir(str(root))
+    facts[SCALE_RUN] = gh_logdirs.make_scale_logdir(str(root), SCALE_LAYERS, SCALE_STEPS, run=SCALE_RUN)
+    return str(root), facts
+
+
+@pytest.fixture(scope="module")
+def tensorboard(logdir: tuple[str, dict], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Base URL of a TensorBoard process serving the logdir, once every run is listed by the plugin."""
+    path, facts = logdir
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("gh_browser_tb") / "tensorboard.log"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+               TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, "-c", LAUNCHER, "--logdir", path, "--host", "127.0.0.1", "--port", str(port),
+           "--samples_per_plugin=gradhealth=0", "--load_fast=false", "--reload_interval=0"]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO))
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            body = _get_json(f"{base}/data/plugin/gradhealth/runs")
+            if body and {r["run"] for r in body.get("runs", [])} >= set(facts):
+                break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"tensorboard did not list the runs (exit {proc.poll()}):\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.3)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+class Page:
+    """A browser page that records console errors, page errors and dialogs (an XSS would open one)."""
+
+    def __init__(self, browser: object, width: int = 1400, height: int = 1000) -> None:
+        self.context = browser.new_context(viewport={"width": width, "height": height})
+        self.page = self.context.new_page()
+        self.errors: list[str] = []
+        self.dialogs: list[str] = []
+        self.page.on("console", self._console)
+        self.page.on("pageerror", lambda e: self.errors.append(f"pageerror: {e}"))
+        self.page.on("dialog", self._dialog)
+
+    def _console(self, msg: object) -> None:
+        if msg.type != "error":
+            return
+        where = (msg.location or {}).get("url", "")
+        if where.endswith("/favicon.ico"):  # the bare plugin page has no favicon; not ours
+            return
+        self.errors.append(f"console {msg.type}: {msg.text} @ {where}")
+
+    def _dialog(self, dialog: object) -> None:
+        self.dialogs.append(dialog.message)
+        dialog.dismiss()
+
+    def assert_clean(self) -> None:
+        assert self.errors == [], self.errors
+        assert self.dialogs == [], self.dialogs
+
+    def close(self) -> None:
+        self.context.close()
+
+
+@pytest.fixture
+def gh(browser: object) -> Iterator[Page]:
+    page = Page(browser)
+    yield page
+    page.close()
+
+
+def plugin_url(base: str) -> str:
+    return f"{base}/data/plugin_entry.html?name=gradhealth"
+
+
+def open_plugin(gh: Page, base: str) -> object:
+    """The plugin page itself (what TensorBoard puts in the tab's iframe); waits for the first table row."""
+    gh.page.goto(plugin_url(base))
+    gh.page.wait_for_selector("section.run-panel tr[data-layer]", timeout=30000)
+    return gh.page
+
+
+def panel(frame: object, run: str) -> object:
+    return frame.locator(f'section.run-panel[data-run="{run}"]')
+
+
+def rows(frame: object, run: str) -> list[tuple[str, str]]:
+    """(layer, status) of the rows shown in a run's table, top to bottom."""
+    p = panel(frame, run)
+    p.locator("tbody tr[data-layer]").first.wait_for(timeout=30000)
+    found = p.locator("tbody tr[data-layer]").evaluate_all(
+        "trs => trs.map(tr => [tr.dataset.layer, tr.querySelector('.badge').dataset.status])")
+    return [tuple(r) for r in found]
+
+
+def select_runs(frame: object, runs: list[str]) -> None:
+    """Tick exactly these runs in the run selector."""
+    frame.locator(".run-bar button", has_text="none").click()
+    for run in runs:
+        frame.locator(f'input[data-run="{run}"]').check()
+    for run in runs:
+        panel(frame, run).locator("tbody tr[data-layer]").first.wait_for(timeout=30000)
+
+
+def painted_pixels(locator: object) -> int:
+    """Pixels of a canvas that are neither transparent nor near-white: > 0 means something was drawn."""
+    return locator.evaluate("""c => {
+        const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+        let n = 0;
+        for (let i = 0; i < d.length; i += 4) if (d[i + 3] > 0 && (d[i] < 200 || d[i + 1] < 200 || d[i + 2] < 200)) n++;
+        return n;
+    }""")
+
+
+def shot(target: object, name: str, **kwargs: object) -> Path:
+    path = ARTIFACTS / name
+    target.screenshot(path=str(path), **kwargs)
+    return path
+
+
+# --- tests --------------------------------------------------------------------------------------------------------
+
+
+def test_tab_loads_inside_tensorboard(tensorboard: str, browser: object) -> None:
+    gh = Page(browser, height=1300)
+    try:
+        _tab_loads_inside_tensorboard(tensorboard, gh)
+    finally:
+        gh.close()
+
+
+def _tab_loads_inside_tensorboard(tensorboard: str, gh: Page) -> None:
+    gh.page.goto(f"{tensorboard}/#gradhealth")
+    deadline = time.monotonic() + 30
+    frame = None
+    while frame is None and time.monotonic() < deadline:
+        frame = next((f for f in gh.page.frames if "plugin_entry.html?name=gradhealth" in f.url), None)
+        if frame is None:
+            gh.page.wait_for_timeout(200)
+    assert frame is not None, [f.url for f in gh.page.frames]
+    frame.wait_for_selector("section.run-panel tr[data-layer]", timeout=30000)
+    assert gh.page.get_by_text("Gradient Health", exact=False).first.is_visible()
+    select_runs(frame, ["vanishing", "exploding"])
+    assert frame.locator("section.run-panel").count() == 2
+    frame.locator("section.run-panel canvas.profile-canvas").first.wait_for()
+    # the overview shows the exploding run's profile just before the NaN: bars growing towards the output
+    slider = panel(frame, "exploding").locator(".step-slider")
+    slider.evaluate("s => { s.value = String(Number(s.max) - 10); s.dispatchEvent(new Event('input')); }")
+    frame.wait_for_function(
+        """() => document.querySelector('section[data-run="exploding"] .step-label').textContent === '29'
+                 && document.querySelector('section[data-run="exploding"] .profile-canvas')""")
+    gh.page.wait_for_timeout(500)
+    path = shot(gh.page, "00_overview_in_tensorboard.png")
+    if os.environ.get("GRADHEALTH_UPDATE_SCREENSHOT") == "1":
+        shutil.copyfile(path, REPO / "docs" / "screenshot.png")
+    gh.assert_clean()
+
+
+def test_ranked_table_puts_sick_layers_first(tensorboard: str, gh: Page, logdir: tuple[str, dict]) -> None:
+    _, facts = logdir
+    page = open_plugin(gh, tensorboard)
+    select_runs(page, ["vanishing", "exploding"])
+
+    van = rows(page, "vanishing")
+    n_bad = len(facts["vanishing"].vanishing)
+    assert {layer for layer, _ in van[:n_bad]} == set(facts["vanishing"].vanishing)
+    assert [status for _, status in van[:n_bad]] == ["vanishing"] * n_bad
+    assert {status for _, status in van[n_bad:]} == {"healthy"}
+
+    exp = rows(page, "exploding")
+    assert exp[0] == (facts["exploding"].first_nan_layer, "nonfinite")
+    assert {layer for layer, _ in exp} == set(facts["exploding"].exploding)
+    assert {status for _, status in exp} <= {"nonfinite", "exploding"}
+    # badges carry the word as well as the colour
+    first_badge = panel(page, "exploding").locator("tbody tr .badge").first
+    assert "nonfinite" in first_badge.inner_text()
+
+    spark = panel(page, "exploding").locator("tbody tr canvas.sparkline").first
+    page.wait_for_function("() => document.querySelector('canvas.sparkline[data-drawn]')")
+    assert painted_pixels(spark) > 20
+
+    summary = panel(page, "exploding").locator("[data-testid=summary]").inner_text()
+    assert facts["exploding"].first_nan_layer in summary
+    assert f"step {facts['exploding'].nan_step}" in summary
+    strip = page.locator("[data-testid=compare]")  # several runs selected: the compare strip lists each
+    assert strip.locator("tbody tr").count() == 2
+    assert facts["exploding"].first_nan_layer in strip.locator('tr[data-run="exploding"]').inner_text()
+    summary_v = panel(page, "vanishing").locator("[data-testid=summary]").inner_text()
+    assert f"{n_bad} vanishing" in summary_v.replace("\n", " ")
+    shot(page, "01_ranked_tables.png", full_page=True)
+    gh.assert_clean()
+
+
+def test_sort_and_filter(tensorboard: str, gh: Page, logdir: tuple[str, dict]) -> None:
+    _, facts = logdir
+    page = open_plugin(gh, tensorboard)
+    select_runs(page, ["vanishing"])
+    page.locator('th[data-key="layer"]').first.click()
+    assert [layer for layer, _ in rows(page, "vanishing")] == sorted(facts["vanishing"].layers)
+    page.locator('th[data-key="layer"]').first.click()
+    assert [layer for layer, _ in rows(page, "vanishing")] == sorted(facts["vanishing"].layers, reverse=True)
+    page.locator('th[data-key="rank"]').first.click()
+    page.locator('.filter-bar input[data-status="healthy"]').check()
+    page.wait_for_function("() => document.querySelectorAll('tbody tr[data-layer]').length === 7")
+    assert {s for _, s in rows(page, "vanishing")} == {"healthy"}
+    page.locator(".filter-bar button", has_text="clear filters").click()
+    page.locator("[data-testid=name-filter]").fill("sigmoid_1/")
+    page.wait_for_function("() => document.querySelectorAll('tbody tr[data-layer]').length === 1")
+    assert rows(page, "vanishing") == [("sigmoid_1/kernel", "vanishing")]
+    gh.assert_clean()
+
+
+def test_threshold_change_changes_flags(tensorboard: str, gh: Page) -> None:
+    page = open_plugin(gh, tensorboard)
+    select_runs(page, ["vanishing"])
+    before = dict(rows(page, "vanishing"))
+    assert before["sigmoid_2/kernel"] == "vanishing"  # 3.8 decades below the median: flagged at the default 3
+    page.locator(".thresholds-panel > summary").click()
+    box = page.locator('input[data-threshold="vanish_decades"]')
+    assert float(box.input_value()) == 3.0
+    box.fill("5")
+    page.wait_for_function(
+        """() => { const tr = document.querySelector('section[data-run="vanishing"] tr[data-layer="sigmoid_2/kernel"]');
+                   return tr && tr.querySelector('.badge').dataset.status === 'healthy'; }""", timeout=30000)
+    after = dict(rows(page, "vanishing"))
+    assert after["sigmoid_0/kernel"] == "vanishing"  # 5.9 decades below: still flagged
+    assert sum(s == "vanishing" for s in after.values()) < sum(s == "vanishing" for s in before.values())
+    assert "changed" in page.locator(".thresholds-panel > summary").inner_text()
+    shot(page, "02_thresholds_changed.png")
+    box.fill("1000")  # outside the threshold's range: the server's 400 names it, and no stale table stays up
+    error = panel(page, "vanishing").locator(".summary-box .notice-error")
+    error.wait_for(timeout=30000)
+    assert "vanish_decades" in error.inner_text()
+    assert panel(page, "vanishing").locator(".table-wrap").is_hidden()
+    # the browser logs the deliberate 400 answers as failed resources: expected here, and only those
+    gh.errors = [e for e in gh.errors if "status of 400" not in e]
+    page.locator("[data-testid=reset-thresholds]").click()
+    page.wait_for_function(
+        """() => { const tr = document.querySelector('section[data-run="vanishing"] tr[data-layer="sigmoid_2/kernel"]');
+                   return tr && tr.querySelector('.badge').dataset.status === 'vanishing'; }""", timeout=30000)
+    assert float(box.input_value()) == 3.0
+    assert dict(rows(page, "vanishing")) == before
+    gh.assert_clean()
+
+
+def test_layer_detail_draws_charts(tensorboard: str, gh: Page, logdir: tuple[str, dict]) -> None:
+    _, facts = logdir
+    page = open_plugin(gh, tensorboard)
+    select_runs(page, ["exploding"])
+    layer = facts["exploding"].first_nan_layer
+    panel(page, "exploding").locator(f'tr[data-layer="{layer}"]').click()
+    drawer = page.locator("[data-testid=detail]")
+    drawer.locator(".heatmap-canvas").wait_for(timeout=30000)
+    assert drawer.locator(".detail-layer").inner_text() == layer
+    assert "nonfinite" in drawer.locator(".badge").first.inner_text()
+    titles = drawer.locator(".chart-title").all_inner_texts()
+    assert any("magnitude" in t for t in titles) and any("NaN" in t for t in titles), titles
+    canvases = drawer.locator("canvas")
+    assert canvases.count() >= 3
+    for i in range(canvases.count()):
+        assert painted_pixels(canvases.nth(i)) > 300, f"chart {i} ({titles}) is empty"
+    # hover read-outs
+    heat = drawer.locator(".heatmap-canvas")
+    box = heat.bounding_box()
+    heat.hover(position={"x": box["width"] * 0.5, "y": box["height"] * 0.5})
+    assert "step" in drawer.locator(".chart-readout").last.inner_text()
+    shot(page, "03b_layer_detail_histogram.png")
+    line = canvases.first
+    lb = line.bounding_box()
+    line.hover(position={"x": lb["width"] * 0.7, "y": lb["height"] * 0.5})
+    readout = drawer.locator(".chart-readout").first.inner_text()
+    assert "step" in readout and "RMS" in readout
+    drawer.evaluate("d => d.scrollTo(0, 0)")
+    shot(page, "03_layer_detail.png")
+    page.keyboard.press("Escape")
+    assert drawer.is_hidden()
+    gh.assert_clean()
+
+
+def test_depth_profile_and_step_slider(tensorboard: str, gh: Page, logdir: tuple[str, dict]) -> None:
+    _, facts = logdir
+    page = open_plugin(gh, tensorboard)
+    select_runs(page, ["vanishing"])
+    prof = panel(page, "vanishing").locator("[data-testid=profile]")
+    prof.locator(".chart").wait_for()
+    assert prof.locator(".chart").get_attribute("data-bars") == str(len(facts["vanishing"].layers))
+    assert painted_pixels(prof.locator("canvas")) > 1000
+    last = str(facts["vanishing"].steps[-1])
+    assert panel(page, "vanishing").locator(".step-label").inner_text() == last
+    slider = panel(page, "vanishing").locator(".step-slider")
+    with page.expect_response(lambda r: "/profile?" in r.url and "step=0" in r.url):
+        slider.evaluate("s => { s.value = '0'; s.dispatchEvent(new Event('input')); }")
+    page.wait_for_function(
+        """() => document.querySelector('section[data-run="vanishing"] .step-label').textContent === '0'""")
+    shot(panel(page, "vanishing"), "04_depth_profile.png")
+    gh.assert_clean()
+
+
+def test_xss_layer_name_is_text(tensorboard: str, gh: Page) -> None:
+    page = open_plugin(gh, tensorboard)
+    select_runs(page, ["xss"])
+    names = [layer for layer, _ in rows(page, "xss")]
+    assert gh_logdirs.XSS_LAYER in names
+    cell = panel(page, "xss").locator("tbody tr .layer-name").filter(has_text="onerror")
+    assert cell.inner_text() == gh_logdirs.XSS_LAYER
+    assert page.locator("img").count() == 0
+    cell.click()
+    page.locator("[data-testid=detail] canvas").first.wait_for(timeout=30000)
+    assert page.locator("[data-testid=detail] .detail-layer").inner_text() == gh_logdirs.XSS_LAYER
+    assert page.locator("img").count() == 0
+    page.wait_for_timeout(300)
+    shot(page, "05_xss_name_as_text.png")
+    gh.assert_clean()
+
+
+def test_empty_and_downsampled_states(tensorboard: str, gh: Page) -> None:
+    gh.page.route("**/data/plugin/gradhealth/runs", lambda route: route.fulfill(json={"runs": [], "problems": []}))
+    gh.page.goto(plugin_url(tensorboard))
+    empty = gh.page.locator("[data-testid=empty-state]")
+    empty.wait_for(timeout=30000)
+    assert "Writer" in empty.inner_text() and "add_gradients" in empty.inner_text()
+    shot(gh.page, "06_empty_state.png")
+    gh.page.unroute("**/data/plugin/gradhealth/runs")
+
+    def downsampled(route: object) -> None:
+        body = route.fetch().json()
+        for r in body["runs"]:
+            if r["run"] == "vanishing":
+                r.update(maybe_downsampled=True, sample_limit=10, num_steps=10)
+        route.fulfill(json=body)
+
+    gh.page.route("**/data/plugin/gradhealth/runs", downsampled)
+    gh.page.goto(plugin_url(tensorboard))
+    notice = panel(gh.page, "vanishing").locator("[data-testid=downsampled]")
+    notice.wait_for(timeout=30000)
+    assert "--samples_per_plugin=gradhealth=0" in notice.inner_text()
+    assert panel(gh.page, "exploding").locator("[data-testid=downsampled]").count() == 0
+    shot(notice, "07_downsampled_notice.png")
+    gh.assert_clean()
+
+
+def test_refresh_reloads_runs_that_moved(tensorboard: str, gh: Page) -> None:
+    """A run whose last step moved (still training) is re-diagnosed on refresh and marked as training."""
+    calls = {"n": 0}
+
+    def runs(route: object) -> None:
+        body = route.fetch().json()
+        calls["n"] += 1
+        if calls["n"] > 1:
+            for r in body["runs"]:
+                if r["run"] == "vanishing":
+                    r["last_step"] += 1
+        route.fulfill(json=body)
+
+    gh.page.route("**/data/plugin/gradhealth/runs", runs)
+    page = open_plugin(gh, tensorboard)
+    select_runs(page, ["vanishing", "exploding"])
+    with page.expect_request(lambda r: "/health?" in r.url and "run=vanishing" in r.url):
+        page.locator("[data-testid=refresh]").click()
+    page.locator(".run-item", has_text="vanishing").locator(".training").wait_for()
+    assert page.locator(".run-item", has_text="exploding").locator(".training").count() == 0
+    gh.assert_clean()
+
+
+def test_1000_layers_time_to_interactive(tensorboard: str, gh: Page) -> None:
+    """Only the 1,000-layer run is listed, so the page loads exactly its diagnosis; times come from the page's
+    ``performance.now()`` marks (``window.__gradhealthTiming``)."""
+
+    def only_scale(route: object) -> None:
+        body = route.fetch().json()
+        body["runs"] = [r for r in body["runs"] if r["run"] == SCALE_RUN]
+        route.fulfill(json=body)
+
+    gh.page.route("**/data/plugin/gradhealth/runs", only_scale)
+    page = gh.page
+    page.goto(plugin_url(tensorboard))
+    page.wait_for_function(f"() => window.__gradhealthTiming && window.__gradhealthTiming.tti['{SCALE_RUN}'] > 0",
+                           timeout=60000)
+    timing = page.evaluate(f"""() => {{
+        const t = window.__gradhealthTiming;
+        const mark = (n) => (t.marks.find((m) => m.name === n) || {{}}).t;
+        return {{ tti: t.tti['{SCALE_RUN}'], health_arrived_at: mark('health-data:{SCALE_RUN}'),
+                 interactive_at: mark('interactive:{SCALE_RUN}') }};
+    }}""")
+    table = panel(page, SCALE_RUN).locator("table.layer-table")
+    assert table.get_attribute("data-matching") == str(SCALE_LAYERS)
+    page.evaluate("() => { window.__gradhealthTiming.sort = null; }")
+    page.locator('th[data-key="rms"]').click()
+    page.wait_for_function("() => window.__gradhealthTiming.sort !== null")
+    timing["sort_ms"] = page.evaluate("() => window.__gradhealthTiming.sort")
+    shown = table.locator("tbody tr[data-layer] td.num:nth-child(6)").all_inner_texts()
+    assert len(shown) > 10
+    page.locator("[data-testid=show-all]").click()
+    page.wait_for_function("() => window.__gradhealthTiming.showAll !== null")
+    timing["show_all_ms"] = page.evaluate("() => window.__gradhealthTiming.showAll")
+    assert table.locator("tbody tr[data-layer]").count() == SCALE_LAYERS
+    page.evaluate("() => { window.__gradhealthTiming.sort = null; }")
+    page.locator('th[data-key="severity"]').click()
+    page.wait_for_function("() => window.__gradhealthTiming.sort !== null")
+    timing["sort_all_rows_ms"] = page.evaluate("() => window.__gradhealthTiming.sort")
+    timing["layers"] = SCALE_LAYERS
+    (ARTIFACTS / "timing_1000_layers.json").write_text(json.dumps(timing, indent=2))
+    print(f"\n1,000 layers: time to interactive after the health data arrived {timing['tti']:.0f} ms "
+          f"(goal {TTI_GOAL_MS:.0f} ms); sort {timing['sort_ms']:.0f} ms; show all rows "
+          f"{timing['show_all_ms']:.0f} ms; sort with all rows shown {timing['sort_all_rows_ms']:.0f} ms")
+    page.locator('th[data-key="rank"]').click()
+    shot(page, "08_1000_layers.png")
+    assert timing["tti"] < TTI_LIMIT_MS
+    assert timing["sort_ms"] < TTI_LIMIT_MS
+    gh.assert_clean()
