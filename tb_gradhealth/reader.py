@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import struct
 import threading
 import time
 from collections import OrderedDict
@@ -28,11 +27,11 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from tensorboard import errors as tb_errors
 from tensorboard.compat.proto import event_pb2
-from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 from tensorboard.data import provider as tb_provider
 from tensorboard.util import tensor_util
 
 from tb_gradhealth import metadata, record
+from tb_gradhealth.eventfile import iter_records
 
 #: ``downsample`` meaning "every sample the loader kept": TensorBoard's hint 0 means all, but a data provider
 #: passed ``downsample=0`` returns nothing, so 0 must become a large number.
@@ -445,35 +444,6 @@ class LogdirData:
 def is_event_file(name: str) -> bool:
     """TensorBoard's rule (``io_wrapper.IsTensorFlowEventsFile``): ``tfevents`` in the file name."""
     return "tfevents" in name
-
-
-def iter_records(path: str, problems: list[str]) -> Iterable[bytes]:
-    """The TFRecord payloads of an event file. A bad length checksum or a partial last record ends the file with a
-    problem (framing cannot be trusted past it). Data checksums are not verified, as in TensorBoard's default
-    loader (the Rust data server's ``--checksum`` is off by default): a pure-Python CRC32C reads ~10 MB/s, and a
-    corrupt payload still fails to parse or to validate as a record."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        problems.append(f"{path}: unreadable: {e}")
-        return
-    pos, n = 0, len(data)
-    while pos < n:
-        if n - pos < 12:
-            problems.append(f"{path}: ends in a partial record at byte {pos} (truncated, or still being written)")
-            return
-        (length,) = struct.unpack_from("<Q", data, pos)
-        (length_crc,) = struct.unpack_from("<I", data, pos + 8)
-        if masked_crc32c(data[pos : pos + 8]) != length_crc:
-            problems.append(f"{path}: corrupt record header at byte {pos}; the rest of the file is skipped")
-            return
-        end = pos + 12 + length + 4
-        if end > n:
-            problems.append(f"{path}: ends in a partial record at byte {pos} (truncated, or still being written)")
-            return
-        yield data[pos + 12 : pos + 12 + length]
-        pos = end
 
 
 def read_run_dir(run: str, paths: Sequence[str], problems: list[str]) -> list[TagData]:

@@ -1,13 +1,16 @@
 """A TensorFlow-free writer of gradient-health summaries (for PyTorch, JAX or numpy training loops).
 
 It computes records with :func:`tb_gradhealth.record.compute` (the float64 reference, so it agrees with the TF
-path field for field) and writes them with TensorBoard's own event-file writer and protos, so the event files are
-exactly what ``tf.summary.write`` would produce: one event per (tag, step) holding the float32 disk tensor of all
+path field for field) and writes them with TensorBoard's protos, so the event files hold what
+``tf.summary.write`` would produce: one event per (tag, step) holding the float32 disk tensor of all
 layers of that call (see docs/FORMAT.md for why one packed tag rather than one tag per layer).
 
-It imports numpy and tensorboard only. TensorBoard keeps the first ``SummaryMetadata`` it sees for a tag and
-ignores the rest, so the (layer-list) metadata is attached only to the first event of each tag in each event file,
-which saves ~5 bytes a layer on every later event.
+It imports numpy and tensorboard's protos only, and writes the files itself (:mod:`tb_gradhealth.eventfile`):
+TensorBoard's ``EventFileWriter`` would import TensorFlow whenever it is installed.
+
+TensorBoard keeps the first ``SummaryMetadata`` it sees for a tag and ignores the rest, so the (layer-list)
+metadata is attached only to the first event of each tag in each event file, which saves ~5 bytes a layer on
+every later event.
 
 Example (PyTorch)::
 
@@ -29,10 +32,10 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.plugins.scalar import metadata as scalar_metadata
-from tensorboard.summary.writer.event_file_writer import EventFileWriter
 from tensorboard.util import tensor_util
 
 from tb_gradhealth import metadata, record
+from tb_gradhealth.eventfile import EventFile
 
 __all__ = ["Writer", "make_event"]
 
@@ -69,8 +72,8 @@ class Writer:
         flush_secs: float = 120,
         filename_suffix: str = "",
     ) -> None:
-        self._writer = EventFileWriter(
-            str(logdir), max_queue_size=max_queue, flush_secs=flush_secs, filename_suffix=filename_suffix
+        self._writer = EventFile(
+            str(logdir), max_queue=max_queue, flush_secs=flush_secs, filename_suffix=filename_suffix
         )
         self.hist_sample = hist_sample
         self._rng = np.random.default_rng(seed)
@@ -79,7 +82,7 @@ class Writer:
 
     @property
     def logdir(self) -> str:
-        return self._writer.get_logdir()
+        return self._writer.logdir
 
     def _check_open(self) -> None:
         if self._closed:
