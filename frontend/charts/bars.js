@@ -8,7 +8,7 @@
 import { el, fmt, replace } from '../dom.js';
 import { statusColor } from '../status.js';
 import {
-  decadeLabel, decadeTicks, drawOnResize, hiDpiCanvas, linearTicks, log10OrNull, logDomain,
+  drawDecadeGrid, drawOnResize, hiDpiCanvas, linearTicks, log10OrNull, logDomain,
 } from './scale.js';
 
 const MARGIN = { left: 52, right: 12, top: 8, bottom: 22 };
@@ -64,18 +64,7 @@ export function depthBars({ layers, key = 'rms', bands = {}, onSelect = null, he
         ctx.fillRect(MARGIN.left, MARGIN.top, w, bottom - MARGIN.top);
       }
     }
-    ctx.strokeStyle = '#e4e4e4';
-    ctx.fillStyle = '#555';
-    ctx.textAlign = 'right';
-    ctx.textBaseline = 'middle';
-    for (const d of decadeTicks([lo, hi], Math.max(2, Math.floor(h / 22)))) {
-      const yy = Math.round(y(d)) + 0.5;
-      ctx.beginPath();
-      ctx.moveTo(MARGIN.left, yy);
-      ctx.lineTo(MARGIN.left + w, yy);
-      ctx.stroke();
-      ctx.fillText(decadeLabel(d), MARGIN.left - 5, yy);
-    }
+    drawDecadeGrid(ctx, [lo, hi], y, MARGIN.left, w, h);
     ctx.textAlign = 'center';
     ctx.textBaseline = 'top';
     for (const t of linearTicks(0, n - 1, Math.max(2, Math.floor(w / 70)))) {

@@ -5,7 +5,7 @@
 
 import { el, fmt, replace } from '../dom.js';
 import {
-  decadeLabel, decadeTicks, drawOnResize, hiDpiCanvas, linearTicks, log10OrNull, logDomain, stepLabel,
+  drawDecadeGrid, drawOnResize, hiDpiCanvas, linearTicks, log10OrNull, logDomain, stepLabel,
 } from './scale.js';
 
 const MARGIN = { left: 52, right: 12, top: 8, bottom: 22 };
@@ -60,19 +60,8 @@ export function lineChart({ steps, series, thresholds: allThresholds = [], title
     const y = (l) => MARGIN.top + h - ((l - lo) / (hi - lo)) * h;
     geometry = { x, y, s0, s1, w };
     // grid + axes
-    ctx.strokeStyle = '#e4e4e4';
-    ctx.fillStyle = '#555';
     ctx.lineWidth = 1;
-    ctx.textAlign = 'right';
-    ctx.textBaseline = 'middle';
-    for (const d of decadeTicks(domain, Math.max(2, Math.floor(h / 22)))) {
-      const yy = Math.round(y(d)) + 0.5;
-      ctx.beginPath();
-      ctx.moveTo(MARGIN.left, yy);
-      ctx.lineTo(MARGIN.left + w, yy);
-      ctx.stroke();
-      ctx.fillText(decadeLabel(d), MARGIN.left - 5, yy);
-    }
+    drawDecadeGrid(ctx, domain, y, MARGIN.left, w, h);
     ctx.textAlign = 'center';
     ctx.textBaseline = 'top';
     for (const t of linearTicks(s0, s1, Math.max(2, Math.floor(w / 80)))) {

@@ -124,3 +124,20 @@ export function drawOnResize(container, draw) {
     redraw();
   };
 }
+
+/** Horizontal grid lines with decade labels (10^d) on a log-scale y axis, shared by the line and bar charts.
+ * `y` maps a log10 value to a pixel row; the grid spans `width` from `left`. */
+export function drawDecadeGrid(ctx, domain, y, left, width, height) {
+  ctx.strokeStyle = '#e4e4e4';
+  ctx.fillStyle = '#555';
+  ctx.textAlign = 'right';
+  ctx.textBaseline = 'middle';
+  for (const d of decadeTicks(domain, Math.max(2, Math.floor(height / 22)))) {
+    const yy = Math.round(y(d)) + 0.5;
+    ctx.beginPath();
+    ctx.moveTo(left, yy);
+    ctx.lineTo(left + width, yy);
+    ctx.stroke();
+    ctx.fillText(decadeLabel(d), left - 5, yy);
+  }
+}
