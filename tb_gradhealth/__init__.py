@@ -1,7 +1,8 @@
 """tb_gradhealth: per-layer gradient health records for TensorBoard.
 
-``import tb_gradhealth`` never imports TensorFlow: the TF-based writers (``summary``, ``keras``, ``tpu``,
-``accumulate``) load on first attribute access, so the plugin, the CLI and the numpy :class:`Writer` work on a
+``import tb_gradhealth`` imports nothing heavy and never TensorFlow: every submodule loads on first attribute
+access (``tb_gradhealth.summary``, ``tb_gradhealth.health``, ...), and the TF-based writers (``summary``, ``keras``,
+``tpu``, ``accumulate``) import TensorFlow only then, so the plugin, the CLI and the numpy :class:`Writer` work on a
 machine without TensorFlow.
 """
 
@@ -12,7 +13,11 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_LAZY_MODULES = ("summary", "keras", "tpu", "accumulate")
+#: Submodules that import TensorFlow (loaded only when used).
+_TF_MODULES = ("summary", "keras", "tpu", "accumulate")
+#: TensorFlow-free submodules.
+_PLAIN_MODULES = ("record", "metadata", "eventfile", "writer", "health", "reader", "plugin", "cli")
+_LAZY_MODULES = _TF_MODULES + _PLAIN_MODULES
 _LAZY_ATTRS = {"Writer": "writer", "Thresholds": "health"}
 
 __all__ = ["Writer", "Thresholds", "__version__", *_LAZY_MODULES]
@@ -24,3 +29,7 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY_ATTRS:
         return getattr(importlib.import_module(f"tb_gradhealth.{_LAZY_ATTRS[name]}"), name)
     raise AttributeError(f"module 'tb_gradhealth' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

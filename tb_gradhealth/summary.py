@@ -43,7 +43,7 @@ from tensorflow.python.ops import control_flow_util as _cfu
 
 from tb_gradhealth import metadata, record
 
-__all__ = ["DeviceRecord", "compute", "layer_names", "normalize", "write", "gradients", "to_disk"]
+__all__ = ["DeviceRecord", "Delta", "compute", "layer_names", "normalize", "write", "gradients", "to_disk"]
 
 _NV = record.NUM_VALUES + record.HIST_BINS
 _I = {name: i for i, name in enumerate(record.VALUE_FIELDS)}
@@ -59,6 +59,18 @@ class DeviceRecord(NamedTuple):
 
     counts: Any
     values: Any
+
+
+class Delta(NamedTuple):
+    """An update given as the weight ``before`` and ``after`` it: :func:`compute` records ``before - after``.
+
+    Why not pass the difference: inside the statistics' compiled loop the subtraction is fused into the pass that
+    already reads the gradient and the weight (``before``), so the update is never written to memory nor read
+    in a pass of its own (measured in docs/KERAS.md: the Keras callback's logged step).
+    """
+
+    before: Any
+    after: Any
 
 
 # --- naming and input normalisation ------------------------------------------------------------------------
@@ -177,21 +189,22 @@ def _reduce_together(operands: list[tf.Tensor], kinds: tuple[str, ...]) -> list[
 
 
 def _first_pass(
-    x: tf.Tensor, x_hi: tf.Tensor, x_lo: tf.Tensor, tiny: tf.Tensor, fused: bool, companion: tf.Tensor | None = None
+    x: tf.Tensor, x_hi: tf.Tensor, x_lo: tf.Tensor, tiny: tf.Tensor, fused: bool,
+    companions: Sequence[tf.Tensor] = (),
 ) -> list[tf.Tensor]:
-    """``[sum, sum of squares, max, min, zero count]`` (+ ``[max|c|, sum c^2]`` of a same-length ``companion``,
-    the weight): one loop over the data when ``fused`` (under XLA), else separate TF reductions."""
+    """``[sum, sum of squares, max, min, zero count]`` (+ ``[max|c|, sum c^2]`` of each same-length companion:
+    the weight, the update): one loop over the data when ``fused`` (under XLA), else separate TF reductions."""
     is_zero = tf.cast(tf.abs(x) < tiny, tf.int32)
     if not fused:
         out = [tf.reduce_sum(x), tf.reduce_sum(x * x), tf.reduce_max(x_hi), tf.reduce_min(x_lo),
                tf.reduce_sum(is_zero)]
-        if companion is not None:
-            out += [tf.reduce_max(tf.abs(companion)), tf.reduce_sum(companion * companion)]
+        for c in companions:
+            out += [tf.reduce_max(tf.abs(c)), tf.reduce_sum(c * c)]
         return out
     operands = [x, x * x, x_hi, x_lo, is_zero]
-    kinds = ("sum", "sum", "max", "min", "sum")
-    if companion is not None:
-        operands += [tf.abs(companion), companion * companion]
+    kinds: tuple[str, ...] = ("sum", "sum", "max", "min", "sum")
+    for c in companions:
+        operands += [tf.abs(c), c * c]
         kinds += ("max", "sum")
     return _reduce_together(operands, kinds)
 
@@ -203,6 +216,14 @@ def _scaled_sums(x: tf.Tensor, m: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     return tf.reduce_sum(y * y), tf.reduce_sum(y)
 
 
+def _delta_flat(d: Delta) -> tf.Tensor:
+    """``before - after`` flattened, in float32 (float64 stays float64), as an expression to fuse into a loop."""
+    b, a = _flat(d.before), _flat(d.after)
+    if b.dtype != a.dtype:
+        b, a = tf.cast(b, tf.float32), tf.cast(a, tf.float32)
+    return b - a
+
+
 def _flushed(v: tf.Tensor, tiny: tf.Tensor) -> tf.Tensor:
     return tf.where(tf.abs(v) < tiny, tf.zeros_like(v), v)
 
@@ -212,7 +233,7 @@ def _max_abs_ssq(t: Any, fused: bool = False, pre: tuple | None = None) -> tuple
 
     ``pre``: ``(max|w|, sum w^2)`` already computed in the gradient's pass (same loop, see :func:`_first_pass`).
     """
-    x = _flat(t)
+    x = _delta_flat(t) if isinstance(t, Delta) else _flat(t)
     dt = x.dtype
     tiny = tf.constant(record.FLUSH_BELOW, dt)
     a = tf.abs(x)
@@ -310,7 +331,7 @@ def _dense_stats(
     dense_size: tf.Tensor | None = None,
     extra_zeros: tf.Tensor | None = None,
     fused: bool = False,
-    companion: tf.Tensor | None = None,
+    companions: Sequence[tf.Tensor] = (),
     companion_out: list | None = None,
 ) -> tuple[tf.Tensor, tf.Tensor]:
     """Counts int32 [5] and the gradient part of values float32 [89] (min, max, mean, ssq_rel, hist...).
@@ -330,7 +351,7 @@ def _dense_stats(
     else:
         x_hi = x_lo = x
     size = n if dense_size is None else dense_size
-    s, q, mx, mn, zero, *pre = _first_pass(x, x_hi, x_lo, tiny, fused, companion)
+    s, q, mx, mn, zero, *pre = _first_pass(x, x_hi, x_lo, tiny, fused, companions)
     if companion_out is not None:
         companion_out.extend(pre)
     if extra_zeros is not None:
@@ -412,17 +433,33 @@ def _sparse_stats(g: tf.IndexedSlices, rows: int, **kw: Any) -> tuple[tf.Tensor,
     )
 
 
-def _optional_values(weight: Any, update: Any, fused: bool, pre: list | None = None) -> tf.Tensor:
+def _optional_values(weight: Any, update: Any, fused: bool, pre: Mapping[str, tuple] | None = None) -> tf.Tensor:
+    """Weight and update fields; ``pre`` holds ``(max|.|, sum .^2)`` already taken in the gradient's loop."""
     nan = tf.constant(np.nan, tf.float32)
-    w = _max_abs_ssq(weight, fused, tuple(pre) if pre else None) if weight is not None else (nan, nan)
-    u = _max_abs_ssq(update, fused) if update is not None else (nan, nan)
+    pre = pre or {}
+    w = _max_abs_ssq(weight, fused, pre.get("weight")) if weight is not None else (nan, nan)
+    u = _max_abs_ssq(update, fused, pre.get("update")) if update is not None else (nan, nan)
     return tf.stack([w[0], w[1], u[0], u[1], nan, nan])
+
+
+def _companions(x: tf.Tensor, w: Any, u: Any, fused: bool) -> dict[str, tf.Tensor]:
+    """The weight / update vectors that can share the gradient's loop (same length and dtype, under XLA)."""
+    if not fused:
+        return {}
+    out = {}
+    for key, t in (("weight", w), ("update", u)):
+        if t is None:
+            continue
+        v = _delta_flat(t) if isinstance(t, Delta) else _flat(t)
+        if v.dtype == x.dtype and v.shape.num_elements() == x.shape[0]:
+            out[key] = v
+    return out
 
 
 def _layer_impl(g, w, u, size, hist_sample, layer, seed):
     """``(counts int32 [5], values float32 [89])`` of one layer (``g=None``: the missing record)."""
     fused = _in_xla_context()
-    pre: list = []
+    pre: dict[str, tuple] = {}
     if g is None:
         c = tf.constant([size, 0, 0, 0, 0], tf.int32)
         head = tf.constant([np.inf, -np.inf, 0.0, 0.0], tf.float32)
@@ -433,8 +470,10 @@ def _layer_impl(g, w, u, size, hist_sample, layer, seed):
             c, v = _sparse_stats(g, size_rows(g, size), **kw)
         else:
             x = _flat(g)
-            same = w is not None and fused and w.dtype == g.dtype and w.shape.num_elements() == x.shape[0]
-            c, v = _dense_stats(x, companion=_flat(w) if same else None, companion_out=pre, **kw)
+            comp = _companions(x, w, u, fused)
+            got: list = []
+            c, v = _dense_stats(x, companions=list(comp.values()), companion_out=got, **kw)
+            pre = {key: (got[2 * i], got[2 * i + 1]) for i, key in enumerate(comp)}
         head, tail = v[:4], tf.concat([tf.zeros([1], tf.float32), v[4:]], 0)  # missing=0, hist_sample, hist
     opt = _optional_values(w, u, fused, pre)
     return c, tf.concat([head, opt, tail], 0)
@@ -448,6 +487,8 @@ def _spec(t: Any) -> Any:
         return None
     if isinstance(t, tf.IndexedSlices):
         return ("slices", tuple(t.values.shape), t.values.dtype, tuple(t.indices.shape))
+    if isinstance(t, Delta):
+        return ("delta", _spec(t.before), _spec(t.after))
     return (tuple(t.shape), t.dtype)
 
 
@@ -516,6 +557,8 @@ def _static_size(g: Any, var: Any, w: Any) -> int:
 def _as_tensor(t: Any) -> Any:
     if t is None or isinstance(t, tf.IndexedSlices):
         return t
+    if isinstance(t, Delta):
+        return Delta(_as_tensor(t.before), _as_tensor(t.after))
     value = getattr(t, "value", None)  # Keras 3 variable -> its tf.Variable
     if _is_variable(t) and isinstance(value, tf.Variable):
         t = value
@@ -535,7 +578,8 @@ def compute(
     """Device records of ``grads`` (pairs, dict or lists: see :func:`normalize`), rows in :func:`layer_names` order.
 
     ``weights=True`` (with pairs) or a list/dict of tensors adds the weight norms; ``updates`` (list/dict) the
-    applied-update norms. ``seed`` (int or scalar tensor, e.g. the step) seeds histogram sampling; by default the
+    applied-update norms, each a tensor or a :class:`Delta` ``(before, after)`` (cheaper: fused into the
+    gradient's loop). ``seed`` (int or scalar tensor, e.g. the step) seeds histogram sampling; by default the
     seed comes from the data. ``jit=True`` runs the statistics as one XLA cluster (fast; works eagerly, in
     ``tf.function`` and inside ``jit_compile=True``); ``jit=False`` uses plain TF ops.
     """

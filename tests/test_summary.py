@@ -287,3 +287,32 @@ def test_compute_in_jit_then_write_outside(tmp_path):
     row = record.from_disk(points[0][1])[0]
     assert content.layers == ("k",) and points[0][0] == 3
     assert_matches_reference(row, np.full((4, 5), 8.0, np.float32), 4096, np.ones((4, 5), np.float32))
+
+
+@pytest.mark.parametrize("mode", ["eager_jit", "plain_ops", "tf_function", "xla_step"])
+def test_update_as_delta_equals_the_explicit_difference(mode):
+    """``Delta(before, after)`` (fused into the gradient's loop) records the same update norm as the difference
+    passed as a tensor, and as the float64 reference, in every compute mode."""
+    g = (RNG.standard_normal((64, 33)) * 1e-3).astype(np.float32)
+    before = RNG.standard_normal((64, 33)).astype(np.float32)
+    after = (before - 0.1 * g).astype(np.float32)
+    diff = before - after
+    ref = record.compute(g, before, diff, hist_sample=None)
+
+    def run(update):
+        kwargs = dict(weights=[before], updates=[update])
+        if mode == "plain_ops":
+            return summary.compute({"w": g}, jit=False, **kwargs)
+        if mode == "tf_function":
+            return tf.function(lambda: summary.compute({"w": g}, **kwargs))()
+        if mode == "xla_step":
+            return tf.function(lambda: summary.compute({"w": g}, **kwargs), jit_compile=True)()
+        return summary.compute({"w": g}, **kwargs)
+
+    fused = to_mem(run(summary.Delta(tf.constant(before), tf.constant(after))))[0]
+    explicit = to_mem(run(tf.constant(diff)))[0]
+    for name in ("update_max_abs", "update_ssq_rel", "weight_max_abs", "weight_ssq_rel"):
+        np.testing.assert_allclose(fused[record.INDEX[name]], ref[record.INDEX[name]], rtol=1e-5, err_msg=name)
+        np.testing.assert_allclose(explicit[record.INDEX[name]], ref[record.INDEX[name]], rtol=1e-5, err_msg=name)
+    np.testing.assert_allclose(record.derived(fused)["update_norm"], np.linalg.norm(diff.astype(np.float64)),
+                               rtol=1e-5)

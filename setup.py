@@ -1,0 +1,66 @@
+"""Packaging for ``tb-gradhealth``: the writer library, the TensorBoard plugin and the ``tb-gradhealth`` CLI.
+
+Why a plain setup.py: the dashboard is plain ES modules in top-level ``frontend/`` with no build step, so packaging
+only has to copy them. ``package_dir`` maps the (data-only) package ``tb_gradhealth.static`` onto ``frontend/``,
+so ``pip install .`` and a built wheel both carry the files as ``tb_gradhealth/static/**`` with no node, no npm and
+no custom build command. An editable install (``pip install -e .``) has no ``static/`` folder; the plugin then serves
+``frontend/`` straight from the checkout (``tb_gradhealth.plugin._static_dir``), so edits show without reinstalling.
+
+TensorFlow is an extra: the plugin, the CLI and the numpy ``Writer`` never import it.
+"""
+
+import re
+from pathlib import Path
+
+from setuptools import setup
+
+HERE = Path(__file__).resolve().parent
+
+
+def read_version() -> str:
+    """The single source of the version is ``tb_gradhealth/__init__.py`` (read as text: importing it needs deps)."""
+    text = (HERE / "tb_gradhealth" / "__init__.py").read_text(encoding="utf-8")
+    match = re.search(r'^__version__\s*=\s*["\']([^"\']+)["\']', text, re.M)
+    if not match:
+        raise RuntimeError("no __version__ in tb_gradhealth/__init__.py")
+    return match.group(1)
+
+
+def read_long_description() -> str:
+    readme = HERE / "README.md"
+    return readme.read_text(encoding="utf-8") if readme.exists() else ""
+
+
+#: Files of frontend/ that the browser may load; anything else there (notes, tests) stays out of the package.
+STATIC_PATTERNS = [f"**/*.{ext}" for ext in ("js", "mjs", "css", "html", "svg", "png", "json")]
+
+setup(
+    name="tb-gradhealth",
+    version=read_version(),
+    description="Per-layer gradient health for TensorBoard: records, diagnosis (vanishing/exploding/NaN) and a tab",
+    long_description=read_long_description(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=["tb_gradhealth", "tb_gradhealth.static"],
+    package_dir={"tb_gradhealth": "tb_gradhealth", "tb_gradhealth.static": "frontend"},
+    package_data={"tb_gradhealth.static": STATIC_PATTERNS},
+    include_package_data=False,
+    zip_safe=False,
+    install_requires=["tensorboard>=2.12", "numpy", "werkzeug"],
+    extras_require={
+        "tf": ["tensorflow"],
+        # C CRC32C for the TF-free event-file framing (tb_gradhealth/eventfile.py): ~GB/s instead of ~8 MB/s.
+        "fast": ["google-crc32c"],
+        "test": ["pytest", "playwright", "ruff"],
+    },
+    entry_points={
+        "tensorboard_plugins": ["gradhealth = tb_gradhealth.plugin:GradHealthPlugin"],
+        "console_scripts": ["tb-gradhealth = tb_gradhealth.cli:main"],
+    },
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Framework :: TensorFlow",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)
