@@ -29,7 +29,8 @@ export function noData(problems = []) {
       el('ul', {}, problems.map((p) => el('li', { text: p })))) : null);
 }
 
-/** The notice for a run whose steps TensorBoard sampled down (reservoir sampling keeps 10 tensors by default). */
+/** The notice for a run whose steps TensorBoard sampled down (reservoir sampling keeps 100 tensors per tag
+ * with the Rust data server, 10 with the Python loader). */
 export function downsampledNotice(run) {
   const kept = run.num_steps;
   const limit = run.sample_limit;
