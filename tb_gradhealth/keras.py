@@ -110,21 +110,6 @@ def _step_counter(optimizer: Any) -> Any:
     return raw if raw is not None else optimizer.iterations
 
 
-def _unique_names(variables: Sequence[Any]) -> list[str]:
-    """Layer (row) names: Keras 3 variable paths, made unique if two variables share one."""
-    names: list[str] = []
-    seen: dict[str, int] = {}
-    for v in variables:
-        name = str(getattr(v, "path", None) or v.name)
-        if name in seen:
-            seen[name] += 1
-            name = f"{name}_{seen[name]}"
-        else:
-            seen[name] = 0
-        names.append(name)
-    return names
-
-
 class _Capture:
     """Device-side state of one ``fit``: the ring buffer variables and the two optimizer-method wrappers.
 
@@ -150,7 +135,7 @@ class _Capture:
         #: ``gradient_accumulation_steps``), so steps line up with keras.callbacks.TensorBoard's batch steps.
         self.steps = _step_counter(optimizer)
         self.variables = list(model.trainable_variables)
-        self.layers = _unique_names(self.variables)
+        self.layers = summary.variable_names(self.variables)
         self.period = period
         self.slots = slots
         self.hist_sample = hist_sample
@@ -583,7 +568,7 @@ class GradientHealthCallback(keras.callbacks.Callback):
     def _write_probe(self) -> None:
         model = self.model
         variables = list(model.trainable_variables)
-        layers = _unique_names(variables)
+        layers = summary.variable_names(variables)
         if self._probe_fn is None:
             hist_sample, seed = self.hist_sample or 0, self.seed
 

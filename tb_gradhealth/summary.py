@@ -141,10 +141,20 @@ def normalize(grads: Any, weights: Any = None) -> tuple[list[str], list[Any], li
         if len(wlist) != len(glist):
             raise ValueError(f"{len(glist)} gradients but {len(wlist)} weights")
         variables = [v if v is not None else w for v, w in zip(variables, wlist, strict=True)]
+    return _resolve_names(names, variables), glist, wlist, variables
+
+
+def _resolve_names(names: Sequence[str | None], variables: Sequence[Any]) -> list[str]:
     resolved = []
     for i, (n, v) in enumerate(zip(names, variables, strict=True)):
         resolved.append(n if n is not None else (_var_name(v) if v is not None else None) or f"layer_{i}")
-    return _unique(resolved), glist, wlist, variables
+    return _unique(resolved)
+
+
+def variable_names(variables: Sequence[Any]) -> list[str]:
+    """Row names of ``variables``, exactly as :func:`compute` names ``(grad, var)`` pairs of them (one rule for
+    every writer, so a layer keeps its name whether it is logged from a custom loop or from Keras)."""
+    return _resolve_names([None] * len(variables), list(variables))
 
 
 def layer_names(grads: Any, weights: Any = None) -> list[str]:
