@@ -24,10 +24,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from tensorboard.compat.proto import event_pb2, summary_pb2
-from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 from tensorboard.util import tensor_util
 
-from tb_gradhealth import metadata, record
+from tb_gradhealth import eventfile, metadata, record
 
 WALL_TIME0 = 1_700_000_000.0
 XSS_LAYER = "<img src=x onerror=alert(1)>"
@@ -44,10 +43,9 @@ def event_file_path(run_dir: str, wall_time: float = WALL_TIME0) -> str:
 
 
 def frame(data: bytes, crc: int | None = None) -> bytes:
-    """One TFRecord: length, masked CRC of the length, data, masked CRC of the data."""
-    header = struct.pack("<Q", len(data))
-    data_crc = masked_crc32c(data) if crc is None else crc
-    return header + struct.pack("<I", masked_crc32c(header)) + data + struct.pack("<I", data_crc)
+    """One TFRecord (the product's framing); ``crc`` overrides the data checksum, to write a corrupt record."""
+    framed = eventfile.frame(data)
+    return framed if crc is None else framed[:-4] + struct.pack("<I", crc)
 
 
 def version_event(wall_time: float = WALL_TIME0) -> bytes:
@@ -254,7 +252,7 @@ def masked_crc32c_many(datas: Sequence[bytes]) -> list[int]:
     for length, idx in by_len.items():
         if len(idx) < 16:
             for i in idx:
-                out[i] = masked_crc32c(datas[i])
+                out[i] = eventfile.masked_crc32c(datas[i])
             continue
         for start in range(0, len(idx), 65536):
             chunk = idx[start : start + 65536]
@@ -281,7 +279,7 @@ def write_events_fast(path: str, events: Iterable[bytes], chunk: int = 200_000) 
             h = headers.get(len(e))
             if h is None:
                 n = struct.pack("<Q", len(e))
-                h = headers[len(e)] = n + struct.pack("<I", masked_crc32c(n))
+                h = headers[len(e)] = n + struct.pack("<I", eventfile.masked_crc32c(n))
             parts += (h, e, struct.pack("<I", c))
         f.write(b"".join(parts))
 
