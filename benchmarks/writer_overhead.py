@@ -12,8 +12,14 @@ least disturbed by other processes on a shared machine):
   ours               tb_gradhealth.summary.gradients(...) inside the plain tf.function step
   ours_xla           jit_compile=True step returning summary.compute(...); summary.write(...) outside (ratio to
                      base_xla)
-  floor / floor_xla  the floor of any exact statistic: ONE plain reduce_sum(g * g) over every gradient, returned
-                     from the step (a single read of the 3.96M gradient values, nothing written)
+  floor / floor_xla  ONE plain reduce_sum(g * g) over every gradient (the least an exact norm needs), returned from
+                     the step (nothing written)
+  floor_max / floor_max_xla
+                     the cheapest exact statistic there is: ONE reduce_max(g) straight on each gradient buffer (a
+                     single library reduction, no elementwise op; reduce_sum(g) would not do: under XLA the sum of
+                     a matmul's output is folded into the matmul's inputs, so it reads nothing)
+  floor_minmax / floor_minmax_xla
+                     reduce_max(g) and reduce_min(g) of each gradient: two of the record's exact fields, nothing else
 
   --alternatives     our other designs, for docs/FORMAT.md: ours_ops (plain TF ops, no nested XLA), ours_cluster
                      (all layers in one XLA cluster), ours_noweights (no weight norms), ours_every10 (logging
@@ -60,6 +66,19 @@ def make_model(width: int, depth: int) -> tf.keras.Model:
     return tf.keras.Sequential(layers)
 
 
+FLOOR_VARIANTS = ("floor", "floor_max", "floor_minmax")
+
+
+def floor_stats(variant: str, grads: list) -> tf.Tensor:
+    """The floor rows' statistics of every gradient, summed into one scalar the step returns (never pruned)."""
+    kind = variant.removesuffix("_xla")
+    if kind == "floor":
+        return tf.add_n([tf.reduce_sum(g * g) for g in grads])
+    if kind == "floor_max":
+        return tf.add_n([tf.reduce_max(g) for g in grads])
+    return tf.add_n([tf.reduce_max(g) - tf.reduce_min(g) for g in grads])
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -86,7 +105,7 @@ class Bench:
                 loss = loss_fn(yb, model(xb, training=True))
             return loss, tape.gradient(loss, tvars)
 
-        if variant in ("ours_xla", "base_xla", "floor_xla"):
+        if variant in ("ours_xla", "base_xla") or variant.startswith("floor") and variant.endswith("_xla"):
 
             @tf.function(jit_compile=True)
             def compiled():
@@ -94,8 +113,8 @@ class Bench:
                 opt.apply_gradients(zip(grads, tvars, strict=False))
                 if variant == "base_xla":
                     return loss, None
-                if variant == "floor_xla":
-                    return loss + 0 * tf.add_n([tf.reduce_sum(g * g) for g in grads]), None
+                if variant.startswith("floor"):
+                    return loss + 0 * floor_stats(variant, grads), None
                 return loss, summary.compute(list(zip(grads, tvars, strict=False)), weights=True)
 
             @tf.function
@@ -115,9 +134,9 @@ class Bench:
             opt.apply_gradients(zip(grads, tvars, strict=False))
             if variant == "probe":
                 _, grads = forward_backward(x[:32], y[:32])
-            if variant == "floor":  # returned, so it cannot be pruned
-                loss = loss + 0 * tf.add_n([tf.reduce_sum(g * g) for g in grads])
-            if variant not in ("base", "floor"):
+            if variant.startswith("floor"):  # returned, so it cannot be pruned
+                loss = loss + 0 * floor_stats(variant, grads)
+            if variant != "base" and not variant.startswith("floor"):
                 with writer.as_default(step=step):
                     if variant == "ours_every10":  # tf.summary.record_if: nothing is computed on other steps
                         with tf.summary.record_if(step % 10 == 0):
@@ -164,9 +183,10 @@ def keras_variants(bench: Bench) -> dict[str, float]:
 
     A fit's step includes Keras' own per-batch work, so these rows have their own baseline (``keras_fit`` /
     ``keras_fit_xla``, a fit without the callback) and print their own ratio table; returns seconds per step by
-    row. Steps are timed after 5 warm-up calls (both train-function variants compile in the first two). The
-    default-frequency rows time ``2 x update_freq`` steps so logged and unlogged steps count in their true
-    proportion. Skipped when ``--only`` names no ``keras*`` variant.
+    row. Steps are timed after 5 warm-up calls, and at a frequency above 1 after the first logged step too (the
+    callback's logging train function traces and compiles at its first use: ~2 s once per process, which is not the
+    steady cost). The default-frequency rows time ``2 x update_freq`` steps so logged and unlogged steps count in
+    their true proportion. Skipped when ``--only`` names no ``keras*`` variant.
     """
     args = bench.args
     if args.only and not any(v.startswith("keras") for v in args.only.split(",")):
@@ -179,18 +199,21 @@ def keras_variants(bench: Bench) -> dict[str, float]:
     from tb_gradhealth.keras import GradientHealthCallback
 
     default_freq = inspect.signature(GradientHealthCallback).parameters["update_freq"].default
-    warmup = 5
     long_steps = max(args.steps, 2 * default_freq)
     rng = np.random.default_rng(0)
-    n = 128 * (long_steps + warmup)
+    n = 128 * (long_steps + default_freq + 5)
     x = rng.standard_normal((n, 784)).astype("float32")
     y = rng.integers(0, 10, n).astype("int32")
 
     class Clock(keras.callbacks.Callback):
         """Seconds per step after the warm-up batches (the first one traces and compiles)."""
 
+        def __init__(self, warmup: int) -> None:
+            super().__init__()
+            self.warmup = warmup
+
         def on_train_batch_end(self, batch, logs=None):
-            if batch == warmup - 1:
+            if batch == self.warmup - 1:
                 self.t0 = time.perf_counter()
                 self.batch0 = batch
 
@@ -200,12 +223,29 @@ def keras_variants(bench: Bench) -> dict[str, float]:
         def on_train_batch_begin(self, batch, logs=None):
             self.last = batch + 1
 
-    def run(jit: bool, freq: int | None, steps: int, **options) -> float:
+    class FloorSGD(keras.optimizers.SGD):
+        """SGD that also takes ``max(g) - min(g)`` of every gradient it applies (kept: assigned to a variable).
+
+        The ``keras_floor`` rows: two exact statistics of the applied gradients, read straight from their buffers
+        inside ``fit``'s own step - less than any exact record needs (it also needs the sum of squares, the zero
+        count, and the weights' two statistics).
+        """
+
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self._floor = tf.Variable(0.0, trainable=False)
+
+        def apply(self, grads, trainable_variables=None):
+            self._floor.assign(tf.add_n([tf.reduce_max(g) - tf.reduce_min(g) for g in grads]))
+            return super().apply(grads, trainable_variables)
+
+    def run(jit: bool, freq: int | None, steps: int, floor: bool = False, **options) -> float:
         keras.utils.set_random_seed(0)
         model = make_model(args.width, args.depth)
-        model.compile(keras.optimizers.SGD(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      jit_compile=jit)
-        clock = Clock()
+        opt = (FloorSGD if floor else keras.optimizers.SGD)(0.01)
+        model.compile(opt, keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=jit)
+        warmup = 5 if freq in (None, 1) else freq + 5
+        clock = Clock(warmup)
         callbacks = [clock]
         if freq is not None:
             logdir = tempfile.mkdtemp(prefix="gh-bench-keras-")
@@ -217,10 +257,12 @@ def keras_variants(bench: Bench) -> dict[str, float]:
     noupd = {"record_updates": False}
     rows = {  # name: (jit, update_freq, steps timed, callback options)
         "keras_fit": (False, None, long_steps, {}),
+        "keras_floor": (False, None, args.steps, {"floor": True}),
         "keras_every": (False, 1, args.steps, {}),
         "keras_every_noupd": (False, 1, args.steps, noupd),
         "keras_default": (False, default_freq, long_steps, {}),
         "keras_fit_xla": (True, None, long_steps, {}),
+        "keras_floor_xla": (True, None, args.steps, {"floor": True}),
         "keras_every_xla": (True, 1, args.steps, {}),
         "keras_every_noupd_xla": (True, 1, args.steps, noupd),
         "keras_default_xla": (True, default_freq, long_steps, {}),
@@ -251,7 +293,7 @@ def main() -> None:
     p.add_argument("--no-seeds", action="store_true", help="skip the seed recipes")
     p.add_argument("--alternatives", action="store_true", help="also time our alternative designs (OURS_OPTIONS)")
     args = p.parse_args()
-    variants = ["base", "floor", "ours", "base_xla", "floor_xla", "ours_xla"]
+    variants = ["base", *FLOOR_VARIANTS, "ours", "base_xla", *(f + "_xla" for f in FLOOR_VARIANTS), "ours_xla"]
     if not args.no_seeds:
         variants[1:1] = list(SEED_VARIANTS)
     if args.alternatives or args.only:

@@ -440,9 +440,11 @@ class GradientHealthCallback(keras.callbacks.Callback):
         return period > 0 and (self._host_step + self._spe) // period > self._host_step // period
 
     def _dispatch(self, iterator: Any) -> Any:
-        # The first call always runs (so traces and compiles) the capture variant: its one-time cost lands at the
-        # start of fit with the usual first-step compile, not at the first logged step, and a step that cannot be
-        # captured is reported after the first batch. Its tf.cond records nothing on an unlogged step.
+        # The first call always runs (so traces) the capture variant: a step that cannot be captured is reported
+        # after the first batch, and with jit_compile=True its whole XLA compile lands at the start of fit. Its
+        # tf.cond records nothing on an unlogged step, so without jit_compile the per-layer statistics clusters
+        # inside that branch compile when they first run, at the first logged step (~2 s once per process,
+        # measured; benchmarks/writer_overhead.py starts its clock after it).
         first = not self._checked_capture
         mode = "capture" if first or self._call_logs() else "plain"
         if self._writer is None:  # a fit that ended by an exception left this dispatcher in place: stay inert
