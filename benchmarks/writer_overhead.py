@@ -183,10 +183,10 @@ def keras_variants(bench: Bench) -> dict[str, float]:
 
     A fit's step includes Keras' own per-batch work, so these rows have their own baseline (``keras_fit`` /
     ``keras_fit_xla``, a fit without the callback) and print their own ratio table; returns seconds per step by
-    row. Steps are timed after 5 warm-up calls, and at a frequency above 1 after the first logged step too (the
-    callback's logging train function traces and compiles at its first use: ~2 s once per process, which is not the
-    steady cost). The default-frequency rows time ``2 x update_freq`` steps so logged and unlogged steps count in
-    their true proportion. Skipped when ``--only`` names no ``keras*`` variant.
+    row. Steps are timed after 5 warm-up calls, and at a frequency above 1 after the first logged step too, so the
+    rows measure the steady state (this is how a 2.2 s first logged step, a compile in the wrong place, was found).
+    The default-frequency rows time ``2 x update_freq`` steps so logged and unlogged steps count in their true
+    proportion. Skipped when ``--only`` names no ``keras*`` variant.
     """
     args = bench.args
     if args.only and not any(v.startswith("keras") for v in args.only.split(",")):

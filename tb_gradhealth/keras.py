@@ -160,6 +160,10 @@ class _Capture:
             self.stamps = tf.Variable(tf.zeros([slots], tf.int64), name="gh_stamps", **kw)
             self.count = tf.Variable(tf.constant(0, tf.int64), name="gh_count", **kw)
             self.remaining = tf.Variable(tf.constant(0, tf.int32), name="gh_remaining", **kw)
+            #: 1 until the statistics have run once: the first capturing call computes them even on an unlogged
+            #: step (and stores nothing), so that without jit_compile their per-layer XLA clusters compile at
+            #: the start of fit with the rest, not at the first logged step (a ~2 s step, measured).
+            self.warm = tf.Variable(tf.constant(1, tf.int32), name="gh_warm", **kw)
 
     # --- optimizer wrappers (run at trace time, inside the train step) ----------------------------------------
 
@@ -221,9 +225,16 @@ class _Capture:
         self._local.reduced = None
         applied = [g for g, _ in reduced] if reduced is not None else grads
         if self.period == 1:  # every step is logged: no conditional around the statistics
-            self._store(rows, applied, before)
+            self._store(self._compute(rows, applied, before))
         else:
-            tf.cond(logged, lambda: self._store(rows, applied, before), lambda: tf.constant(False))
+
+            def compute_then_store_if_logged() -> tf.Tensor:
+                rec = self._compute(rows, applied, before)  # an input of the inner cond: it runs either way
+                stored = tf.cond(logged, lambda: self._store(rec), lambda: tf.constant(False))
+                self.warm.assign(0)
+                return stored
+
+            tf.cond(logged | (self.warm > 0), compute_then_store_if_logged, lambda: tf.constant(False))
         return result
 
     def _row_of(self, variable: Any) -> int:
@@ -235,7 +246,7 @@ class _Capture:
             )
         return row
 
-    def _store(self, rows: list[int], applied: list[Any], before: list[Any] | None) -> tf.Tensor:
+    def _compute(self, rows: list[int], applied: list[Any], before: list[Any] | None) -> summary.DeviceRecord:
         n = len(self.variables)
         grads: list[Any] = [None] * n
         for row, g in zip(rows, applied, strict=True):
@@ -249,7 +260,9 @@ class _Capture:
                 # (never written out, no pass of its own).
                 updates[row] = summary.Delta(w, weights[row])
                 weights[row] = w
-        rec = summary.compute(grads, weights, updates, hist_sample=self.hist_sample or 0, seed=self.seed)
+        return summary.compute(grads, weights, updates, hist_sample=self.hist_sample or 0, seed=self.seed)
+
+    def _store(self, rec: summary.DeviceRecord) -> tf.Tensor:
         step = tf.cast(tf.convert_to_tensor(self.steps), tf.int64) + 1
         count = self.count.read_value()
         slot = tf.reshape(tf.cast(count % self.slots, tf.int32), [1, 1])
@@ -440,11 +453,10 @@ class GradientHealthCallback(keras.callbacks.Callback):
         return period > 0 and (self._host_step + self._spe) // period > self._host_step // period
 
     def _dispatch(self, iterator: Any) -> Any:
-        # The first call always runs (so traces) the capture variant: a step that cannot be captured is reported
-        # after the first batch, and with jit_compile=True its whole XLA compile lands at the start of fit. Its
-        # tf.cond records nothing on an unlogged step, so without jit_compile the per-layer statistics clusters
-        # inside that branch compile when they first run, at the first logged step (~2 s once per process,
-        # measured; benchmarks/writer_overhead.py starts its clock after it).
+        # The first call always runs (so traces and compiles) the capture variant: its one-time cost lands at the
+        # start of fit with the usual first-step compile, not at the first logged step (on an unlogged first step
+        # the statistics still run once, storing nothing: `warm`), and a step that cannot be captured is reported
+        # after the first batch.
         first = not self._checked_capture
         mode = "capture" if first or self._call_logs() else "plain"
         if self._writer is None:  # a fit that ended by an exception left this dispatcher in place: stay inert

@@ -181,6 +181,23 @@ def test_update_freq_integer_and_epoch(tmp_path):
     assert sorted(read_records(str(tmp_path / "unknown2"))[1]) == list(range(2, steps + 1, 2))
 
 
+def test_first_call_runs_the_statistics_once_and_stores_nothing(tmp_path):
+    """update_freq=3: step 1 is not logged, yet the first call runs the statistics once (so that without
+    jit_compile their XLA clusters compile at the start of fit, not in the first logged step) and stores nothing."""
+    x, y = make_data(16)
+    model = make_model(jit_compile=False)
+    cb = GradientHealthCallback(tmp_path, update_freq=3)
+    seen = []
+
+    class Peek(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append((int(cb._capture.warm.numpy()), int(cb._capture.count.numpy())))
+
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[cb, Peek()])
+    assert seen == [(0, 0), (0, 0), (0, 1), (0, 1)]
+    assert sorted(read_records(str(tmp_path))[1]) == [3]
+
+
 def test_steps_per_execution(tmp_path):
     x, y = make_data(48)
     reference = make_model(jit_compile=False)
