@@ -107,6 +107,39 @@ def test_same_record_on_every_path(variables):
                 raise AssertionError(f"{path} / {name}: {e}") from e
 
 
+def test_large_layers_match_the_float64_reference():
+    """Layers of 1M-4M values (blocked loop, ragged tail, zeros, both signs): norms within 1e-5 on every path.
+
+    A single running float32 sum over a 1M layer is off by ~2e-4 in the norm (measured): the rows of the blocked
+    loop keep it at ~1e-8.
+    """
+    rng = np.random.default_rng(7)
+    grads = {
+        "square": rng.standard_normal((1024, 1024)).astype(np.float32),
+        "prime": (rng.standard_normal(1_000_003) * 1e-3 + 2e-3).astype(np.float32),
+        "wide": rng.standard_normal((2048, 2048)).astype(np.float32) * 1e4,
+    }
+    grads["square"][::3, 5] = 0.0
+    grads["prime"][-5:] = [-7.0, 0.0, 9.5, -0.0, 1e-40]  # extremes and zeros in the ragged tail
+    weights = {n: rng.standard_normal(g.shape).astype(np.float32) for n, g in grads.items()}
+
+    @tf.function(jit_compile=True)
+    def in_xla(g, w):
+        return summary.compute(g, w)
+
+    tg = {n: tf.constant(g) for n, g in grads.items()}
+    tw = {n: tf.constant(w) for n, w in weights.items()}
+    paths = {"eager_xla": summary.compute(tg, tw), "jit_compile": in_xla(tg, tw),
+             "eager_ops": summary.compute(tg, tw, jit=False)}
+    for path, rec in paths.items():
+        mem = to_mem(rec)
+        for i, (name, g) in enumerate(grads.items()):
+            try:
+                assert_matches_reference(mem[i], g, record.DEFAULT_HIST_SAMPLE, w=weights[name])
+            except AssertionError as e:
+                raise AssertionError(f"{path} / {name}: {e}") from e
+
+
 def test_extreme_norms_in_float32_xla():
     """Norm right from 1e-37 to 1e+38 where a plain float32 sum of squares under/overflows."""
     for e in (-37.5, -30, -19, 19, 30, 37.5):
