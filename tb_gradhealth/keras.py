@@ -18,8 +18,8 @@ Inside the capture variant (and with ``jit_compile=True``, inside its XLA cluste
 on ``optimizer.iterations``: a call may hold several steps), the wrapper keeps the weights from before the update,
 and after it computes the device record (:func:`tb_gradhealth.summary.compute`) of the applied gradients with the
 pre-update weights and the applied update ``w_before - w_after`` (a :class:`tb_gradhealth.summary.Delta`: the
-subtraction runs inside the one loop that reads the gradient and the weight, so the update costs no pass of its
-own), and stores it into a small ring buffer of non-trainable variables stamped with the step. At
+subtraction runs inside the loop that reduces the update, so the difference is never written out and read back),
+and stores it into a small ring buffer of non-trainable variables stamped with the step. At
 ``update_freq=1`` no conditional surrounds the statistics. The host reads the buffer after calls that contained a
 logged step (when every call logs, once per up to 16 calls, as the buffer's size allows: a device read, decode and
 event write per step measured ~1 ms, 6% of the reference step) and writes it with the TF-free

@@ -13,10 +13,12 @@
 
 How the statistics stay cheap and exact (see docs/FORMAT.md for measurements):
 
-* fast path, one loop over the data (an XLA variadic reduce): ``sum(g)``, ``sum(g*g)``, ``max``, ``min``, the
-  exact-zero count, and the weight's ``max|w|`` and ``sum(w*w)`` when it has the gradient's length. When both sums
-  are finite there is no NaN/Inf (a NaN or Inf makes them non-finite) and the counts of those are 0; only when
-  they are not finite does a ``tf.cond`` branch count NaN/+Inf/-Inf and recompute over the finite values;
+* fast path, under XLA one blocked loop over the gradient (:func:`_reduce_rows`: one float32 sum and int32
+  reductions, the only kind XLA:CPU runs at memory speed): ``sum(g*g)``, the exact-zero count, and ``max``/``min``
+  as int32 order-preserving keys; ``sum(g)`` as a reduction of its own; the weight's and the update's ``max|.|``
+  and sum of squares in a loop each. When both sums are finite there is no NaN/Inf (a NaN or Inf makes them
+  non-finite) and the counts of those are 0; only when they are not finite does a ``tf.cond`` branch count
+  NaN/+Inf/-Inf and recompute over the finite values;
 * the norm is ``max|g| * sqrt(ssq_rel)`` with ``ssq_rel = sum(g*g) / max|g|^2``: the plain sum of squares is used
   only when it is finite and ``max|g| >= 1e-10`` (so squares that underflow are negligible); otherwise a second
   pass sums ``(g / max|g|)^2``, which is right over float32's whole range (1e-38 .. 3e38);
@@ -64,9 +66,9 @@ class DeviceRecord(NamedTuple):
 class Delta(NamedTuple):
     """An update given as the weight ``before`` and ``after`` it: :func:`compute` records ``before - after``.
 
-    Why not pass the difference: inside the statistics' compiled loop the subtraction is fused into the pass that
-    already reads the gradient and the weight (``before``), so the update is never written to memory nor read
-    in a pass of its own (measured in docs/KERAS.md: the Keras callback's logged step).
+    Why not pass the difference: inside the statistics' compiled loop the subtraction is fused into the update's
+    own loop (which reads ``before`` and ``after``), so the difference is never written to memory and read back
+    (measured in docs/KERAS.md: the Keras callback's logged step).
     """
 
     before: Any
@@ -324,7 +326,7 @@ def _flushed(v: tf.Tensor, tiny: tf.Tensor) -> tf.Tensor:
 def _max_abs_ssq(t: Any, fused: bool = False, pre: tuple | None = None) -> tuple[tf.Tensor, tf.Tensor]:
     """``(max|w|, sum((w/max|w|)^2))`` over the finite values of a weight or update, float32.
 
-    ``pre``: ``(max|w|, sum w^2)`` already computed in the gradient's pass (same loop, see :func:`_first_pass`).
+    ``pre``: ``(max|w|, sum w^2)`` already computed by :func:`_first_pass` (with the gradient's statistics).
     """
     x = _delta_flat(t) if isinstance(t, Delta) else _flat(t)
     dt = x.dtype
@@ -529,7 +531,7 @@ def _sparse_stats(g: tf.IndexedSlices, rows: int, **kw: Any) -> tuple[tf.Tensor,
 
 
 def _optional_values(weight: Any, update: Any, fused: bool, pre: Mapping[str, tuple] | None = None) -> tf.Tensor:
-    """Weight and update fields; ``pre`` holds ``(max|.|, sum .^2)`` already taken in the gradient's loop."""
+    """Weight and update fields; ``pre`` holds ``(max|.|, sum .^2)`` already taken by :func:`_first_pass`."""
     nan = tf.constant(np.nan, tf.float32)
     pre = pre or {}
     w = _max_abs_ssq(weight, fused, pre.get("weight")) if weight is not None else (nan, nan)
@@ -538,7 +540,7 @@ def _optional_values(weight: Any, update: Any, fused: bool, pre: Mapping[str, tu
 
 
 def _companions(x: tf.Tensor, w: Any, u: Any, fused: bool) -> dict[str, tf.Tensor]:
-    """The weight / update vectors that can share the gradient's loop (same length and dtype, under XLA)."""
+    """The weight / update vectors reduced with the gradient's statistics (same length and dtype, under XLA)."""
     if not fused:
         return {}
     out = {}
@@ -673,10 +675,11 @@ def compute(
     """Device records of ``grads`` (pairs, dict or lists: see :func:`normalize`), rows in :func:`layer_names` order.
 
     ``weights=True`` (with pairs) or a list/dict of tensors adds the weight norms; ``updates`` (list/dict) the
-    applied-update norms, each a tensor or a :class:`Delta` ``(before, after)`` (cheaper: fused into the
-    gradient's loop). ``seed`` (int or scalar tensor, e.g. the step) seeds histogram sampling; by default the
-    seed comes from the data. ``jit=True`` runs the statistics as one XLA cluster (fast; works eagerly, in
-    ``tf.function`` and inside ``jit_compile=True``); ``jit=False`` uses plain TF ops.
+    applied-update norms, each a tensor or a :class:`Delta` ``(before, after)`` (cheaper: the difference is
+    fused into the update's loop, never written out). ``seed`` (int or scalar tensor, e.g. the step) seeds
+    histogram sampling; by default the seed comes from the data. ``jit=True`` runs each layer's statistics as a
+    small XLA cluster (fast; works eagerly and in ``tf.function``; inside ``jit_compile=True`` they are inlined
+    into the caller's cluster); ``jit="cluster"`` puts all layers in one cluster; ``jit=False`` uses plain TF ops.
     """
     names, glist, wlist, variables = normalize(grads, weights)
     if isinstance(updates, Mapping):
