@@ -256,8 +256,7 @@ class _Capture:
         if before is not None:  # variables the optimizer did not touch (no gradient) keep weights, update unknown
             updates = [None] * n
             for row, w in zip(rows, before, strict=True):
-                # before - after, computed inside the statistics' loop that reads the gradient and `before`
-                # (never written out, no pass of its own).
+                # before - after, subtracted inside the statistics' loop over the update (never written out).
                 updates[row] = summary.Delta(w, weights[row])
                 weights[row] = w
         return summary.compute(grads, weights, updates, hist_sample=self.hist_sample or 0, seed=self.seed)

@@ -267,17 +267,14 @@ def _max_abs_and_ssq_f32(v: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     return tf.bitcast(m, tf.float32), q
 
 
-def _first_pass(
-    x: tf.Tensor, x_hi: tf.Tensor, x_lo: tf.Tensor, tiny: tf.Tensor, fused: bool,
-    companions: Sequence[tf.Tensor] = (),
-) -> list[tf.Tensor]:
-    """``[sum, sum of squares, max, min, zero count]`` (+ ``[max|c|, sum c^2]`` of each same-length companion:
-    the weight, the update).
+def _first_pass(x: tf.Tensor, x_hi: tf.Tensor, x_lo: tf.Tensor, tiny: tf.Tensor, fused: bool) -> list[tf.Tensor]:
+    """``[sum, sum of squares, max, min, zero count]`` of a gradient (``x_hi``/``x_lo``: ``x`` with padding masked
+    for max/min).
 
     Under XLA with float32 data: the sum of squares, the zero count and max/min (as int32 keys) in one blocked loop
-    (:func:`_reduce_rows`), the plain sum as a reduction of its own (a library call on the gradient's buffer, or
-    folded into the matmul that made it), and each companion's two in a loop of its own. float64 under XLA: one
-    variadic loop for everything. Outside XLA: separate TF reductions.
+    (:func:`_reduce_rows`), and the plain sum as a reduction of its own (a library call on the gradient's buffer,
+    or folded into the matmul that made it). float64 under XLA: one variadic loop. Outside XLA: separate TF
+    reductions. (The weight and the update are reduced by :func:`_max_abs_ssq`, in a loop each.)
     """
     if fused and x.dtype == tf.float32:
 
@@ -285,23 +282,12 @@ def _first_pass(
             return [v * v, tf.cast(tf.abs(v) < tiny, tf.int32), _order_key(hi), _order_key(lo)]
 
         q, zero, kmax, kmin = _reduce_rows(operands, [x, x_hi, x_lo], ("sum", "sum", "max", "min"))
-        out = [tf.reduce_sum(x), q, _from_order_key(kmax, -np.inf), _from_order_key(kmin, np.inf), zero]
-        for c in companions:
-            out += list(_max_abs_and_ssq_f32(c))
-        return out
+        return [tf.reduce_sum(x), q, _from_order_key(kmax, -np.inf), _from_order_key(kmin, np.inf), zero]
     is_zero = tf.cast(tf.abs(x) < tiny, tf.int32)
     if not fused:
-        out = [tf.reduce_sum(x), tf.reduce_sum(x * x), tf.reduce_max(x_hi), tf.reduce_min(x_lo),
-               tf.reduce_sum(is_zero)]
-        for c in companions:
-            out += [tf.reduce_max(tf.abs(c)), tf.reduce_sum(c * c)]
-        return out
-    operands = [x, x * x, x_hi, x_lo, is_zero]
-    kinds: tuple[str, ...] = ("sum", "sum", "max", "min", "sum")
-    for c in companions:
-        operands += [tf.abs(c), c * c]
-        kinds += ("max", "sum")
-    return _reduce_together(operands, kinds)
+        return [tf.reduce_sum(x), tf.reduce_sum(x * x), tf.reduce_max(x_hi), tf.reduce_min(x_lo),
+                tf.reduce_sum(is_zero)]
+    return _reduce_together([x, x * x, x_hi, x_lo, is_zero], ("sum", "sum", "max", "min", "sum"))
 
 
 def _scaled_sums(x: tf.Tensor, m: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
@@ -323,18 +309,16 @@ def _flushed(v: tf.Tensor, tiny: tf.Tensor) -> tf.Tensor:
     return tf.where(tf.abs(v) < tiny, tf.zeros_like(v), v)
 
 
-def _max_abs_ssq(t: Any, fused: bool = False, pre: tuple | None = None) -> tuple[tf.Tensor, tf.Tensor]:
+def _max_abs_ssq(t: Any, fused: bool = False) -> tuple[tf.Tensor, tf.Tensor]:
     """``(max|w|, sum((w/max|w|)^2))`` over the finite values of a weight or update, float32.
 
-    ``pre``: ``(max|w|, sum w^2)`` already computed by :func:`_first_pass` (with the gradient's statistics).
+    Under XLA one loop over the data (float32: :func:`_reduce_rows`; a :class:`Delta` is subtracted inside it).
     """
     x = _delta_flat(t) if isinstance(t, Delta) else _flat(t)
     dt = x.dtype
     tiny = tf.constant(record.FLUSH_BELOW, dt)
     a = tf.abs(x)
-    if pre is not None:
-        m, q = pre
-    elif fused and dt == tf.float32:
+    if fused and dt == tf.float32:
         m, q = _max_abs_and_ssq_f32(x)
     elif fused:
         m, q = _reduce_together([a, x * x], ("max", "sum"))
@@ -428,8 +412,6 @@ def _dense_stats(
     dense_size: tf.Tensor | None = None,
     extra_zeros: tf.Tensor | None = None,
     fused: bool = False,
-    companions: Sequence[tf.Tensor] = (),
-    companion_out: list | None = None,
 ) -> tuple[tf.Tensor, tf.Tensor]:
     """Counts int32 [5] and the gradient part of values float32 [89] (min, max, mean, ssq_rel, hist...).
 
@@ -448,9 +430,7 @@ def _dense_stats(
     else:
         x_hi = x_lo = x
     size = n if dense_size is None else dense_size
-    s, q, mx, mn, zero, *pre = _first_pass(x, x_hi, x_lo, tiny, fused, companions)
-    if companion_out is not None:
-        companion_out.extend(pre)
+    s, q, mx, mn, zero = _first_pass(x, x_hi, x_lo, tiny, fused)
     if extra_zeros is not None:
         zero = zero + extra_zeros
         has_implicit = extra_zeros > 0
@@ -530,33 +510,17 @@ def _sparse_stats(g: tf.IndexedSlices, rows: int, **kw: Any) -> tuple[tf.Tensor,
     )
 
 
-def _optional_values(weight: Any, update: Any, fused: bool, pre: Mapping[str, tuple] | None = None) -> tf.Tensor:
-    """Weight and update fields; ``pre`` holds ``(max|.|, sum .^2)`` already taken by :func:`_first_pass`."""
+def _optional_values(weight: Any, update: Any, fused: bool) -> tf.Tensor:
+    """Weight and update fields (NaN where not given)."""
     nan = tf.constant(np.nan, tf.float32)
-    pre = pre or {}
-    w = _max_abs_ssq(weight, fused, pre.get("weight")) if weight is not None else (nan, nan)
-    u = _max_abs_ssq(update, fused, pre.get("update")) if update is not None else (nan, nan)
+    w = _max_abs_ssq(weight, fused) if weight is not None else (nan, nan)
+    u = _max_abs_ssq(update, fused) if update is not None else (nan, nan)
     return tf.stack([w[0], w[1], u[0], u[1], nan, nan])
-
-
-def _companions(x: tf.Tensor, w: Any, u: Any, fused: bool) -> dict[str, tf.Tensor]:
-    """The weight / update vectors reduced with the gradient's statistics (same length and dtype, under XLA)."""
-    if not fused:
-        return {}
-    out = {}
-    for key, t in (("weight", w), ("update", u)):
-        if t is None:
-            continue
-        v = _delta_flat(t) if isinstance(t, Delta) else _flat(t)
-        if v.dtype == x.dtype and v.shape.num_elements() == x.shape[0]:
-            out[key] = v
-    return out
 
 
 def _layer_impl(g, w, u, size, hist_sample, layer, seed):
     """``(counts int32 [5], values float32 [89])`` of one layer (``g=None``: the missing record)."""
     fused = _in_xla_context()
-    pre: dict[str, tuple] = {}
     if g is None:
         c = tf.constant([size, 0, 0, 0, 0], tf.int32)
         head = tf.constant([np.inf, -np.inf, 0.0, 0.0], tf.float32)
@@ -566,13 +530,9 @@ def _layer_impl(g, w, u, size, hist_sample, layer, seed):
         if isinstance(g, tf.IndexedSlices):
             c, v = _sparse_stats(g, size_rows(g, size), **kw)
         else:
-            x = _flat(g)
-            comp = _companions(x, w, u, fused)
-            got: list = []
-            c, v = _dense_stats(x, companions=list(comp.values()), companion_out=got, **kw)
-            pre = {key: (got[2 * i], got[2 * i + 1]) for i, key in enumerate(comp)}
+            c, v = _dense_stats(_flat(g), **kw)
         head, tail = v[:4], tf.concat([tf.zeros([1], tf.float32), v[4:]], 0)  # missing=0, hist_sample, hist
-    opt = _optional_values(w, u, fused, pre)
+    opt = _optional_values(w, u, fused)
     return c, tf.concat([head, opt, tail], 0)
 
 
