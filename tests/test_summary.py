@@ -349,3 +349,10 @@ def test_update_as_delta_equals_the_explicit_difference(mode):
         np.testing.assert_allclose(explicit[record.INDEX[name]], ref[record.INDEX[name]], rtol=1e-5, err_msg=name)
     np.testing.assert_allclose(record.derived(fused)["update_norm"], np.linalg.norm(diff.astype(np.float64)),
                                rtol=1e-5)
+
+
+def test_unknown_length_gradient_gets_a_clear_error():
+    """A gradient of unknown static length (XLA needs fixed shapes) is refused with a message naming the cause."""
+    f = tf.function(lambda g: summary.compute({"a": g}), input_signature=[tf.TensorSpec([None], tf.float32)])
+    with pytest.raises(ValueError, match="static shape"):
+        f(tf.ones([5000]))
