@@ -34,8 +34,10 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from importlib import metadata as importlib_metadata
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -133,6 +135,20 @@ def rss_mb(pid: int) -> float:
     return total / 1024
 
 
+def json_when(url: str, done: Callable[[Any], bool]) -> Callable[[], Any]:
+    """A :func:`wait_until` predicate: ``url``'s JSON once it answers 200 and ``done(json)`` holds, else None."""
+
+    def check() -> Any:
+        code, body = get(url)
+        if code == 200:
+            data = json.loads(body)
+            if done(data):
+                return data
+        return None
+
+    return check
+
+
 def wait_until(pred, deadline: float, interval: float = 0.25):
     while time.monotonic() < deadline:
         out = pred()
@@ -175,14 +191,8 @@ def bench_gradhealth(logdir: Path, layers: int, steps: int, limit: float) -> dic
         up = wait_until(lambda: get(f"http://127.0.0.1:{port}/data/plugins_listing", 5)[0] == 200, deadline, 0.1)
         out["server_up_s"] = round(time.monotonic() - t0, 2) if up else None
 
-        def complete():
-            code, body = get(f"{base}/health?run=scale")
-            if code == 200:
-                h = json.loads(body)
-                if h["step"] == steps - 1 and len(h["layers"]) == layers:
-                    return h
-            return None
-
+        complete = json_when(f"{base}/health?run=scale",
+                             lambda h: h["step"] == steps - 1 and len(h["layers"]) == layers)
         h = wait_until(complete, deadline, 0.5)
         out["first_complete_health_s"] = round(time.monotonic() - t0, 2) if h else None
         if h is None:
@@ -233,14 +243,8 @@ def bench_seed000(logdir: Path, layers: int, steps: int, limit: float) -> dict:
         out["server_up_s"] = round(time.monotonic() - t0, 2) if up else None
         last_tag = q(f"{names[-1]}-grad")
 
-        def complete():
-            code, body = get(f"{base}/histograms/histograms?run=seed000&tag={last_tag}")
-            if code == 200:
-                data = json.loads(body)
-                if data and data[-1][1] == steps - 1:
-                    return data
-            return None
-
+        complete = json_when(f"{base}/histograms/histograms?run=seed000&tag={last_tag}",
+                             lambda data: bool(data) and data[-1][1] == steps - 1)
         data = wait_until(complete, deadline, 0.5)
         out["first_complete_histogram_s"] = round(time.monotonic() - t0, 2) if data else None
         if data is None:

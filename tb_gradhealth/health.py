@@ -602,24 +602,31 @@ def _origin_note(origin: tuple[int, int, int], i: int, layers: Sequence[str], st
     return f"the first nonfinite layer was {layers[first]} at step {step} (deepest nonfinite layer, backprop order)"
 
 
+#: (ratio key, label, Thresholds field above, field below, why above, why below); ``{r}`` is the weight change of
+#: one SGD step at lr 1e-3 in units of the weight norm.
+_RATIO_RULES = (
+    ("update_to_weight", "update/weight", "update_ratio_above", "update_ratio_below",
+     " (rule of thumb ~1e-3, Karpathy): the learning rate is likely too high for this layer",
+     " (rule of thumb ~1e-3, Karpathy): this layer barely learns"),
+    ("grad_to_weight", "grad/weight", "grad_ratio_above", "grad_ratio_below",
+     ": even SGD at lr 1e-3 would move the weights by {r:.2g}x their norm a step",
+     ": the gradient is tiny next to the weights"),
+)
+
+
 def _ratio_notes(d: dict[str, np.ndarray], i: int, t: Thresholds) -> list[str]:
     notes = []
-    u = float(d["update_to_weight"][i])
-    if math.isfinite(u) and float(d["weight_norm"][i]) > 0:
-        if u > t.update_ratio_above:
-            notes.append(f"note: update/weight {_e(u)} is above {t.update_ratio_above:g} (rule of thumb ~1e-3, "
-                         f"Karpathy): the learning rate is likely too high for this layer")
-        elif u < t.update_ratio_below:
-            notes.append(f"note: update/weight {_e(u)} is below {t.update_ratio_below:g} (rule of thumb ~1e-3, "
-                         f"Karpathy): this layer barely learns")
-    g = float(d["grad_to_weight"][i])
-    if math.isfinite(g) and float(d["weight_norm"][i]) > 0:
-        if g > t.grad_ratio_above:
-            notes.append(f"note: grad/weight {_e(g)} is above {t.grad_ratio_above:g}: even SGD at lr 1e-3 would "
-                         f"move the weights by {g * 1e-3:.2g}x their norm a step")
-        elif g < t.grad_ratio_below:
-            notes.append(f"note: grad/weight {_e(g)} is below {t.grad_ratio_below:g}: the gradient is tiny next to "
-                         f"the weights")
+    if not float(d["weight_norm"][i]) > 0:
+        return notes
+    for key, label, above_field, below_field, why_above, why_below in _RATIO_RULES:
+        v = float(d[key][i])
+        if not math.isfinite(v):
+            continue
+        above, below = getattr(t, above_field), getattr(t, below_field)
+        if v > above:
+            notes.append(f"note: {label} {_e(v)} is above {above:g}" + why_above.format(r=v * 1e-3))
+        elif v < below:
+            notes.append(f"note: {label} {_e(v)} is below {below:g}" + why_below)
     return notes
 
 

@@ -8,7 +8,7 @@
 import { el, fmt, replace } from '../dom.js';
 import { statusColor } from '../status.js';
 import {
-  drawDecadeGrid, drawOnResize, hiDpiCanvas, linearTicks, log10OrNull, logDomain,
+  beginFrame, drawDecadeGrid, drawOnResize, linearTicks, log10OrNull, logDomain,
 } from './scale.js';
 
 const MARGIN = { left: 52, right: 12, top: 8, bottom: 22 };
@@ -35,10 +35,7 @@ export function depthBars({ layers, key = 'rms', bands = {}, onSelect = null, he
 
   function draw(width) {
     currentWidth = width;
-    const { ctx } = hiDpiCanvas(canvas, width, height);
-    const w = width - MARGIN.left - MARGIN.right;
-    const h = height - MARGIN.top - MARGIN.bottom;
-    ctx.font = '11px system-ui, sans-serif';
+    const { ctx, w, h } = beginFrame(canvas, width, height, MARGIN);
     if (!layers.length) {
       geometry = null;
       return;

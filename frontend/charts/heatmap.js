@@ -6,7 +6,7 @@
  */
 
 import { el, fmtInt, replace } from '../dom.js';
-import { decadeLabel, drawOnResize, hiDpiCanvas, linearTicks, stepLabel, viridis } from './scale.js';
+import { beginFrame, decadeLabel, drawEmpty, drawOnResize, linearTicks, stepLabel, viridis } from './scale.js';
 
 const MARGIN = { left: 58, right: 12, top: 8, bottom: 22 };
 
@@ -40,13 +40,9 @@ export function heatmap(data, { title = 'Log-magnitude histogram (|g| decades x 
   let geometry = null;
 
   function draw(width) {
-    const { ctx } = hiDpiCanvas(canvas, width, height);
-    const w = width - MARGIN.left - MARGIN.right;
-    const h = height - MARGIN.top - MARGIN.bottom;
-    ctx.font = '11px system-ui, sans-serif';
+    const { ctx, w, h } = beginFrame(canvas, width, height, MARGIN);
     if (!steps.length || !rows.length) {
-      ctx.fillStyle = '#777';
-      ctx.fillText('no histogram recorded', MARGIN.left + 8, MARGIN.top + h / 2);
+      drawEmpty(ctx, MARGIN, h, 'no histogram recorded');
       return;
     }
     const cw = w / steps.length;

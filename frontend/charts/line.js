@@ -5,7 +5,7 @@
 
 import { el, fmt, replace } from '../dom.js';
 import {
-  drawDecadeGrid, drawOnResize, hiDpiCanvas, linearTicks, log10OrNull, logDomain, stepLabel,
+  beginFrame, drawDecadeGrid, drawEmpty, drawOnResize, linearTicks, log10OrNull, logDomain, stepLabel,
 } from './scale.js';
 
 const MARGIN = { left: 52, right: 12, top: 8, bottom: 22 };
@@ -43,13 +43,9 @@ export function lineChart({ steps, series, thresholds: allThresholds = [], title
   let hoverIndex = null;
 
   function draw(width) {
-    const { ctx } = hiDpiCanvas(canvas, width, height);
-    const w = width - MARGIN.left - MARGIN.right;
-    const h = height - MARGIN.top - MARGIN.bottom;
-    ctx.font = '11px system-ui, sans-serif';
+    const { ctx, w, h } = beginFrame(canvas, width, height, MARGIN);
     if (!domain || steps.length === 0) {
-      ctx.fillStyle = '#777';
-      ctx.fillText('no positive values to plot on a log axis', MARGIN.left + 8, MARGIN.top + h / 2);
+      drawEmpty(ctx, MARGIN, h, 'no positive values to plot on a log axis');
       geometry = null;
       return;
     }

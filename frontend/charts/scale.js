@@ -65,6 +65,19 @@ export function hiDpiCanvas(canvas, width, height) {
   return { canvas, ctx, width, height };
 }
 
+/** Start a frame: the hi-DPI canvas, the plot area inside `margin` ({ctx, w, h}), and the charts' label font. */
+export function beginFrame(canvas, width, height, margin) {
+  const { ctx } = hiDpiCanvas(canvas, width, height);
+  ctx.font = '11px system-ui, sans-serif';
+  return { ctx, w: width - margin.left - margin.right, h: height - margin.top - margin.bottom };
+}
+
+/** The grey line a chart draws instead of a plot when it has nothing to show. */
+export function drawEmpty(ctx, margin, h, text) {
+  ctx.fillStyle = '#777';
+  ctx.fillText(text, margin.left + 8, margin.top + h / 2);
+}
+
 /** Width available to a chart: its container's width, or a fallback before layout. */
 export function availableWidth(node, fallback = 600) {
   const w = node && node.clientWidth;
