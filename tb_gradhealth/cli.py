@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from tb_gradhealth import health, reader
-from tb_gradhealth.plugin import RequestError, health_payload
+from tb_gradhealth.payloads import RequestError, health_payload
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 DEFAULT_FAIL_ON = "nonfinite"

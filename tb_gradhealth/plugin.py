@@ -1,15 +1,15 @@
 """The ``gradhealth`` TensorBoard plugin: thin HTTP routes over :mod:`reader` (data) and :mod:`health` (diagnosis).
 
-Every route validates its query, calls a pure function that turns a :class:`~tb_gradhealth.reader.RunSeries` into
-JSON, and answers through ``http_util.Respond``. Every failure mode is explicit: a bad parameter is a 400 naming it,
-an unknown run or layer a 404, a data provider that fails a 503; a corrupt or truncated file is a problem line in
-``runs``, not an error. The routes are documented in docs/API.md. Imports no TensorFlow.
+Every route validates its query, calls a pure function of :mod:`payloads` that turns a
+:class:`~tb_gradhealth.reader.RunSeries` into JSON, and answers through ``http_util.Respond``. Every failure mode
+is explicit: a bad parameter is a 400 naming it, an unknown run or layer a 404, a data provider that fails a 503; a
+corrupt or truncated file is a problem line in ``runs``, not an error. The routes are documented in docs/API.md.
+Imports no TensorFlow.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import threading
@@ -17,22 +17,25 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import numpy as np
 from tensorboard import context as tb_context
 from tensorboard import plugin_util
 from tensorboard.backend import http_util
 from tensorboard.plugins import base_plugin
 from werkzeug import wrappers
 
-from tb_gradhealth import health, metadata, record
+from tb_gradhealth import health, metadata
+from tb_gradhealth.payloads import (
+    RequestError,
+    at_index,
+    diagnose,
+    health_payload,
+    histograms_payload,
+    profile_payload,
+    runs_payload,
+    series_payload,
+)
 from tb_gradhealth.reader import ProviderError, ProviderReader, RunSeries
 
-#: Points a ``series`` / ``histograms`` answer holds at most (the last step always included).
-MAX_POINTS = 500
-#: Steps of the RMS sparkline history in ``health``.
-HISTORY_POINTS = 64
-SERIES_FIELDS = ("norm", "rms", "max_abs", "mean", "nan", "inf", "zero_fraction", "weight_norm", "grad_to_weight",
-                 "update_to_weight", "noise")
 _STATIC_TYPES = {
     ".js": "text/javascript",
     ".mjs": "text/javascript",
@@ -54,131 +57,6 @@ def _static_dir() -> str | None:
         if os.path.isfile(os.path.join(candidate, "index.js")):
             return candidate
     return None
-
-
-class RequestError(Exception):
-    """A request that cannot be answered: ``status`` 400 (bad parameter), 404 (unknown run/layer) or 503."""
-
-    def __init__(self, status: int, message: str, parameter: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.parameter = parameter
-
-
-# --- pure functions: series → JSON ------------------------------------------------------------------------------
-
-
-def _floats(values: np.ndarray) -> list[float | None]:
-    """JSON numbers, with NaN/Inf as null (JSON has no non-finite numbers)."""
-    arr = np.asarray(values, dtype=np.float64)
-    return [float(v) if math.isfinite(v) else None for v in arr.tolist()]
-
-
-def pick_indices(n: int, limit: int, must: tuple[int, ...] = ()) -> np.ndarray:
-    """At most ``limit`` indices of ``range(n)`` evenly spread, always with the last one and those in ``must``."""
-    if n <= limit:
-        return np.arange(n)
-    extra = sorted({int(m) for m in must if 0 <= m < n} | {n - 1})
-    base = np.linspace(0, n - 1, max(1, limit - len(extra))).round().astype(np.int64)
-    return np.unique(np.concatenate([base, np.array(extra, dtype=np.int64)]))
-
-
-def at_index(series: RunSeries, step: int | None) -> int:
-    """Index of the latest logged step at or before ``step`` (the last step when None); RequestError if none."""
-    if series.num_steps == 0:
-        raise RequestError(404, f"run {series.run!r} has no readable records", "run")
-    if step is None:
-        return series.num_steps - 1
-    k = int(np.searchsorted(series.steps, step, side="right")) - 1
-    if k < 0:
-        raise RequestError(400, f"parameter 'step': {step} is before the first logged step {series.first_step}",
-                           "step")
-    return k
-
-
-def runs_payload(runs: list[RunSeries], problems: list[str]) -> dict[str, Any]:
-    return {"runs": [s.summary() for s in runs], "problems": list(problems)}
-
-
-def diagnose(series: RunSeries, thresholds: health.Thresholds, step: int | None) -> health.RunHealth:
-    k = at_index(series, step)
-    return health.diagnose_run(series.layers, series.steps, series.records, thresholds,
-                               at_step=int(series.steps[k]))
-
-
-def health_payload(series: RunSeries, thresholds: health.Thresholds, step: int | None,
-                   diagnosis: health.RunHealth | None = None) -> dict[str, Any]:
-    """``{"run", **RunHealth.to_json(), "history_steps"}``, each layer with ``rms_history`` (sparklines)."""
-    k = at_index(series, step)
-    h = diagnosis if diagnosis is not None else diagnose(series, thresholds, step)
-    idx = pick_indices(k + 1, HISTORY_POINTS)
-    rms = record.derived(series.records[idx])["rms"]  # [H, L]
-    body = {"run": series.run, **h.to_json(), "history_steps": [int(s) for s in series.steps[idx]]}
-    for layer in body["layers"]:
-        layer["rms_history"] = _floats(rms[:, layer["index"]])
-    return body
-
-
-def _layer_rows(series: RunSeries, layer: str) -> tuple[np.ndarray, np.ndarray]:
-    """``(steps, rows [n, F])`` where the layer has a record; RequestError 404 for an unknown layer."""
-    j = series.layer_index(layer)
-    if j is None:
-        raise RequestError(404, f"parameter 'layer': run {series.run!r} has no layer {layer!r}", "layer")
-    rows = series.records[:, j]
-    present = ~np.isnan(rows[:, record.INDEX["size"]])
-    return series.steps[present], rows[present]
-
-
-def _selection(rows: np.ndarray) -> np.ndarray:
-    """≤ MAX_POINTS rows evenly spread, keeping the last step and the first step with NaN/Inf (never sampled away)."""
-    nonfinite = (rows[:, record.INDEX["nan"]] + rows[:, record.INDEX["posinf"]] + rows[:, record.INDEX["neginf"]]) > 0
-    must = (int(np.argmax(nonfinite)),) if nonfinite.any() else ()
-    return pick_indices(rows.shape[0], MAX_POINTS, must)
-
-
-def series_payload(series: RunSeries, layer: str, thresholds: health.Thresholds) -> dict[str, Any]:
-    steps, rows = _layer_rows(series, layer)
-    sel = _selection(rows)
-    d = record.derived(rows[sel])
-    return {
-        "run": series.run,
-        "layer": layer,
-        "steps": [int(s) for s in steps[sel]],
-        "total_steps": int(steps.size),
-        "downsampled": bool(sel.size < steps.size),
-        "fields": {name: _floats(d[name]) for name in SERIES_FIELDS},
-        "thresholds": thresholds.to_dict(),
-    }
-
-
-def histograms_payload(series: RunSeries, layer: str) -> dict[str, Any]:
-    steps, rows = _layer_rows(series, layer)
-    sel = _selection(rows)
-    rows = rows[sel]
-    hist = rows[:, record.HIST_START :]
-    nonempty = np.flatnonzero(np.any(hist != 0, axis=0))
-    lo, hi = (int(nonempty[0]), int(nonempty[-1]) + 1) if nonempty.size else (0, 0)
-    d = record.derived(rows)
-    return {
-        "run": series.run,
-        "layer": layer,
-        "steps": [int(s) for s in steps[sel]],
-        "decades": [int(x) for x in record.HIST_BIN_LOG10_LO[lo:hi]],
-        "counts": [_floats(r) for r in hist[:, lo:hi]],
-        "zero": _floats(d["zero"]),
-        "nonfinite": _floats(d["nan"] + d["inf"]),
-        "exact": [bool(x) for x in d["hist_exact"]],
-    }
-
-
-def profile_payload(series: RunSeries, thresholds: health.Thresholds, step: int | None,
-                    diagnosis: health.RunHealth | None = None) -> dict[str, Any]:
-    """Per-layer norms in network order at the latest logged step ≤ ``step``, statuses of the full diagnosis."""
-    k = at_index(series, step)
-    h = diagnosis if diagnosis is not None else diagnose(series, thresholds, int(series.steps[k]))
-    prof = health.profile(series.layers, series.records[k], thresholds, statuses=h.statuses())
-    return {"run": series.run, "step": int(series.steps[k]), "steps": [int(s) for s in series.steps], **prof}
 
 
 # --- request parsing ----------------------------------------------------------------------------------------------
