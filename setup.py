@@ -55,7 +55,7 @@ setup(
         "test": ["pytest", "playwright", "ruff"],
     },
     entry_points={
-        "tensorboard_plugins": ["gradhealth = tb_gradhealth.plugin:GradHealthPlugin"],
+        "tensorboard_plugins": ["gradhealth = tb_gradhealth.plugin:GradHealthLoader"],
         "console_scripts": ["tb-gradhealth = tb_gradhealth.cli:main"],
     },
     classifiers=[

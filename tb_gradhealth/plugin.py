@@ -259,9 +259,40 @@ def _resolve_static(static: str, rel: str) -> str | None:
     return full
 
 
+def keep_every_step_by_default(flags: Any) -> None:
+    """Set ``gradhealth=0`` (keep every sample) in ``flags.samples_per_plugin`` unless the user gave a value.
+
+    TensorBoard's loaders keep 100 tensors per tag (Rust data server) or 10 (``--load_fast=false``) for a plugin
+    without an entry, which loses the onset of a NaN and can drop a single Inf step entirely. ``program.configure``
+    calls every loader's ``fix_flags`` before it builds the data ingester, which reads this dict (the flag's parser
+    makes a dict of ``plugin=N`` pairs; a ``configure(samples_per_plugin=...)`` keyword may be either form).
+    """
+    if not hasattr(flags, "samples_per_plugin"):
+        return  # a TensorBoard program without the core plugin's flags: nothing to set
+    value = flags.samples_per_plugin
+    if isinstance(value, str):
+        parsed: dict[str, int] = {}
+        for token in value.split(","):
+            if token.strip():
+                key, _, num = token.strip().partition("=")
+                try:
+                    parsed[key.strip()] = int(num)
+                except ValueError as e:
+                    raise base_plugin.FlagsError(f"--samples_per_plugin: {token!r} is not plugin=N") from e
+        value = parsed
+    value = dict(value or {})
+    value.setdefault(metadata.PLUGIN_NAME, 0)
+    flags.samples_per_plugin = value
+
+
 class GradHealthLoader(base_plugin.TBLoader):
-    """Loader for ``tensorboard.program.TensorBoard(plugins=[...])`` and the ``tensorboard_plugins`` entry point
-    (TensorBoard accepts either this loader or the plugin class itself there)."""
+    """The ``tensorboard_plugins`` entry point (and what ``program.TensorBoard(plugins=[...])`` takes).
+
+    A loader rather than the plugin class, because only a loader gets :meth:`fix_flags`: it makes plain
+    ``tensorboard --logdir DIR`` keep every gradient-health step (see :func:`keep_every_step_by_default`)."""
+
+    def fix_flags(self, flags: Any) -> None:
+        keep_every_step_by_default(flags)
 
     def load(self, context: base_plugin.TBContext) -> GradHealthPlugin:
         return GradHealthPlugin(context)

@@ -82,7 +82,8 @@ def _get(url: str, timeout: float = 10.0) -> tuple[int, str, bytes]:
 class TensorBoardProcess:
     """A real ``tensorboard`` process on a loopback port; always stopped (with its data server) by :meth:`stop`."""
 
-    def __init__(self, logdir: str, log_path: Path, cwd: Path) -> None:
+    def __init__(self, logdir: str, log_path: Path, cwd: Path,
+                 flags: tuple[str, ...] = ("--samples_per_plugin", "gradhealth=0")) -> None:
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -96,8 +97,7 @@ class TensorBoardProcess:
             "127.0.0.1",
             "--port",
             str(self.port),
-            "--samples_per_plugin",
-            "gradhealth=0",
+            *flags,
             "--reload_interval",
             "1",
         ]
@@ -170,9 +170,11 @@ def tensorboard(demo_logdir, neutral_cwd, tmp_path_factory):
     assert tb.proc.poll() is not None, "tensorboard is still running"
 
 
-def test_entry_point_is_the_plugin_class_of_this_package(neutral_cwd):
+def test_entry_point_is_the_loader_of_this_package(neutral_cwd):
     found = _installed_entry_point(neutral_cwd)
-    assert found["value"].startswith("tb_gradhealth.plugin:"), found
+    # The loader, not the plugin class: only a TBLoader gets fix_flags (every step kept by default).
+    assert found["value"] == "tb_gradhealth.plugin:GradHealthLoader", (
+        f"{found}: reinstall the package (`pip install -e .`) to refresh its entry point")
     assert found["plugin"], f"{found['value']} is neither a TBPlugin nor a TBLoader subclass"
 
 
