@@ -3,6 +3,8 @@
  * (/data/plugin/gradhealth/), so the dashboard works behind any path prefix TensorBoard is served under.
  */
 
+import { STATUSES, isFlagged, statusRank } from './status.js';
+
 /** Error carrying the backend's `{"error": ...}` message. */
 export class ApiError extends Error {
   constructor(message, status) {
@@ -57,6 +59,32 @@ export function afterPaint() {
   return new Promise((resolve) => requestAnimationFrame(() => setTimeout(resolve, 0)));
 }
 
+/** How many runs are ticked when the page opens. */
+export const INITIAL_RUNS = 4;
+/** Diagnosis requests in flight at once while ranking the runs on first load. */
+const PARALLEL = 4;
+
+/**
+ * How sick a run is, as a key that sorts sickest first: the rank of its worst flagged status (nonfinite first;
+ * `inert` and `healthy` are not flagged), then more layers in that status, then more flagged layers in all. A run
+ * whose diagnosis failed sorts after every run with a flagged layer and before the unflagged ones.
+ */
+export function sicknessKey(health) {
+  if (!health) return [UNFLAGGED_RANK - 0.5, 0, 0];
+  const counts = (health.summary && health.summary.counts) || {};
+  const flagged = STATUSES.filter((s) => isFlagged(s) && counts[s] > 0);
+  if (!flagged.length) return [UNFLAGGED_RANK, 0, 0];
+  const worst = flagged[0];
+  return [statusRank(worst), -counts[worst], -flagged.reduce((n, s) => n + counts[s], 0)];
+}
+
+const UNFLAGGED_RANK = STATUSES.findIndex((s) => !isFlagged(s));
+
+function compareKeys(a, b) {
+  for (let i = 0; i < a.length; i += 1) if (a[i] !== b[i]) return a[i] - b[i];
+  return 0;
+}
+
 /**
  * The dashboard state: the runs listing, which runs are shown, threshold overrides, the health/profile answers
  * per run, and table view options shared by every run panel (so runs compare like for like).
@@ -108,12 +136,14 @@ export class Model {
     this.runsProblems = body.problems || [];
     this.lastRefresh = new Date();
     const changed = first ? [] : this.runs.filter((r) => before.get(r.run) !== r.last_step).map((r) => r.run);
-    for (const run of changed) this.training.add(run);
+    for (const run of changed) {
+      this.training.add(run);
+      // a kept diagnosis of a run that is not shown is stale now: ticking the run fetches it again
+      if (!this.selected.includes(run)) this.health.delete(run);
+    }
     const known = new Set(this.runs.map((r) => r.run));
     this.selected = this.selected.filter((r) => known.has(r));
-    if (!this.selected.length && this.runs.length && first) {
-      this.selected = this.runs.slice(0, 4).map((r) => r.run);
-    }
+    if (!this.selected.length && this.runs.length && first) this.selected = await this.sickestRuns(INITIAL_RUNS);
     this.emit('runs');
     return changed;
   }
@@ -143,9 +173,25 @@ export class Model {
     this.emit('health', run);
   }
 
-  /** (Re)load every selected run's diagnosis. */
+  /** Load the diagnosis of every selected run that has none yet (all of them after a threshold change). */
   async loadSelected() {
-    await Promise.all(this.selected.map((run) => this.loadHealth(run)));
+    await Promise.all(this.selected.filter((run) => !this.health.has(run)).map((run) => this.loadHealth(run)));
+  }
+
+  /**
+   * The `count` sickest runs, sickest first (see `sicknessKey`). The runs listing carries no diagnosis, so every
+   * run is diagnosed here, `PARALLEL` requests at a time; the answers are kept, so the ticked runs draw at once
+   * and ticking another run later needs no new request.
+   */
+  async sickestRuns(count) {
+    const queue = this.runs.map((r) => r.run);
+    const worker = async () => {
+      while (queue.length) await this.loadHealth(queue.shift());
+    };
+    await Promise.all(Array.from({ length: Math.min(PARALLEL, queue.length) }, worker));
+    const keyed = this.runs.map((r) => ({ run: r.run, key: sicknessKey(this.health.get(r.run)) }));
+    keyed.sort((a, b) => compareKeys(a.key, b.key) || (a.run < b.run ? -1 : a.run > b.run ? 1 : 0));
+    return keyed.slice(0, count).map((k) => k.run);
   }
 
   setSelected(runs) {

@@ -7,7 +7,18 @@
 import { el } from './dom.js';
 
 /** Severity order, worst first (same as health.STATUSES). */
-export const STATUSES = ['nonfinite', 'exploding', 'vanishing', 'dead', 'missing', 'healthy'];
+export const STATUSES = ['nonfinite', 'exploding', 'vanishing', 'dead', 'missing', 'inert', 'healthy'];
+
+/**
+ * Statuses that are not a disease: `healthy`, and `inert` (a parameter that only ever receives round-off
+ * gradient, e.g. a bias right before a BatchNorm; informational). They never count as flagged.
+ */
+export const UNFLAGGED = new Set(['inert', 'healthy']);
+
+/** Whether a status is a problem (counts in "flagged" totals, badges and the timeline). */
+export function isFlagged(status) {
+  return !UNFLAGGED.has(status);
+}
 
 export const STATUS_STYLE = {
   nonfinite: { color: '#000000', ink: '#ffffff', glyph: '✖', label: 'nonfinite' },
@@ -15,6 +26,7 @@ export const STATUS_STYLE = {
   vanishing: { color: '#0072B2', ink: '#ffffff', glyph: '▼', label: 'vanishing' },
   dead: { color: '#CC79A7', ink: '#000000', glyph: '■', label: 'dead' },
   missing: { color: '#F0E442', ink: '#000000', glyph: '?', label: 'missing' },
+  inert: { color: '#BDBDBD', ink: '#000000', glyph: '○', label: 'inert' },
   healthy: { color: '#009E73', ink: '#000000', glyph: '✓', label: 'healthy' },
 };
 

@@ -1,8 +1,10 @@
 /**
  * The depth profile: one bar per layer in network (forward) order, height = log10 of a magnitude (RMS by
  * default) at one step, coloured by status, with the healthy band drawn: shaded below the vanishing line and
- * above the exploding line, dashed at the median layer. A layer with no finite value (NaN/Inf) gets a full-height
- * dark marker; an all-zero or missing layer a marker at the floor, so no layer silently disappears.
+ * above the exploding line, dashed at the median layer. The axis floor sits at least one decade below the smallest
+ * value and every bar is at least `MIN_BAR_PX` tall, so the weakest layer (often the one that matters) is a clear
+ * bar. A layer with no finite value (NaN/Inf) gets a dark marker at the top; an all-zero or missing layer a hollow
+ * dashed box at the floor (never filled like a bar), so no layer silently disappears or passes for a tiny bar.
  */
 
 import { el, fmt, replace } from '../dom.js';
@@ -12,6 +14,39 @@ import {
 } from './scale.js';
 
 const MARGIN = { left: 52, right: 12, top: 8, bottom: 22 };
+/** The shortest bar drawn, in CSS pixels (a hollow `ABSENT_PX` box at the floor marks a layer with no value). */
+export const MIN_BAR_PX = 6;
+const ABSENT_PX = 8;
+const LABEL_H = 13;
+
+/** The plotted log range: `logDomain`, with the floor a full decade below the smallest value. */
+function barDomain(values, extra) {
+  const domain = logDomain(values, extra);
+  if (!domain) return null;
+  const smallest = Math.min(...values.map(log10OrNull).filter((l) => l !== null));
+  return [Math.min(domain[0], Math.floor(smallest) - 1), domain[1]];
+}
+
+/**
+ * Where a band line's label goes: above or below its line, at the left, right or middle, inside the plot and clear
+ * of the labels already placed (`placed` collects their boxes).
+ */
+function labelBox(yLine, width, plot, placed) {
+  const xs = [plot.left + 2, plot.left + plot.w - width - 6, plot.left + (plot.w - width) / 2];
+  const ys = [yLine - LABEL_H - 1, yLine + 2];
+  const inside = (b) => b.y >= plot.top && b.y + LABEL_H <= plot.top + plot.h;
+  const clear = (b) => placed.every((p) => b.x + b.w < p.x || p.x + p.w < b.x || b.y + LABEL_H <= p.y || p.y + LABEL_H <= b.y);
+  let fallback = null;
+  for (const x of xs) {
+    for (const y of ys) {
+      const box = { x, y, w: width + 4 };
+      if (!inside(box)) continue;
+      fallback = fallback || box;
+      if (clear(box)) return box;
+    }
+  }
+  return fallback || { x: xs[0], y: Math.max(plot.top, Math.min(yLine + 2, plot.top + plot.h - LABEL_H)), w: width + 4 };
+}
 
 /**
  * @param {object} opts
@@ -28,7 +63,7 @@ export function depthBars({ layers, key = 'rms', bands = {}, onSelect = null, he
   const root = el('div', { class: 'chart' }, plot, readout);
   root.dataset.bars = String(layers.length);
   const extra = [bands.median_rms, bands.vanishing_below, bands.exploding_above];
-  const domain = logDomain(layers.map((l) => l[key]), key === 'rms' ? extra : []);
+  const domain = barDomain(layers.map((l) => l[key]), key === 'rms' ? extra : []);
   let geometry = null;
   let hover = null;
   let currentWidth = 0;
@@ -73,13 +108,19 @@ export function depthBars({ layers, key = 'rms', bands = {}, onSelect = null, he
       const x0 = MARGIN.left + i * slot + gap / 2;
       const bw = Math.max(slot - gap, 0.6);
       if (l === null) {
-        const bad = layer.status === 'nonfinite' || layer[key] === Infinity;
-        ctx.fillStyle = bad ? 'rgba(0,0,0,0.85)' : statusColor(layer.status);
-        if (bad) ctx.fillRect(x0, MARGIN.top, bw, 6);
-        else ctx.fillRect(x0, base - 4, bw, 4);
+        if (layer.status === 'nonfinite' || layer[key] === Infinity) {
+          ctx.fillStyle = 'rgba(0,0,0,0.85)';
+          ctx.fillRect(x0, MARGIN.top, bw, 6);
+        } else {
+          ctx.save();
+          ctx.setLineDash([2, 2]);
+          ctx.strokeStyle = '#444444';
+          ctx.strokeRect(x0 + 0.5, base - ABSENT_PX + 0.5, Math.max(bw - 1, 1), ABSENT_PX - 1);
+          ctx.restore();
+        }
         return;
       }
-      const top = y(Math.min(Math.max(l, lo), hi));
+      const top = Math.min(y(Math.min(Math.max(l, lo), hi)), base - MIN_BAR_PX);
       ctx.fillStyle = statusColor(layer.status);
       ctx.fillRect(x0, top, bw, base - top);
     });
@@ -91,7 +132,8 @@ export function depthBars({ layers, key = 'rms', bands = {}, onSelect = null, he
         [log10OrNull(bands.exploding_above), '#D55E00', 'exploding above'],
       ];
       ctx.textAlign = 'left';
-      ctx.textBaseline = 'bottom';
+      ctx.textBaseline = 'top';
+      const placed = [];
       for (const [v, color, label] of lines) {
         if (v === null || v < lo || v > hi) continue;
         // a white halo under each line and label keeps them readable on bars of the same colour
@@ -107,11 +149,12 @@ export function depthBars({ layers, key = 'rms', bands = {}, onSelect = null, he
         ctx.lineWidth = 1.5;
         ctx.stroke();
         ctx.restore();
-        const tw = ctx.measureText(label).width;
+        const box = labelBox(y(v), ctx.measureText(label).width, { left: MARGIN.left, top: MARGIN.top, w, h }, placed);
+        placed.push(box);
         ctx.fillStyle = 'rgba(255,255,255,0.85)';
-        ctx.fillRect(MARGIN.left + 2, y(v) - 14, tw + 4, 12);
+        ctx.fillRect(box.x, box.y, box.w, LABEL_H);
         ctx.fillStyle = color;
-        ctx.fillText(label, MARGIN.left + 4, y(v) - 2);
+        ctx.fillText(label, box.x + 2, box.y + 1);
       }
     }
     if (hover !== null) {

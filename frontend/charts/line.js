@@ -4,11 +4,29 @@
  */
 
 import { el, fmt, replace } from '../dom.js';
+import { statusColor } from '../status.js';
 import {
   beginFrame, drawDecadeGrid, drawEmpty, drawOnResize, linearTicks, log10OrNull, logDomain, stepLabel,
 } from './scale.js';
 
 const MARGIN = { left: 52, right: 12, top: 8, bottom: 22 };
+
+/** Shade each episode from half a step before its first step to half a step after its last (one step stays visible). */
+function drawEpisodes(ctx, episodes, steps, x, h) {
+  if (!episodes.length) return;
+  const half = steps.length > 1 ? (steps[steps.length - 1] - steps[0]) / (steps.length - 1) / 2 : 0.5;
+  const left = x(steps[0]);
+  const right = x(steps[steps.length - 1]);
+  ctx.save();
+  ctx.globalAlpha = 0.16;
+  for (const e of episodes) {
+    const x0 = Math.max(left, x(e.from - half));
+    const x1 = Math.min(right, x(e.to + half));
+    ctx.fillStyle = statusColor(e.status);
+    ctx.fillRect(x0, MARGIN.top, Math.max(x1 - x0, 2), h);
+  }
+  ctx.restore();
+}
 
 /**
  * @param {object} opts
@@ -16,11 +34,13 @@ const MARGIN = { left: 52, right: 12, top: 8, bottom: 22 };
  * @param {{name:string, values:(number|null)[], color:string, dash?:number[]}[]} opts.series
  * @param {{value:number, label:string, color:string, reach?:number}[]} [opts.thresholds] horizontal lines; `reach`:
  *   how many decades beyond the data a line may widen the axis to be shown (default 4)
+ * @param {{status:string, from:number, to:number, label:string}[]} [opts.episodes] the layer's episodes (inclusive logged steps),
+ *   shaded behind the lines in their status colour, listed in the legend and named in the hover read-out
  * @param {string} opts.title
  * @param {number} [opts.height]
  * @returns {HTMLElement} a `.chart` block: title, legend, canvas, read-out line
  */
-export function lineChart({ steps, series, thresholds: allThresholds = [], title, height = 170 }) {
+export function lineChart({ steps, series, thresholds: allThresholds = [], episodes: allEpisodes = [], title, height = 170 }) {
   const domain = logDomain(series.flatMap((s) => s.values),
     allThresholds.map((t) => ({ value: t.value, reach: t.reach ?? 4 })));
   // Only the lines that fall inside the plotted range get drawn and listed in the legend.
@@ -28,15 +48,19 @@ export function lineChart({ steps, series, thresholds: allThresholds = [], title
     const l = log10OrNull(t.value);
     return domain && l !== null && l >= domain[0] && l <= domain[1];
   });
+  const episodes = steps.length ? allEpisodes.filter((e) => e.to >= steps[0] && e.from <= steps[steps.length - 1]) : [];
   const canvas = el('canvas', { class: 'chart-canvas' });
   const readout = el('div', { class: 'chart-readout', text: 'hover for values' });
   const legend = el('div', { class: 'chart-legend' },
+    episodes.map((e) => el('span', { class: 'legend-item legend-episode', attrs: { 'data-status': e.status } },
+      el('span', { class: 'legend-band', style: { background: statusColor(e.status) } }), e.label)),
     series.map((s) => el('span', { class: 'legend-item' },
       el('span', { class: 'legend-swatch', style: { background: s.color } }), s.name)),
     thresholds.map((t) => el('span', { class: 'legend-item' },
       el('span', { class: 'legend-swatch legend-dotted', style: { borderColor: t.color } }), t.label)));
   const plot = el('div', { class: 'chart-plot' }, canvas);
   const root = el('div', { class: 'chart' }, el('div', { class: 'chart-title', text: title }), legend, plot, readout);
+  root.dataset.episodes = String(episodes.length);
   root.dataset.points = String(series.reduce((n, s) => n + s.values.filter((v) => log10OrNull(v) !== null).length, 0));
 
   let geometry = null;
@@ -55,6 +79,7 @@ export function lineChart({ steps, series, thresholds: allThresholds = [], title
     const x = (s) => MARGIN.left + (s1 === s0 ? w / 2 : ((s - s0) / (s1 - s0)) * w);
     const y = (l) => MARGIN.top + h - ((l - lo) / (hi - lo)) * h;
     geometry = { x, y, s0, s1, w };
+    drawEpisodes(ctx, episodes, steps, x, h);
     // grid + axes
     ctx.lineWidth = 1;
     drawDecadeGrid(ctx, domain, y, MARGIN.left, w, h);
@@ -150,7 +175,9 @@ export function lineChart({ steps, series, thresholds: allThresholds = [], title
     }
     hoverIndex = best;
     draw(currentWidth);
+    const inside = episodes.find((e) => e.from <= steps[best] && steps[best] <= e.to);
     replace(readout, el('b', { text: `step ${steps[best]}` }),
+      inside ? el('span', { class: 'readout-item readout-episode', text: `in episode: ${inside.label}` }) : null,
       series.map((s) => el('span', { class: 'readout-item' },
         el('span', { class: 'legend-swatch', style: { background: s.color } }), `${s.name} ${fmt(s.values[best])}`)));
   });

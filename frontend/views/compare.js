@@ -5,7 +5,7 @@
  */
 
 import { el, replace } from '../dom.js';
-import { STATUSES, STATUS_STYLE, badge } from '../status.js';
+import { STATUSES, STATUS_STYLE, badge, isFlagged } from '../status.js';
 
 /** @param {import('../model.js').Model} model */
 export function compareStrip(model) {
@@ -18,11 +18,12 @@ export function compareStrip(model) {
     const head = el('tr', {}, el('th', { text: 'Run' }), el('th', { class: 'num', text: 'Step' }),
       STATUSES.map((s) => el('th', { class: 'num', title: s },
         el('span', { text: STATUS_STYLE[s].glyph, style: { color: STATUS_STYLE[s].color } }), ` ${s}`)),
-      el('th', { text: 'First to go bad' }));
+      el('th', { text: 'First to go bad' }), el('th', { text: 'First went wrong' }));
     const body = runs.map((run) => {
       const h = model.health.get(run);
       const counts = (h.summary && h.summary.counts) || {};
       const first = h.summary && h.summary.first_bad;
+      const onset = h.summary && h.summary.onset;
       const link = el('a', { href: '#', class: 'run-link', text: run });
       link.addEventListener('click', (event) => {
         event.preventDefault();
@@ -30,10 +31,12 @@ export function compareStrip(model) {
         if (target) target.scrollIntoView({ behavior: 'smooth', block: 'start' });
       });
       return el('tr', { attrs: { 'data-run': run } }, el('td', {}, link), el('td', { class: 'num', text: String(h.step ?? '—') }),
-        STATUSES.map((s) => el('td', { class: `num${counts[s] && s !== 'healthy' ? ' bad-count' : ''}`,
+        STATUSES.map((s) => el('td', { class: `num${counts[s] && isFlagged(s) ? ' bad-count' : ''}`,
           text: counts[s] ? String(counts[s]) : '·' })),
         el('td', {}, first ? [el('span', { class: 'mono', text: first.layer }), ' ', badge(first.status),
-          first.step === null || first.step === undefined ? '' : ` at step ${first.step}`] : 'all healthy'));
+          first.step === null || first.step === undefined ? '' : ` from step ${first.step}`] : 'nothing flagged'),
+        el('td', { class: 'onset-cell' }, onset ? [`step ${onset.step} on `, el('span', { class: 'mono', text: onset.layer }),
+          ' ', badge(onset.status)] : '·'));
     });
     replace(root, el('table', { class: 'compare-table' }, el('thead', {}, head), el('tbody', {}, body)));
   }

@@ -9,16 +9,27 @@ import { heatmap } from '../charts/heatmap.js';
 import { lineChart } from '../charts/line.js';
 import { api } from '../model.js';
 import { badge } from '../status.js';
+import { episodeText, episodesOf, statusChain } from './episodes.js';
 import { thresholdLines } from './reference.js';
 
 const C = { rms: '#0072B2', max_abs: '#D55E00', norm: '#009E73', ratio: '#CC79A7', ratio2: '#56B4E9', noise: '#E69F00' };
 
 const STATS = [
-  ['severity', 'severity'], ['first_step', 'since step'], ['step', 'diagnosed at step'], ['index', 'network index'],
+  ['severity', 'severity'], ['first_step', 'onset (step)'], ['status_since', 'current status since'],
+  ['step', 'diagnosed at step'], ['index', 'network index'],
   ['rms', 'RMS'], ['max_abs', 'max |g|'], ['norm', 'norm'], ['mean', 'mean'], ['nan', 'NaN count'],
   ['inf', 'Inf count'], ['zero_fraction', 'zero fraction'], ['weight_norm', 'weight norm'],
   ['grad_to_weight', '|g| / |w|'], ['update_to_weight', '|Δw| / |w|'], ['noise', 'noise'],
 ];
+
+/** The layer's episodes as a chain of status marks ("▲ exploding 38–43 → ■ dead 44–53"), or null. */
+function episodeList(entry) {
+  const episodes = episodesOf(entry);
+  if (!episodes.length) return null;
+  const chain = statusChain(episodes.map((ep) => [ep.status, episodeText(ep)]));
+  return el('p', { class: 'episodes', attrs: { 'data-testid': 'episodes' } }, el('b', { text: 'Episodes: ' }), chain,
+    el('span', { class: 'hint', text: ' (shaded on the charts below)' }));
+}
 
 const anyPositive = (values) => (values || []).some((v) => typeof v === 'number' && v > 0);
 
@@ -55,6 +66,7 @@ export function detailDrawer(model) {
       entry && entry.reasons && entry.reasons.length
         ? el('ul', { class: 'reasons-list' }, entry.reasons.map((r) => el('li', { text: r })))
         : el('p', { class: 'hint', text: entry && entry.status === 'healthy' ? 'No rule fired: this layer looks healthy.' : '' }),
+      episodeList(entry),
       entry ? el('dl', { class: 'stat-grid' }, STATS.filter(([k]) => entry[k] !== undefined).map(([k, label]) => [
         el('dt', { text: label }), el('dd', { class: 'mono', text: k.endsWith('step') || k === 'index'
           ? String(entry[k] ?? '—') : fmt(entry[k]) })])) : null,
@@ -70,6 +82,7 @@ export function detailDrawer(model) {
       const steps = series.steps || [];
       const blocks = [];
       const lines = thresholdLines(series.thresholds || {}, profile && profile.bands);
+      const episodes = episodesOf(entry).map((ep) => ({ ...ep, label: episodeText(ep) }));
       blocks.push(lineChart({
         title: 'Gradient magnitude (log scale)', steps,
         series: [
@@ -78,6 +91,7 @@ export function detailDrawer(model) {
           { name: 'norm', values: f.norm || [], color: C.norm, dash: [10, 3, 2, 3] },
         ],
         thresholds: lines.magnitude,
+        episodes,
       }));
       if (anyPositive(f.update_to_weight) || anyPositive(f.grad_to_weight)) {
         blocks.push(lineChart({
@@ -90,11 +104,12 @@ export function detailDrawer(model) {
             ...(anyPositive(f.update_to_weight) ? lines.update : []),
             ...(anyPositive(f.grad_to_weight) ? lines.ratio : []),
           ],
+          episodes,
         }));
       }
       if (anyPositive(f.noise)) {
         blocks.push(lineChart({ title: 'Gradient noise (micro-batch spread / norm)', steps,
-          series: [{ name: 'noise', values: f.noise, color: C.noise }], thresholds: lines.noise }));
+          series: [{ name: 'noise', values: f.noise, color: C.noise }], thresholds: lines.noise, episodes }));
       }
       const nonfinite = steps.map((_, i) => (f.nan ? f.nan[i] || 0 : 0) + (f.inf ? f.inf[i] || 0 : 0));
       if (anyPositive(nonfinite) || anyPositive(f.zero_fraction)) {
@@ -102,7 +117,8 @@ export function detailDrawer(model) {
           series: [
             anyPositive(nonfinite) ? { name: 'NaN+Inf elements', values: nonfinite, color: '#000000' } : null,
             anyPositive(f.zero_fraction) ? { name: 'zero fraction', values: f.zero_fraction, color: C.ratio, dash: [4, 3] } : null,
-          ].filter(Boolean) }));
+          ].filter(Boolean),
+          episodes }));
       }
       if (hist && !hist.error) blocks.push(heatmap(hist));
       else if (hist && hist.error) blocks.push(el('div', { class: 'notice notice-error', text: `Histogram: ${hist.error}` }));

@@ -1,9 +1,44 @@
 /**
- * The one-line answer for a run: how many layers are in each status, and which layer went bad first and when.
+ * The answer for a run in two lines: how many layers are in each status and which layer went bad first and when;
+ * then the story over time: the first step anything went wrong and where, and the chain of statuses as they
+ * appeared ("exploding from 38 (dense_3 +4) → dead from 44 → nonfinite from 54").
  */
 
 import { el } from '../dom.js';
-import { STATUSES, STATUS_STYLE, badge } from '../status.js';
+import { STATUSES, STATUS_STYLE, badge, isFlagged } from '../status.js';
+import { statusChain } from './episodes.js';
+
+const known = (x) => x !== null && x !== undefined;
+
+/** `summary.timeline` entries that are problems (an inert parameter is no part of what went wrong). */
+export function flaggedTimeline(health) {
+  return ((health.summary && health.summary.timeline) || []).filter((t) => isFlagged(t.status));
+}
+
+/** "exploding from 38 (dense_3 +4)" for one timeline entry. */
+function timelineText(entry) {
+  const others = entry.layers > 1 ? ` +${entry.layers - 1}` : '';
+  return `${entry.status} from ${entry.step}${entry.layer ? ` (${entry.layer}${others})` : ''}`;
+}
+
+function storyLine(health) {
+  const onset = health.summary && health.summary.onset;
+  const timeline = flaggedTimeline(health);
+  if (!onset && !timeline.length) return null;
+  const parts = [];
+  if (onset) {
+    parts.push(el('span', { class: 'onset', attrs: { 'data-testid': 'onset', 'data-step': String(onset.step) } },
+      'First went wrong at ', el('b', { text: `step ${onset.step}` }), ' on ',
+      el('span', { class: 'mono', text: onset.layer }), ' ', badge(onset.status)));
+  }
+  if (timeline.length) {
+    const chain = statusChain(timeline.map((entry) => [entry.status, timelineText(entry)]));
+    parts.push(el('span', { class: 'timeline', attrs: { 'data-testid': 'timeline' },
+      title: 'when each status first appeared in the run, on which layer first (+ how many other layers had it)' },
+    'Timeline: ', chain));
+  }
+  return el('div', { class: 'summary-story' }, parts);
+}
 
 /** @param {object} health the `health` route answer */
 export function summaryLine(health) {
@@ -11,7 +46,8 @@ export function summaryLine(health) {
   const firstBad = health.summary ? health.summary.first_bad : null;
   const chips = STATUSES.filter((s) => counts[s]).map((s) => el('span', {
     class: `count-chip count-${s}`,
-    title: `${counts[s]} layer(s) ${s}`,
+    title: s === 'inert' ? `${counts[s]} parameter(s) receive only round-off gradient (informational, not flagged)`
+      : `${counts[s]} layer(s) ${s}`,
     style: { borderColor: STATUS_STYLE[s].color },
   }, el('span', { class: 'count-glyph', text: STATUS_STYLE[s].glyph, style: { color: STATUS_STYLE[s].color } }),
   el('b', { text: String(counts[s]) }), ` ${s}`));
@@ -19,12 +55,15 @@ export function summaryLine(health) {
   let verdict;
   if (firstBad) {
     verdict = el('span', { class: 'first-bad' }, 'First to go bad: ', el('span', { class: 'mono', text: firstBad.layer }),
-      ' ', badge(firstBad.status), firstBad.step === null || firstBad.step === undefined ? '' : ` at step ${firstBad.step}`);
+      ' ', badge(firstBad.status), known(firstBad.step) ? ` from step ${firstBad.step}` : '');
   } else {
-    verdict = el('span', { class: 'first-bad ok', text: `All ${total} layers healthy at step ${health.step}.` });
+    const inert = counts.inert ? ` (${counts.inert} inert)` : '';
+    verdict = el('span', { class: 'first-bad ok', text: `No layer flagged at step ${health.step}${inert}.` });
   }
   const order = health.summary && health.summary.order;
   return el('div', { class: 'summary-line', attrs: { 'data-testid': 'summary' } },
-    el('span', { class: 'summary-total', text: `${total} layers · step ${health.step ?? '—'}` }),
-    chips, verdict, order ? el('span', { class: 'summary-order', title: order, text: 'how ranked?' }) : null);
+    el('div', { class: 'summary-counts' },
+      el('span', { class: 'summary-total', text: `${total} layers · step ${health.step ?? '—'}` }),
+      chips, verdict, order ? el('span', { class: 'summary-order', title: order, text: 'how ranked?' }) : null),
+    storyLine(health));
 }

@@ -12,6 +12,7 @@ import { el, fmt, replace } from '../dom.js';
 import { lazySparkline, sparklineObserver } from '../charts/sparkline.js';
 import { afterPaint, timing } from '../model.js';
 import { badge, statusColor, statusRank } from '../status.js';
+import { chainGlyphs, chainText } from './episodes.js';
 
 export const ROW_PAGE = 50;
 
@@ -20,7 +21,7 @@ const COLUMNS = [
   { key: 'status', label: 'Status', title: 'diagnosis' },
   { key: 'layer', label: 'Layer', title: 'variable name' },
   { key: 'severity', label: 'Severity', title: 'how far outside the healthy band, times persistence', num: true },
-  { key: 'first_step', label: 'Since step', title: 'first step of the current status', num: true },
+  { key: 'first_step', label: 'Since step', title: 'onset of the current chain of episodes (hover a cell for the chain)', num: true },
   { key: 'rms', label: 'RMS', title: 'root mean square of the gradient at the diagnosed step', num: true },
   { key: 'max_abs', label: 'max |g|', title: 'largest gradient magnitude at the diagnosed step', num: true },
   { key: 'norm', label: 'Norm', title: 'L2 norm of the gradient at the diagnosed step', num: true },
@@ -64,6 +65,12 @@ export function visibleLayers(health, view) {
   return layers;
 }
 
+/** The "since" cell: the onset of the layer's episode chain, the chain's glyphs, and the chain in full on hover. */
+function sinceCell(layer) {
+  const known = layer.first_step !== null && layer.first_step !== undefined;
+  return el('td', { class: 'num since', title: chainText(layer) }, chainGlyphs(layer), known ? String(layer.first_step) : '—');
+}
+
 function row(layer, history, onSelect, observer) {
   const reasons = layer.reasons || [];
   const tr = el('tr', { class: `row row-${layer.status}`, tabIndex: 0, attrs: { 'data-layer': layer.layer } },
@@ -71,7 +78,7 @@ function row(layer, history, onSelect, observer) {
     el('td', {}, badge(layer.status)),
     el('td', { class: 'layer-name mono', text: layer.layer, title: layer.layer }),
     el('td', { class: 'num', text: fmt(layer.severity) }),
-    el('td', { class: 'num', text: layer.first_step === null || layer.first_step === undefined ? '—' : String(layer.first_step) }),
+    sinceCell(layer),
     el('td', { class: 'num', text: fmt(layer.rms) }),
     el('td', { class: 'num', text: fmt(layer.max_abs) }),
     el('td', { class: 'num', text: fmt(layer.norm) }),
