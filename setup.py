@@ -47,12 +47,12 @@ setup(
     package_data={"tb_gradhealth.static": STATIC_PATTERNS},
     include_package_data=False,
     zip_safe=False,
-    install_requires=["tensorboard>=2.12", "numpy", "werkzeug"],
+    install_requires=["tensorboard>=2.12", "numpy", "werkzeug", "google-crc32c"],
     extras_require={
         "tf": ["tensorflow"],
-        # C CRC32C for the TF-free event-file framing (tb_gradhealth/eventfile.py): ~GB/s instead of ~8 MB/s.
-        "fast": ["google-crc32c"],
-        "test": ["pytest", "playwright", "ruff"],
+        # Kept for old install commands: google-crc32c is now a dependency (the reader checks every data checksum).
+        "fast": [],
+        "test": ["pytest", "playwright", "ruff", "hypothesis"],
     },
     entry_points={
         "tensorboard_plugins": ["gradhealth = tb_gradhealth.plugin:GradHealthLoader"],

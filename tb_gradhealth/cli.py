@@ -5,7 +5,10 @@ diagnoses with :mod:`tb_gradhealth.health`, so it agrees with the dashboard. The
 answer per run (docs/API.md) plus the run's read problems.
 
 Exit status: 1 when a reported layer has a status named in ``--fail-on`` (default ``nonfinite``; ``none`` never
-fails), 2 on bad usage or an unreadable or empty logdir, 0 otherwise.
+fails); else 3 when a run holds gradient-health data but none of it is readable (each such run and why is on stderr
+and in the JSON's ``problems``); 2 on bad usage, or a logdir that is missing or holds no gradient-health data; 0
+otherwise. Damage inside a readable run (a damaged record, a truncated file) is a warning on stderr and a line in
+that run's ``problems``; it does not change the exit status.
 """
 
 from __future__ import annotations
@@ -17,9 +20,9 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from tb_gradhealth import health, reader
-from tb_gradhealth.payloads import RequestError, health_payload
+from tb_gradhealth.payloads import RequestError, health_payload, parse_step, parse_thresholds
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_UNREADABLE = 0, 1, 2, 3
 DEFAULT_FAIL_ON = "nonfinite"
 
 
@@ -39,8 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
         "report",
         help="rank the layers of every run worst first",
         description="Diagnose every run in LOGDIR (nonfinite, exploding, vanishing, dead, missing, healthy) and "
-        "print a ranked table per run. Exit 1 if a layer has a status named in --fail-on, 2 on bad usage or an "
-        "unreadable or empty logdir, 0 otherwise.",
+        "print a ranked table per run. Exit 1 if a layer has a status named in --fail-on; else 3 if a run's "
+        "records are all unreadable (reasons on stderr); 2 on bad usage or a logdir without gradient-health data; "
+        "0 otherwise.",
     )
     rep.add_argument("logdir", metavar="LOGDIR", help="directory of event files (runs are its subdirectories)")
     rep.add_argument("--run", action="append", metavar="R", help="only this run (repeatable); default: all runs")
@@ -70,19 +74,18 @@ def _fail_on(raw: str) -> frozenset[str]:
 
 
 def _step(raw: str | None) -> int | None:
-    if raw is None:
-        return None
-    if not raw.isdigit():
-        raise UsageError(f"--step: {raw!r} is not a non-negative integer")
-    return int(raw)
+    try:
+        return parse_step(raw, "--step")
+    except RequestError as e:
+        raise UsageError(e.message) from e
 
 
 def _thresholds(args: argparse.Namespace) -> health.Thresholds:
     given = {k[2:]: v for k, v in vars(args).items() if k.startswith("t_") and v is not None}
     try:
-        return health.Thresholds.from_mapping(given)
-    except ValueError as e:
-        raise UsageError(f"threshold flag: {e}") from e
+        return parse_thresholds(given)
+    except RequestError as e:
+        raise UsageError(f"threshold flag: {e.message}") from e
 
 
 def _num(x: Any) -> str:
@@ -107,6 +110,8 @@ def format_run(body: dict[str, Any], series: reader.RunSeries, top: int = 0) -> 
         lines.append(f"  first bad: {_text(fb['layer'])} ({fb['status']}) at step {fb['step']}")
     for p in series.problems:
         lines.append(f"  problem: {_text(p)}")
+    for p in series.notes:
+        lines.append(f"  note: {_text(p)}")
     layers = body["layers"][:top] if top > 0 else body["layers"]
     width = max([len(_text(x["layer"])) for x in layers] + [5])
     lines.append(f"  {'#':>4}  {'status':<9}  {'severity':>8}  {'since':>7}  {'layer':<{width}}  {'rms':>9}  "
@@ -137,21 +142,29 @@ def report(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if missing:
         raise UsageError(f"--run: no gradient-health data for run(s) {', '.join(map(repr, missing))} in "
                          f"{args.logdir!r}")
-    runs = [s for s in data.runs if s.num_steps]
-    if not runs:
+    if not data.runs:
         raise UsageError(f"no gradient-health records in {args.logdir!r} (write them with tb_gradhealth's writers)")
+    runs = [s for s in data.runs if s.num_steps]
+    problems = list(data.problems)
+    for series in data.runs:
+        prefix = f"run {series.run!r}: " + ("" if series.num_steps else "unreadable, no record can be read: ")
+        for p in series.problems:
+            print(f"tb-gradhealth: {'warning' if series.num_steps else 'error'}: {_text(prefix + p)}", file=err)
+        if not series.num_steps:
+            problems.extend(prefix + p for p in series.problems or ("no records",))
     bodies = []
     for series in runs:
         try:
             body = health_payload(series, thresholds, step)
         except RequestError as e:
             raise UsageError(f"--step: run {series.run!r}: {e.message}") from e
-        bodies.append((series, {**body, "problems": list(series.problems)}))
+        bodies.append((series, {**body, "problems": list(series.problems), "notes": list(series.notes)}))
     failed = sorted({x["status"] for _, b in bodies for x in b["layers"]} & fail_on)
     if args.json:
-        text = json.dumps({"runs": [b for _, b in bodies], "problems": data.problems}, allow_nan=False)
+        text = json.dumps({"runs": [b for _, b in bodies], "problems": problems}, allow_nan=False)
     else:
-        text = "\n\n".join(format_run(b, s, args.top) for s, b in bodies)
+        text = "\n\n".join([format_run(b, s, args.top) for s, b in bodies]
+                            + [f"run {_text(s.run)}: unreadable" for s in data.runs if not s.num_steps])
     try:
         out.write(text + "\n")
         out.flush()
@@ -161,6 +174,11 @@ def report(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         print(f"tb-gradhealth: failing: layers with status {', '.join(failed)} (--fail-on {args.fail_on})",
               file=err)
         return EXIT_FAIL
+    unreadable = [s.run for s in data.runs if not s.num_steps]
+    if unreadable:
+        print(f"tb-gradhealth: {len(unreadable)} run(s) unreadable: {', '.join(map(repr, unreadable))} (exit "
+              f"{EXIT_UNREADABLE})", file=err)
+        return EXIT_UNREADABLE
     return EXIT_OK
 
 

@@ -567,7 +567,7 @@ def _reasons(code: int, c: _Ctx, d: dict[str, np.ndarray], i: int) -> tuple[list
             excess = max(excess, -dec - t.vanish_decades)
         if ev.van_abs[s, i]:
             reasons.append(f"RMS {_e(rms)} is below the absolute floor {t.vanish_rms_below:g} {c.lasting()}")
-            excess = max(excess, math.log10(t.vanish_rms_below / rms))
+            excess = max(excess, math.log10(t.vanish_rms_below / max(rms, record.FLUSH_BELOW)))
         return reasons, excess
     if code == DEAD:
         size = int(d["size"][i])

@@ -7,6 +7,8 @@ answered raises :class:`RequestError` with the HTTP status a route would give it
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -20,6 +22,11 @@ MAX_POINTS = 500
 HISTORY_POINTS = 64
 SERIES_FIELDS = ("norm", "rms", "max_abs", "mean", "nan", "inf", "zero_fraction", "weight_norm", "grad_to_weight",
                  "update_to_weight", "noise")
+#: What a number looks like in a query or a flag: ASCII digits only, no spaces, separators or trailing newline.
+_INT_RE = re.compile(r"[0-9]{1,18}")
+_NUMBER_RE = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]{1,3})?")
+
+
 class RequestError(Exception):
     """A request that cannot be answered: ``status`` 400 (bad parameter), 404 (unknown run/layer) or 503."""
 
@@ -28,6 +35,38 @@ class RequestError(Exception):
         self.status = status
         self.message = message
         self.parameter = parameter
+
+
+def parse_step(raw: str | None, name: str = "step") -> int | None:
+    """A step from text: ASCII digits only (``5%0A``, ``５``, ``1_000``, `` 5 `` are refused); None when absent."""
+    if raw is None or raw == "":
+        return None
+    if not _INT_RE.fullmatch(raw):
+        raise RequestError(400, f"parameter {name!r}: {raw!r} is not a non-negative integer", name)
+    return int(raw)
+
+
+def parse_thresholds(params: Mapping[str, Any]) -> health.Thresholds:
+    """Thresholds from text values that must look like plain ASCII decimal numbers (else a 400 naming the key), then
+    :meth:`health.Thresholds.from_mapping` for the names and ranges."""
+    for key, raw in params.items():
+        if isinstance(raw, str) and not _NUMBER_RE.fullmatch(raw):
+            raise RequestError(400, f"threshold {key!r} must be a plain decimal number, got {raw!r}", key)
+    try:
+        return health.Thresholds.from_mapping(params)
+    except ValueError as e:
+        # Thresholds names the offending key quoted ('key'); unquoted names in its message are the known ones.
+        bad = next((k for k in params if repr(k) in str(e)), None)
+        raise RequestError(400, f"threshold parameter: {e}", bad) from e
+
+
+def readable(series: RunSeries) -> RunSeries:
+    """``series`` if it has at least one readable record, else RequestError 404 with the run's problems: every
+    route answers a run whose records are all unreadable the same way."""
+    if series.num_steps == 0:
+        why = "; ".join(series.problems[:3]) or "no records"
+        raise RequestError(404, f"run {series.run!r} has no readable records ({why})", "run")
+    return series
 
 
 def _floats(values: np.ndarray) -> list[float | None]:
@@ -47,8 +86,7 @@ def pick_indices(n: int, limit: int, must: tuple[int, ...] = ()) -> np.ndarray:
 
 def at_index(series: RunSeries, step: int | None) -> int:
     """Index of the latest logged step at or before ``step`` (the last step when None); RequestError if none."""
-    if series.num_steps == 0:
-        raise RequestError(404, f"run {series.run!r} has no readable records", "run")
+    readable(series)
     if step is None:
         return series.num_steps - 1
     k = int(np.searchsorted(series.steps, step, side="right")) - 1
@@ -83,7 +121,7 @@ def health_payload(series: RunSeries, thresholds: health.Thresholds, step: int |
 
 def _layer_rows(series: RunSeries, layer: str) -> tuple[np.ndarray, np.ndarray]:
     """``(steps, rows [n, F])`` where the layer has a record; RequestError 404 for an unknown layer."""
-    j = series.layer_index(layer)
+    j = readable(series).layer_index(layer)
     if j is None:
         raise RequestError(404, f"parameter 'layer': run {series.run!r} has no layer {layer!r}", "layer")
     rows = series.records[:, j]

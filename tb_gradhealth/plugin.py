@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -30,11 +29,18 @@ from tb_gradhealth.payloads import (
     diagnose,
     health_payload,
     histograms_payload,
+    parse_step,
+    parse_thresholds,
     profile_payload,
     runs_payload,
     series_payload,
 )
 from tb_gradhealth.reader import ProviderError, ProviderReader, RunSeries
+
+#: Different diagnoses computed at the same time at most (each holds a few arrays the size of the run's records).
+DIAGNOSES_AT_ONCE = 2
+#: Diagnoses (with their JSON) kept for warm requests.
+HEALTH_CACHE_ENTRIES = 32
 
 _STATIC_TYPES = {
     ".js": "text/javascript",
@@ -46,7 +52,6 @@ _STATIC_TYPES = {
     ".png": "image/png",
     ".txt": "text/plain",
 }
-_INT_RE = re.compile(r"^[0-9]{1,18}$")
 
 
 def _static_dir() -> str | None:
@@ -70,23 +75,12 @@ def _required(args: Mapping[str, str], name: str) -> str:
 
 
 def _step(args: Mapping[str, str]) -> int | None:
-    raw = args.get("step")
-    if raw is None or raw == "":
-        return None
-    if not _INT_RE.match(raw):
-        raise RequestError(400, f"parameter 'step': {raw!r} is not a non-negative integer", "step")
-    return int(raw)
+    return parse_step(args.get("step"))
 
 
 def _thresholds(args: Mapping[str, str], known: tuple[str, ...]) -> health.Thresholds:
     """Thresholds from every query parameter that is not one of ``known`` (an unknown name is a 400 naming it)."""
-    params = {k: v for k, v in args.items() if k not in known}
-    try:
-        return health.Thresholds.from_mapping(params)
-    except ValueError as e:
-        # Thresholds names the offending key quoted ('key'); unquoted names in its message are the known ones.
-        bad = next((k for k in params if repr(k) in str(e)), None)
-        raise RequestError(400, f"threshold parameter: {e}", bad) from e
+    return parse_thresholds({k: v for k, v in args.items() if k not in known})
 
 
 def _no_extra(args: Mapping[str, str], known: tuple[str, ...]) -> None:
@@ -107,12 +101,14 @@ class GradHealthPlugin(base_plugin.TBPlugin):
         self._context = context
         hint = (context.sampling_hints or {}).get(metadata.PLUGIN_NAME)
         self._reader = ProviderReader(context.data_provider, hint)
-        self._health_cache: OrderedDict[tuple, tuple[health.RunHealth, str | None]] = OrderedDict()
+        self._health_cache: OrderedDict[tuple, tuple[health.RunHealth, str]] = OrderedDict()
         self._health_lock = threading.Lock()
+        self._flights: dict[tuple, _Flight] = {}
+        self._slots = threading.BoundedSemaphore(DIAGNOSES_AT_ONCE)
 
     # TBPlugin API
     def get_plugin_apps(self) -> dict[str, Callable]:
-        return {
+        apps = {
             "/runs": self._serve_runs,
             "/health": self._serve_health,
             "/series": self._serve_series,
@@ -120,6 +116,7 @@ class GradHealthPlugin(base_plugin.TBPlugin):
             "/profile": self._serve_profile,
             "/*": self._serve_static,
         }
+        return {route: _read_only(app) for route, app in apps.items()}
 
     def is_active(self) -> bool:
         """Cheap: TensorBoard's plugin listing already asks the data provider which plugins have data
@@ -143,24 +140,44 @@ class GradHealthPlugin(base_plugin.TBPlugin):
             raise RequestError(404, f"parameter 'run': no gradient-health data for run {run!r}", "run")
         return series
 
-    def _diagnosis(self, request: Any, series: RunSeries, t: health.Thresholds, step: int | None,
-                   want_json: bool) -> tuple[health.RunHealth, str | None]:
-        """The diagnosis (and, for ``health``, its JSON text), cached per (run data, thresholds, step): the data
-        part of the key is the series' generation, which changes whenever the reader decodes new data."""
+    def _diagnosis(self, request: Any, series: RunSeries, t: health.Thresholds, step: int | None
+                   ) -> tuple[health.RunHealth, str]:
+        """The diagnosis and its ``health`` JSON text, cached per (run data, thresholds, step): the data part of the
+        key is the series' generation, which changes whenever the reader decodes new data.
+
+        Single-flight: concurrent requests with one key share one computation (the first computes, the others wait
+        for its result), and at most :data:`DIAGNOSES_AT_ONCE` different keys are computed at a time, so memory
+        stays bounded however many tabs ask at once."""
         k = at_index(series, step)
         key = (plugin_util.experiment_id(request.environ), series.run, series.generation, t, k)
         with self._health_lock:
             hit = self._health_cache.get(key)
-            if hit is not None and (hit[1] is not None or not want_json):
+            if hit is not None:
                 self._health_cache.move_to_end(key)
                 return hit
-        h = diagnose(series, t, step)
-        text = json.dumps(health_payload(series, t, step, h), allow_nan=False) if want_json else None
-        with self._health_lock:
-            self._health_cache[key] = (h, text)
-            while len(self._health_cache) > 32:
-                self._health_cache.popitem(last=False)
-        return h, text
+            flight = self._flights.get(key)
+            leader = flight is None
+            if leader:
+                flight = self._flights[key] = _Flight()
+        if not leader:
+            return flight.wait()
+        try:
+            with self._slots:
+                h = diagnose(series, t, int(series.steps[k]))
+                text = json.dumps(health_payload(series, t, int(series.steps[k]), h), allow_nan=False)
+            flight.result = (h, text)
+            with self._health_lock:
+                self._health_cache[key] = flight.result
+                while len(self._health_cache) > HEALTH_CACHE_ENTRIES:
+                    self._health_cache.popitem(last=False)
+            return flight.result
+        except BaseException as e:
+            flight.error = e
+            raise
+        finally:
+            with self._health_lock:
+                self._flights.pop(key, None)
+            flight.done.set()
 
     def _respond(self, request: Any, produce: Callable[[], Any]) -> wrappers.Response:
         try:
@@ -192,7 +209,7 @@ class GradHealthPlugin(base_plugin.TBPlugin):
             step = _step(request.args)
             t = _thresholds(request.args, ("run", "step"))
             series = self._series(request, run)
-            return self._diagnosis(request, series, t, step, want_json=True)[1]
+            return self._diagnosis(request, series, t, step)[1]
 
         return self._respond(request, produce)
 
@@ -224,7 +241,7 @@ class GradHealthPlugin(base_plugin.TBPlugin):
             t = _thresholds(request.args, ("run", "step"))
             series = self._series(request, run)
             k = at_index(series, step)
-            h, _ = self._diagnosis(request, series, t, int(series.steps[k]), want_json=False)
+            h, _ = self._diagnosis(request, series, t, int(series.steps[k]))
             return profile_payload(series, t, step, h)
 
         return self._respond(request, produce)
@@ -243,6 +260,38 @@ class GradHealthPlugin(base_plugin.TBPlugin):
         with open(resolved, "rb") as f:
             content = f.read()
         return http_util.Respond(request, content, _STATIC_TYPES[os.path.splitext(resolved)[1].lower()])
+
+
+class _Flight:
+    """One diagnosis being computed: the requests that want the same one wait for it here."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.result: tuple[health.RunHealth, str] | None = None
+        self.error: BaseException | None = None
+
+    def wait(self) -> tuple[health.RunHealth, str]:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+
+def _read_only(app: Callable) -> Callable:
+    """The WSGI ``app`` for GET (and HEAD, which HTTP requires wherever GET is served); any other method gets a 405
+    JSON answer naming the allowed ones."""
+
+    def serve(environ: dict[str, Any], start_response: Callable) -> Any:
+        method = environ.get("REQUEST_METHOD", "GET")
+        if method in ("GET", "HEAD"):
+            return app(environ, start_response)
+        body = json.dumps({"error": f"method {method} not allowed: this route answers GET", "parameter": None})
+        response = wrappers.Response(body, status=405, content_type="application/json",
+                                     headers={"Allow": "GET, HEAD"})
+        return response(environ, start_response)
+
+    return serve
 
 
 def _resolve_static(static: str, rel: str) -> str | None:

@@ -31,7 +31,7 @@ from tensorboard.data import provider as tb_provider
 from tensorboard.util import tensor_util
 
 from tb_gradhealth import metadata, record
-from tb_gradhealth.eventfile import iter_records
+from tb_gradhealth.eventfile import iter_framed
 
 #: ``downsample`` meaning "every sample the loader kept": TensorBoard's hint 0 means all, but a data provider
 #: passed ``downsample=0`` returns nothing, so 0 must become a large number.
@@ -71,6 +71,8 @@ class RunSeries:
     steps: np.ndarray
     records: np.ndarray
     problems: tuple[str, ...] = ()
+    #: What the reader did that loses nothing unexpected (a restart's superseded steps), for the record.
+    notes: tuple[str, ...] = ()
     tags: tuple[str, ...] = ()
     sample_limit: int | None = None
     maybe_downsampled: bool = False
@@ -117,6 +119,7 @@ class RunSeries:
             "sample_limit": self.sample_limit,
             "maybe_downsampled": self.maybe_downsampled,
             "problems": list(self.problems),
+            "notes": list(self.notes),
         }
 
 
@@ -184,7 +187,8 @@ def split_streams(run: str, tags: Iterable[str]) -> dict[str, list[str]]:
 
 
 def _check_tensor(value: Any, n_layers: int) -> np.ndarray:
-    """The disk tensor as float32 ``[L, C]``, or ValueError saying what is wrong (cheap: no decoding).
+    """The disk tensor as float32 ``[L, C]``, or ValueError saying what is wrong with it as a whole (its rows are
+    checked one by one by :func:`record.decode_disk`).
 
     A source passes a string instead of an array for a tensor it could not decode at all."""
     if isinstance(value, str):
@@ -194,16 +198,59 @@ def _check_tensor(value: Any, n_layers: int) -> np.ndarray:
         if t.dtype.kind not in "fiu":
             raise ValueError(f"tensor of dtype {t.dtype}, expected float32")
         t = t.astype(np.float32)
-    if t.ndim != 2 or t.shape[1] < record.DISK_HIST_START:
-        raise ValueError(f"tensor of shape {t.shape} is not a v{record.FORMAT_VERSION} record tensor")
+    record.tensor_or_raise(t)
     if t.shape[0] != n_layers:
         raise ValueError(f"tensor has {t.shape[0]} rows for {n_layers} layers in the tag's metadata")
-    if n_layers:
-        lo = t[0, record.DISK_HIST_LO]
-        width = t.shape[1] - record.DISK_HIST_START
-        if not (np.isfinite(lo) and lo == int(lo) and 0 <= lo and int(lo) + width <= record.HIST_BINS):
-            raise ValueError(f"corrupt histogram window {lo}+{width}")
     return t
+
+
+def supersede(points: Sequence[tuple[int, float, Any]]) -> tuple[list[tuple[int, float, Any]], list[int]]:
+    """TensorBoard's rule for steps that go back (a job restarted from a checkpoint), applied to one tag's points in
+    the order they were written: a point at step ``s`` drops every earlier point of the tag at a step ``>= s``.
+    Returns the kept points (steps strictly increasing) and the steps where a restart dropped points.
+
+    This is what TensorBoard's default data server does for every time series; its Python loader
+    (``--load_fast=false``) keeps both and the plugin applies the rule to what it returns, so the tab and the CLI
+    show one history whatever the loader.
+    """
+    kept: list[tuple[int, float, Any]] = []
+    restarts: list[int] = []
+    for p in points:
+        if kept and kept[-1][0] >= p[0]:
+            restarts.append(int(p[0]))
+            while kept and kept[-1][0] >= p[0]:
+                kept.pop()
+        kept.append(p)
+    return kept, restarts
+
+
+def _check_points(td: TagData, n_layers: int, problems: list[str]
+                  ) -> list[tuple[float, int, np.ndarray, np.ndarray]]:
+    """``(wall_time, step, tensor, good rows)`` of each readable point of a tag (checked, not yet decoded: the disk
+    form is several times smaller); a damaged tensor or row is skipped and counted in one problem line per tag."""
+    out = []
+    bad_tensors, first_tensor, bad_rows, first_row = 0, None, 0, None
+    for step, wall_time, value in td.points:
+        try:
+            t = _check_tensor(value, n_layers)
+            _, reasons = record.check_disk(t)
+        except (ValueError, TypeError) as e:
+            bad_tensors += 1
+            first_tensor = first_tensor or f"step {step}: {e}"
+            continue
+        good = np.ones(n_layers, dtype=bool)
+        if reasons:
+            good[list(reasons)] = False
+            bad_rows += len(reasons)
+            first_row = first_row or (step, *next(iter(sorted(reasons.items()))))
+        out.append((float(wall_time), int(step), t, good))
+    if bad_tensors:
+        problems.append(f"tag {td.tag}: {bad_tensors} unreadable record tensor(s) skipped, first at {first_tensor}")
+    if bad_rows:
+        step, row, why = first_row
+        problems.append(f"tag {td.tag}: {bad_rows} damaged record row(s) skipped, first at step {step} row {row}: "
+                        f"{why}")
+    return out
 
 
 def assemble(
@@ -216,10 +263,12 @@ def assemble(
     """Merge the tags of one run by layer name into a :class:`RunSeries`.
 
     A tag whose metadata is unreadable or of a future version is skipped with a problem; a tensor that does not
-    decode is skipped with a problem (one line per tag, counting them). When two records of a layer share a step
-    (a rewritten step, or a layer in two tags), the one written last (wall time) wins.
+    decode, or a damaged row of one, is skipped with a problem (one line per tag, counting them) and the rest of the
+    tag is read. Within a tag, steps that go back follow TensorBoard's restart rule (:func:`supersede`). When two
+    records of a layer share a step in different tags, the one written last (wall time) wins.
     """
     problems = list(problems)
+    notes: list[str] = []
     good: list[tuple[TagData, tuple[str, ...]]] = []
     for td in sorted(tags, key=lambda t: t.tag):
         try:
@@ -232,37 +281,34 @@ def assemble(
     layers = _merge_order([lay for _, lay in sorted(good, key=lambda g: (-len(g[1]), g[0].tag))])
     col = {name: i for i, name in enumerate(layers)}
 
-    # Pass 1: validate every tensor (cheap) and collect the steps that will hold data.
-    valid: list[tuple[float, int, int, np.ndarray, np.ndarray]] = []  # (wall_time, order, step, cols, tensor)
-    order = 0
+    # Pass 1: check every tensor, row by row, and collect the steps that will hold data.
+    valid: list[tuple[float, int, int, np.ndarray, np.ndarray, np.ndarray]] = []  # wall_time, order, step, cols, t, ok
     downsampled = False
     for td, tag_layers in good:
         cols = np.array([col[name] for name in tag_layers], dtype=np.int64)
-        bad, first_bad = 0, None
-        for step, wall_time, value in td.points:
-            try:
-                t = _check_tensor(value, len(tag_layers))
-            except (ValueError, TypeError) as e:
-                bad += 1
-                first_bad = first_bad or f"step {step}: {e}"
-                continue
-            valid.append((float(wall_time), order, int(step), cols, t))
-            order += 1
-        if bad:
-            problems.append(f"tag {td.tag}: {bad} unreadable record tensor(s) skipped, first at {first_bad}")
+        points, restarts = supersede(td.points)
+        if restarts:
+            notes.append(f"tag {td.tag}: steps went back {len(restarts)} time(s) (a restart), first to step "
+                         f"{restarts[0]}: the earlier records from that step on are replaced, as TensorBoard does")
+        for wall_time, step, t, ok in _check_points(TagData(td.tag, td.content, points), len(tag_layers), problems):
+            if ok.any():
+                valid.append((wall_time, len(valid), step, cols, t, ok))
         if sample_limit is not None and len(td.points) >= sample_limit:
             downsampled = True
     steps = np.unique(np.array([v[2] for v in valid], dtype=np.int64))
-    # Uninitialised, then each row written once: touching a 750 MB array twice (fill, then copy) doubles the
-    # first-load time of a 1,000 x 1,000 run. Rows no tensor wrote are set to NaN at the end.
+    # Uninitialised, then each row written once (a fill and a copy would touch a large array twice); rows no tensor
+    # wrote are set to NaN at the end.
     records = np.empty((steps.size, len(layers), record.NUM_FIELDS))
     filled = np.zeros((steps.size, len(layers)), dtype=bool)
     # Pass 2: decode in write order (wall time, then read order) so the last written record of a step wins.
     valid.sort(key=lambda v: (v[0], v[1]))
-    for _, _, step, cols, t in valid:
+    for _, _, step, cols, t, ok in valid:
         s = int(np.searchsorted(steps, step))
-        records[s, cols] = record.from_disk(t)
-        filled[s, cols] = True
+        if ok.all():
+            records[s, cols] = record.from_disk(t)
+        else:
+            records[s, cols[ok]] = record.from_disk(t[ok])
+        filled[s, cols[ok]] = True
     if not filled.all():
         records[~filled] = np.nan
     return RunSeries(
@@ -271,6 +317,7 @@ def assemble(
         steps=steps,
         records=records,
         problems=tuple(problems),
+        notes=tuple(notes),
         tags=tuple(td.tag for td, _ in good),
         sample_limit=sample_limit,
         maybe_downsampled=downsampled,
@@ -322,12 +369,17 @@ class ProviderReader:
         self._cache_bytes = cache_bytes
         self._cache: OrderedDict[tuple[str, str], tuple[Any, RunSeries]] = OrderedDict()
         self._lock = threading.Lock()
+        self._listing_lock = threading.Lock()
         self._run_locks: dict[tuple[str, str], threading.Lock] = {}
 
     def listing(self, ctx: Any, experiment_id: str) -> dict[str, Mapping[str, Any]]:
         """``{run: {tag: TensorTimeSeries}}`` of gradient-health tags, at most ``listing_ttl`` seconds old; raises
         :class:`ProviderError`. (The data server answers ``list_tensors`` in ~50 ms, which would otherwise be most
         of every warm request; the dashboard sends its requests in bursts, which share one listing.)"""
+        with self._listing_lock:  # concurrent cold requests share one listing call
+            return self._listing(ctx, experiment_id)
+
+    def _listing(self, ctx: Any, experiment_id: str) -> dict[str, Mapping[str, Any]]:
         now = time.monotonic()
         with self._lock:
             hit = self._listings.get(experiment_id)
@@ -447,15 +499,21 @@ def is_event_file(name: str) -> bool:
 
 
 def read_run_dir(run: str, paths: Sequence[str], problems: list[str]) -> list[TagData]:
-    """Gradient-health tags of one run from its event files (in name order = creation order)."""
+    """Gradient-health tags of one run from its event files (in name order = creation order).
+
+    Damage becomes a line in ``problems`` naming the file and byte offset: a record failing its data checksum, an
+    event that does not parse, records of a ``gradhealth/`` tag seen before the tag's metadata (the event carrying
+    it is lost), as well as what :func:`iter_framed` reports."""
     tags: dict[str, TagData] = {}
+    orphans: dict[str, int] = {}
     for path in paths:
-        bad_events = 0
-        for payload in iter_records(path, problems):
+        bad_events, first_bad = 0, None
+        for offset, payload in iter_framed(path, problems):
             try:
                 event = event_pb2.Event.FromString(payload)
             except DecodeError:
                 bad_events += 1
+                first_bad = first_bad if first_bad is not None else offset
                 continue
             if not event.HasField("summary"):
                 continue
@@ -463,6 +521,8 @@ def read_run_dir(run: str, paths: Sequence[str], problems: list[str]) -> list[Ta
                 td = tags.get(value.tag)
                 if td is None:
                     if value.metadata.plugin_data.plugin_name != metadata.PLUGIN_NAME:
+                        if value.tag.startswith(metadata.TAG_PREFIX) and not value.metadata.plugin_data.plugin_name:
+                            orphans[value.tag] = orphans.get(value.tag, 0) + 1
                         continue
                     td = tags[value.tag] = TagData(value.tag, value.metadata.plugin_data.content)
                 if not value.HasField("tensor"):
@@ -473,7 +533,11 @@ def read_run_dir(run: str, paths: Sequence[str], problems: list[str]) -> list[Ta
                     arr = f"undecodable tensor proto: {e}"  # reported by assemble's validation
                 td.points.append((event.step, event.wall_time, arr))
         if bad_events:
-            problems.append(f"{path}: {bad_events} corrupt event(s) skipped")
+            problems.append(f"{path}: {bad_events} corrupt event(s) skipped (they do not parse), first at byte "
+                            f"{first_bad}")
+    for tag, n in sorted(orphans.items()):
+        problems.append(f"tag {tag}: {n} record(s) without the tag's metadata skipped (the event that carried it is "
+                        f"damaged or missing)")
     return list(tags.values())
 
 
@@ -509,11 +573,13 @@ def read_logdir(logdir: str, runs: Sequence[str] | None = None) -> LogdirData:
         run_problems: list[str] = []
         tags = {td.tag: td for td in read_run_dir(run, paths, run_problems)}
         if not tags:
-            problems.extend(run_problems)
+            if any(p.startswith("tag ") for p in run_problems):  # gradhealth records, but none readable
+                out.append(assemble(run, [], problems=run_problems))
+            else:
+                problems.extend(run_problems)
             continue
         for name, stream_tags in split_streams(run, tags).items():
             if runs is None or name in runs:
                 out.append(assemble(name, [tags[t] for t in stream_tags], problems=run_problems))
     out.sort(key=lambda s: s.run)
     return LogdirData(out, problems)
-

@@ -18,8 +18,11 @@ A record describes one tensor (normally one variable's gradient) at one logged s
   When ``hist_sample`` equals the finite nonzero count the histogram is exact; otherwise it is a uniform sample
   scaled up to the finite nonzero count, so histograms of any parts still add.
 
-Values below float32's smallest normal number (1.18e-38) count as zero: TensorFlow and XLA flush them to zero on
-CPU, GPU and TPU, so that is what a device sees, and the numpy path does the same so that both writers agree.
+A record describes the values as float32 holds them, whatever the input dtype. Values below float32's smallest
+normal number (1.18e-38) count as zero: TensorFlow and XLA flush them to zero on CPU, GPU and TPU, so that is what a
+device sees, and the numpy path does the same so that both writers agree. A float64 value whose magnitude rounds
+beyond float32's largest finite number (about 3.4e38) counts as +Inf or -Inf, as a cast to float32 makes it: such a
+gradient overflows any float32 device, and the disk form (float32) could not hold its extremes anyway.
 
 Three encodings share these fields:
 
@@ -101,17 +104,17 @@ def missing() -> np.ndarray:
 
 
 def flush_to_zero(x: np.ndarray) -> np.ndarray:
-    """The values as a float32 device sees them: subnormals flushed to zero (float64 data keeps its range)."""
-    x = np.asarray(x)
-    if x.dtype.kind != "f" or x.dtype.itemsize < 8:
-        x = x.astype(np.float32)
-    with np.errstate(invalid="ignore"):
+    """The values as a float32 device sees them: float32 (float64 beyond float32's range becomes ±Inf), subnormals
+    flushed to zero."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        x = np.asarray(x).astype(np.float32)
         return np.where(np.abs(x) < FLUSH_BELOW, np.zeros((), x.dtype), x)
 
 
 def hist_bin(abs_values: np.ndarray) -> np.ndarray:
     """Histogram bin of each magnitude (finite, nonzero), comparing in float32 exactly as the TF path does."""
-    a = np.asarray(abs_values, dtype=np.float64).astype(np.float32)  # float64 beyond float32 saturates to inf
+    with np.errstate(over="ignore"):
+        a = np.asarray(abs_values, dtype=np.float64).astype(np.float32)
     return np.searchsorted(HIST_EDGES, a, side="right")
 
 
@@ -374,6 +377,92 @@ def from_disk(tensor: np.ndarray) -> np.ndarray:
             raise ValueError(f"corrupt record tensor: histogram window {lo}+{width} of {HIST_BINS}")
         out[:, HIST_START + lo : HIST_START + lo + width] = t[:, DISK_HIST_START:]
     return out
+
+
+#: Relative slack of the consistency checks on float32-stored sums (``ssq_rel``, the mean, histogram totals).
+_CHECK_RTOL = 1e-3
+
+
+def check_disk(t: np.ndarray) -> tuple[np.ndarray, dict[int, str]]:
+    """Which rows of a float32 disk tensor ``[L, C]`` are damaged: ``(bad [L] bool, {row: reason})``.
+
+    Every writer produces rows that pass these checks; a flipped byte, a truncated copy spliced into a file or a
+    writer bug usually fails one of them. A row is damaged when: a count is negative or the nonfinite and zero counts
+    exceed ``size``; ``missing`` is not 0 or 1; finite values exist but ``min``/``max`` are not finite, ``min > max``,
+    the mean is outside ``[min, max]``, or ``ssq_rel`` is outside ``[1, finite count]`` (0 when all are zero); an
+    optional field or a histogram bin is negative or infinite; the histogram's total differs from the finite nonzero
+    count; its ``hist_lo`` differs from the one most rows share, or its window leaves the histogram. A flip that keeps
+    every field plausible is not detected here (the event file's data checksum catches it when it is checked).
+    """
+    t = np.asarray(t, dtype=np.float32)
+    n_rows = t.shape[0]
+    reasons: dict[int, str] = {}
+
+    def flag(mask: np.ndarray, why: str) -> None:
+        for i in np.flatnonzero(mask):
+            reasons.setdefault(int(i), why)
+
+    if n_rows == 0:
+        return np.zeros(0, dtype=bool), reasons
+    counts = np.ascontiguousarray(t[:, :NUM_COUNTS]).view(np.int32).astype(np.int64)
+    size, nan, posinf, neginf, zero = counts.T
+    flag(np.any(counts < 0, axis=1), "negative count")
+    finite = size - nan - posinf - neginf
+    flag(finite - zero < 0, "NaN, Inf and zero counts exceed size")
+    v = t[:, NUM_COUNTS:DISK_HIST_LO].astype(np.float64)
+    vi = {name: v[:, i] for i, name in enumerate(VALUE_FIELDS)}
+    flag(~np.isin(vi["missing"], (0.0, 1.0)), "missing flag is not 0 or 1")
+    mn, mx, mean, ssq = vi["min"], vi["max"], vi["mean"], vi["ssq_rel"]
+    has = (finite > 0) & (vi["missing"] == 0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        m = np.maximum(np.abs(mn), np.abs(mx))
+        flag(has & ~(np.isfinite(mn) & np.isfinite(mx)),
+             "min/max not finite although finite values are counted (a value beyond float32's range?)")
+        flag(has & (mn > mx), "min > max")
+        slack = _CHECK_RTOL * m
+        flag(has & ~((mean >= mn - slack) & (mean <= mx + slack)), "mean outside [min, max]")
+        nonzero = has & (finite - zero > 0)
+        flag(nonzero & ~((ssq >= 1.0 - _CHECK_RTOL) & (ssq <= finite * (1.0 + _CHECK_RTOL))),
+             "ssq_rel outside [1, finite count]")
+        flag(has & (finite - zero == 0) & ((m != 0) | (ssq != 0)), "all values zero but min/max/ssq_rel are not")
+        for name in VALUE_FIELDS[4:10] + ("hist_sample",):
+            flag(~(np.isnan(vi[name]) | ((vi[name] >= 0) & np.isfinite(vi[name]))), f"{name} negative or infinite")
+        hist = t[:, DISK_HIST_START:].astype(np.float64)
+        flag(~np.all(np.isfinite(hist) & (hist >= 0), axis=1), "histogram bin negative or not finite")
+        total = hist.sum(axis=1)
+        expect = np.where(vi["missing"] == 0, finite - zero, 0)
+        flag(np.abs(total - expect) > _CHECK_RTOL * np.maximum(expect, 1) + 0.5,
+             "histogram total differs from the finite nonzero count")
+    lo = t[:, DISK_HIST_LO]
+    width = t.shape[1] - DISK_HIST_START
+    vals, freq = np.unique(lo[np.isfinite(lo)], return_counts=True)
+    common = vals[np.argmax(freq)] if vals.size else np.nan
+    flag(lo != common, f"histogram window start differs from the event's ({common:g})")
+    if not (np.isfinite(common) and common == int(common) and 0 <= common <= HIST_BINS - width):
+        flag(np.ones(n_rows, dtype=bool), f"histogram window {common:g}+{width} outside the {HIST_BINS} bins")
+    bad = np.zeros(n_rows, dtype=bool)
+    bad[list(reasons)] = True
+    return bad, reasons
+
+
+def decode_disk(t: np.ndarray) -> tuple[np.ndarray, dict[int, str]]:
+    """The disk tensor → ``(memory-form rows, {row: reason})``: damaged rows (see :func:`check_disk`) are all-NaN,
+    the others decoded as :func:`from_disk` does. Raises ValueError only for a tensor that is not ``[L, >= 18]``."""
+    t = np.ascontiguousarray(np.asarray(tensor_or_raise(t)), dtype=np.float32)
+    bad, reasons = check_disk(t)
+    if not bad.any():
+        return from_disk(t), reasons
+    out = np.full((t.shape[0], NUM_FIELDS), np.nan)
+    if not bad.all():
+        out[~bad] = from_disk(t[~bad])
+    return out, reasons
+
+
+def tensor_or_raise(t: np.ndarray) -> np.ndarray:
+    """``t`` if it has the disk form's shape ``[L, >= 18]``, else ValueError."""
+    if np.ndim(t) != 2 or np.shape(t)[1] < DISK_HIST_START:
+        raise ValueError(f"tensor of shape {np.shape(t)} is not a v{FORMAT_VERSION} record tensor")
+    return t
 
 
 def from_device(counts: np.ndarray, values: np.ndarray) -> np.ndarray:

@@ -54,7 +54,8 @@ def test_demo_logdir_reads_every_run_in_network_order(tmp_path):
 def test_values_survive_the_disk_form_exactly(tmp_path):
     layers = ["a", "b", "c"]
     recs = np.stack([_rows(3, 10.0 ** -k, seed=k) for k in range(4)])
-    recs[2, 1, record.INDEX["nan"]] = 7  # counts are exact (int32 bits on disk)
+    recs[2, 1, record.INDEX["nan"]] = 7  # counts are exact (int32 bits on disk); 7 NaN more than the 64 finite
+    recs[2, 1, record.INDEX["size"]] += 7
     gl.write_records(str(tmp_path / "r"), layers, [0, 5, 6, 9], recs)
     s = _only(reader.read_logdir(str(tmp_path)), "r")
     np.testing.assert_array_equal(s.records, np.stack([_roundtrip(r) for r in recs]))
@@ -138,9 +139,12 @@ def test_bad_tensors_are_reported_and_the_rest_is_read(tmp_path):
     ])
     s = _only(reader.read_logdir(str(tmp_path)), "r")
     assert s.steps.tolist() == [0, 5]
-    (problem,) = s.problems
-    assert tag in problem and "4 unreadable record tensor(s)" in problem and "step 1" in problem
+    problem, rows_problem = s.problems
+    assert tag in problem and "3 unreadable record tensor(s)" in problem and "step 1" in problem
     assert "3 rows for 2 layers" in problem
+    # The window beyond the bins damages every row of step 3: reported per row, by step, row and reason.
+    assert tag in rows_problem and "2 damaged record row(s)" in rows_problem and "step 3 row 0" in rows_problem
+    assert "outside the 77 bins" in rows_problem
 
 
 def test_unreadable_and_future_metadata_skip_only_that_tag(tmp_path):
