@@ -52,7 +52,12 @@ setup(
         "tf": ["tensorflow"],
         # Kept for old install commands: google-crc32c is now a dependency (the reader checks every data checksum).
         "fast": [],
-        "test": ["pytest", "playwright", "ruff", "hypothesis"],
+        # Logdirs on object storage (tb_gradhealth/storage.py): fsspec with its GCS or S3 backend, imported lazily.
+        "gcs": ["fsspec", "gcsfs"],
+        "s3": ["fsspec", "s3fs"],
+        # The object-storage tests run real servers: moto's S3 server and a GCS emulator.
+        "test": ["pytest", "playwright", "ruff", "hypothesis", "fsspec", "gcsfs", "s3fs", "moto[server]",
+                 "gcp-storage-emulator"],
     },
     entry_points={
         "tensorboard_plugins": ["gradhealth = tb_gradhealth.plugin:GradHealthLoader"],

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from tb_gradhealth import health, reader
+from tb_gradhealth import health, reader, storage
 from tb_gradhealth.payloads import RequestError, health_payload, parse_step, parse_thresholds
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_UNREADABLE = 0, 1, 2, 3
@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
         "records are all unreadable (reasons on stderr); 2 on bad usage or a logdir without gradient-health data; "
         "0 otherwise.",
     )
-    rep.add_argument("logdir", metavar="LOGDIR", help="directory of event files (runs are its subdirectories)")
+    rep.add_argument("logdir", metavar="LOGDIR", help="directory of event files (runs are its subdirectories): a "
+                     "local path, or a gs://, s3:// or other fsspec URL (needs the gcs / s3 extra)")
     rep.add_argument("--run", action="append", metavar="R", help="only this run (repeatable); default: all runs")
     rep.add_argument("--step", metavar="S", help="diagnose as of this step (default: each run's last step)")
     rep.add_argument("--json", action="store_true", help='print {"runs": [...]}, each the health route\'s JSON')
@@ -133,7 +134,7 @@ def report(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     thresholds = _thresholds(args)
     try:
         data = reader.read_logdir(args.logdir, runs=args.run)
-    except (FileNotFoundError, NotADirectoryError, PermissionError) as e:
+    except (FileNotFoundError, NotADirectoryError, PermissionError, storage.StorageError) as e:
         raise UsageError(str(e)) from e
     for p in data.problems:
         print(f"tb-gradhealth: warning: {_text(p)}", file=err)

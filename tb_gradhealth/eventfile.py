@@ -15,10 +15,14 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from tensorboard.compat.proto import event_pb2
+
+from tb_gradhealth import storage
 
 try:  # optional C implementation
     import google_crc32c
@@ -50,13 +54,15 @@ def frame(data: bytes) -> bytes:
     return header + struct.pack("<I", masked_crc32c(header)) + data + struct.pack("<I", masked_crc32c(data))
 
 
-def iter_records(path: str, problems: list[str]) -> Iterable[bytes]:
+def iter_records(path: str, problems: list[str], storage_options: Mapping[str, Any] | None = None
+                 ) -> Iterable[bytes]:
     """The TFRecord payloads of an event file whose data checksums match (see :func:`iter_framed`)."""
-    for _, payload in iter_framed(path, problems):
+    for _, payload in iter_framed(path, problems, storage_options):
         yield payload
 
 
-def iter_framed(path: str, problems: list[str]) -> Iterable[tuple[int, bytes]]:
+def iter_framed(path: str, problems: list[str], storage_options: Mapping[str, Any] | None = None
+                ) -> Iterable[tuple[int, bytes]]:
     """``(byte offset, payload)`` of each TFRecord of an event file whose data checksum matches.
 
     A record whose data checksum does not match is skipped with a problem naming the file and its byte offset, and
@@ -65,8 +71,7 @@ def iter_framed(path: str, problems: list[str]) -> Iterable[tuple[int, bytes]]:
     loaders verify data checksums only of records that fail to parse, so a flipped byte that still parses reaches
     the tab; the reader's row checks, :func:`tb_gradhealth.record.check_disk`, catch most of those.)"""
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        data = storage.read_bytes(path, storage_options)
     except OSError as e:
         problems.append(f"{path}: unreadable: {e}")
         return
@@ -96,41 +101,86 @@ def iter_framed(path: str, problems: list[str]) -> Iterable[tuple[int, bytes]]:
 class EventFile:
     """An append-only event file named as TensorFlow names them, so TensorBoard orders and reads it as usual.
 
-    Events are buffered and written on :meth:`flush` (also when ``max_queue`` events are pending or ``flush_secs``
-    have passed since the last write), so a reader sees whole records only.
+    Events are buffered and written on :meth:`flush` (also when ``max_queue`` events are pending, and by a
+    background thread every ``flush_secs`` while events are pending), so a reader sees whole records only, at most
+    ``flush_secs`` after they were added.
+
+    On object storage (``gs://``, ``s3://``, any fsspec URL: :mod:`tb_gradhealth.storage`) nothing can be appended
+    to an object, so each flush writes one new object ``<file name>.<8-digit sequence number>``: an object is
+    written whole or not at all, so everything flushed survives a killed process, and the names sort in write
+    order, as TensorBoard reads a run's event files.
     """
 
-    def __init__(self, logdir: str, *, max_queue: int = 32, flush_secs: float = 120, filename_suffix: str = ""):
-        os.makedirs(logdir, exist_ok=True)
+    def __init__(self, logdir: str, *, max_queue: int = 32, flush_secs: float = 120, filename_suffix: str = "",
+                 storage_options: Mapping[str, Any] | None = None):
+        logdir = storage.check(logdir)
+        self._remote = storage.is_url(logdir)
+        self._storage_options = dict(storage_options or {})
+        storage.makedirs(logdir, self._storage_options)  # StorageError now, before any record is accepted
         self.logdir = logdir
         name = f"events.out.tfevents.{time.time():.6f}.{socket.gethostname()}.{os.getpid()}{filename_suffix}"
-        # The same name twice in one process within a microsecond would clobber: add a counter if it exists.
-        path, k = os.path.join(logdir, name), 0
-        while os.path.exists(path):
-            k += 1
-            path = os.path.join(logdir, f"{name}.{k}")
-        self.path = path
-        self._file = open(path, "wb")  # noqa: SIM115 - closed in close()
+        self._file = None
+        self._objects = 0
+        if self._remote:
+            self.path = storage.join(logdir, name)
+        else:
+            # The same name twice in one process within a microsecond would clobber: add a counter if it exists.
+            path, k = os.path.join(logdir, name), 0
+            while os.path.exists(path):
+                k += 1
+                path = os.path.join(logdir, f"{name}.{k}")
+            self.path = path
+            self._file = open(path, "wb")  # noqa: SIM115 - closed in close()
         self._pending: list[bytes] = []
         self._max_queue = max_queue
         self._flush_secs = flush_secs
         self._last_flush = time.monotonic()
+        self._lock = threading.RLock()
+        self._closed = threading.Event()
         self.add_event(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
         self.flush()
+        self._flusher = threading.Thread(target=self._flush_periodically, name="tb_gradhealth-flush", daemon=True)
+        self._flusher.start()
+
+    @property
+    def objects(self) -> list[str]:
+        """On object storage, the objects written so far (in order); locally, the one file."""
+        if not self._remote:
+            return [self.path]
+        return [f"{self.path}.{k:08d}" for k in range(self._objects)]
 
     def add_event(self, event: event_pb2.Event) -> None:
-        self._pending.append(frame(event.SerializeToString()))
-        if len(self._pending) >= self._max_queue or time.monotonic() - self._last_flush >= self._flush_secs:
-            self.flush()
+        with self._lock:
+            self._pending.append(frame(event.SerializeToString()))
+            if len(self._pending) >= self._max_queue or time.monotonic() - self._last_flush >= self._flush_secs:
+                self.flush()
 
     def flush(self) -> None:
-        if self._pending:
-            self._file.write(b"".join(self._pending))
-            self._pending.clear()
-        self._file.flush()
-        self._last_flush = time.monotonic()
+        with self._lock:
+            if self._pending:
+                data = b"".join(self._pending)
+                if self._remote:
+                    storage.write_object(f"{self.path}.{self._objects:08d}", data, self._storage_options)
+                    self._objects += 1
+                else:
+                    self._file.write(data)
+                self._pending.clear()
+            if self._file is not None:
+                self._file.flush()
+            self._last_flush = time.monotonic()
+
+    def _flush_periodically(self) -> None:
+        while not self._closed.wait(self._flush_secs):
+            try:
+                self.flush()
+            except Exception:  # noqa: BLE001 - a failed background write is retried; flush()/close() raise it
+                pass
 
     def close(self) -> None:
-        if not self._file.closed:
+        with self._lock:
+            if self._closed.is_set():
+                return
+            self._closed.set()
             self.flush()
-            self._file.close()
+            if self._file is not None:
+                self._file.close()

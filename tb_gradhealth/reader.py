@@ -15,7 +15,6 @@ read up to that record.
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -30,7 +29,7 @@ from tensorboard.compat.proto import event_pb2
 from tensorboard.data import provider as tb_provider
 from tensorboard.util import tensor_util
 
-from tb_gradhealth import metadata, record
+from tb_gradhealth import metadata, record, storage
 from tb_gradhealth.eventfile import iter_framed
 
 #: ``downsample`` meaning "every sample the loader kept": TensorBoard's hint 0 means all, but a data provider
@@ -498,7 +497,8 @@ def is_event_file(name: str) -> bool:
     return "tfevents" in name
 
 
-def read_run_dir(run: str, paths: Sequence[str], problems: list[str]) -> list[TagData]:
+def read_run_dir(run: str, paths: Sequence[str], problems: list[str],
+                 storage_options: Mapping[str, Any] | None = None) -> list[TagData]:
     """Gradient-health tags of one run from its event files (in name order = creation order).
 
     Damage becomes a line in ``problems`` naming the file and byte offset: a record failing its data checksum, an
@@ -508,7 +508,7 @@ def read_run_dir(run: str, paths: Sequence[str], problems: list[str]) -> list[Ta
     orphans: dict[str, int] = {}
     for path in paths:
         bad_events, first_bad = 0, None
-        for offset, payload in iter_framed(path, problems):
+        for offset, payload in iter_framed(path, problems, storage_options):
             try:
                 event = event_pb2.Event.FromString(payload)
             except DecodeError:
@@ -541,37 +541,39 @@ def read_run_dir(run: str, paths: Sequence[str], problems: list[str]) -> list[Ta
     return list(tags.values())
 
 
-def find_runs(logdir: str) -> dict[str, list[str]]:
+def find_runs(logdir: str, storage_options: Mapping[str, Any] | None = None) -> dict[str, list[str]]:
     """``{run: [event file paths]}``; runs are directories relative to ``logdir`` (``.`` for the logdir itself),
-    named as TensorBoard names them."""
+    named as TensorBoard names them. ``logdir`` may be a URL (:mod:`tb_gradhealth.storage`)."""
     runs: dict[str, list[str]] = {}
-    for dirpath, dirnames, filenames in os.walk(logdir):
+    for dirpath, dirnames, filenames in storage.walk(logdir, storage_options):
         dirnames.sort()
         files = sorted(f for f in filenames if is_event_file(f))
         if not files:
             continue
-        rel = os.path.relpath(dirpath, logdir)
-        run = "." if rel == "." else rel.replace(os.sep, "/")
-        runs[run] = [os.path.join(dirpath, f) for f in files]
+        runs[storage.relpath(dirpath, logdir)] = [storage.join(dirpath, f) for f in files]
     return runs
 
 
-def read_logdir(logdir: str, runs: Sequence[str] | None = None) -> LogdirData:
+def read_logdir(logdir: str, runs: Sequence[str] | None = None,
+                storage_options: Mapping[str, Any] | None = None) -> LogdirData:
     """Every run of ``logdir`` that holds gradient-health data (or only ``runs``), read without a server.
 
-    Raises FileNotFoundError / NotADirectoryError when ``logdir`` is not a readable directory.
+    ``logdir`` is a local path or a ``gs://``, ``s3://`` or other fsspec URL (``storage_options`` go to fsspec).
+    Raises FileNotFoundError / NotADirectoryError when ``logdir`` is not a readable directory, and
+    :class:`~tb_gradhealth.storage.StorageError` for a URL that cannot be used (no fsspec or backend installed).
     """
-    if not os.path.isdir(logdir):
-        if not os.path.exists(logdir):
+    logdir = storage.check(logdir)
+    if not storage.isdir(logdir, storage_options):
+        if not storage.exists(logdir, storage_options):
             raise FileNotFoundError(f"logdir {logdir!r} does not exist")
         raise NotADirectoryError(f"logdir {logdir!r} is not a directory")
     problems: list[str] = []
     out = []
-    for run, paths in sorted(find_runs(logdir).items()):
+    for run, paths in sorted(find_runs(logdir, storage_options).items()):
         if runs is not None and run not in runs and not any(r.startswith(run + " [") for r in runs):
             continue
         run_problems: list[str] = []
-        tags = {td.tag: td for td in read_run_dir(run, paths, run_problems)}
+        tags = {td.tag: td for td in read_run_dir(run, paths, run_problems, storage_options)}
         if not tags:
             if any(p.startswith("tag ") for p in run_problems):  # gradhealth records, but none readable
                 out.append(assemble(run, [], problems=run_problems))

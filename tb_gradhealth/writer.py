@@ -26,8 +26,10 @@ Example (PyTorch)::
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from tensorboard.compat.proto import event_pb2, summary_pb2
@@ -58,6 +60,11 @@ def make_event(
 class Writer:
     """Writes gradient-health records (and plain scalars) to an event file in ``logdir``, without TensorFlow.
 
+    ``logdir`` is a local path or a ``gs://``, ``s3://`` or other fsspec URL (:mod:`tb_gradhealth.storage`;
+    ``storage_options`` go to the fsspec filesystem). Records are visible to readers at most ``flush_secs`` after
+    they were added (or at :meth:`flush` / :meth:`close`); on object storage each flush writes one new object, so
+    nothing flushed is lost if the process is killed.
+
     ``hist_sample`` bounds the histogram work per tensor exactly as in the TF path (``None``/0: always exact);
     ``seed`` makes the sampling reproducible. Not thread-safe (like ``tf.summary`` writers).
     """
@@ -71,9 +78,11 @@ class Writer:
         max_queue: int = 32,
         flush_secs: float = 120,
         filename_suffix: str = "",
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         self._writer = EventFile(
-            str(logdir), max_queue=max_queue, flush_secs=flush_secs, filename_suffix=filename_suffix
+            os.fspath(logdir), max_queue=max_queue, flush_secs=flush_secs, filename_suffix=filename_suffix,
+            storage_options=storage_options,
         )
         self.hist_sample = hist_sample
         self._rng = np.random.default_rng(seed)

@@ -83,12 +83,13 @@ class TensorBoardProcess:
     """A real ``tensorboard`` process on a loopback port; always stopped (with its data server) by :meth:`stop`."""
 
     def __init__(self, logdir: str, log_path: Path, cwd: Path,
-                 flags: tuple[str, ...] = ("--samples_per_plugin", "gradhealth=0")) -> None:
+                 flags: tuple[str, ...] = ("--samples_per_plugin", "gradhealth=0"),
+                 env: dict[str, str] | None = None) -> None:
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="", **(env or {}))
         cmd = [
             *_tensorboard_command(),
             "--logdir",
