@@ -2,7 +2,8 @@
 
 A ``tensorboard`` process (``tensorboard.program.TensorBoard`` with the default plugins plus ``gradhealth``: through
 the package's ``tensorboard_plugins`` entry point when it is installed, else added explicitly) serves a demo-like
-logdir written by ``gh_logdirs`` (healthy, vanishing, exploding→NaN, an XSS-named layer, and 1,000 layers), and
+logdir written by ``gh_logdirs`` (healthy, vanishing, exploding→NaN, an XSS-named layer, and 1,000 layers) plus
+a run with an all-NaN layer, and
 Debian Chromium, driven by playwright, loads the tab inside TensorBoard's page and the plugin page itself.
 
 The launcher hides TensorFlow from TensorBoard (``sys.modules["tensorflow"] = None``): TensorBoard then uses its
@@ -24,11 +25,16 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+from tb_gradhealth import record
+from tb_gradhealth.health import STATUSES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gh_logdirs  # noqa: E402
@@ -39,9 +45,15 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run"]
 SCALE_RUN = "scale1000"
+ALL_NAN_RUN = "allnan"
+ALL_NAN_LAYER = "dense_1/kernel"
 SCALE_LAYERS = 1000
 SCALE_STEPS = 30
 STARTUP_TIMEOUT_S = 120.0
+# the status colours and glyphs of frontend/status.js (Okabe-Ito palette), as the page draws them
+STATUS_RGB = {"nonfinite": (0, 0, 0), "exploding": (213, 94, 0), "vanishing": (0, 114, 178), "dead": (204, 121, 167),
+              "missing": (240, 228, 66), "inert": (189, 189, 189), "healthy": (0, 158, 115)}
+
 # Goal from issue 7: 1,000 layers interactive within 1 s of the data arriving. Asserted with headroom for a
 # shared two-core machine; the measured figure is printed and saved.
 TTI_GOAL_MS = 1000.0
@@ -80,11 +92,30 @@ def _get_json(url: str) -> dict | None:
         return None
 
 
+def make_all_nan(logdir: str, run: str = ALL_NAN_RUN, steps: int = 20, nan_from: int = 12) -> gh_logdirs.RunFacts:
+    """Four healthy layers, except that from ``nan_from`` on every element of ``ALL_NAN_LAYER``'s gradient is NaN:
+    no statistic of it is known there."""
+    rng = np.random.default_rng(4)
+    layers = ["dense_0/kernel", "dense_0/bias", ALL_NAN_LAYER, "dense_1/bias"]
+    sizes = [64, 8, 64, 8]
+    recs = np.empty((steps, len(layers), record.NUM_FIELDS))
+    for s in range(steps):
+        for j, n in enumerate(sizes):
+            g = rng.normal(0.0, 1e-3, size=n)
+            if layers[j] == ALL_NAN_LAYER and s >= nan_from:
+                g[:] = np.nan
+            recs[s, j] = record.compute(g, weight=rng.normal(0.0, 0.05, size=n), hist_sample=None)
+    step_list = list(range(steps))
+    gh_logdirs.write_records(os.path.join(logdir, run), layers, step_list, recs)
+    return gh_logdirs.RunFacts(layers, step_list, nan_step=nan_from, first_nan_layer=ALL_NAN_LAYER)
+
+
 @pytest.fixture(scope="module")
 def logdir(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
     root = tmp_path_factory.mktemp("gh_browser_logdir")
     facts = gh_logdirs.make_demo_logdir(str(root))
     facts[SCALE_RUN] = gh_logdirs.make_scale_logdir(str(root), SCALE_LAYERS, SCALE_STEPS, run=SCALE_RUN)
+    facts[ALL_NAN_RUN] = make_all_nan(str(root))
     return str(root), facts
 
 
@@ -506,4 +537,99 @@ def test_1000_layers_time_to_interactive(tensorboard: str, gh: Page) -> None:
     shot(page, "08_1000_layers.png")
     assert timing["tti"] < TTI_LIMIT_MS
     assert timing["sort_ms"] < TTI_LIMIT_MS
+    gh.assert_clean()
+
+
+# --- since when, honest numbers, sickest first, the weakest bar ---------------------------------------------------
+
+
+def api_json(base: str, route: str, **params: str) -> dict:
+    """A route's JSON answer fetched over HTTP (what the page is given), for independent expectations."""
+    body = _get_json(f"{base}/data/plugin/gradhealth/{route}?{urllib.parse.urlencode(params)}")
+    assert body is not None, (route, params)
+    return body
+
+
+def sickness(health_body: dict) -> tuple[float, int, int]:
+    """The documented run order (docs/DASHBOARD.md): worst flagged status, then more layers in it, then more
+    flagged layers; ``inert`` and ``healthy`` are not flagged."""
+    counts = health_body["summary"]["counts"]
+    flagged = [s for s in STATUSES if s not in ("inert", "healthy") and counts.get(s)]
+    if not flagged:
+        return (STATUSES.index("inert") if "inert" in STATUSES else len(STATUSES) - 1, 0, 0)
+    return (STATUSES.index(flagged[0]), -counts[flagged[0]], -sum(counts[s] for s in flagged))
+
+
+@pytest.mark.browser
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_sickest_runs_are_ticked_first(tensorboard: str, gh: Page, logdir: tuple[str, dict]) -> None:
+    _, facts = logdir
+    page = open_plugin(gh, tensorboard)
+    runs = sorted(facts)
+    keyed = sorted(runs, key=lambda r: (sickness(api_json(tensorboard, "health", run=r)), r))
+    expected = keyed[:4]
+    page.wait_for_function(f"() => document.querySelectorAll('section.run-panel').length === {len(expected)}")
+    shown = page.locator("section.run-panel").evaluate_all("ps => ps.map(p => p.dataset.run)")
+    ticked = page.locator(".run-bar input[data-run]:checked").evaluate_all("bs => bs.map(b => b.dataset.run)")
+    assert shown == expected
+    assert sorted(ticked) == sorted(expected)
+    worst = api_json(tensorboard, "health", run=shown[0])["summary"]["counts"]
+    assert worst["nonfinite"] > 0  # a NaN run opens first
+    # the alphabetical first four would hide the vanishing run; sickest-first shows it
+    assert "vanishing" in ticked and "vanishing" not in runs[:4]
+    gh.assert_clean()
+
+
+@pytest.mark.browser
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_depth_profile_draws_the_weakest_layer_as_a_bar(tensorboard: str, gh: Page) -> None:
+    steps = api_json(tensorboard, "profile", run="vanishing")["steps"]
+
+    def weakest(step: int) -> dict:
+        layers = api_json(tensorboard, "profile", run="vanishing", step=str(step))["layers"]
+        return min((lj for lj in layers if lj["rms"]), key=lambda lj: lj["rms"])
+
+    # the hardest step: the weakest RMS just above a power of ten, where a decade-aligned floor leaves a sliver
+    k, low = min(enumerate(weakest(s) for s in steps), key=lambda kl: np.log10(kl[1]["rms"]) % 1.0)
+    colour = STATUS_RGB[low["status"]]
+    page = open_plugin(gh, tensorboard)
+    select_runs(page, ["vanishing"])
+    p = panel(page, "vanishing")
+    p.locator(".step-slider").evaluate(f"s => {{ s.value = '{k}'; s.dispatchEvent(new Event('input')); }}")
+    canvas = p.locator(f'[data-testid=profile][data-step="{steps[k]}"] canvas.profile-canvas')
+    # find the weakest layer's bar as a user would (hover until the read-out names it), then measure it
+    height = canvas.evaluate("""async (c, [index, rgb]) => {
+        await new Promise((done) => requestAnimationFrame(() => requestAnimationFrame(done)));  // drawn
+        const r = c.getBoundingClientRect();
+        const readout = c.closest('.chart').querySelector('.chart-readout');
+        const xs = [];
+        for (let x = r.left; x < r.right; x += 1) {
+            c.dispatchEvent(new MouseEvent('mousemove', { clientX: x, clientY: r.top + r.height / 2, bubbles: true }));
+            if (readout.textContent.startsWith(`#${index} `)) xs.push(x - r.left);
+        }
+        c.dispatchEvent(new MouseEvent('mouseleave'));
+        const scale = c.width / r.width;
+        // rows (bottom up) where the middle half of the bar's columns all have its colour: a solid bar, not a
+        // label or a dashed line crossing it, nor the hollow box of a layer with no value
+        const x0 = Math.round((xs[0] + (xs[xs.length - 1] - xs[0]) / 4) * scale);
+        const wide = Math.max(1, Math.round(((xs[xs.length - 1] - xs[0]) / 2) * scale));
+        const d = c.getContext('2d').getImageData(x0, 0, wide, c.height).data;
+        // opaque pixels only: the band shading is the same hue at 10% alpha on a transparent canvas
+        const near = (i) => d[i + 3] > 240
+            && Math.abs(d[i] - rgb[0]) + Math.abs(d[i + 1] - rgb[1]) + Math.abs(d[i + 2] - rgb[2]) < 30;
+        let best = 0;
+        let run = 0;
+        for (let y = c.height - 1; y >= 0; y -= 1) {
+            let full = true;
+            for (let x = 0; x < wide && full; x += 1) full = near((y * wide + x) * 4);
+            run = full ? run + 1 : 0;
+            best = Math.max(best, run);
+        }
+        return best / scale;
+    }""", [low["index"], colour])
+    # a solid bar at least MIN_BAR_PX (6 px) tall: neither a sliver nor the hollow box of a layer with no value
+    assert height >= 6, (height, low)
+    shot(p, "11_profile_weakest_bar.png")
     gh.assert_clean()

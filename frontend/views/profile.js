@@ -46,6 +46,7 @@ export function profileView(model, run, onSelect) {
       const i = steps.indexOf(body.step);
       slider.value = String(i < 0 ? steps.length - 1 : i);
       stepLabel.textContent = String(body.step);
+      chartBox.dataset.step = String(body.step);  // the step drawn (the label follows the slider at once)
       draw();
     } catch (err) {
       if (mine !== request) return;
