@@ -1,0 +1,496 @@
+"""A labelled zoo of small real trainings, and a scorer of the diagnosis against its labels.
+
+Each case of ``benchmarks/zoo_cases.py`` trains a small TF/Keras network on CPU, writes its gradient-health records
+with the project's writers and its raw per-step training loss (scalar ``loss``) into one run directory, and saves
+``labels.json`` there: per-layer ground truth derived from what each layer *does* (weight change over the run,
+structure, injected faults, the raw loss), never from the diagnosis. The rule of each case is written next to it.
+
+The scorer reads every run back with :func:`tb_gradhealth.reader.read_logdir`, diagnoses it with
+:func:`tb_gradhealth.health.diagnose_run` at every logged step (public API only) and prints:
+
+(a) per status, precision and recall over (layer, logged step) pairs, pooled over all runs;
+(b) per healthy run, the layers flagged at the last step and at any step;
+(c) per sick run, rank #1 and ``first_bad``, whether each is a labelled culprit and whether they agree;
+(d) onset errors in logged steps;
+(e) a ``stop_on=("nonfinite", "exploding")`` simulation: false halts on healthy runs, and for divergences the lead
+    (logged steps between the halt and the first NaN);
+(f) the goals, PASS/FAIL with the measured figure.
+
+    flock /tmp/gradhealth-heavy.lock python benchmarks/diagnosis_zoo.py            # train what is not cached, score
+    python benchmarks/diagnosis_zoo.py --list
+    python benchmarks/diagnosis_zoo.py --only sigmoid_mlp_8,nan_injection --refresh
+    python benchmarks/diagnosis_zoo.py --score-only --markdown --json /tmp/zoo.json
+
+Label format (``labels.json``)::
+
+    {"case": name, "sick": bool, "layers": {layer: {"status": s, "onset": step | null,
+                                                   "episodes": [{"status": s, "from": step}, ...] (optional),
+                                                   "doubtful": bool (optional)}},
+     "culprits": [layers acceptable as rank #1 / first_bad], "onset": step | null, "first_nan": step | null,
+     "diverges": bool, "rule": "one line"}
+
+A sick layer has its status from ``onset`` to the end (healthy before). ``episodes`` (when given) replace that with
+a chain, e.g. exploding from the onset then nonfinite from the first NaN: the expected status at a step is that
+of the last episode begun at or before it. A ``doubtful`` layer sits within half a decade of its case's threshold:
+it is left out of the pair counts and the goals (and counted apart).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+if __package__ in (None, ""):  # ``python benchmarks/diagnosis_zoo.py`` from a checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+SICK_STATUSES = ("vanishing", "exploding", "dead", "nonfinite")
+#: Diagnosed statuses that do not count as a flag (``inert`` is informational: round-off only).
+NOT_FLAGGED = frozenset({"healthy", "inert", "missing"})
+STOP_ON = ("nonfinite", "exploding")
+DEFAULT_CACHE = Path(__file__).resolve().parent / ".zoo-cache"
+
+
+# --- diagnosis at every logged step ----------------------------------------------------------------------------
+
+
+@dataclass
+class Diagnosed:
+    """The diagnosis of one run at each of its logged steps (what the scorer needs, via the public API only)."""
+
+    layers: list[str]
+    steps: list[int]
+    #: status of each layer at each logged step (the diagnosis with ``at_step`` = that step)
+    status: list[dict[str, str]]
+    #: at the last step: ``LayerHealth.first_step`` per layer
+    first_step: dict[str, int | None]
+    rank1: str | None
+    rank1_status: str | None
+    first_bad: str | None
+    first_bad_status: str | None
+
+
+def diagnose_steps(layers: Sequence[str], steps: np.ndarray, records: np.ndarray,
+                   diagnose: Callable[..., Any] | None = None, thresholds: Any = None) -> Diagnosed:
+    """Run ``diagnose`` (default :func:`tb_gradhealth.health.diagnose_run`) at every logged step."""
+    from tb_gradhealth import health
+
+    diagnose = diagnose or health.diagnose_run
+    thresholds = thresholds if thresholds is not None else health.Thresholds()
+    per_step, last = [], None
+    for s in steps:
+        last = diagnose(list(layers), steps, records, thresholds, at_step=int(s))
+        per_step.append({lh.layer: lh.status for lh in last.layers})
+    if last is None or not last.layers:
+        return Diagnosed(list(layers), [int(s) for s in steps], per_step, {}, None, None, None, None)
+    fb = last.first_bad or {}
+    return Diagnosed(
+        layers=list(layers), steps=[int(s) for s in steps], status=per_step,
+        first_step={lh.layer: lh.first_step for lh in last.layers},
+        rank1=last.layers[0].layer, rank1_status=last.layers[0].status,
+        first_bad=fb.get("layer"), first_bad_status=fb.get("status"),
+    )
+
+
+def is_flag(status: str | None) -> bool:
+    return status is not None and status not in NOT_FLAGGED
+
+
+# --- labels ----------------------------------------------------------------------------------------------------
+
+
+def episodes(entry: Mapping[str, Any]) -> list[tuple[str, int | None]]:
+    """A labelled layer's chain of (status, from step); ``None`` = from the start."""
+    eps = entry.get("episodes")
+    if eps:
+        return [(e["status"], e.get("from")) for e in eps]
+    return [(entry.get("status", "healthy"), entry.get("onset"))]
+
+
+def expected_status(entry: Mapping[str, Any] | None, step: int) -> str:
+    """The labelled status at ``step``: the last episode begun at or before it, healthy before the first."""
+    if entry is None:
+        return "healthy"
+    out = "healthy"
+    for status, start in episodes(entry):
+        if start is None or step >= start:
+            out = status
+    return out
+
+
+def _index_at_or_after(steps: Sequence[int], step: int | None) -> int | None:
+    """Index of the first logged step at or after ``step`` (the logged step a labelled onset falls on)."""
+    if step is None:
+        return 0
+    for i, s in enumerate(steps):
+        if s >= step:
+            return i
+    return None
+
+
+def _sick_entries(labels: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    return {name: e for name, e in labels["layers"].items()
+            if not e.get("doubtful") and any(st in SICK_STATUSES for st, _ in episodes(e))}
+
+
+# --- scoring ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunScore:
+    case: str
+    sick: bool
+    diverges: bool
+    pairs: dict[str, dict[str, int]] = field(default_factory=dict)  # status -> tp/fp/fn
+    doubtful_pairs: int = 0
+    unlabelled: list[str] = field(default_factory=list)
+    flagged_last: list[str] = field(default_factory=list)
+    flagged_any: list[str] = field(default_factory=list)
+    rank1: str | None = None
+    rank1_status: str | None = None
+    first_bad: str | None = None
+    first_bad_status: str | None = None
+    rank1_ok: bool | None = None
+    first_bad_ok: bool | None = None
+    same: bool | None = None
+    #: per labelled sick layer: label, diagnosed status at the last step, the two onset errors (None = not found)
+    layer_onsets: list[dict[str, Any]] = field(default_factory=list)
+    run_onset_label: int | None = None
+    run_onset_diag: int | None = None
+    run_onset_error: int | None = None
+    halt: int | None = None
+    first_nan: int | None = None
+    lead: int | None = None
+    lead_at_least: bool = False
+    #: a divergence halted more than one logged step before its labelled onset
+    premature: bool = False
+    train_s: float | None = None
+    n_layers: int = 0
+    n_steps: int = 0
+
+
+def score_run(labels: Mapping[str, Any], d: Diagnosed) -> RunScore:
+    """Compare one run's per-step diagnosis with its labels."""
+    lab_layers: Mapping[str, Any] = labels["layers"]
+    steps = d.steps
+    r = RunScore(case=labels["case"], sick=bool(labels["sick"]), diverges=bool(labels.get("diverges")),
+                 n_layers=len(d.layers), n_steps=len(steps))
+    r.pairs = {s: {"tp": 0, "fp": 0, "fn": 0} for s in SICK_STATUSES}
+    r.unlabelled = [n for n in d.layers if n not in lab_layers]
+    any_flag: dict[str, bool] = dict.fromkeys(d.layers, False)
+    for i, step in enumerate(steps):
+        for name in d.layers:
+            entry = lab_layers.get(name)
+            diag = d.status[i].get(name)
+            if entry is not None and entry.get("doubtful"):
+                r.doubtful_pairs += 1
+                continue
+            any_flag[name] = any_flag[name] or is_flag(diag)
+            lab = expected_status(entry, step)
+            for st in SICK_STATUSES:
+                c = r.pairs[st]
+                c["tp"] += lab == st and diag == st
+                c["fp"] += diag == st and lab != st
+                c["fn"] += lab == st and diag != st
+    if steps:
+        r.flagged_last = [n for n in d.layers if is_flag(d.status[-1].get(n))
+                          and not lab_layers.get(n, {}).get("doubtful")]
+    r.flagged_any = [n for n in d.layers if any_flag[n]]
+    culprits = set(labels.get("culprits") or [])
+    r.rank1, r.rank1_status = d.rank1, d.rank1_status
+    r.first_bad, r.first_bad_status = d.first_bad, d.first_bad_status
+    if r.sick:
+        r.rank1_ok = d.rank1 in culprits and is_flag(d.rank1_status)
+        r.first_bad_ok = d.first_bad in culprits
+        r.same = d.first_bad is not None and d.rank1 == d.first_bad
+    r.layer_onsets = _layer_onsets(labels, d)
+    r.run_onset_label = labels.get("onset")
+    flagged_steps = [i for i in range(len(steps)) if any(is_flag(v) for v in d.status[i].values())]
+    if flagged_steps:
+        r.run_onset_diag = steps[flagged_steps[0]]
+    if r.sick and r.run_onset_label is not None and flagged_steps:
+        li = _index_at_or_after(steps, r.run_onset_label)
+        r.run_onset_error = None if li is None else abs(flagged_steps[0] - li)
+    halts = [i for i in range(len(steps)) if any(v in STOP_ON for v in d.status[i].values())]
+    r.halt = steps[halts[0]] if halts else None
+    r.first_nan = labels.get("first_nan")
+    if r.diverges and halts and r.run_onset_label is not None:
+        oi = _index_at_or_after(steps, r.run_onset_label)
+        r.premature = oi is not None and halts[0] < oi - 1  # halted while training was still sound
+    if r.diverges and halts:
+        if r.first_nan is not None:
+            ni = _index_at_or_after(steps, r.first_nan)
+            r.lead = (len(steps) if ni is None else ni) - halts[0]
+        else:  # no NaN within the run: the lead is at least the logged steps from the halt to the end
+            r.lead, r.lead_at_least = len(steps) - halts[0], True
+    return r
+
+
+def _layer_onsets(labels: Mapping[str, Any], d: Diagnosed) -> list[dict[str, Any]]:
+    steps = d.steps
+    out = []
+    for name, entry in _sick_entries(labels).items():
+        chain = episodes(entry)
+        first_status, first_from = next((st, fr) for st, fr in chain if st in SICK_STATUSES)
+        last_status, last_from = chain[-1]
+        diag_last = d.status[-1].get(name) if steps else None
+        err_first_step = None
+        li = _index_at_or_after(steps, last_from)
+        fs = d.first_step.get(name)
+        applicable = last_status in SICK_STATUSES  # a chain may end healthy again: no onset to compare then
+        if applicable and diag_last == last_status and fs is not None and li is not None and fs in steps:
+            err_first_step = abs(steps.index(fs) - li)
+        err_first_flag = None
+        fi = _index_at_or_after(steps, first_from)
+        hits = [i for i in range(len(steps)) if d.status[i].get(name) == first_status]
+        if hits and fi is not None:
+            err_first_flag = abs(hits[0] - fi)
+        out.append({"layer": name, "label": last_status, "label_from": last_from, "first_label": first_status,
+                    "first_from": first_from, "diagnosed": diag_last,
+                    "recalled": diag_last == last_status if applicable else not is_flag(diag_last),
+                    "first_step": fs, "first_step_applicable": applicable, "err_first_step": err_first_step,
+                    "err_first_flag": err_first_flag})
+    return out
+
+
+def _ratio(a: int, b: int) -> float | None:
+    return a / b if b else None
+
+
+def pooled(runs: Iterable[RunScore]) -> dict[str, dict[str, Any]]:
+    """Per status: TP/FP/FN summed over runs, precision and recall (None where undefined)."""
+    out = {}
+    runs = list(runs)
+    for st in SICK_STATUSES:
+        tp = sum(r.pairs[st]["tp"] for r in runs)
+        fp = sum(r.pairs[st]["fp"] for r in runs)
+        fn = sum(r.pairs[st]["fn"] for r in runs)
+        out[st] = {"tp": tp, "fp": fp, "fn": fn, "precision": _ratio(tp, tp + fp), "recall": _ratio(tp, tp + fn)}
+    return out
+
+
+def goals(runs: Sequence[RunScore]) -> list[dict[str, Any]]:
+    """The goals of the diagnosis, each with PASS/FAIL and the measured figure."""
+    healthy = [r for r in runs if not r.sick]
+    sick = [r for r in runs if r.sick]
+    onsets = [o for r in sick for o in r.layer_onsets]
+    div = [r for r in runs if r.diverges]
+    out = []
+
+    def add(name: str, ok: bool, figure: str) -> None:
+        out.append({"goal": name, "pass": bool(ok), "figure": figure})
+
+    flagged = [r for r in healthy if r.flagged_any]
+    add("0 flagged layers on every healthy run (any logged step)", not flagged,
+        f"{len(flagged)} of {len(healthy)} healthy runs flagged; "
+        f"{sum(len(r.flagged_any) for r in healthy)} layer flags in all"
+        + (f" ({', '.join(f'{r.case}: {len(r.flagged_any)}' for r in flagged)})" if flagged else ""))
+    recalled = sum(o["recalled"] for o in onsets)
+    add("recall 100% of labelled sick layers with the labelled status (at the last step)",
+        recalled == len(onsets), f"{recalled} of {len(onsets)} labelled sick layers")
+    both = [r for r in sick if r.rank1_ok and r.first_bad_ok and r.same]
+    add("rank #1 and first_bad are the same, truly sick layer in every sick run", len(both) == len(sick),
+        f"{len(both)} of {len(sick)} sick runs")
+    errs = [max(o["err_first_step"] if o["err_first_step"] is not None or not o["first_step_applicable"]
+                else math.inf, o["err_first_flag"] if o["err_first_flag"] is not None else math.inf, 0)
+            for o in onsets]
+    within = sum(e <= 1 for e in errs)
+    finite = [e for e in errs if math.isfinite(e)]
+    add("onset within one logged step of the label (first_step at the last step and first flagged step)",
+        within == len(errs), f"{within} of {len(errs)} labelled sick layers; max error "
+        f"{max(finite) if finite else '-'}; {len(errs) - len(finite)} never found")
+    good = [r for r in div if r.lead is not None and r.lead >= 3 and not r.premature]
+    add("stop_on halts every divergence >= 3 logged steps before the first NaN (and not before its onset - 1)",
+        len(good) == len(div),
+        f"{len(good)} of {len(div)} divergences; leads "
+        + ", ".join(f"{r.case}: {_lead_text(r)}" for r in div))
+    halted = [r for r in healthy if r.halt is not None]
+    add("stop_on never halts a healthy run", not halted,
+        f"{len(halted)} of {len(healthy)} healthy runs halted"
+        + (f" ({', '.join(f'{r.case} at {r.halt}' for r in halted)})" if halted else ""))
+    return out
+
+
+def _lead_text(r: RunScore) -> str:
+    if r.halt is None:
+        return "no halt"
+    return f"{'>=' if r.lead_at_least else ''}{r.lead}" + (" (premature: before the onset)" if r.premature else "")
+
+
+# --- printing --------------------------------------------------------------------------------------------------
+
+
+def _fmt(x: Any) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, float):
+        return f"{100 * x:.1f}%"
+    if isinstance(x, list | tuple):
+        return ", ".join(str(v) for v in x) if x else "-"
+    return str(x)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], markdown: bool = False) -> str:
+    cells = [[_fmt(c) for c in row] for row in rows]
+    if markdown:
+        lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(" --- " for _ in headers) + "|"]
+        lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in cells]
+        return "\n".join(lines)
+    widths = [max(len(h), *(len(row[i]) for row in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(lines)
+
+
+def report(runs: Sequence[RunScore], markdown: bool = False) -> str:
+    """Every table of the scorer as text (or Markdown)."""
+    h = (lambda t: f"\n### {t}\n") if markdown else (lambda t: f"\n== {t} ==")
+    out = []
+    p = pooled(runs)
+    out.append(h("(a) per status, over (layer, logged step) pairs, all runs pooled"))
+    out.append(table(["status", "precision", "recall", "TP", "FP", "FN"],
+                     [[st, v["precision"], v["recall"], v["tp"], v["fp"], v["fn"]] for st, v in p.items()],
+                     markdown))
+    doubt = sum(r.doubtful_pairs for r in runs)
+    if doubt:
+        out.append(f"({doubt} pairs of doubtful layers left out)")
+    out.append(h("(b) healthy runs: flagged layers (goal 0)"))
+    out.append(table(["run", "at last step", "at any step", "flagged layers (any step)"],
+                     [[r.case, len(r.flagged_last), len(r.flagged_any), _short(r.flagged_any)]
+                      for r in runs if not r.sick], markdown))
+    out.append(h("(c) sick runs: rank #1 and first_bad at the last step"))
+    out.append(table(["run", "rank #1", "status", "culprit", "first_bad", "status", "culprit", "same"],
+                     [[r.case, r.rank1, r.rank1_status, r.rank1_ok, r.first_bad, r.first_bad_status,
+                       r.first_bad_ok, r.same] for r in runs if r.sick], markdown))
+    out.append(h("(d) onset error in logged steps, per labelled sick layer (goal <= 1)"))
+    rows = []
+    for r in runs:
+        if not r.sick:
+            continue
+        o = r.layer_onsets
+        e1 = [x["err_first_step"] for x in o]
+        e2 = [x["err_first_flag"] for x in o]
+        rows.append([r.case, len(o), sum(x["recalled"] for x in o), _err_summary(e1), _err_summary(e2),
+                     r.run_onset_label, r.run_onset_diag, r.run_onset_error])
+    out.append(table(["run", "sick layers", "recalled", "first_step err max/missing", "first flag err max/missing",
+                      "run onset label", "run onset diag", "err"], rows, markdown))
+    out.append(h("(e) stop_on=('nonfinite', 'exploding') simulation"))
+    out.append(table(["run", "kind", "halt at", "labelled onset", "first NaN", "lead (logged steps)"],
+                     [[r.case, "divergence" if r.diverges else ("sick" if r.sick else "healthy"), r.halt,
+                       r.run_onset_label, r.first_nan, _lead_text(r) if r.diverges else "-"] for r in runs],
+                     markdown))
+    out.append(h("(f) GOALS"))
+    out.append(table(["goal", "result", "measured"],
+                     [[g["goal"], "PASS" if g["pass"] else "FAIL", g["figure"]] for g in goals(runs)], markdown))
+    return "\n".join(out)
+
+
+def _short(names: Sequence[str], n: int = 4) -> str:
+    return ", ".join(names[:n]) + (f" (+{len(names) - n})" if len(names) > n else "") if names else "-"
+
+
+def _err_summary(errs: Sequence[int | None]) -> str:
+    found = [e for e in errs if e is not None]
+    return f"{max(found) if found else '-'}/{len(errs) - len(found)}"
+
+
+def figures(runs: Sequence[RunScore]) -> dict[str, Any]:
+    """Everything as JSON-able data."""
+    return {"pooled": pooled(runs), "goals": goals(runs), "runs": [r.__dict__ for r in runs]}
+
+
+# --- cases on disk -----------------------------------------------------------------------------------------------
+
+
+def load_case(case_dir: Path) -> tuple[dict[str, Any], Any]:
+    """``(labels, RunSeries)`` of a cached case: its one gradient-health run."""
+    from tb_gradhealth import reader
+
+    labels = json.loads((case_dir / "labels.json").read_text())
+    data = reader.read_logdir(str(case_dir))
+    runs = [r for r in data.runs if r.num_steps]
+    if len(runs) != 1:
+        raise RuntimeError(f"{case_dir}: expected one gradient-health run, found {[r.run for r in runs]}")
+    return labels, runs[0]
+
+
+def score_cases(case_dirs: Sequence[Path], times: Mapping[str, float] | None = None) -> list[RunScore]:
+    out = []
+    for case_dir in case_dirs:
+        labels, run = load_case(case_dir)
+        d = diagnose_steps(run.layers, run.steps, run.records)
+        r = score_run(labels, d)
+        r.train_s = (times or {}).get(labels["case"], labels.get("train_s"))
+        if r.unlabelled:
+            print(f"[zoo] {r.case}: {len(r.unlabelled)} recorded layers without a label (scored as healthy): "
+                  f"{_short(r.unlabelled)}", file=sys.stderr)
+        out.append(r)
+    return out
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cache", type=Path, default=Path(os.environ.get("GRADHEALTH_ZOO_CACHE", DEFAULT_CACHE)),
+                    help="where each case's logdir is kept (default: benchmarks/.zoo-cache)")
+    ap.add_argument("--refresh", action="store_true", help="retrain the selected cases even when cached")
+    ap.add_argument("--only", default="", help="comma-separated case names")
+    ap.add_argument("--list", action="store_true", help="list the cases and their labelling rules, then exit")
+    ap.add_argument("--score-only", action="store_true", help="score the cached cases, train nothing")
+    ap.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
+    ap.add_argument("--json", type=Path, default=None, help="write every figure to this JSON file")
+    return ap.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    from benchmarks import zoo_cases  # noqa: PLC0415 - TensorFlow only when training
+
+    names = [n for n in args.only.split(",") if n] or list(zoo_cases.CASES)
+    unknown = [n for n in names if n not in zoo_cases.CASES]
+    if unknown:
+        print(f"unknown case(s): {', '.join(unknown)}; known: {', '.join(zoo_cases.CASES)}", file=sys.stderr)
+        return 2
+    if args.list:
+        for n in names:
+            print(f"{n:24s} {zoo_cases.CASES[n].rule}")
+        return 0
+    times: dict[str, float] = {}
+    if not args.score_only:
+        for n in names:
+            case_dir = args.cache / n
+            if (case_dir / "labels.json").exists() and not args.refresh:
+                continue
+            t0 = time.perf_counter()
+            zoo_cases.train(n, case_dir)
+            times[n] = time.perf_counter() - t0
+            print(f"[zoo] trained {n} in {times[n]:.1f} s", flush=True)
+        if times:
+            print(f"[zoo] training time, {len(times)} case(s): {sum(times.values()):.1f} s", flush=True)
+    dirs = [args.cache / n for n in names if (args.cache / n / "labels.json").exists()]
+    runs = score_cases(dirs, times)
+    print(table(["case", "sick", "logged steps", "layers", "training s"],
+                [[r.case, r.sick, r.n_steps, r.n_layers, None if r.train_s is None else f"{r.train_s:.1f}"]
+                 for r in runs], args.markdown))
+    total = sum(r.train_s or 0.0 for r in runs)
+    print(f"training time of these {len(runs)} cases (this call, or when cached): {total:.1f} s")
+    print(report(runs, args.markdown))
+    if args.json:
+        args.json.write_text(json.dumps(figures(runs), indent=1, default=str))
+    return 0
+
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""The diagnosis zoo's scorer: its metric arithmetic on a tiny labelled run, against hand-computed figures.
+
+The run is built from numpy records (``record.compute``); the diagnosis is a stand-in with a rule simple enough to
+work out by hand (NaN -> nonfinite, RMS < 1e-6 -> vanishing), so the test checks the scorer, not the diagnosis.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tb_gradhealth import record
+
+pytestmark = pytest.mark.unit
+
+_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "diagnosis_zoo.py"
+_spec = importlib.util.spec_from_file_location("diagnosis_zoo", _PATH)
+zoo = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("diagnosis_zoo", zoo)  # dataclasses look their module up there
+_spec.loader.exec_module(zoo)
+
+LAYERS = ["a/kernel", "b/kernel", "c/kernel"]
+STEPS = np.array([10, 20, 30, 40, 50, 60])
+
+
+def _records() -> np.ndarray:
+    """a: RMS 1e-9 from step 30; b: NaN from step 50; c: RMS 1e-9 at step 60 only; otherwise RMS ~1."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for s in STEPS:
+        row = []
+        for name in LAYERS:
+            g = rng.standard_normal(16)
+            if (name == "a/kernel" and s >= 30) or (name == "c/kernel" and s == 60):
+                g = g * 1e-9
+            if name == "b/kernel" and s >= 50:
+                g[3] = np.nan
+            row.append(record.compute(g))
+        rows.append(np.stack(row))
+    return np.stack(rows)
+
+
+@dataclass
+class _LH:
+    layer: str
+    status: str
+    first_step: int | None
+
+
+@dataclass
+class _RH:
+    layers: list[_LH]
+    first_bad: dict | None
+
+
+_SEVERITY = {"nonfinite": 0, "vanishing": 1, "healthy": 2}
+
+
+def _fake_diagnose(layers, steps, records, thresholds, at_step):
+    """NaN -> nonfinite, RMS < 1e-6 -> vanishing; first_step = start of the trailing run of that status."""
+    end = int(np.searchsorted(steps, at_step, side="right"))
+    d = record.derived(records[:end])
+    raw = np.where(d["nan"] > 0, "nonfinite", np.where(d["rms"] < 1e-6, "vanishing", "healthy"))
+    out = []
+    for i, name in enumerate(layers):
+        st = raw[-1, i]
+        j = end - 1
+        while j > 0 and raw[j - 1, i] == st:
+            j -= 1
+        out.append(_LH(name, str(st), None if st == "healthy" else int(steps[j])))
+    ranked = sorted(out, key=lambda lh: (_SEVERITY[lh.status], LAYERS.index(lh.layer)))
+    bad = [lh for lh in ranked if lh.status != "healthy"]
+    first_bad = {"layer": bad[0].layer, "status": bad[0].status, "step": bad[0].first_step} if bad else None
+    return _RH(ranked, first_bad)
+
+
+def _labels(sick: bool) -> dict:
+    layers = {"a/kernel": {"status": "vanishing", "onset": 20}, "b/kernel": {"status": "nonfinite", "onset": 50},
+              "c/kernel": {"status": "healthy", "onset": None}}
+    if not sick:
+        layers = {n: {"status": "healthy", "onset": None} for n in LAYERS}
+    return {"case": "tiny", "sick": sick, "layers": layers, "culprits": ["b/kernel"], "onset": 20 if sick else None,
+            "first_nan": 50 if sick else None, "diverges": sick, "rule": "hand-made"}
+
+
+def _scored(sick: bool):
+    d = zoo.diagnose_steps(LAYERS, STEPS, _records(), diagnose=_fake_diagnose, thresholds=object())
+    return zoo.score_run(_labels(sick), d)
+
+
+def test_pair_counts_precision_recall_onsets_and_halt():
+    r = _scored(sick=True)
+    # vanishing: labelled for a at 20..60 (5 pairs), diagnosed for a at 30..60 (4) and for c at 60 (1)
+    assert r.pairs["vanishing"] == {"tp": 4, "fp": 1, "fn": 1}
+    assert r.pairs["nonfinite"] == {"tp": 2, "fp": 0, "fn": 0}
+    p = zoo.pooled([r])
+    assert p["vanishing"]["precision"] == pytest.approx(0.8) and p["vanishing"]["recall"] == pytest.approx(0.8)
+    assert p["exploding"]["precision"] is None and p["exploding"]["recall"] is None
+    # rank #1 and first_bad at the last step: b (nonfinite), a labelled culprit
+    assert (r.rank1, r.first_bad, r.rank1_ok, r.first_bad_ok, r.same) == ("b/kernel", "b/kernel", True, True, True)
+    onsets = {o["layer"]: o for o in r.layer_onsets}
+    # a: labelled from 20 (index 1), diagnosed from 30 (index 2): one logged step late by both measures
+    assert (onsets["a/kernel"]["err_first_step"], onsets["a/kernel"]["err_first_flag"]) == (1, 1)
+    assert (onsets["b/kernel"]["err_first_step"], onsets["b/kernel"]["err_first_flag"]) == (0, 0)
+    assert set(onsets) == {"a/kernel", "b/kernel"}
+    assert (r.run_onset_label, r.run_onset_diag, r.run_onset_error) == (20, 30, 1)
+    # stop_on: halted at the first nonfinite (50) = the first NaN: lead 0, not before the onset
+    assert (r.halt, r.lead, r.premature) == (50, 0, False)
+    healthy, recall, rank, onset, lead, no_false_halt = (g["pass"] for g in zoo.goals([r]))
+    assert (recall, rank, onset, lead) == (True, True, True, False)
+
+
+def test_healthy_run_flag_counts():
+    r = _scored(sick=False)
+    assert r.flagged_last == ["a/kernel", "b/kernel", "c/kernel"]
+    assert r.flagged_any == ["a/kernel", "b/kernel", "c/kernel"]
+    assert r.pairs["vanishing"] == {"tp": 0, "fp": 5, "fn": 0}
+    assert r.halt == 50 and r.lead is None
+    goals = zoo.goals([r])
+    assert [g["pass"] for g in goals if "healthy" in g["goal"]] == [False, False]
+
+
+def test_episodes_and_doubtful_layers():
+    entry = {"status": "exploding", "onset": 30,
+             "episodes": [{"status": "exploding", "from": 30}, {"status": "nonfinite", "from": 50}]}
+    assert [zoo.expected_status(entry, s) for s in (20, 30, 49, 50, 60)] == [
+        "healthy", "exploding", "exploding", "nonfinite", "nonfinite"]
+    labels = _labels(sick=True)
+    labels["layers"]["c/kernel"]["doubtful"] = True
+    d = zoo.diagnose_steps(LAYERS, STEPS, _records(), diagnose=_fake_diagnose, thresholds=object())
+    r = zoo.score_run(labels, d)
+    assert r.pairs["vanishing"] == {"tp": 4, "fp": 0, "fn": 1} and r.doubtful_pairs == len(STEPS)
+    assert not math.isnan(zoo.pooled([r])["vanishing"]["precision"])
