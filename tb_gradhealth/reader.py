@@ -458,23 +458,39 @@ class ProviderReader:
         """The run's series and whether the provider answered. One ``read_tensors`` call per run: TensorBoard's
         data server answers it in one gRPC message of at most 256 MB, about 2 million layer-steps of records;
         a larger run needs a sample limit (``--samples_per_plugin=gradhealth=N``) and otherwise shows a problem."""
+        problems: list[str] = []
         try:
-            data = self._provider.read_tensors(
-                ctx,
-                experiment_id=experiment_id,
-                plugin_name=metadata.PLUGIN_NAME,
-                downsample=self.downsample,
-                run_tag_filter=tb_provider.RunTagFilter(runs=[run], tags=list(tag_map)),
-            )
+            series = self._read_tags(ctx, experiment_id, run, list(tag_map))
         except PROVIDER_ERRORS as e:
             return assemble(name, [], sample_limit=self.sample_limit,
                             problems=[f"data provider could not read this run: {e}"]), False
-        series = data.get(run, {})
+        except (ValueError, TypeError):
+            # The provider decodes every tensor of the answer and fails on the first malformed one: read tag by
+            # tag so that only the tag holding it is lost.
+            series = {}
+            for tag in tag_map:
+                try:
+                    series.update(self._read_tags(ctx, experiment_id, run, [tag]))
+                except (ValueError, TypeError) as e:
+                    problems.append(f"tag {tag}: the data provider cannot decode one of its tensors ({e}); "
+                                    f"the tag is skipped")
+                except PROVIDER_ERRORS as e:
+                    problems.append(f"tag {tag}: data provider could not read it: {e}")
         tags = [
             TagData(tag, ts.plugin_content, [(d.step, d.wall_time, d.numpy) for d in series.get(tag, ())])
-            for tag, ts in tag_map.items()
+            for tag, ts in tag_map.items() if tag in series
         ]
-        return assemble(name, tags, sample_limit=self.sample_limit), True
+        return assemble(name, tags, sample_limit=self.sample_limit, problems=problems), True
+
+    def _read_tags(self, ctx: Any, experiment_id: str, run: str, tags: list[str]) -> dict[str, Any]:
+        data = self._provider.read_tensors(
+            ctx,
+            experiment_id=experiment_id,
+            plugin_name=metadata.PLUGIN_NAME,
+            downsample=self.downsample,
+            run_tag_filter=tb_provider.RunTagFilter(runs=[run], tags=tags),
+        )
+        return data.get(run, {})
 
     def _evict(self) -> None:
         total = sum(s.nbytes for _, s in self._cache.values())

@@ -436,9 +436,13 @@ def check_disk(t: np.ndarray) -> tuple[np.ndarray, dict[int, str]]:
     lo = t[:, DISK_HIST_LO]
     width = t.shape[1] - DISK_HIST_START
     vals, freq = np.unique(lo[np.isfinite(lo)], return_counts=True)
-    common = vals[np.argmax(freq)] if vals.size else np.nan
-    flag(lo != common, f"histogram window start differs from the event's ({common:g})")
-    if not (np.isfinite(common) and common == int(common) and 0 <= common <= HIST_BINS - width):
+    if not vals.size:
+        flag(np.ones(n_rows, dtype=bool), "histogram window start is not a number")
+        common = np.nan
+    else:
+        common = vals[np.argmax(freq)]
+        flag(lo != common, f"histogram window start differs from the event's ({common:g})")
+    if vals.size and not (common == int(common) and 0 <= common <= HIST_BINS - width):
         flag(np.ones(n_rows, dtype=bool), f"histogram window {common:g}+{width} outside the {HIST_BINS} bins")
     bad = np.zeros(n_rows, dtype=bool)
     bad[list(reasons)] = True

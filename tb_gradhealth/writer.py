@@ -26,6 +26,7 @@ Example (PyTorch)::
 
 from __future__ import annotations
 
+import numbers
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -57,6 +58,53 @@ def make_event(
     return event
 
 
+def check_step(step: Any, last: int | None = None, what: str = "step") -> int:
+    """``step`` as an int: an integer (Python or numpy, not bool) ``>= 0`` and ``>= last``; TypeError/ValueError
+    naming ``what`` otherwise (a float step would be truncated, a decreasing one read as a restart)."""
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+        raise TypeError(f"{what} must be an integer, got {type(step).__name__} {step!r}")
+    step = int(step)
+    if step < 0:
+        raise ValueError(f"{what} must be >= 0, got {step}")
+    if last is not None and step < last:
+        raise ValueError(f"{what} {step} is below the step {last} this writer already wrote for the same tag: steps "
+                         f"that go back read as a restart that replaces the later ones (use a new Writer after a "
+                         f"restart)")
+    return step
+
+
+def _check_array(value: Any, what: str) -> np.ndarray:
+    """``value`` as a real numeric array, else TypeError naming ``what`` (complex values would lose their imaginary
+    part, objects and strings would become NaN or fail later)."""
+    arr = np.asarray(value)
+    if arr.dtype.kind not in "fiu":
+        raise TypeError(f"{what}: expected a real float or integer array, got dtype {arr.dtype}")
+    return arr
+
+
+def _check_rows(layers: Sequence[str], rows: np.ndarray) -> None:
+    """ValueError naming the first layer whose record is not a consistent record (see ``record.check_disk``)."""
+    counts = rows[:, : record.NUM_COUNTS]
+    bad = ~np.all(np.isfinite(counts) & (counts >= 0) & (counts == np.round(counts)), axis=1)
+    if bad.any():
+        j = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"layer {layers[j]!r}: counts must be non-negative integers, got {counts[j].tolist()}")
+    _, reasons = record.check_disk(record.to_disk(rows))
+    if reasons:
+        j, why = min(reasons.items())
+        raise ValueError(f"layer {layers[j]!r}: not a consistent record: {why}")
+
+
+def _names(keys: Any, what: str) -> list[str]:
+    """Layer or tag names: strings only (``None`` or a number would be written as ``"None"``), TypeError naming
+    ``what`` otherwise."""
+    names = list(keys)
+    bad = [n for n in names if not isinstance(n, str) or not n]
+    if bad:
+        raise TypeError(f"{what}: names must be non-empty strings, got {bad[0]!r}")
+    return names
+
+
 class Writer:
     """Writes gradient-health records (and plain scalars) to an event file in ``logdir``, without TensorFlow.
 
@@ -67,6 +115,11 @@ class Writer:
 
     ``hist_sample`` bounds the histogram work per tensor exactly as in the TF path (``None``/0: always exact);
     ``seed`` makes the sampling reproducible. Not thread-safe (like ``tf.summary`` writers).
+
+    Input is checked before anything is written: layer names must be strings, gradients real numeric arrays (or
+    ``None``), weights and updates keyed by known layers with their gradient's shape, steps integers that do not go
+    below the last step written for the same tag; a wrong input is a TypeError or ValueError naming the layer or
+    argument, and nothing of that call is written.
     """
 
     def __init__(
@@ -87,6 +140,7 @@ class Writer:
         self.hist_sample = hist_sample
         self._rng = np.random.default_rng(seed)
         self._tags_with_metadata: set[str] = set()
+        self._last_step: dict[str, int] = {}
         self._closed = False
 
     @property
@@ -113,18 +167,27 @@ class Writer:
         ``updates`` (same keys, any subset) add the optional weight / applied-update norms. Returns the tag.
         """
         self._check_open()
-        layers = list(grads)
-        weights = weights or {}
-        updates = updates or {}
+        layers = _names(grads, "grads")
+        weights = dict(weights or {})
+        updates = dict(updates or {})
+        arrays: dict[str, np.ndarray | None] = {}
+        for n in layers:
+            arrays[n] = None if grads[n] is None else _check_array(grads[n], f"gradient of layer {n!r}")
+        for what, extra in (("weights", weights), ("updates", updates)):
+            unknown = [k for k in extra if k not in grads]
+            if unknown:
+                raise ValueError(f"{what}: no gradient given for {', '.join(map(repr, unknown))}")
+            for n, v in extra.items():
+                arr = _check_array(v, f"{what[:-1]} of layer {n!r}")
+                g = arrays[n]
+                if g is not None and arr.shape != g.shape:
+                    raise ValueError(f"{what[:-1]} of layer {n!r}: shape {arr.shape} differs from its gradient's "
+                                     f"{g.shape}")
+                extra[n] = arr
+        check_step(step, self._last_step.get(metadata.tag_for(layers, name)))
         rows = np.stack(
             [
-                record.compute(
-                    None if grads[n] is None else np.asarray(grads[n]),
-                    weights.get(n),
-                    updates.get(n),
-                    hist_sample=self.hist_sample,
-                    rng=self._rng,
-                )
+                record.compute(arrays[n], weights.get(n), updates.get(n), hist_sample=self.hist_sample, rng=self._rng)
                 for n in layers
             ]
         ) if layers else record.empty((0,))
@@ -142,13 +205,17 @@ class Writer:
     ) -> str:
         """Write already-computed records (memory form ``[L, NUM_FIELDS]``, rows = ``layers``). Returns the tag."""
         self._check_open()
-        layers = [str(n) for n in layers]
-        rows = np.asarray(mem_rows, dtype=np.float64)
+        layers = _names(layers, "layers")
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"name must be a non-empty string, got {name!r}")
+        rows = _check_array(mem_rows, "mem_rows").astype(np.float64)
         if rows.shape != (len(layers), record.NUM_FIELDS):
             raise ValueError(f"expected records of shape [{len(layers)}, {record.NUM_FIELDS}], got {rows.shape}")
         if len(set(layers)) != len(layers):
             raise ValueError("layer names must be unique")
+        _check_rows(layers, rows)
         tag = metadata.tag_for(layers, name)
+        self._last_step[tag] = check_step(step, self._last_step.get(tag))
         md = None
         if tag not in self._tags_with_metadata:
             md = metadata.create_summary_metadata(layers, kind=kind, hist_sample=self.hist_sample or 0)
@@ -159,8 +226,11 @@ class Writer:
     def add_scalars(self, step: int, scalars: Mapping[str, float], *, wall_time: float | None = None) -> None:
         """Standard TensorBoard scalars (loss, learning rate, ...) shown in the Scalars tab, one event per call."""
         self._check_open()
+        checked = {tag: check_step(step, self._last_step.get(tag)) for tag in _names(scalars, "scalars")}
+        values = {tag: float(v) for tag, v in scalars.items()}  # TypeError/ValueError before anything is written
+        self._last_step.update(checked)
         event = event_pb2.Event(wall_time=time.time() if wall_time is None else wall_time, step=int(step))
-        for tag, v in scalars.items():
+        for tag, v in values.items():
             value = event.summary.value.add(
                 tag=str(tag), tensor=tensor_util.make_tensor_proto(np.float32(v))
             )
