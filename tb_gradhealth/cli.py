@@ -98,6 +98,19 @@ def _text(s: str) -> str:
     return s if s.isprintable() else s.encode("unicode_escape").decode("ascii")
 
 
+def timeline_text(timeline: list[dict[str, Any]]) -> str:
+    """``exploding from 38 (dense_3 +4) -> dead from 44 (...) -> nonfinite from 54 (...)``."""
+    parts = []
+    for e in timeline:
+        more = f" +{e['layers'] - 1}" if e["layers"] > 1 else ""
+        parts.append(f"{e['status']} from {e['step']} ({_text(e['layer'])}{more})")
+    return " -> ".join(parts)
+
+
+def _episodes_text(episodes: list[dict[str, Any]]) -> str:
+    return " -> ".join(f"{e['status']} {e['from']}-{e['to']}" for e in episodes)
+
+
 def format_run(body: dict[str, Any], series: reader.RunSeries, top: int = 0) -> str:
     """One run's ranked table (colour-free), with its summary line and read problems."""
     counts = body["summary"]["counts"]
@@ -106,9 +119,13 @@ def format_run(body: dict[str, Any], series: reader.RunSeries, top: int = 0) -> 
         f"({series.num_steps} logged), diagnosed at step {body['step']}",
         "  " + ", ".join(f"{counts[s]} {s}" for s in health.STATUSES if counts.get(s)),
     ]
-    fb = body["summary"]["first_bad"]
+    fb, onset = body["summary"]["first_bad"], body["summary"].get("onset")
     if fb:
-        lines.append(f"  first bad: {_text(fb['layer'])} ({fb['status']}) at step {fb['step']}")
+        lines.append(f"  first bad: {_text(fb['layer'])} ({fb['status']}) since step {fb['step']}")
+    if onset:
+        lines.append(f"  first went wrong: step {onset['step']}, {_text(onset['layer'])} ({onset['status']})")
+    if body["summary"].get("timeline"):
+        lines.append("  timeline: " + timeline_text(body["summary"]["timeline"]))
     for p in series.problems:
         lines.append(f"  problem: {_text(p)}")
     for p in series.notes:
@@ -123,6 +140,8 @@ def format_run(body: dict[str, Any], series: reader.RunSeries, top: int = 0) -> 
             f"  {rank:>4}  {x['status']:<9}  {x['severity']:>8.1f}  {since:>7}  {_text(x['layer']):<{width}}  "
             f"{_num(x['rms']):>9}  {_num(x['max_abs']):>9}  {_num(x['norm']):>9}  "
             f"{_text('; '.join(x['reasons']))}")
+        if len(x.get("episodes", [])) > 1:
+            lines.append(f"  {'':>4}  {'':<9}  {'':>8}  {'':>7}  episodes: {_episodes_text(x['episodes'])}")
     if top > 0 and len(body["layers"]) > top:
         lines.append(f"  ... {len(body['layers']) - top} more layers (--top 0 lists all)")
     return "\n".join(lines)

@@ -3,16 +3,12 @@
 Pure numpy on top of :mod:`tb_gradhealth.record` (no TensorFlow, no TensorBoard), so the plugin, the CLI and any
 script share one diagnosis. The rules and the reasons behind every default are in ``docs/DIAGNOSIS.md``.
 
-Every rule is evaluated for every (logged step, layer) at once on ``[S, L]`` arrays, which gives each layer a
-*raw status per step*; a layer's status is its raw status at its last record (at or before ``at_step``), confirmed
-over several logged steps for the slow diseases (vanishing, dead), and ``first_step`` is where its trailing run of
-that raw status began. Diagnosing 1,000 layers x 1,000 logged steps takes ~0.15 s warm (~0.35 s cold) on the
-project's shared 2-core machine, ~40 MB of temporaries (``tests/test_health.py::test_scale_1000_by_1000`` prints
-the figure on every run).
-
-Order: ``layers`` are in network (forward) order. Backprop computes gradients deepest layer first, so when several
-layers turn NaN/Inf at the same first step, the *deepest* of them (last in network order) is where it started;
-the shallower ones only received it.
+Every rule is evaluated for every (logged step, layer) at once on ``[S, L]`` arrays, which gives each layer a raw
+status per step. Vanishing and exploding are properties of the gradient's flow through depth, so they are judged
+against the *reference*: the layers nearest the loss (where backprop starts), never a statistic that sinks with the
+disease. The per-step statuses become *episodes* (runs of one status, slow diseases confirmed over several logged
+steps); a layer's status is that of its last record, and ``first_step`` is the onset of its current chain of
+episodes. ``layers`` are in network (forward) order: backprop computes gradients deepest layer first.
 """
 
 from __future__ import annotations
@@ -27,22 +23,29 @@ import numpy as np
 
 from tb_gradhealth import record
 
-#: Status words, most severe first: this is also the severity order.
-STATUSES: tuple[str, ...] = ("nonfinite", "exploding", "vanishing", "dead", "missing", "healthy")
+#: Status words, most severe first: this is also the severity order. ``inert`` (a parameter that only ever receives
+#: round-off) and ``healthy`` are not flags.
+STATUSES: tuple[str, ...] = ("nonfinite", "exploding", "vanishing", "dead", "missing", "inert", "healthy")
+#: The statuses that count as a problem (counted, ranked, gate the CLI by default through ``--fail-on``).
+FLAGS: tuple[str, ...] = STATUSES[:5]
 _CODE = {name: i for i, name in enumerate(STATUSES)}
-NONFINITE, EXPLODING, VANISHING, DEAD, MISSING, HEALTHY = range(len(STATUSES))
+NONFINITE, EXPLODING, VANISHING, DEAD, MISSING, INERT, HEALTHY = range(len(STATUSES))
 _ABSENT = -1
-#: The relative exploding rule measures against this quantile of the layers' log RMS (the upper quartile), not the
-#: median: when the lower half of a deep network vanishes, its median sinks into the vanishing part and would
-#: make the normal layers near the loss look "exploding". A single outlier layer barely moves either quantile.
-UPPER_QUANTILE = 0.75
+#: The reference layers are the last ``REFERENCE_FRACTION`` of the layers with a live gradient at a step, at least
+#: ``REFERENCE_MIN`` of them: the layers nearest the loss, whose gradient has gone through the fewest Jacobians.
+REFERENCE_FRACTION = 0.1
+REFERENCE_MIN = 3
+#: Trend and update rules skip tensors smaller than this: a one-element bias crossing zero has an RMS that dips by
+#: decades and comes back, which says nothing about the network.
+TREND_MIN_SIZE = 16
 #: Severity = base of the status + a within-status part in [0, _SPAN): statuses never overlap.
 _SPAN = 1000.0
 _BASE = {code: (len(STATUSES) - 1 - code) * _SPAN for code in range(len(STATUSES))}
 _ORDER = (
-    "layers worst first: severity descending (nonfinite > exploding > vanishing > dead > missing > healthy), "
-    "ties by network index; first_bad is the most severe status's earliest onset, ties to the deepest layer "
-    "(backprop computes the deepest layer first)"
+    "layers worst first: severity descending (nonfinite > exploding > vanishing > dead > missing > inert > "
+    "healthy), ties by network index; first_bad is the layer ranked first when it is flagged, with the onset of "
+    "its episode chain; onset is the first step any layer was flagged, ties to the deepest layer (backprop "
+    "computes the deepest layer first)"
 )
 
 
@@ -60,11 +63,22 @@ class Thresholds:
     """
 
     vanish_decades: float = _meta(
-        3.0, 0.5, 30.0, 0.5, "Vanishing: RMS at least this many decades (powers of ten) below the median layer's "
-        "RMS at the same step.")
+        3.0, 0.5, 30.0, 0.5, "Vanishing: RMS at least this many decades (powers of ten) below the reference (the "
+        "median RMS of the layers nearest the loss) at the same step.")
     explode_decades: float = _meta(
-        3.0, 0.5, 30.0, 0.5, "Exploding: RMS at least this many decades above the upper-quartile layer's RMS (75th "
-        "percentile of the layers) at the same step.")
+        3.0, 0.5, 30.0, 0.5, "Exploding: RMS at least this many decades above the reference (the median RMS of "
+        "the layers nearest the loss) at the same step.")
+    vanish_update_decades: float = _meta(
+        2.0, 0.0, 30.0, 0.5, "Where updates are recorded, a small gradient is vanishing only if the layer also "
+        "learns slowly: its update RMS at least this many decades below the reference layers' (an adaptive "
+        "optimizer such as Adam rescales small gradients; 0 ignores updates).")
+    inert_decades: float = _meta(
+        4.0, 1.0, 30.0, 0.5, "Inert: a variable whose gradient RMS is at least this many decades below the other "
+        "variables of its layer (same name prefix) and below the vanishing line gets only round-off, e.g. a bias "
+        "directly before BatchNormalization (not a disease; the fix is use_bias=False).")
+    explode_update_ratio: float = _meta(
+        10.0, 1e-3, 1e38, 1.0, "Exploding: the applied update is more than this multiple of the weight's norm "
+        "(the weights are blowing up: the learning rate is too high), where updates are recorded.", log=True)
     vanish_rms_below: float = _meta(
         1e-8, 0.0, 1.0, 1e-9, "Vanishing backstop: RMS below this absolute value (0 turns it off). A decade below "
         "Adam's epsilon (1e-7 in Keras), where Adam stops rescaling and updates shrink with the gradient.", log=True)
@@ -74,8 +88,9 @@ class Thresholds:
         1e4, 1e-30, 1e38, 1.0, "Exploding backstop: max |g| above this absolute value (float16 overflows at 6.5e4).",
         log=True)
     growth_decades: float = _meta(
-        2.0, 0.1, 30.0, 0.1, "Exploding by trend: RMS grew by at least this many decades over growth_window logged "
-        "steps (catches a divergence before it reaches NaN).")
+        2.0, 0.1, 30.0, 0.1, "Exploding by trend: RMS grew by at least this many decades above its lowest value of "
+        "the previous growth_window logged steps, and half as many above their median (catches a divergence "
+        "before it reaches NaN; a one-step dip and recovery is not a trend).")
     growth_window: int = _meta(
         10, 2, 100000, 1, "Exploding by trend: the window, in logged steps, the growth is measured over.")
     sustain_steps: int = _meta(
@@ -192,6 +207,8 @@ class LayerHealth:
     reasons: list[str]
     first_step: int | None
     step: int | None
+    status_since: int | None = None
+    episodes: list[dict[str, Any]] = field(default_factory=list)
     norm: float = math.nan
     rms: float = math.nan
     max_abs: float = math.nan
@@ -212,6 +229,8 @@ class LayerHealth:
             "severity": _json_float(self.severity),
             "reasons": list(self.reasons),
             "first_step": self.first_step,
+            "status_since": self.status_since,
+            "episodes": [dict(e) for e in self.episodes],
             "step": self.step,
             **{k: _json_float(getattr(self, k)) for k in ("norm", "rms", "max_abs", "mean")},
             "nan": int(self.nan),
@@ -229,6 +248,8 @@ class RunHealth:
     thresholds: Thresholds
     layers: list[LayerHealth]
     first_bad: dict[str, Any] | None = None
+    onset: dict[str, Any] | None = None
+    timeline: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def counts(self) -> dict[str, int]:
@@ -252,7 +273,8 @@ class RunHealth:
             "step": self.step,
             "thresholds": self.thresholds.to_dict(),
             "threshold_spec": Thresholds.spec(),
-            "summary": {"counts": self.counts, "first_bad": self.first_bad, "order": _ORDER},
+            "summary": {"counts": self.counts, "first_bad": self.first_bad, "onset": self.onset,
+                        "timeline": [dict(e) for e in self.timeline], "order": _ORDER},
             "layers": [lh.to_json() for lh in self.layers],
         }
 
@@ -279,38 +301,18 @@ def _sorted_quantile(sorted_rows: np.ndarray, q: float) -> np.ndarray:
     return np.where(n > 0, lo + (hi - lo) * (pos - lo_i), np.nan)
 
 
-@dataclass
-class _Steps:
-    """The rules evaluated on ``[S, L]`` records (or ``[1, L]`` for a single step)."""
-
-    present: np.ndarray
-    raw: np.ndarray  # int8 status code per (step, layer); _ABSENT where no record
-    rms: np.ndarray
-    max_abs: np.ndarray
-    log_rms: np.ndarray  # NaN where RMS is 0, unknown or absent
-    median: np.ndarray  # [S] log10 RMS of the median layer
-    upper: np.ndarray  # [S] log10 RMS of the upper-quartile layer
-    start: np.ndarray  # [S] row where each step's growth window starts
-    exp_rel: np.ndarray
-    exp_rms: np.ndarray
-    exp_max: np.ndarray
-    exp_trend: np.ndarray
-    van_rel: np.ndarray
-    van_abs: np.ndarray
-    nonfinite: np.ndarray
-
-    def dec(self, s: int, i: int) -> float:
-        return float(self.log_rms[s, i] - self.median[s])
-
-    def growth(self, s: int, i: int) -> float:
-        return float(self.log_rms[s, i] - self.log_rms[self.start[s], i])
+def _median_where(values: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Median over the last axis of ``values`` where ``mask`` (NaN where nothing is selected)."""
+    rows = np.where(mask, values, np.nan)
+    rows.sort(axis=-1)
+    return _sorted_quantile(rows, 0.5)
 
 
 def _history(records: np.ndarray) -> tuple[np.ndarray, ...]:
     """size, missing, NaN+Inf count, zero count, RMS and max|g| over ``[S, L]``: the few fields the rules need.
 
     The same formulas as :func:`record.derived` (a test checks they agree), computed without the other ~15
-    quantities ``derived`` returns: at 1,000 x 1,000 this is 4x faster, and it is the bulk of the diagnosis.
+    quantities ``derived`` returns: this is the bulk of the diagnosis on large runs.
     """
     f = record.INDEX
     size = records[..., f["size"]]
@@ -321,60 +323,239 @@ def _history(records: np.ndarray) -> tuple[np.ndarray, ...]:
     return size, records[..., f["missing"]], size - n, records[..., f["zero"]], rms, m
 
 
-#: Logged steps evaluated together: keeps the temporaries of one block in cache (~2x faster at 1,000 layers).
-_BLOCK = 64
+def _update_stats(records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """RMS of the applied update and ||update|| / ||weight||, NaN where not recorded (the ratio also where the
+    weight is 0)."""
+    f = record.INDEX
+    with np.errstate(invalid="ignore", divide="ignore"):
+        upd = records[..., f["update_max_abs"]] * np.sqrt(records[..., f["update_ssq_rel"]])
+        weight = records[..., f["weight_max_abs"]] * np.sqrt(records[..., f["weight_ssq_rel"]])
+        size = records[..., f["size"]]
+        rms = np.where(size > 0, upd / np.sqrt(np.where(size > 0, size, 1.0)), np.nan)
+        ok = (weight > 0) & np.isfinite(weight) & np.isfinite(upd)
+        return rms, np.where(ok, upd / np.where(ok, weight, 1.0), np.nan)
 
 
-def _evaluate(records: np.ndarray, t: Thresholds) -> _Steps:
-    shape = records.shape[:2]
-    s_count = shape[0]
-    flags = {k: np.zeros(shape, dtype=bool) for k in (
-        "present", "exp_rel", "exp_rms", "exp_max", "exp_trend", "van_rel", "van_abs", "nonfinite")}
-    rms, max_abs, log_rms = (np.empty(shape) for _ in range(3))
-    median, upper = np.empty(s_count), np.empty(s_count)
-    raw = np.empty(shape, dtype=np.int8)
-    start = np.maximum(np.arange(s_count) - (t.growth_window - 1), 0)
+def layer_groups(layers: Sequence[str]) -> list[np.ndarray]:
+    """Column indices of the variables of one layer (same name up to the last ``/`` or ``.``), for layers with two
+    or more variables: ``conv1/kernel`` and ``conv1/bias`` receive the same upstream gradient."""
+    by: dict[str, list[int]] = {}
+    for i, name in enumerate(layers):
+        cut = max(name.rfind("/"), name.rfind("."))
+        if cut > 0:
+            by.setdefault(name[:cut], []).append(i)
+    return [np.array(v) for v in by.values() if len(v) > 1]
+
+
+def _loudest_sibling(log_rms: np.ndarray, groups: list[np.ndarray]) -> np.ndarray:
+    """``[S, L]``: the largest log RMS among the *other* variables of each variable's layer (NaN if none)."""
+    out = np.full(log_rms.shape, np.nan)
+    for cols in groups:
+        sub = np.where(np.isnan(log_rms[:, cols]), -np.inf, log_rms[:, cols])
+        order = np.sort(sub, axis=1)
+        top, second = order[:, -1], order[:, -2]
+        others = np.where(sub >= top[:, None], second[:, None], top[:, None])
+        out[:, cols] = np.where(np.isfinite(others), others, np.nan)
+    return out
+
+
+def _reference(log_values: np.ndarray, signal: np.ndarray) -> np.ndarray:
+    """``[S]``: median of ``log_values`` over the reference layers: the last ``REFERENCE_FRACTION`` (at least
+    ``REFERENCE_MIN``) of the layers with ``signal`` at each step, i.e. those nearest the loss."""
+    n = signal.sum(axis=1)
+    k = np.maximum(REFERENCE_MIN, np.ceil(REFERENCE_FRACTION * n)).astype(np.int64)
+    from_end = np.cumsum(signal[:, ::-1], axis=1)[:, ::-1]
+    return _median_where(log_values, signal & (from_end <= k[:, None]))
+
+
+def _window_stats(log_rms: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
+    """``[S, L]`` minimum and median of each column over the previous ``window`` rows (not the row itself), NaN
+    ignored (NaN where the window has no value)."""
+    s_count = log_rms.shape[0]
+    padded = np.concatenate([np.full((window,) + log_rms.shape[1:], np.nan), log_rms])
+    low, mid = np.empty(log_rms.shape), np.empty(log_rms.shape)
     for a in range(0, s_count, _BLOCK):
-        b = slice(a, min(a + _BLOCK, s_count))
-        size, missing, nonfinite_count, zero, rms[b], max_abs[b] = _history(records[b])
-        present = ~np.isnan(size)
-        missing = present & (missing > 0.5)
-        values = present & ~missing
-        nonfinite = values & (nonfinite_count > 0)
-        dead = values & ~nonfinite & (size > 0) & (zero >= size)
-        log_rms[b] = lr = _log10(rms[b])
-        ok_log = np.where(values & ~nonfinite, lr, np.nan)
-        ok_log.sort(axis=-1)
-        median[b] = _sorted_quantile(ok_log, 0.5)
-        upper[b] = _sorted_quantile(ok_log, UPPER_QUANTILE)
-        dec = lr - median[b, None]
-        growth = lr - log_rms[start[b]]  # window starts are at or before each row: already computed
-        median_growth = median[b] - median[start[b]]
-        live = values & ~nonfinite & ~dead
-        with np.errstate(invalid="ignore"):
-            exp_rel = live & (lr - upper[b, None] >= t.explode_decades)
-            exp_rms = live & (rms[b] > t.explode_rms_above)
-            exp_max = live & (max_abs[b] > t.explode_max_abs_above)
-            # Growth toward the median is recovery, not explosion: the trend rule needs the layer at or above the
-            # median layer, or the whole network (its median) growing as fast.
-            exp_trend = live & (growth >= t.growth_decades) & (
-                (dec >= 0) | (median_growth >= t.growth_decades)[:, None])
-            exploding = exp_rel | exp_rms | exp_max | exp_trend
-            van_rel = live & (dec <= -t.vanish_decades)
-            van_abs = live & (rms[b] < t.vanish_rms_below)
-        r = np.full(present.shape, HEALTHY, dtype=np.int8)
-        r[~exploding & (van_rel | van_abs)] = VANISHING
-        r[exploding] = EXPLODING
-        r[dead] = DEAD
-        r[nonfinite] = NONFINITE
-        r[missing] = MISSING
-        r[~present] = _ABSENT
-        raw[b] = r
-        for k, v in (("present", present), ("exp_rel", exp_rel), ("exp_rms", exp_rms), ("exp_max", exp_max),
-                     ("exp_trend", exp_trend), ("van_rel", van_rel), ("van_abs", van_abs), ("nonfinite", nonfinite)):
-            flags[k][b] = v
-    return _Steps(raw=raw, rms=rms, max_abs=max_abs, log_rms=log_rms, median=median, upper=upper, start=start,
-                  **flags)
+        b = min(a + _BLOCK, s_count)
+        win = np.lib.stride_tricks.sliding_window_view(padded[a:b + window - 1], window, axis=0).copy()
+        win.sort(axis=-1)
+        low[a:b], mid[a:b] = win[..., 0], _sorted_quantile(win, 0.5)
+    return low, mid
+
+
+#: Logged steps evaluated together: keeps the temporaries of one block in cache.
+_BLOCK = 64
+_FLAG_NAMES = ("present", "nonfinite", "exp_rel", "exp_rms", "exp_max", "exp_trend", "exp_update", "van_rel",
+               "van_abs", "learns", "inert")
+
+
+@dataclass
+class _Steps:
+    """The rules evaluated on ``[S, L]`` records (or ``[1, L]`` for a single step)."""
+
+    raw: np.ndarray  # int8 status code per (step, layer); _ABSENT where no record
+    size: np.ndarray
+    rms: np.ndarray  # RMS of the nonzero finite values: a sparse gradient is judged on the rows that got one
+    max_abs: np.ndarray
+    log_rms: np.ndarray  # NaN where the gradient is not live (absent, missing, nonfinite, all-zero)
+    ref: np.ndarray  # [S] log10 RMS of the reference layers (nearest the loss)
+    log_upd: np.ndarray  # log10 RMS of the applied update, NaN where not recorded
+    ref_upd: np.ndarray  # [S] log10 update RMS of the reference layers
+    upd_ratio: np.ndarray  # ||update|| / ||weight||, NaN where not recorded
+    sibling: np.ndarray  # log10 RMS of the loudest other variable of the same layer
+    base: np.ndarray  # log10 RMS the trend is measured from (lowest of the previous window)
+    flags: dict[str, np.ndarray]
+
+    def __getattr__(self, name: str) -> np.ndarray:
+        try:
+            return self.__dict__["flags"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def dec(self, s: int, i: int) -> float:
+        return float(self.log_rms[s, i] - self.ref[s])
+
+
+def _live(records: np.ndarray) -> dict[str, np.ndarray]:
+    """Per (step, layer): presence, missing, NaN/Inf, all-zero and the RMS of the nonzero finite values."""
+    size, missing, nonfinite_count, zero, _, max_abs = _history(records)
+    present = ~np.isnan(size)
+    missing = present & (missing > 0.5)
+    values = present & ~missing
+    nonfinite = values & (nonfinite_count > 0)
+    dead = values & ~nonfinite & (size > 0) & (zero >= size)
+    nonzero = size - nonfinite_count - zero
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ssq = records[..., record.INDEX["ssq_rel"]]
+        rms = np.where(nonzero > 0, max_abs * np.sqrt(ssq / np.where(nonzero > 0, nonzero, 1)), np.nan)
+    live = values & ~nonfinite & ~dead & (rms > 0)
+    return {"present": present, "missing": missing, "nonfinite": nonfinite, "dead": dead, "live": live,
+            "size": np.where(present, size, 0.0), "rms": rms, "max_abs": max_abs}
+
+
+def _evaluate(records: np.ndarray, layers: Sequence[str], t: Thresholds) -> _Steps:
+    """Every rule at every (logged step, layer); see docs/DIAGNOSIS.md for each rule's reason."""
+    v = _live(records)
+    live, rms, size = v["live"], v["rms"], v["size"]
+    log_rms = np.where(live, _log10(rms), np.nan)
+    sibling = _loudest_sibling(log_rms, layer_groups(layers))
+    quiet_sibling = live & (log_rms <= sibling - t.inert_decades)
+    ref = _reference(log_rms, live & ~quiet_sibling)
+    dec = log_rms - ref[:, None]
+    low = (dec <= -t.vanish_decades) | (rms < t.vanish_rms_below)
+    inert = quiet_sibling & low
+    signal = live & ~inert
+    upd_rms, upd_ratio = _update_stats(records)
+    log_upd = _log10(upd_rms)
+    ref_upd = _reference(np.where(signal, log_upd, np.nan), signal & np.isfinite(log_upd))
+    with np.errstate(invalid="ignore"):
+        learns = (t.vanish_update_decades > 0) & (log_upd > ref_upd[:, None] - t.vanish_update_decades)
+    log_sig = np.where(signal, log_rms, np.nan)
+    base, typical = _window_stats(log_sig, t.growth_window)
+    ref_growth = ref - _window_stats(ref[:, None], t.growth_window)[0][:, 0]
+    big = size >= TREND_MIN_SIZE
+    with np.errstate(invalid="ignore"):
+        flags = {
+            "present": v["present"], "nonfinite": v["nonfinite"], "inert": inert, "learns": learns,
+            "exp_rel": signal & (dec >= t.explode_decades),
+            "exp_rms": live & (rms > t.explode_rms_above),
+            "exp_max": live & (v["max_abs"] > t.explode_max_abs_above),
+            "exp_update": live & big & (upd_ratio > t.explode_update_ratio),
+            "exp_trend": signal & big & (log_sig - base >= t.growth_decades)
+            & (log_sig - typical >= t.growth_decades / 2) & ((dec >= -1.0) | (ref_growth >= t.growth_decades)[:, None]),
+            "van_rel": signal & (dec <= -t.vanish_decades) & ~learns,
+            "van_abs": signal & (rms < t.vanish_rms_below) & ~learns,
+        }
+    exploding = flags["exp_rel"] | flags["exp_rms"] | flags["exp_max"] | flags["exp_update"] | flags["exp_trend"]
+    raw = np.full(live.shape, HEALTHY, dtype=np.int8)
+    raw[inert] = INERT
+    raw[flags["van_rel"] | flags["van_abs"]] = VANISHING
+    raw[exploding] = EXPLODING
+    raw[v["dead"]] = DEAD
+    raw[v["nonfinite"]] = NONFINITE
+    raw[v["missing"]] = MISSING
+    raw[~v["present"]] = _ABSENT
+    return _Steps(raw=raw, size=size, rms=rms, max_abs=v["max_abs"], log_rms=log_rms, ref=ref, log_upd=log_upd,
+                  upd_ratio=upd_ratio,
+                  ref_upd=ref_upd, sibling=sibling, base=base, flags=flags)
+
+
+# --- episodes -------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Track:
+    """One layer's statuses over its present rows, as runs ``(code, first_row, last_row)`` after confirmation."""
+
+    rows: np.ndarray  # row indices (into steps) where the layer has a record
+    runs: list[tuple[int, int, int]]  # (code, first position, last position) into ``rows``
+    unconfirmed: tuple[int, int] | None  # (code, length) of a trailing slow run not yet confirmed
+
+    @property
+    def code(self) -> int:
+        return self.runs[-1][0] if self.runs else MISSING
+
+    def chain_start(self) -> int:
+        """Position where the trailing chain of flagged runs starts (the last run's start when it is not flagged)."""
+        k = len(self.runs) - 1
+        if self.runs[k][0] in (HEALTHY, INERT):
+            return self.runs[k][1]
+        while k > 0 and self.runs[k - 1][0] not in (HEALTHY, INERT):
+            k -= 1
+        return self.runs[k][1]
+
+
+def _runs(codes: np.ndarray) -> list[list[int]]:
+    if codes.size == 0:
+        return []
+    cuts = np.flatnonzero(np.diff(codes)) + 1
+    starts = np.concatenate([[0], cuts])
+    ends = np.concatenate([cuts - 1, [codes.size - 1]])
+    return [[int(codes[a]), int(a), int(b)] for a, b in zip(starts, ends, strict=True)]
+
+
+def _merge_equal(runs: list[list[int]]) -> list[list[int]]:
+    out: list[list[int]] = []
+    for r in runs:
+        if out and out[-1][0] == r[0]:
+            out[-1][2] = r[2]
+        else:
+            out.append(list(r))
+    return out
+
+
+def _track(ev: _Steps, i: int, t: Thresholds) -> _Track:
+    """The layer's confirmed runs: a vanishing or dead run shorter than ``sustain_steps`` is healthy (the trailing
+    one is remembered as unconfirmed); an exploding run detected by its trend starts where the rise began."""
+    rows = np.flatnonzero(ev.present[:, i])
+    runs = _runs(ev.raw[rows, i].astype(np.int64))
+    need = min(t.sustain_steps, rows.size)
+    unconfirmed = None
+    for k, r in enumerate(runs):
+        if r[0] in (VANISHING, DEAD) and r[2] - r[1] + 1 < need:
+            if k == len(runs) - 1:
+                unconfirmed = (r[0], r[2] - r[1] + 1)
+            r[0] = HEALTHY
+    runs = _merge_equal(runs)
+    rise = t.growth_decades / t.growth_window / 2.0
+    for k in range(1, len(runs)):
+        code, first, _ = runs[k]
+        prev = runs[k - 1]
+        if code != EXPLODING or prev[0] != HEALTHY:
+            continue
+        col = ev.log_rms[rows, i]
+        j = first
+        while j - 1 >= prev[1] and first - j < t.growth_window - 1 and col[j] - col[j - 1] >= rise:
+            j -= 1
+        if j < first:
+            runs[k][1] = j
+            prev[2] = j - 1
+    runs = [r for r in runs if r[2] >= r[1]]
+    return _Track(rows, [tuple(r) for r in runs], unconfirmed)
+
+
+def _episodes(track: _Track, steps: np.ndarray) -> list[dict[str, Any]]:
+    return [{"status": STATUSES[code], "from": int(steps[track.rows[a]]), "to": int(steps[track.rows[b]])}
+            for code, a, b in track.runs if code not in (HEALTHY, INERT)]
 
 
 # --- diagnosis ------------------------------------------------------------------------------------------------------
@@ -392,6 +573,13 @@ def _check_inputs(layers: Sequence[str], steps: np.ndarray, records: np.ndarray)
     if steps.size > 1 and np.any(np.diff(steps) <= 0):
         raise ValueError("steps must be ascending and unique")
     return steps.astype(np.int64), records
+
+
+def _honest(d: dict[str, np.ndarray], i: int, key: str) -> float:
+    """A statistic of the finite values, NaN (JSON null: unknown) where the layer has no finite value."""
+    if key in ("norm", "rms", "max_abs", "mean") and not d["finite"][i] > 0:
+        return math.nan
+    return float(d[key][i])
 
 
 def diagnose_run(
@@ -415,83 +603,93 @@ def diagnose_run(
         if end == 0 and steps.size:
             raise ValueError(f"step {at_step} is before the first logged step {int(steps[0])}")
         steps, records = steps[:end], records[:end]
-    n_layers = len(layers)
-    if steps.size == 0 or n_layers == 0:
+    if steps.size == 0 or len(layers) == 0:
         out = [LayerHealth(name, i, "missing", _BASE[MISSING], ["no record of this layer"], None, None)
                for i, name in enumerate(layers)]
-        return RunHealth(None, t, out, _first_bad(out))
-    ev = _evaluate(records, t)
-    s_count = steps.size
-    cols = np.arange(n_layers)
-    present = ev.present
-    has_any = present.any(axis=0)
-    last = np.where(has_any, s_count - 1 - np.argmax(present[::-1], axis=0), 0)
-    cur = np.where(has_any, ev.raw[last, cols], MISSING)
-    # The trailing run of the current raw status: present steps since the last present step with another status.
-    breaks = present & (ev.raw != cur[None, :])
-    any_break = breaks.any(axis=0)
-    last_break = np.where(any_break, s_count - 1 - np.argmax(breaks[::-1], axis=0), -1)
-    cum = np.cumsum(present, axis=0, dtype=np.int32)
-    cum_at_break = np.where(last_break >= 0, cum[np.maximum(last_break, 0), cols], 0)
-    run_len = cum[last, cols] - cum_at_break
-    after = present & (np.arange(s_count)[:, None] > last_break[None, :])
-    run_first = np.argmax(after, axis=0)
-    n_present = cum[-1]
-    need = np.minimum(t.sustain_steps, n_present)
-    slow = (cur == VANISHING) | (cur == DEAD)
-    unconfirmed = slow & (run_len < need)
-    status = np.where(unconfirmed, HEALTHY, cur)
-
-    rows = records[last, cols]  # [L, F]: each layer's last record
-    d = record.derived(rows)
-    ever_nonfinite = ev.nonfinite.any(axis=0)
+        return RunHealth(None, t, out)
+    ev = _evaluate(records, layers, t)
     origin = _nonfinite_origin(ev.nonfinite)
-
-    out: list[LayerHealth] = []
-    for i, name in enumerate(layers):
-        code = int(status[i])
-        if not has_any[i]:
-            step_i = int(steps[-1])
-            out.append(LayerHealth(name, i, "missing", _BASE[MISSING] + 1.0,
-                                   [f"no record of this layer at or before step {step_i}"], None, None))
-            continue
-        s = int(last[i])
-        ctx = _Ctx(ev, steps, s, i, int(run_len[i]), int(steps[run_first[i]]), t)
-        reasons, excess = _reasons(code, ctx, d, i)
-        if unconfirmed[i]:
-            reasons.append(_unconfirmed_note(int(cur[i]), ctx, int(need[i])))
-        if code != NONFINITE and ever_nonfinite[i]:
-            reasons.append(_past_nonfinite_note(ev.nonfinite[:, i], steps))
-        if code == NONFINITE and origin is not None:
-            reasons.append(_origin_note(origin, i, layers, steps))
-        if code in (EXPLODING, VANISHING, HEALTHY):  # a dead, NaN or missing gradient makes the ratios moot
-            reasons.extend(_ratio_notes(d, i, t))
-        persistence = ctx.run_len
-        severity = 0.0 if code == HEALTHY else _BASE[code] + min(_SPAN - 2.0, (1.0 + excess) * persistence)
-        if code == NONFINITE and origin is not None and origin[1] == i and run_first[i] == origin[0]:
-            severity = _BASE[NONFINITE] + _SPAN - 1.0  # the layer where it started ranks first
-        out.append(LayerHealth(
-            layer=name, index=i, status=STATUSES[code], severity=float(severity), reasons=reasons,
-            first_step=None if code == HEALTHY else int(steps[run_first[i]]), step=int(steps[s]),
-            norm=float(d["norm"][i]), rms=float(d["rms"][i]), max_abs=float(d["max_abs"][i]),
-            mean=float(d["mean"][i]), nan=int(d["nan"][i]), inf=int(d["inf"][i]),
-            zero_fraction=float(d["zero_fraction"][i]), grad_to_weight=float(d["grad_to_weight"][i]),
-            update_to_weight=float(d["update_to_weight"][i]), noise=float(d["noise"][i]),
-            weight_norm=float(d["weight_norm"][i]),
-        ))
+    last_rows = np.array([int(np.flatnonzero(ev.present[:, i])[-1]) if ev.present[:, i].any() else 0
+                          for i in range(len(layers))])
+    d = record.derived(records[last_rows, np.arange(len(layers))])
+    out = [_layer_health(ev, steps, layers, i, d, origin, t) for i in range(len(layers))]
     ranked = sorted(out, key=lambda lh: (-lh.severity, lh.index))
-    return RunHealth(int(steps[-1]), t, ranked, _first_bad(out))
+    return RunHealth(int(steps[-1]), t, ranked, _first_bad(ranked), _onset(out), _timeline(out))
 
 
-def _first_bad(layers: list[LayerHealth]) -> dict[str, Any] | None:
-    """The earliest onset of the most severe status present; ties to the deepest layer (backprop order)."""
-    flagged = [lh for lh in layers if lh.status != "healthy"]
-    if not flagged:
+def _layer_health(ev: _Steps, steps: np.ndarray, layers: Sequence[str], i: int, d: dict[str, np.ndarray],
+                  origin: tuple[int, int, int] | None, t: Thresholds) -> LayerHealth:
+    name = layers[i]
+    if not ev.present[:, i].any():
+        return LayerHealth(name, i, "missing", _BASE[MISSING] + 1.0,
+                           [f"no record of this layer at or before step {int(steps[-1])}"], None, None)
+    track = _track(ev, i, t)
+    code = track.code
+    s = int(track.rows[-1])
+    last = track.runs[-1]
+    chain = track.chain_start()
+    ctx = _Ctx(ev, steps, s, i, last[2] - last[1] + 1, int(steps[track.rows[last[1]]]), t)
+    reasons, excess = _reasons(code, ctx, d, i)
+    if track.unconfirmed is not None:
+        reasons.append(_unconfirmed_note(track.unconfirmed, ctx, min(t.sustain_steps, track.rows.size)))
+    ever_nonfinite = ev.nonfinite[:, i]
+    if code != NONFINITE and ever_nonfinite.any():
+        reasons.append(_past_nonfinite_note(ever_nonfinite, steps))
+    if code == NONFINITE and origin is not None:
+        reasons.append(_origin_note(origin, i, layers, steps))
+    if code in (EXPLODING, VANISHING, HEALTHY):  # a dead, NaN or missing gradient makes the ratios moot
+        reasons.extend(_ratio_notes(d, i, t))
+    flagged = code not in (HEALTHY, INERT)
+    persistence = last[2] - chain + 1
+    severity = 0.0 if not flagged else _BASE[code] + min(_SPAN - 2.0, (1.0 + excess) * persistence)
+    if code == INERT:
+        severity = _BASE[INERT] + 1.0
+    if code == NONFINITE and origin is not None and origin[1] == i and track.rows[last[1]] == origin[0]:
+        severity = _BASE[NONFINITE] + _SPAN - 1.0  # the layer where it started ranks first
+    return LayerHealth(
+        layer=name, index=i, status=STATUSES[code], severity=float(severity), reasons=reasons,
+        first_step=int(steps[track.rows[chain]]) if flagged else None, step=int(steps[s]),
+        status_since=int(steps[track.rows[last[1]]]) if flagged else None, episodes=_episodes(track, steps),
+        **{k: _honest(d, i, k) for k in ("norm", "rms", "max_abs", "mean", "zero_fraction", "grad_to_weight",
+                                         "update_to_weight", "noise", "weight_norm")},
+        nan=int(d["nan"][i]), inf=int(d["inf"][i]),
+    )
+
+
+def _first_bad(ranked: list[LayerHealth]) -> dict[str, Any] | None:
+    """The layer ranked first, when it is flagged, with the onset of its episode chain."""
+    top = ranked[0] if ranked else None
+    if top is None or top.status not in FLAGS:
         return None
-    worst = min(_CODE[lh.status] for lh in flagged)
-    cands = [lh for lh in flagged if _CODE[lh.status] == worst]
-    first = min(cands, key=lambda lh: (lh.first_step if lh.first_step is not None else math.inf, -lh.index))
-    return {"layer": first.layer, "status": first.status, "step": first.first_step}
+    return {"layer": top.layer, "status": top.status, "step": top.first_step}
+
+
+def _onset(layers: list[LayerHealth]) -> dict[str, Any] | None:
+    """The first step any layer was flagged (any episode, current or past), ties to the deepest layer."""
+    best = None
+    for lh in layers:
+        for e in lh.episodes:
+            key = (e["from"], -lh.index)
+            if best is None or key < best[0]:
+                best = (key, {"layer": lh.layer, "status": e["status"], "step": e["from"]})
+    return best[1] if best else None
+
+
+def _timeline(layers: list[LayerHealth]) -> list[dict[str, Any]]:
+    """When each status first appeared in the run, on which layer first (ties deepest), how many layers had it."""
+    first: dict[str, tuple[tuple[int, int], str]] = {}
+    count: dict[str, int] = {}
+    for lh in layers:
+        seen = set()
+        for e in lh.episodes:
+            key = (e["from"], -lh.index)
+            if e["status"] not in first or key < first[e["status"]][0]:
+                first[e["status"]] = (key, lh.layer)
+            seen.add(e["status"])
+        for st in seen:
+            count[st] = count.get(st, 0) + 1
+    items = sorted(first.items(), key=lambda kv: kv[1][0])
+    return [{"status": st, "step": key[0], "layer": layer, "layers": count[st]} for st, (key, layer) in items]
 
 
 def _nonfinite_origin(nonfinite: np.ndarray) -> tuple[int, int, int] | None:
@@ -523,65 +721,107 @@ class _Ctx:
             return f"at step {int(self.steps[self.s])}"
         return f"for the last {n} logged steps (since step {self.run_first_step})"
 
+    def ref_text(self) -> str:
+        ref = float(self.ev.ref[self.s])
+        return f"the layers nearest the loss ({_e(10.0 ** ref)})" if math.isfinite(ref) else "the reference"
+
 
 def _e(x: float) -> str:
     return f"{x:.1e}"
 
 
+def _rms_text(c: _Ctx, d: dict[str, np.ndarray]) -> str:
+    """``RMS 1.0e-03``, saying when it is over the nonzero values only (a sparse gradient)."""
+    rms = float(c.ev.rms[c.s, c.i])
+    zero = float(d["zero_fraction"][c.i])
+    return f"RMS {_e(rms)}" + (f" (over its {1 - zero:.0%} nonzero values)" if zero > 0.5 else "")
+
+
+def _exploding_reasons(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], float]:
+    ev, s, i, t = c.ev, c.s, c.i, c.t
+    rms = float(ev.rms[s, i])
+    reasons, excess = [], 0.0
+    if ev.exp_rel[s, i]:
+        above = c.ev.dec(s, i)
+        reasons.append(f"{_rms_text(c, d)} is {above:.1f} decades above {c.ref_text()} {c.lasting()}: the "
+                       f"gradient grows on its way back from the loss")
+        excess = max(excess, above - t.explode_decades)
+    if ev.exp_rms[s, i]:
+        reasons.append(f"{_rms_text(c, d)} is above the absolute bound {t.explode_rms_above:g}")
+        excess = max(excess, math.log10(rms / t.explode_rms_above))
+    if ev.exp_max[s, i]:
+        m = float(ev.max_abs[s, i])
+        reasons.append(f"max |g| {_e(m)} is above the absolute bound {t.explode_max_abs_above:g}")
+        excess = max(excess, math.log10(m / t.explode_max_abs_above))
+    if ev.exp_update[s, i]:
+        r = float(ev.upd_ratio[s, i])
+        reasons.append(f"the applied update is {r:,.3g}x the weight's norm: the weights are blowing up (learning "
+                       f"rate too high for this layer)")
+        excess = max(excess, math.log10(r / t.explode_update_ratio))
+    if ev.exp_trend[s, i]:
+        g = float(ev.log_rms[s, i] - ev.base[s, i])
+        reasons.append(f"RMS grew {10.0 ** g:,.0f}x ({g:.1f} decades) within the last {t.growth_window} logged "
+                       f"steps, from {_e(10.0 ** float(ev.base[s, i]))} to {_e(rms)} at step {int(c.steps[s])}")
+        excess = max(excess, g - t.growth_decades)
+    return reasons, excess
+
+
+def _vanishing_reasons(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], float]:
+    ev, s, i, t = c.ev, c.s, c.i, c.t
+    reasons, excess = [], 0.0
+    if ev.van_rel[s, i]:
+        below = -ev.dec(s, i)
+        reasons.append(f"{_rms_text(c, d)} is {below:.1f} decades below {c.ref_text()} {c.lasting()}")
+        excess = max(excess, below - t.vanish_decades)
+    if ev.van_abs[s, i]:
+        rms = float(ev.rms[s, i])
+        reasons.append(f"{_rms_text(c, d)} is below the absolute floor {t.vanish_rms_below:g} {c.lasting()}")
+        excess = max(excess, math.log10(t.vanish_rms_below / max(rms, record.FLUSH_BELOW)))
+    lu, ru = float(ev.log_upd[s, i]), float(ev.ref_upd[s])
+    if math.isfinite(lu) and math.isfinite(ru):
+        reasons.append(f"its update RMS {_e(10.0 ** lu)} is {ru - lu:.1f} decades below that of the layers "
+                       f"nearest the loss ({_e(10.0 ** ru)}): it barely learns")
+    return reasons, excess
+
+
+def _inert_reason(c: _Ctx, layers_hint: str = "") -> str:
+    ev, s, i = c.ev, c.s, c.i
+    gap = float(ev.sibling[s, i] - ev.log_rms[s, i])
+    return (f"only round-off reaches this variable: its RMS {_e(float(ev.rms[s, i]))} is {gap:.1f} decades below "
+            f"the other variables of its layer, a gradient that is zero in exact arithmetic (e.g. a bias directly "
+            f"before BatchNormalization, which subtracts it again). Not a disease: the parameter is unused "
+            f"(use_bias=False removes it)")
+
+
 def _reasons(code: int, c: _Ctx, d: dict[str, np.ndarray], i: int) -> tuple[list[str], float]:
     """Plain-language reasons for the status and the excess (decades beyond the threshold) for the severity."""
-    ev, s, t = c.ev, c.s, c.t
-    rms, dec = float(ev.rms[s, i]), ev.dec(s, i)
-    med = 10.0 ** float(ev.median[s]) if np.isfinite(ev.median[s]) else math.nan
     if code == NONFINITE:
         nan, inf, size = int(d["nan"][i]), int(d["inf"][i]), int(d["size"][i])
         frac = (nan + inf) / size if size else 1.0
-        return [f"{nan:,} NaN and {inf:,} Inf of {size:,} gradient values at step {int(c.steps[s])}; NaN/Inf "
+        return [f"{nan:,} NaN and {inf:,} Inf of {size:,} gradient values at step {int(c.steps[c.s])}; NaN/Inf "
                 f"{c.lasting()}"], frac
     if code == EXPLODING:
-        reasons, excess = [], 0.0
-        if ev.exp_rel[s, i]:
-            above, upper = float(ev.log_rms[s, i] - ev.upper[s]), 10.0 ** float(ev.upper[s])
-            reasons.append(f"RMS {_e(rms)} is {above:.1f} decades above the upper-quartile layer ({_e(upper)}) "
-                           f"{c.lasting()}")
-            excess = max(excess, above - t.explode_decades)
-        if ev.exp_rms[s, i]:
-            reasons.append(f"RMS {_e(rms)} is above the absolute bound {t.explode_rms_above:g}")
-            excess = max(excess, math.log10(rms / t.explode_rms_above))
-        if ev.exp_max[s, i]:
-            m = float(ev.max_abs[s, i])
-            reasons.append(f"max |g| {_e(m)} is above the absolute bound {t.explode_max_abs_above:g}")
-            excess = max(excess, math.log10(m / t.explode_max_abs_above))
-        if ev.exp_trend[s, i]:
-            g = ev.growth(s, i)
-            j = int(ev.start[s])
-            reasons.append(f"RMS grew {10.0 ** g:,.0f}x ({g:.1f} decades) over the last {s - j + 1} logged steps, "
-                           f"from {_e(float(ev.rms[j, i]))} at step {int(c.steps[j])} to {_e(rms)} at step "
-                           f"{int(c.steps[s])}")
-            excess = max(excess, g - t.growth_decades)
-        return reasons, excess
+        return _exploding_reasons(c, d)
     if code == VANISHING:
-        reasons, excess = [], 0.0
-        if ev.van_rel[s, i]:
-            reasons.append(f"RMS {_e(rms)} is {-dec:.1f} decades below the median layer ({_e(med)}) {c.lasting()}")
-            excess = max(excess, -dec - t.vanish_decades)
-        if ev.van_abs[s, i]:
-            reasons.append(f"RMS {_e(rms)} is below the absolute floor {t.vanish_rms_below:g} {c.lasting()}")
-            excess = max(excess, math.log10(t.vanish_rms_below / max(rms, record.FLUSH_BELOW)))
-        return reasons, excess
+        return _vanishing_reasons(c, d)
     if code == DEAD:
         size = int(d["size"][i])
         return [f"all {size:,} gradient values are exactly zero {c.lasting()}: no signal reaches this variable "
                 f"(e.g. a dead ReLU, or a path cut by stop_gradient)"], 0.0
     if code == MISSING:
         return [f"no gradient reached this variable (None gradient) {c.lasting()}"], 0.0
+    if code == INERT:
+        return [_inert_reason(c)], 0.0
+    if c.ev.learns[c.s, i] and (c.ev.dec(c.s, i) <= -c.t.vanish_decades):
+        return [f"note: {_rms_text(c, d)} is {-c.ev.dec(c.s, i):.1f} decades below {c.ref_text()}, but its "
+                f"updates keep pace with theirs (an adaptive optimizer rescales it): it still learns"], 0.0
     return [], 0.0
 
 
-def _unconfirmed_note(code: int, c: _Ctx, need: int) -> str:
+def _unconfirmed_note(unconfirmed: tuple[int, int], c: _Ctx, need: int) -> str:
+    code, length = unconfirmed
     what = "vanishing-level RMS" if code == VANISHING else "all-zero gradient"
-    return (f"note: {what} at the last {c.run_len} logged step(s) (since step {c.run_first_step}); flagged as "
-            f"{STATUSES[code]} once it lasts {need}")
+    return (f"note: {what} at the last {length} logged step(s); flagged as {STATUSES[code]} once it lasts {need}")
 
 
 def _past_nonfinite_note(col: np.ndarray, steps: np.ndarray) -> str:
@@ -641,11 +881,11 @@ def profile(
 ) -> dict[str, Any]:
     """Per-layer norm/rms/max_abs/status at one step, in network order, plus the healthy band's lines.
 
-    Cheap (one step, no history): the status is the *instantaneous* one of that step's rules (relative and
-    absolute bands, NaN/Inf, all-zero, missing; no trend, no sustain). Pass ``statuses`` (network order, e.g.
-    ``RunHealth.statuses()``) to show the full diagnosis instead. A layer without a record at the step is
-    ``missing``. Bands (JSON, None when unknown): ``median_rms``; ``vanishing_below`` = the larger of the relative
-    and absolute vanishing lines; ``exploding_above`` = the smaller of the relative and absolute exploding lines.
+    Cheap (one step, no history): the status is the *instantaneous* one of that step's rules (no trend, no
+    sustain). Pass ``statuses`` (network order, e.g. ``RunHealth.statuses()``) to show the full diagnosis instead.
+    A layer without a record at the step is ``missing``. Bands (JSON, None when unknown): ``reference_rms`` (the
+    layers nearest the loss), ``median_rms``; ``vanishing_below`` = the larger of the relative and absolute
+    vanishing lines; ``exploding_above`` = the smaller of the relative and absolute exploding lines.
     """
     rows = np.asarray(records_at_step, dtype=np.float64)
     if rows.ndim != 2 or rows.shape != (len(layers), record.NUM_FIELDS):
@@ -653,22 +893,23 @@ def profile(
     if statuses is not None and len(statuses) != len(layers):
         raise ValueError(f"{len(statuses)} statuses for {len(layers)} layers")
     t = thresholds
-    ev = _evaluate(rows[None], dataclasses.replace(t, growth_window=2))
+    ev = _evaluate(rows[None], layers, t)
     d = record.derived(rows)
-    med_log, upper_log = float(ev.median[0]), float(ev.upper[0])
-    median = 10.0 ** med_log if math.isfinite(med_log) else None
-    vanish = max(median * 10.0 ** -t.vanish_decades, t.vanish_rms_below) if median else t.vanish_rms_below
-    explode = t.explode_rms_above
-    if math.isfinite(upper_log):
-        explode = min(10.0 ** (upper_log + t.explode_decades), explode)
+    ref_log = float(ev.ref[0])
+    live = ev.log_rms[0][np.isfinite(ev.log_rms[0])]
+    median = 10.0 ** float(np.median(live)) if live.size else None
+    ref = 10.0 ** ref_log if math.isfinite(ref_log) else None
+    vanish = max(ref * 10.0 ** -t.vanish_decades, t.vanish_rms_below) if ref else t.vanish_rms_below
+    explode = min(ref * 10.0 ** t.explode_decades, t.explode_rms_above) if ref else t.explode_rms_above
     out_layers = []
     for i, name in enumerate(layers):
         code = int(ev.raw[0, i])
         st = statuses[i] if statuses is not None else STATUSES[MISSING if code == _ABSENT else code]
-        known = bool(ev.present[0, i])
-        out_layers.append({"layer": name, "index": i, "norm": _json_float(d["norm"][i]),
-                           "rms": _json_float(d["rms"][i]),
+        known = bool(ev.present[0, i]) and d["finite"][i] > 0
+        out_layers.append({"layer": name, "index": i, "norm": _json_float(d["norm"][i]) if known else None,
+                           "rms": _json_float(d["rms"][i]) if known else None,
                            "max_abs": _json_float(d["max_abs"][i]) if known else None, "status": st})
     return {"layers": out_layers,
-            "bands": {"median_rms": median, "vanishing_below": _json_float(vanish) if vanish > 0 else None,
+            "bands": {"reference_rms": ref, "median_rms": median,
+                      "vanishing_below": _json_float(vanish) if vanish > 0 else None,
                       "exploding_above": _json_float(explode)}}

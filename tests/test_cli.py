@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,10 +44,15 @@ def test_nonfinite_fails_by_default_and_names_the_run(capsys, demo):
     assert rc == 1 and "nonfinite" in err
     for name in facts:
         assert f"run {name}:" in out
-    exploding = out.split("run exploding:")[1].split("\n\n")[0]
-    first_row = exploding.splitlines()[4].split()
-    assert first_row[:2] == ["1", "nonfinite"] and facts["exploding"].first_nan_layer in first_row
-    assert f"first bad: {facts['exploding'].first_nan_layer} (nonfinite) at step {facts['exploding'].nan_step}" in out
+    exploding = out.split("run exploding:")[1].split("\n\n")[0].splitlines()
+    header = next(i for i, line in enumerate(exploding) if line.split()[:2] == ["#", "status"])
+    first_row = exploding[header + 1].split()
+    layer, nan_step = facts["exploding"].first_nan_layer, facts["exploding"].nan_step
+    assert first_row[:2] == ["1", "nonfinite"] and layer in first_row
+    # Since when: the chain starts where the growth (x2 per step from step 10) began, before the NaN.
+    since = int(re.search(rf"first bad: {re.escape(layer)} \(nonfinite\) since step (\d+)", out).group(1))
+    assert 10 <= since < nan_step
+    assert f"nonfinite from {nan_step} ({layer}" in out  # the run's timeline
     assert "\x1b[" not in out  # colour-free
 
 
@@ -74,13 +80,16 @@ def test_table_ranks_worst_first_and_prints_names_literally(capsys, demo):
     rc, out, _ = run(capsys, logdir, "--run", "vanishing", "--run", "xss")
     assert rc == 0
     lines = out.split("run vanishing:")[1].split("\n\n")[0].splitlines()
-    rows = [ln.split() for ln in lines[4:]]
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["#", "status"])
+    rows = [ln.split() for ln in lines[header + 1:]]
     assert [r[0] for r in rows] == [str(i) for i in range(1, len(facts["vanishing"].layers) + 1)]
     assert {r[4] for r in rows[:3]} == set(facts["vanishing"].vanishing)
     assert all(r[1] == "vanishing" for r in rows[:3]) and all(r[1] == "healthy" for r in rows[3:])
     assert gl.XSS_LAYER in out
     rc, out, _ = run(capsys, logdir, "--run", "vanishing", "--top", "2")
-    assert "... 8 more layers" in out and len(out.split("run vanishing:")[1].strip().splitlines()) == 4 + 2 + 1
+    block = out.split("run vanishing:")[1].strip().splitlines()
+    header = next(i for i, line in enumerate(block) if line.split()[:2] == ["#", "status"])
+    assert "... 8 more layers" in out and len(block) == header + 1 + 2 + 1
 
 
 def test_json_has_the_health_shape_for_every_run(capsys, demo):

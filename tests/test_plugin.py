@@ -106,8 +106,14 @@ def test_health_names_the_first_nonfinite_layer_and_step(client, demo):
     f = facts["exploding"]
     body = get_json(client, "/health?run=exploding")
     assert body["layers"][0]["layer"] == f.first_nan_layer and body["layers"][0]["status"] == "nonfinite"
-    assert body["summary"]["first_bad"] == {"layer": f.first_nan_layer, "status": "nonfinite", "step": f.nan_step}
-    assert body["layers"][0]["first_step"] == f.nan_step
+    top = body["layers"][0]
+    # Since when: the layer's chain of episodes starts where its growth began (x2 per step from step 10), NaN/Inf
+    # is its current status since the injected step.
+    assert 10 <= top["first_step"] < f.nan_step and top["status_since"] == f.nan_step
+    assert body["summary"]["first_bad"] == {"layer": f.first_nan_layer, "status": "nonfinite",
+                                            "step": top["first_step"]}
+    assert top["episodes"][0]["status"] == "exploding" and top["episodes"][-1]["status"] == "nonfinite"
+    assert top["episodes"][-1]["from"] == f.nan_step
     before = get_json(client, f"/health?run=exploding&step={f.nan_step - 1}")
     assert before["step"] == f.nan_step - 1
     assert before["summary"]["counts"]["nonfinite"] == 0 and before["summary"]["counts"]["exploding"] > 0
