@@ -30,6 +30,7 @@ STATUSES: tuple[str, ...] = ("nonfinite", "exploding", "vanishing", "dead", "mis
 FLAGS: tuple[str, ...] = STATUSES[:5]
 _CODE = {name: i for i, name in enumerate(STATUSES)}
 NONFINITE, EXPLODING, VANISHING, DEAD, MISSING, INERT, HEALTHY = range(len(STATUSES))
+FLAG_CODES = frozenset(_CODE[s] for s in FLAGS)
 _ABSENT = -1
 #: The reference layers are the last ``REFERENCE_FRACTION`` of the layers with a live gradient at a step, at least
 #: ``REFERENCE_MIN`` of them: the layers nearest the loss, whose gradient has gone through the fewest Jacobians.
@@ -497,9 +498,9 @@ class _Track:
     def chain_start(self) -> int:
         """Position where the trailing chain of flagged runs starts (the last run's start when it is not flagged)."""
         k = len(self.runs) - 1
-        if self.runs[k][0] in (HEALTHY, INERT):
+        if self.runs[k][0] not in FLAG_CODES:
             return self.runs[k][1]
-        while k > 0 and self.runs[k - 1][0] not in (HEALTHY, INERT):
+        while k > 0 and self.runs[k - 1][0] in FLAG_CODES:
             k -= 1
         return self.runs[k][1]
 
@@ -523,33 +524,52 @@ def _merge_equal(runs: list[list[int]]) -> list[list[int]]:
     return out
 
 
-def _track(ev: _Steps, i: int, t: Thresholds) -> _Track:
-    """The layer's confirmed runs: a vanishing or dead run shorter than ``sustain_steps`` is healthy (the trailing
-    one is remembered as unconfirmed); an exploding run detected by its trend starts where the rise began."""
-    rows = np.flatnonzero(ev.present[:, i])
-    runs = _runs(ev.raw[rows, i].astype(np.int64))
-    need = min(t.sustain_steps, rows.size)
+#: A healthy stretch of at most this many logged steps between two flagged episodes does not end the chain: one
+#: quiet minibatch in the middle of a divergence is not a recovery.
+CHAIN_GAP = 2
+
+
+def _confirm(runs: list[list[int]], need: int) -> tuple[int, int] | None:
+    """Relabel vanishing/dead runs shorter than ``need``: right after a flagged run they continue it (a saturating
+    layer collapsing during a divergence), otherwise they are healthy. Returns the trailing unconfirmed run."""
     unconfirmed = None
     for k, r in enumerate(runs):
         if r[0] in (VANISHING, DEAD) and r[2] - r[1] + 1 < need:
             if k == len(runs) - 1:
                 unconfirmed = (r[0], r[2] - r[1] + 1)
-            r[0] = HEALTHY
-    runs = _merge_equal(runs)
+            prev = runs[k - 1][0] if k else HEALTHY
+            r[0] = prev if prev in (NONFINITE, EXPLODING, VANISHING, DEAD) and k < len(runs) - 1 else HEALTHY
+    for k in range(1, len(runs) - 1):
+        r = runs[k]
+        if r[0] == HEALTHY and r[2] - r[1] + 1 <= CHAIN_GAP and runs[k - 1][0] in FLAG_CODES \
+                and runs[k + 1][0] in FLAG_CODES:
+            r[0] = runs[k - 1][0]
+    return unconfirmed
+
+
+def _backdate(runs: list[list[int]], col: np.ndarray, t: Thresholds) -> None:
+    """An exploding run after a healthy one starts where the layer's RMS began its rise (at least ``rise`` decades
+    per logged step, at most ``growth_window`` steps back)."""
     rise = t.growth_decades / t.growth_window / 2.0
     for k in range(1, len(runs)):
         code, first, _ = runs[k]
         prev = runs[k - 1]
         if code != EXPLODING or prev[0] != HEALTHY:
             continue
-        col = ev.log_rms[rows, i]
         j = first
         while j - 1 >= prev[1] and first - j < t.growth_window - 1 and col[j] - col[j - 1] >= rise:
             j -= 1
-        if j < first:
-            runs[k][1] = j
-            prev[2] = j - 1
-    runs = [r for r in runs if r[2] >= r[1]]
+        runs[k][1], prev[2] = j, min(prev[2], j - 1)
+
+
+def _track(ev: _Steps, i: int, t: Thresholds) -> _Track:
+    """The layer's confirmed runs over the steps where it has a record."""
+    rows = np.flatnonzero(ev.present[:, i])
+    runs = _runs(ev.raw[rows, i].astype(np.int64))
+    unconfirmed = _confirm(runs, min(t.sustain_steps, rows.size))
+    runs = _merge_equal(runs)
+    _backdate(runs, ev.log_rms[rows, i], t)
+    runs = _merge_equal([r for r in runs if r[2] >= r[1]])
     return _Track(rows, [tuple(r) for r in runs], unconfirmed)
 
 
