@@ -311,7 +311,7 @@ def test_ranked_table_puts_sick_layers_first(tensorboard: str, gh: Page, logdir:
 
     summary = panel(page, "exploding").locator("[data-testid=summary]").inner_text()
     assert facts["exploding"].first_nan_layer in summary
-    assert f"step {facts['exploding'].nan_step}" in summary
+    assert f"nonfinite from {facts['exploding'].nan_step}" in summary  # the timeline's NaN entry
     strip = page.locator("[data-testid=compare]")  # several runs selected: the compare strip lists each
     assert strip.locator("tbody tr").count() == 2
     assert facts["exploding"].first_nan_layer in strip.locator('tr[data-run="exploding"]').inner_text()
@@ -578,6 +578,114 @@ def test_sickest_runs_are_ticked_first(tensorboard: str, gh: Page, logdir: tuple
     assert worst["nonfinite"] > 0  # a NaN run opens first
     # the alphabetical first four would hide the vanishing run; sickest-first shows it
     assert "vanishing" in ticked and "vanishing" not in runs[:4]
+    gh.assert_clean()
+
+
+def episode_label(ep: dict) -> str:
+    return f"{ep['status']} {ep['from']}" if ep["from"] == ep["to"] else f"{ep['status']} {ep['from']}–{ep['to']}"
+
+
+@pytest.mark.browser
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_since_column_is_the_onset_and_the_summary_tells_the_story(
+        tensorboard: str, gh: Page, logdir: tuple[str, dict]) -> None:
+    _, facts = logdir
+    body = api_json(tensorboard, "health", run="exploding")
+    page = open_plugin(gh, tensorboard)
+    select_runs(page, ["exploding"])
+    p = panel(page, "exploding")
+    cells = p.locator("tbody tr[data-layer]").evaluate_all("""trs => trs.map(tr => {
+        const td = tr.querySelector('td.since');
+        const glyphs = td.querySelectorAll('.episode-chain > span').length;
+        return [tr.dataset.layer, td.lastChild.textContent, td.title, glyphs];
+    })""")
+    by_layer = {lj["layer"]: lj for lj in body["layers"]}
+    for layer, since, title, glyphs in cells:
+        lj = by_layer[layer]
+        assert since == str(lj["first_step"]), layer
+        assert title == " → ".join(episode_label(ep) for ep in lj["episodes"]), layer
+        assert glyphs == (len(lj["episodes"]) if len(lj["episodes"]) > 1 else 0), layer
+    top = by_layer[facts["exploding"].first_nan_layer]
+    # gradients grow x2 per step from step 10 and turn NaN at nan_step: the chain starts before the NaN
+    assert top["first_step"] < facts["exploding"].nan_step <= top["status_since"]
+    assert [ep["status"] for ep in top["episodes"]][-1] == "nonfinite"
+    onset = body["summary"]["onset"]
+    story = p.locator("[data-testid=onset]").inner_text()
+    assert f"step {onset['step']}" in story and onset["layer"] in story
+    timeline = [t for t in body["summary"]["timeline"] if t["status"] not in ("inert", "healthy")]
+    marks = p.locator("[data-testid=timeline] .status-mark").all_inner_texts()
+    assert len(marks) == len(timeline) >= 2
+    for mark, entry in zip(marks, timeline, strict=True):
+        assert f"{entry['status']} from {entry['step']}" in mark
+    shot(p, "09_since_and_timeline.png")
+    gh.assert_clean()
+
+
+@pytest.mark.browser
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_detail_shades_the_episodes(tensorboard: str, gh: Page, logdir: tuple[str, dict]) -> None:
+    _, facts = logdir
+    layer = facts["exploding"].first_nan_layer
+    episodes = next(lj for lj in api_json(tensorboard, "health", run="exploding")["layers"]
+                    if lj["layer"] == layer)["episodes"]
+    labels = [episode_label(ep) for ep in episodes]
+    page = open_plugin(gh, tensorboard)
+    select_runs(page, ["exploding"])
+    panel(page, "exploding").locator(f'tr[data-layer="{layer}"]').click()
+    drawer = page.locator("[data-testid=detail]")
+    drawer.locator(".heatmap-canvas").wait_for(timeout=30000)
+    marks = drawer.locator("[data-testid=episodes] .status-mark").all_inner_texts()
+    assert len(marks) == len(labels)
+    for mark, label in zip(marks, labels, strict=True):
+        assert label in mark
+    magnitude = drawer.locator(".chart").first
+    assert magnitude.get_attribute("data-episodes") == str(len(episodes))
+    assert magnitude.locator(".legend-episode").all_inner_texts() == labels
+    # sweep the chart with the pointer: the read-out names every band, each where its steps are
+    seen = magnitude.locator("canvas").evaluate("""c => {
+        const r = c.getBoundingClientRect();
+        const readout = c.closest('.chart').querySelector('.chart-readout');
+        const out = {};
+        for (let x = r.left; x < r.right; x += 2) {
+            c.dispatchEvent(new MouseEvent('mousemove', { clientX: x, clientY: r.top + r.height / 2, bubbles: true }));
+            const step = Number(readout.querySelector('b').textContent.replace('step ', ''));
+            const ep = readout.querySelector('.readout-episode');
+            out[step] = ep ? ep.textContent.replace('in episode: ', '') : null;
+        }
+        return out;
+    }""")
+    for step, label in seen.items():
+        want = next((episode_label(ep) for ep in episodes if ep["from"] <= int(step) <= ep["to"]), None)
+        assert label == want, step
+    assert {lab for lab in seen.values() if lab} == set(labels)
+    shot(page, "10_detail_episodes.png")
+    gh.assert_clean()
+
+
+@pytest.mark.browser
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_all_nan_layer_shows_dashes_not_zeros(tensorboard: str, gh: Page) -> None:
+    body = api_json(tensorboard, "health", run=ALL_NAN_RUN)
+    lj = next(lj for lj in body["layers"] if lj["layer"] == ALL_NAN_LAYER)
+    assert lj["status"] == "nonfinite" and lj["rms"] is None and lj["norm"] is None and lj["max_abs"] is None
+    page = open_plugin(gh, tensorboard)
+    select_runs(page, [ALL_NAN_RUN])
+    row = panel(page, ALL_NAN_RUN).locator(f'tr[data-layer="{ALL_NAN_LAYER}"]')
+    headers = panel(page, ALL_NAN_RUN).locator("thead th").evaluate_all("ths => ths.map(th => th.dataset.key)")
+    cells = row.locator("td").all_inner_texts()
+    for key in ("rms", "max_abs", "norm"):
+        assert cells[headers.index(key)] == "—", key
+    row.click()
+    drawer = page.locator("[data-testid=detail]")
+    drawer.locator(".stat-grid").wait_for(timeout=30000)
+    grid = drawer.locator(".stat-grid")
+    stats = dict(zip(grid.locator("dt").all_inner_texts(), grid.locator("dd").all_inner_texts(), strict=True))
+    for label in ("RMS", "max |g|", "norm", "mean"):
+        assert stats[label] == "—", label
+    assert stats["NaN count"] == str(lj["nan"]) and lj["nan"] > 0
     gh.assert_clean()
 
 

@@ -157,6 +157,13 @@ export function depthBars({ layers, key = 'rms', bands = {}, onSelect = null, he
         ctx.fillText(label, box.x + 2, box.y + 1);
       }
     }
+    if (!domain) {
+      ctx.fillStyle = '#555';
+      ctx.textAlign = 'center';
+      ctx.textBaseline = 'middle';
+      ctx.fillText('no layer has a finite, non-zero value at this step: move the step slider back to see the last profile',
+        MARGIN.left + w / 2, MARGIN.top + h / 2);
+    }
     if (hover !== null) {
       ctx.strokeStyle = 'rgba(0,0,0,0.6)';
       ctx.strokeRect(MARGIN.left + hover * slot, MARGIN.top, Math.max(slot, 1), h);
