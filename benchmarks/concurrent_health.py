@@ -1,0 +1,169 @@
+"""Many tabs at once: N concurrent cold ``health`` requests on one large run, against one request alone.
+
+A real ``tensorboard`` process (the plugin through its loader, every step kept) serves one run of L layers x S steps.
+Each scenario first appends a new step to the run's event file, as a training job does, and waits for TensorBoard to
+load it: the plugin's caches then hold nothing for the new data, so every request of the scenario is cold (the run
+is decoded again and diagnosed again). Scenarios, in this order:
+
+* ``one``: a single ``health`` request;
+* ``same``: N concurrent identical requests (the single-flight case: one decode and one diagnosis shared by all);
+* ``varied``: N concurrent requests spread over 10 threshold settings (10 distinct diagnoses, computed at most
+  ``plugin.DIAGNOSES_AT_ONCE`` at a time).
+
+It prints per scenario the client-side latency p50 / p99 / max and the peak RSS of the TensorBoard process (the data
+server, a child process, is reported apart), with the goals p99(same) <= 2 x one, peak RSS(same) <= 1.5 x one.
+Run under the team's lock (it generates a ~150 MB logdir once, cached in ``--data``):
+
+    flock /tmp/gradhealth-heavy.lock python benchmarks/concurrent_health.py [--layers 500 --steps 2000 -n 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import backend_scale as bs  # noqa: E402
+import gh_logdirs  # noqa: E402
+
+from tb_gradhealth import eventfile, metadata  # noqa: E402
+
+THRESHOLD_VARIANTS = [f"vanish_decades={v}" for v in (2, 2.5, 3, 3.5, 4, 4.5, 5, 5.5, 6, 6.5)]
+
+
+def own_rss_mb(pid: int) -> float:
+    """RSS of the process itself (without its children)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+class RssSampler:
+    """Peak RSS of a process (and with its children) sampled every 20 ms while active."""
+
+    def __init__(self, pid: int):
+        self.pid, self.peak, self.peak_total = pid, 0.0, 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, own_rss_mb(self.pid))
+            self.peak_total = max(self.peak_total, bs.rss_mb(self.pid))
+            time.sleep(0.02)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def append_step(path: Path, layers: list[str], step: int) -> None:
+    rms = 10.0 ** np.linspace(-6.0, -2.0, len(layers))
+    event = gh_logdirs.record_event(step, metadata.tag_for(layers), gh_logdirs.synthetic_records(rms))
+    with open(path, "ab") as f:
+        f.write(eventfile.frame(event))
+
+
+def fire(urls: list[str]) -> tuple[list[float], list[dict]]:
+    """Send every URL at once from its own thread; returns latencies (s) and JSON answers."""
+    barrier = threading.Barrier(len(urls))
+    lat: list[float] = [0.0] * len(urls)
+    bodies: list[dict] = [{}] * len(urls)
+
+    def one(i: int) -> None:
+        barrier.wait()
+        t0 = time.perf_counter()
+        code, body = bs.get(urls[i], timeout=600)
+        lat[i] = time.perf_counter() - t0
+        bodies[i] = json.loads(body) if code == 200 else {"status": code}
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(urls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return lat, bodies
+
+
+def scenario(base: str, proc_pid: int, path: Path, layers: list[str], step: int, urls: list[str]) -> dict:
+    append_step(path, layers, step)
+    time.sleep(12)  # TensorBoard reloads every 5 s; the plugin's listing lives 1 s
+    rss0 = own_rss_mb(proc_pid)
+    with RssSampler(proc_pid) as rss:
+        t0 = time.perf_counter()
+        lat, bodies = fire([base + u for u in urls])
+        wall = time.perf_counter() - t0
+    steps = {b.get("step") for b in bodies}
+    if steps != {step}:
+        raise RuntimeError(f"answers at steps {steps}, expected {step} (TensorBoard had not loaded it yet?)")
+    lat.sort()
+    return {"n": len(urls), "p50_s": statistics.median(lat), "p99_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))],
+            "max_s": lat[-1], "wall_s": wall, "rss_before_mb": rss0, "rss_peak_mb": rss.peak,
+            "rss_peak_with_data_server_mb": rss.peak_total}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=500)
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("-n", type=int, default=200, help="concurrent requests")
+    ap.add_argument("--data", default="/tmp/gradhealth-bench-data")
+    args = ap.parse_args(argv)
+
+    cached = Path(args.data) / f"concurrent_{args.layers}x{args.steps}"
+    if not cached.exists():
+        gh_logdirs.make_scale_logdir(str(cached), args.layers, args.steps, run="big")
+    work = Path(tempfile.mkdtemp(prefix="gh-concurrent-"))
+    shutil.copytree(cached, work / "logs")
+    (path,) = (work / "logs" / "big").iterdir()
+    # The generator's layer names (make_scale_logdir).
+    layers = [f"block_{i // 2:04d}/{'kernel' if i % 2 == 0 else 'bias'}" for i in range(args.layers)]
+    port = bs.free_port()
+    proc = bs.start_tensorboard(str(work / "logs"), port, "gradhealth=0")
+    base = f"http://127.0.0.1:{port}/data/plugin/gradhealth"
+    try:
+        bs.wait_until(bs.json_when(f"{base}/runs", lambda b: any(r["num_steps"] == args.steps for r in b["runs"])),
+                      time.monotonic() + 600)
+        step = args.steps
+        results = {"one": scenario(base, proc.pid, path, layers, step, ["/health?run=big"])}
+        results["same"] = scenario(base, proc.pid, path, layers, step + 1, ["/health?run=big"] * args.n)
+        varied = [f"/health?run=big&{THRESHOLD_VARIANTS[i % len(THRESHOLD_VARIANTS)]}" for i in range(args.n)]
+        results["varied"] = scenario(base, proc.pid, path, layers, step + 2, varied)
+    finally:
+        bs.stop(proc)
+        shutil.rmtree(work, ignore_errors=True)
+
+    print(f"{args.n} concurrent cold health requests, {args.layers} layers x {args.steps} steps, "
+          f"real tensorboard process ({time.strftime('%Y-%m-%d')})")
+    print(f"{'scenario':<8} {'n':>4} {'p50 s':>7} {'p99 s':>7} {'max s':>7} {'RSS before MB':>14} "
+          f"{'RSS peak MB':>12} {'+data server MB':>16}")
+    for name, r in results.items():
+        print(f"{name:<8} {r['n']:>4} {r['p50_s']:>7.2f} {r['p99_s']:>7.2f} {r['max_s']:>7.2f} "
+              f"{r['rss_before_mb']:>14.0f} {r['rss_peak_mb']:>12.0f} {r['rss_peak_with_data_server_mb']:>16.0f}")
+    one, same = results["one"], results["same"]
+    print(f"p99(same) / one = {same['p99_s'] / one['p99_s']:.2f} (goal <= 2); "
+          f"peak RSS(same) / peak RSS(one) = {same['rss_peak_mb'] / one['rss_peak_mb']:.2f} (goal <= 1.5)")
+    print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
