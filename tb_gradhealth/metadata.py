@@ -36,10 +36,36 @@ class UnsupportedVersion(ValueError):
     """A record written by a newer tb_gradhealth than this one can read."""
 
 
-def tag_for(layers: tuple[str, ...] | list[str], name: str = "gradients") -> str:
-    """The tag of a record tensor whose rows are ``layers`` (stable across processes and runs)."""
+#: Layer-steps a step-block tag holds at most: at the record's largest size (18 + 77 float32 a row, ~380 bytes) a
+#: tag stays near 100 MB, well under the 256 MB that TensorBoard's data server answers in one read.
+BLOCK_LAYER_STEPS = 1 << 18
+
+
+def block_steps(n_layers: int) -> int:
+    """Steps per step-block tag for a tag of ``n_layers`` rows: the largest power of two with
+    ``n_layers * block_steps <= BLOCK_LAYER_STEPS`` (at least 1)."""
+    n = max(1, BLOCK_LAYER_STEPS // max(1, int(n_layers)))
+    return 1 << (n.bit_length() - 1)
+
+
+def tag_for(layers: tuple[str, ...] | list[str], name: str = "gradients", step: int | None = None) -> str:
+    """The tag of a record tensor whose rows are ``layers`` (stable across processes and runs).
+
+    Without ``step``: ``gradhealth/<name>/<hash8>``, one tag for every step (what the TF summary op writes). With
+    ``step``: ``gradhealth/<name>/<hash8>.<block>``, ``block = step // block_steps(len(layers))``: a run's records
+    split over tags of at most :data:`BLOCK_LAYER_STEPS` layer-steps each, so that a reader can fetch a run of any
+    length in answers of bounded size (readers merge a run's tags by layer name, old ones included).
+    """
     digest = hashlib.sha1("\n".join(layers).encode("utf-8")).hexdigest()[:8]
-    return f"{TAG_PREFIX}{name}/{digest}"
+    base = f"{TAG_PREFIX}{name}/{digest}"
+    return base if step is None else f"{base}.{int(step) // block_steps(len(layers))}"
+
+
+def tag_block(tag: str) -> int | None:
+    """The step block of a step-block tag (see :func:`tag_for`), None for a tag of every step."""
+    _, _, last = tag.rpartition("/")
+    _, dot, block = last.partition(".")
+    return int(block) if dot and block.isdigit() else None
 
 
 def encode_content(content: Content) -> bytes:

@@ -119,50 +119,92 @@ def health_payload(series: RunSeries, thresholds: health.Thresholds, step: int |
     return body
 
 
-def _layer_rows(series: RunSeries, layer: str) -> tuple[np.ndarray, np.ndarray]:
-    """``(steps, rows [n, F])`` where the layer has a record; RequestError 404 for an unknown layer."""
+def _layer_rows(series: RunSeries, layer: str, fields: int = record.NUM_FIELDS) -> tuple[np.ndarray, np.ndarray]:
+    """``(steps, rows [n, fields])`` where the layer has a record (the first ``fields`` fields: the counts and values
+    alone are ``record.HIST_START``); RequestError 404 for an unknown layer."""
     j = readable(series).layer_index(layer)
     if j is None:
         raise RequestError(404, f"parameter 'layer': run {series.run!r} has no layer {layer!r}", "layer")
-    rows = series.records[:, j]
-    present = ~np.isnan(rows[:, record.INDEX["size"]])
-    return series.steps[present], rows[present]
+    present = ~np.isnan(series.records[:, j, record.INDEX["size"]])
+    return series.steps[present], series.records[present, j, :fields]
 
 
-def _selection(rows: np.ndarray) -> np.ndarray:
-    """≤ MAX_POINTS rows evenly spread, keeping the last step and the first step with NaN/Inf (never sampled away)."""
+def window_starts(rows: np.ndarray, limit: int = MAX_POINTS) -> np.ndarray:
+    """Start indices of at most ``limit`` windows of consecutive rows covering them all: one row each when they
+    fit; else windows of about equal length, the last row alone (the current state) and a window starting exactly
+    at the first row with a NaN/Inf, so its step is the chart's point there (onsets are exact)."""
+    n = rows.shape[0]
+    if n <= limit:
+        return np.arange(n)
     nonfinite = (rows[:, record.INDEX["nan"]] + rows[:, record.INDEX["posinf"]] + rows[:, record.INDEX["neginf"]]) > 0
-    must = (int(np.argmax(nonfinite)),) if nonfinite.any() else ()
-    return pick_indices(rows.shape[0], MAX_POINTS, must)
+    must = {0, n - 1} | ({int(np.argmax(nonfinite))} if nonfinite.any() else set())
+    base = np.linspace(0, n - 1, limit - len(must), endpoint=False).round().astype(np.int64)
+    return np.unique(np.concatenate([base, np.array(sorted(must), dtype=np.int64)]))
+
+
+def merge_windows(rows: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """The merged record (:func:`record.merge`) of each window ``rows[starts[i]:starts[i + 1]]``: exact counts,
+    extremes and sums of squares of every step in it, so no spike disappears from a chart with fewer points."""
+    n = rows.shape[0]
+    ends = np.append(starts[1:], n)
+    if np.all(ends - starts == 1):
+        return rows[starts]
+    out = rows[starts].copy()
+    for k in range(1, int(np.max(ends - starts))):
+        live = starts + k < ends
+        out[live] = record.merge(out[live], rows[starts[live] + k])
+    return out
+
+
+def _windowed(series: RunSeries, layer: str, fields: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(first step, last step, number of steps, merged record)`` of each chart window of a layer."""
+    steps, rows = _layer_rows(series, layer, fields)
+    starts = window_starts(rows)
+    ends = np.append(starts[1:], steps.size)
+    return steps[starts], steps[ends - 1], ends - starts, merge_windows(rows, starts)
+
+
+def _window_fields(first: np.ndarray, last: np.ndarray, count: np.ndarray, total: int) -> dict[str, Any]:
+    return {
+        "steps": [int(s) for s in first],
+        "window_last": [int(s) for s in last],
+        "window_steps": [int(c) for c in count],
+        "total_steps": total,
+        "merged": bool(np.any(count > 1)),
+        "downsampled": False,  # windows merge every step; nothing is dropped
+    }
 
 
 def series_payload(series: RunSeries, layer: str, thresholds: health.Thresholds) -> dict[str, Any]:
-    steps, rows = _layer_rows(series, layer)
-    sel = _selection(rows)
-    d = record.derived(rows[sel])
+    """The layer's fields at every logged step, or over ≤ MAX_POINTS merged windows of steps (``window_*``): NaN/Inf
+    counts are the window's totals, ``max_abs`` its largest value, ``norm`` (and the weight and update norms) the
+    root mean square of its steps' norms, ``rms``/``mean``/``zero_fraction`` over all its elements."""
+    first, last, count, merged = _windowed(series, layer, record.HIST_START)
+    d = record.derived(merged)
+    per_step = np.sqrt(count)
+    d["norm"] = d["norm"] / per_step
+    d["weight_norm"] = d["weight_norm"] / per_step
     return {
         "run": series.run,
         "layer": layer,
-        "steps": [int(s) for s in steps[sel]],
-        "total_steps": int(steps.size),
-        "downsampled": bool(sel.size < steps.size),
+        **_window_fields(first, last, count, int(count.sum())),
         "fields": {name: _floats(d[name]) for name in SERIES_FIELDS},
         "thresholds": thresholds.to_dict(),
     }
 
 
 def histograms_payload(series: RunSeries, layer: str) -> dict[str, Any]:
-    steps, rows = _layer_rows(series, layer)
-    sel = _selection(rows)
-    rows = rows[sel]
-    hist = rows[:, record.HIST_START :]
+    """The layer's decade histograms per logged step, or per merged window (as in ``series``): ``counts`` are the
+    window's mean per step, ``zero`` and ``nonfinite`` its exact totals."""
+    first, last, count, rows = _windowed(series, layer, record.NUM_FIELDS)
+    hist = rows[:, record.HIST_START :] / count[:, None]
     nonempty = np.flatnonzero(np.any(hist != 0, axis=0))
     lo, hi = (int(nonempty[0]), int(nonempty[-1]) + 1) if nonempty.size else (0, 0)
     d = record.derived(rows)
     return {
         "run": series.run,
         "layer": layer,
-        "steps": [int(s) for s in steps[sel]],
+        **_window_fields(first, last, count, int(count.sum())),
         "decades": [int(x) for x in record.HIST_BIN_LOG10_LO[lo:hi]],
         "counts": [_floats(r) for r in hist[:, lo:hi]],
         "zero": _floats(d["zero"]),

@@ -14,6 +14,7 @@ read up to that record.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
@@ -252,6 +253,36 @@ def _check_points(td: TagData, n_layers: int, problems: list[str]
     return out
 
 
+def _join_blocks(good: list[tuple[TagData, tuple[str, ...]]]) -> list[tuple[TagData, tuple[str, ...]]]:
+    """The step-block tags of one layer list (:func:`metadata.tag_for`) as one tag, their points in write order
+    (wall time), so that the restart rule (:func:`supersede`) applies across blocks as to a tag of every step: a
+    job restarted at step 50 replaces the earlier records from step 50 on, in whichever block they are."""
+    joined: dict[tuple[str, tuple[str, ...]], list[TagData]] = {}
+    for td, lay in good:
+        base = td.tag if metadata.tag_block(td.tag) is None else td.tag.rpartition(".")[0]
+        joined.setdefault((base, lay), []).append(td)
+    out = []
+    for (base, lay), tds in joined.items():
+        if len(tds) == 1:
+            out.append((tds[0], lay))
+            continue
+        points = sorted((p for td in tds for p in td.points), key=lambda p: float(p[1]))
+        out.append((TagData(base, tds[0].content, points), lay))
+    return out
+
+
+def new_records(n_steps: int, n_layers: int) -> np.ndarray:
+    """Zeroed memory-form records ``[S, L, NUM_FIELDS]`` stored field by field (``[F, S, L]`` in memory).
+
+    Each field is one contiguous ``[S, L]`` plane: the diagnosis reads a few fields of every step and layer, which
+    are then contiguous, and the planes of histogram bins that no record of the run uses are never written, so the
+    operating system never allocates them (a large ``np.zeros`` is lazily zeroed memory). A run's gradients
+    usually span a few decades, so most of the 77 bin planes stay untouched: 1,000 layers x 10,000 steps hold
+    about 2 GB instead of 7.5 GB.
+    """
+    return np.zeros((record.NUM_FIELDS, n_steps, n_layers)).transpose(1, 2, 0)
+
+
 def assemble(
     run: str,
     tags: Sequence[TagData],
@@ -276,6 +307,8 @@ def assemble(
             problems.append(f"tag {td.tag}: skipped: {e}")
             continue
         good.append((td, content.layers))
+    tag_names = tuple(td.tag for td, _ in good)
+    good = _join_blocks(good)
     # The tag with the most layers is the backbone of the order; the others' new layers go in around it.
     layers = _merge_order([lay for _, lay in sorted(good, key=lambda g: (-len(g[1]), g[0].tag))])
     col = {name: i for i, name in enumerate(layers)}
@@ -295,18 +328,19 @@ def assemble(
         if sample_limit is not None and len(td.points) >= sample_limit:
             downsampled = True
     steps = np.unique(np.array([v[2] for v in valid], dtype=np.int64))
-    # Uninitialised, then each row written once (a fill and a copy would touch a large array twice); rows no tensor
-    # wrote are set to NaN at the end.
-    records = np.empty((steps.size, len(layers), record.NUM_FIELDS))
+    records = new_records(steps.size, len(layers))
     filled = np.zeros((steps.size, len(layers)), dtype=bool)
     # Pass 2: decode in write order (wall time, then read order) so the last written record of a step wins.
     valid.sort(key=lambda v: (v[0], v[1]))
     for _, _, step, cols, t, ok in valid:
         s = int(np.searchsorted(steps, step))
-        if ok.all():
-            records[s, cols] = record.from_disk(t)
-        else:
-            records[s, cols[ok]] = record.from_disk(t[ok])
+        rows = cols if ok.all() else cols[ok]
+        again = rows[filled[s, rows]]
+        if again.size:  # a later record of the same step replaces the earlier one whole: clear its histogram
+            records[s, again, record.HIST_START :] = 0.0
+        if rows.size and rows.size == rows[-1] - rows[0] + 1 and np.all(np.diff(rows) == 1):
+            rows = slice(int(rows[0]), int(rows[-1]) + 1)  # the usual case: a plain slice, no gather
+        record.from_disk_into(t if ok.all() else t[ok], records[s], rows)
         filled[s, cols[ok]] = True
     if not filled.all():
         records[~filled] = np.nan
@@ -317,7 +351,7 @@ def assemble(
         records=records,
         problems=tuple(problems),
         notes=tuple(notes),
-        tags=tuple(td.tag for td, _ in good),
+        tags=tag_names,
         sample_limit=sample_limit,
         maybe_downsampled=downsampled,
     )
@@ -345,6 +379,66 @@ def sampling(data_provider: Any, hint: int | None) -> tuple[int, int | None]:
     return SAMPLE_ALL, None
 
 
+#: The largest answer the reader asks the data provider for at once, estimated from the tags' sizes (TensorBoard's
+#: data server answers at most 256 MB per read; the estimate assumes every record is as large as it can be).
+READ_BUDGET_BYTES = 128 << 20
+#: The most bytes one layer's record takes in an answer: the disk row at its widest (every histogram bin) plus
+#: slack for the tensor's framing, shared by the rows of a step.
+WORST_ROW_BYTES = 4 * (record.DISK_HIST_START + record.HIST_BINS) + 8
+
+
+def tag_bytes(tag: str, ts: Any, downsample: int) -> int | None:
+    """The largest answer one tag can give: its step block (:func:`metadata.tag_for`) bounds its steps, its
+    metadata gives its layers. None when unknown (a tag of every step, unreadable metadata)."""
+    block = metadata.tag_block(tag)
+    if block is None:
+        return None
+    try:
+        n_layers = len(metadata.decode_content(ts.plugin_content).layers)
+    except ValueError:
+        return None
+    span = metadata.block_steps(n_layers)
+    steps = min(span, downsample, max(1, int(ts.max_step) - block * span + 1))
+    return steps * max(1, n_layers) * WORST_ROW_BYTES
+
+
+def read_groups(tag_map: Mapping[str, Any], downsample: int, budget: int) -> list[tuple[list[str], int]]:
+    """The run's tags in groups to read together, each with its ``downsample``: step-block tags packed up to
+    ``budget`` bytes of largest possible answer, every tag of unknown size alone."""
+    groups: list[tuple[list[str], int]] = []
+    current: list[str] = []
+    size = 0
+    for tag in sorted(tag_map):
+        est = tag_bytes(tag, tag_map[tag], downsample)
+        if est is None:
+            groups.append(([tag], downsample))
+            continue
+        if current and size + est > budget:
+            groups.append((current, downsample))
+            current, size = [], 0
+        current.append(tag)
+        size += est
+    if current:
+        groups.append((current, downsample))
+    return groups
+
+
+def _too_large(e: BaseException) -> bool:
+    """Whether a read failed because its answer exceeded the transport's message limit."""
+    code = getattr(e, "code", None)
+    if callable(code) and "grpc" in globals() and code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return True
+    return "larger than max" in str(e)
+
+
+def _steps_in_budget(ts: Any, budget: int) -> int:
+    try:
+        n_layers = len(metadata.decode_content(ts.plugin_content).layers)
+    except ValueError:
+        n_layers = 1
+    return max(1, budget // (max(1, n_layers) * WORST_ROW_BYTES))
+
+
 class ProviderError(Exception):
     """The data provider failed to list or read (message says what); callers answer 503, not 500."""
 
@@ -360,8 +454,10 @@ class ProviderReader:
     """
 
     def __init__(self, data_provider: Any, sampling_hint: int | None = None, *, cache_bytes: int = 4 << 30,
+                 read_budget: int = READ_BUDGET_BYTES,
                  listing_ttl: float = LISTING_TTL_S):
         self._provider = data_provider
+        self.read_budget = read_budget
         self._listing_ttl = listing_ttl
         self._listings: dict[str, tuple[float, dict[str, Mapping[str, Any]]]] = {}
         self.downsample, self.sample_limit = sampling(data_provider, sampling_hint)
@@ -455,39 +551,63 @@ class ProviderReader:
 
     def _read(self, ctx: Any, experiment_id: str, run: str, tag_map: Mapping[str, Any], name: str
               ) -> tuple[RunSeries, bool]:
-        """The run's series and whether the provider answered. One ``read_tensors`` call per run: TensorBoard's
-        data server answers it in one gRPC message of at most 256 MB, about 2 million layer-steps of records;
-        a larger run needs a sample limit (``--samples_per_plugin=gradhealth=N``) and otherwise shows a problem."""
-        problems: list[str] = []
-        try:
-            series = self._read_tags(ctx, experiment_id, run, list(tag_map))
-        except PROVIDER_ERRORS as e:
-            return assemble(name, [], sample_limit=self.sample_limit,
-                            problems=[f"data provider could not read this run: {e}"]), False
-        except (ValueError, TypeError):
-            # The provider decodes every tensor of the answer and fails on the first malformed one: read tag by
-            # tag so that only the tag holding it is lost.
-            series = {}
-            for tag in tag_map:
-                try:
-                    series.update(self._read_tags(ctx, experiment_id, run, [tag]))
-                except (ValueError, TypeError) as e:
-                    problems.append(f"tag {tag}: the data provider cannot decode one of its tensors ({e}); "
-                                    f"the tag is skipped")
-                except PROVIDER_ERRORS as e:
-                    problems.append(f"tag {tag}: data provider could not read it: {e}")
-        tags = [
-            TagData(tag, ts.plugin_content, [(d.step, d.wall_time, d.numpy) for d in series.get(tag, ())])
-            for tag, ts in tag_map.items() if tag in series
-        ]
-        return assemble(name, tags, sample_limit=self.sample_limit, problems=problems), True
+        """The run's series and whether the provider answered.
 
-    def _read_tags(self, ctx: Any, experiment_id: str, run: str, tags: list[str]) -> dict[str, Any]:
+        TensorBoard's data server answers a read in one gRPC message of at most 256 MB (about 2 million layer-steps
+        of records), so the run's tags are read in groups whose largest possible answer stays under
+        ``read_budget`` (:func:`read_groups`): the numpy ``Writer`` splits a run over step-block tags, so a run of
+        any length is read whole. A single tag too large for one answer (written by an older version, or by the TF
+        summary op, which writes one tag for every step) is read with evenly spaced steps instead, with a problem
+        line saying so. The provider decodes every tensor of an answer and fails on the first malformed one: a
+        group that fails so is read tag by tag, and only the tag holding it is lost (with a problem line).
+        """
+        points: dict[str, list[tuple[int, float, Any]]] = {}
+        problems: list[str] = []
+        sampled = False
+        todo = read_groups(tag_map, self.downsample, self.read_budget)
+        while todo:
+            group, downsample = todo.pop(0)
+            try:
+                answer = self._read_tags(ctx, experiment_id, run, group, downsample)
+            except (ValueError, TypeError) as e:
+                if len(group) > 1:
+                    todo[:0] = [([tag], downsample) for tag in group]
+                else:
+                    problems.append(f"tag {group[0]}: the data provider cannot decode one of its tensors ({e}); "
+                                    f"the tag is skipped")
+                continue
+            except PROVIDER_ERRORS as e:
+                if not _too_large(e) or (len(group) == 1 and downsample <= 1):
+                    return assemble(name, [], sample_limit=self.sample_limit,
+                                    problems=[f"data provider could not read this run: {e}"]), False
+                if len(group) > 1:  # the estimate was wrong (an unexpected tag size): one tag at a time
+                    todo[:0] = [([tag], downsample) for tag in group]
+                    continue
+                fewer = max(1, min(downsample // 2, _steps_in_budget(tag_map[group[0]], self.read_budget)))
+                todo.insert(0, (group, fewer))
+                if not sampled:
+                    problems.append(
+                        f"tag {group[0]}: too large for one answer of the data server; showing {fewer} evenly "
+                        f"spaced steps of it (the numpy Writer of this version splits runs into step-block tags, "
+                        f"which are read whole)")
+                sampled = True
+                continue
+            for tag in group:
+                points.setdefault(tag, []).extend((d.step, d.wall_time, d.numpy) for d in answer.get(tag, ()))
+            del answer  # the answer's arrays now live in ``points``
+        tags = [TagData(tag, ts.plugin_content, points[tag]) for tag, ts in tag_map.items() if tag in points]
+        series = assemble(name, tags, sample_limit=self.sample_limit, problems=problems)
+        if sampled:
+            series = dataclasses.replace(series, maybe_downsampled=True)
+        return series, True
+
+    def _read_tags(self, ctx: Any, experiment_id: str, run: str, tags: list[str], downsample: int
+                   ) -> dict[str, Any]:
         data = self._provider.read_tensors(
             ctx,
             experiment_id=experiment_id,
             plugin_name=metadata.PLUGIN_NAME,
-            downsample=self.downsample,
+            downsample=downsample,
             run_tag_filter=tb_provider.RunTagFilter(runs=[run], tags=tags),
         )
         return data.get(run, {})

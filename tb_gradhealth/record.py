@@ -367,16 +367,25 @@ def from_disk(tensor: np.ndarray) -> np.ndarray:
     t = np.ascontiguousarray(np.asarray(tensor), dtype=np.float32)
     if t.ndim != 2 or t.shape[1] < DISK_HIST_START:
         raise ValueError(f"not a gradhealth v{FORMAT_VERSION} record tensor: shape {t.shape}")
-    width = t.shape[1] - DISK_HIST_START
     out = np.zeros((t.shape[0], NUM_FIELDS), dtype=np.float64)
-    out[:, :NUM_COUNTS] = t.view(np.int32)[:, :NUM_COUNTS]
-    out[:, NUM_COUNTS:HIST_START] = t[:, NUM_COUNTS:DISK_HIST_LO]
+    from_disk_into(t, out, slice(None))
+    return out
+
+
+def from_disk_into(tensor: np.ndarray, out: np.ndarray, rows: slice | np.ndarray) -> None:
+    """Decode the disk tensor into ``out[rows]`` (memory form, ``out`` float64 ``[N, NUM_FIELDS]`` whose histogram
+    bins are already zero), writing only the counts, the values and the tensor's histogram window: a large array
+    of zeros then keeps the pages of bins no record uses untouched (never allocated)."""
+    t = np.ascontiguousarray(np.asarray(tensor), dtype=np.float32)
+    width = t.shape[1] - DISK_HIST_START
+    out[rows, :NUM_COUNTS] = t.view(np.int32)[:, :NUM_COUNTS]
+    out[rows, NUM_COUNTS:HIST_START] = t[:, NUM_COUNTS:DISK_HIST_LO]
     if t.shape[0]:
         lo = int(t[0, DISK_HIST_LO])
         if lo < 0 or lo + width > HIST_BINS or not np.all(t[:, DISK_HIST_LO] == lo):
             raise ValueError(f"corrupt record tensor: histogram window {lo}+{width} of {HIST_BINS}")
-        out[:, HIST_START + lo : HIST_START + lo + width] = t[:, DISK_HIST_START:]
-    return out
+        if width:
+            out[rows, HIST_START + lo : HIST_START + lo + width] = t[:, DISK_HIST_START:]
 
 
 #: Relative slack of the consistency checks on float32-stored sums (``ssq_rel``, the mean, histogram totals).

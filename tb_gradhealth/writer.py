@@ -214,8 +214,9 @@ class Writer:
         if len(set(layers)) != len(layers):
             raise ValueError("layer names must be unique")
         _check_rows(layers, rows)
-        tag = metadata.tag_for(layers, name)
-        self._last_step[tag] = check_step(step, self._last_step.get(tag))
+        base = metadata.tag_for(layers, name)
+        self._last_step[base] = step = check_step(step, self._last_step.get(base))
+        tag = metadata.tag_for(layers, name, step)
         md = None
         if tag not in self._tags_with_metadata:
             md = metadata.create_summary_metadata(layers, kind=kind, hist_sample=self.hist_sample or 0)

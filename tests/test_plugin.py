@@ -145,10 +145,11 @@ def test_series_returns_derived_fields_for_one_layer(client, demo):
     assert all(v is not None and v > 0 for v in body["fields"]["grad_to_weight"])
 
 
-def test_series_downsamples_keeping_the_last_step(client):
+def test_series_merges_windows_keeping_the_last_step_alone(client):
     body = get_json(client, "/series?run=long&layer=block_0000/bias")
-    assert body["total_steps"] == 1200 and body["downsampled"] is True
+    assert body["total_steps"] == 1200 and body["merged"] is True and body["downsampled"] is False
     assert len(body["steps"]) <= payloads.MAX_POINTS and body["steps"][-1] == 1199 and body["steps"][0] == 0
+    assert body["window_last"][-1] == 1199 and body["window_steps"][-1] == 1 and sum(body["window_steps"]) == 1200
     assert body["steps"] == sorted(set(body["steps"]))
 
 
