@@ -193,3 +193,23 @@ def test_one_tag_too_large_for_an_answer_is_shown_evenly_sampled_with_a_problem(
     assert 1 <= series.num_steps <= 25 and series.last_step == 59 and series.maybe_downsampled
     assert any("too large for one answer" in p for p in series.problems), series.problems
     assert provider.reads[0][1] == reader.SAMPLE_ALL and provider.reads[-1][1] <= 25
+
+
+@pytest.mark.e2e
+def test_a_restart_replaces_later_steps_in_every_block_for_the_cli_and_the_tab(tmp_path, monkeypatch):
+    monkeypatch.setattr(metadata, "BLOCK_LAYER_STEPS", 8)  # 2 layers -> 4 steps a tag
+    names = ["a", "b"]
+    first, second = _records(12, 2, seed=1), _records(3, 2, seed=2)
+    with Writer(tmp_path / "run") as w:  # a job that reached step 11, then restarted from a checkpoint at 5
+        for s in range(12):
+            w.add_records(s, names, first[s], wall_time=1000.0 + s)
+    with Writer(tmp_path / "run") as w:
+        for k, s in enumerate(range(5, 8)):
+            w.add_records(s, names, second[k], wall_time=2000.0 + s)
+    direct = reader.read_logdir(str(tmp_path)).runs[0]
+    ingester = gl.data_server(str(tmp_path), {"gradhealth": 0}, last_steps={"run": 7})
+    served = reader.ProviderReader(ingester.data_provider, 0).run(None, "", "run")
+    for series in (direct, served):
+        assert series.steps.tolist() == list(range(8)), series.steps
+        np.testing.assert_array_equal(series.records[5:8], np.stack([record.from_disk(record.to_disk(r))
+                                                                     for r in second]))
