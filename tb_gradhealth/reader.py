@@ -79,6 +79,9 @@ class RunSeries:
     #: Unique per assembled series: caches of derived results key on it (the reader makes a new series, with a new
     #: generation, whenever the data provider reports new data for the run).
     generation: int = field(default_factory=lambda: next(_GENERATIONS))
+    #: Bytes of ``records`` in memory when it is stored field by field (:func:`new_records`): the planes of
+    #: histogram bins no record uses take none. None: all of ``records.nbytes``.
+    resident_bytes: int | None = None
     _index: dict[str, int] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -101,7 +104,8 @@ class RunSeries:
 
     @property
     def nbytes(self) -> int:
-        return int(self.records.nbytes + self.steps.nbytes)
+        held = self.records.nbytes if self.resident_bytes is None else self.resident_bytes
+        return int(held + self.steps.nbytes)
 
     def present(self) -> np.ndarray:
         """``[S, L]`` bool: where a layer has a record (absent rows are all-NaN; a record's size is never NaN)."""
@@ -332,6 +336,7 @@ def assemble(
     filled = np.zeros((steps.size, len(layers)), dtype=bool)
     # Pass 2: decode in write order (wall time, then read order) so the last written record of a step wins.
     valid.sort(key=lambda v: (v[0], v[1]))
+    bins = (record.HIST_BINS, 0)  # the union of the histogram windows written
     for _, _, step, cols, t, ok in valid:
         s = int(np.searchsorted(steps, step))
         rows = cols if ok.all() else cols[ok]
@@ -342,6 +347,9 @@ def assemble(
             rows = slice(int(rows[0]), int(rows[-1]) + 1)  # the usual case: a plain slice, no gather
         record.from_disk_into(t if ok.all() else t[ok], records[s], rows)
         filled[s, cols[ok]] = True
+        if t.shape[1] > record.DISK_HIST_START:
+            lo = int(t[0, record.DISK_HIST_LO])
+            bins = (min(bins[0], lo), max(bins[1], lo + t.shape[1] - record.DISK_HIST_START))
     if not filled.all():
         records[~filled] = np.nan
     return RunSeries(
@@ -354,6 +362,7 @@ def assemble(
         tags=tag_names,
         sample_limit=sample_limit,
         maybe_downsampled=downsampled,
+        resident_bytes=(record.HIST_START + max(0, bins[1] - bins[0])) * steps.size * len(layers) * 8,
     )
 
 
