@@ -228,32 +228,43 @@ def supersede(points: Sequence[tuple[int, float, Any]]) -> tuple[list[tuple[int,
     return kept, restarts
 
 
+#: Events checked together (stacked) by :func:`_check_points`: one vectorised check per chunk, bounded memory.
+CHECK_CHUNK = 256
+
+
 def _check_points(td: TagData, n_layers: int, problems: list[str]
                   ) -> list[tuple[float, int, np.ndarray, np.ndarray]]:
     """``(wall_time, step, tensor, good rows)`` of each readable point of a tag (checked, not yet decoded: the disk
     form is several times smaller); a damaged tensor or row is skipped and counted in one problem line per tag."""
     out = []
-    bad_tensors, first_tensor, bad_rows, first_row = 0, None, 0, None
+    bad_tensors, first_tensor = 0, None
     for step, wall_time, value in td.points:
         try:
             t = _check_tensor(value, n_layers)
-            _, reasons = record.check_disk(t)
         except (ValueError, TypeError) as e:
             bad_tensors += 1
             first_tensor = first_tensor or f"step {step}: {e}"
             continue
-        good = np.ones(n_layers, dtype=bool)
-        if reasons:
-            good[list(reasons)] = False
-            bad_rows += len(reasons)
-            first_row = first_row or (step, *next(iter(sorted(reasons.items()))))
-        out.append((float(wall_time), int(step), t, good))
+        out.append((float(wall_time), int(step), t, np.ones(n_layers, dtype=bool)))
     if bad_tensors:
         problems.append(f"tag {td.tag}: {bad_tensors} unreadable record tensor(s) skipped, first at {first_tensor}")
-    if bad_rows:
-        step, row, why = first_row
-        problems.append(f"tag {td.tag}: {bad_rows} damaged record row(s) skipped, first at step {step} row {row}: "
-                        f"{why}")
+    # Row checks, stacked per histogram width (events of one width share a column layout).
+    by_width: dict[int, list[int]] = {}
+    for i, (_, _, t, _) in enumerate(out):
+        by_width.setdefault(t.shape[1], []).append(i)
+    damaged: list[tuple[int, int, str]] = []  # (event index, row, reason)
+    for idx in by_width.values():
+        for start in range(0, len(idx), CHECK_CHUNK):
+            chunk = idx[start : start + CHECK_CHUNK]
+            stacked = out[chunk[0]][2] if len(chunk) == 1 else np.concatenate([out[i][2] for i in chunk])
+            for flat, why in record.check_disk(stacked, n_layers)[1].items():
+                damaged.append((chunk[flat // n_layers], flat % n_layers, why))
+    for i, row, _ in damaged:
+        out[i][3][row] = False
+    if damaged:
+        i, row, why = min(damaged)
+        problems.append(f"tag {td.tag}: {len(damaged)} damaged record row(s) skipped, first at step {out[i][1]} row "
+                        f"{row}: {why}")
     return out
 
 

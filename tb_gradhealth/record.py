@@ -392,15 +392,19 @@ def from_disk_into(tensor: np.ndarray, out: np.ndarray, rows: slice | np.ndarray
 _CHECK_RTOL = 1e-3
 
 
-def check_disk(t: np.ndarray) -> tuple[np.ndarray, dict[int, str]]:
+def check_disk(t: np.ndarray, rows_per_event: int | None = None) -> tuple[np.ndarray, dict[int, str]]:
     """Which rows of a float32 disk tensor ``[L, C]`` are damaged: ``(bad [L] bool, {row: reason})``.
+
+    ``rows_per_event``: ``t`` is several events of that many rows each, stacked (one call for many events is much
+    cheaper than one per event); the ``hist_lo`` rule then holds per event.
 
     Every writer produces rows that pass these checks; a flipped byte, a truncated copy spliced into a file or a
     writer bug usually fails one of them. A row is damaged when: a count is negative or the nonfinite and zero counts
     exceed ``size``; ``missing`` is not 0 or 1; finite values exist but ``min``/``max`` are not finite, ``min > max``,
     the mean is outside ``[min, max]``, or ``ssq_rel`` is outside ``[1, finite count]`` (0 when all are zero); an
     optional field or a histogram bin is negative or infinite; the histogram's total differs from the finite nonzero
-    count; its ``hist_lo`` differs from the one most rows share, or its window leaves the histogram. A flip that keeps
+    count; its ``hist_lo`` differs from the event's (the median of its rows: the value more than half of them share,
+    when one does), or its window leaves the histogram. A flip that keeps
     every field plausible is not detected here (the event file's data checksum catches it when it is checked).
     """
     t = np.asarray(t, dtype=np.float32)
@@ -413,13 +417,13 @@ def check_disk(t: np.ndarray) -> tuple[np.ndarray, dict[int, str]]:
 
     if n_rows == 0:
         return np.zeros(0, dtype=bool), reasons
-    counts = np.ascontiguousarray(t[:, :NUM_COUNTS]).view(np.int32).astype(np.int64)
-    size, nan, posinf, neginf, zero = counts.T
-    flag(np.any(counts < 0, axis=1), "negative count")
+    counts = np.ascontiguousarray(t[:, :NUM_COUNTS]).view(np.int32).T.astype(np.int64)  # one row per count
+    size, nan, posinf, neginf, zero = counts
+    flag(np.any(counts < 0, axis=0), "negative count")
     finite = size - nan - posinf - neginf
     flag(finite - zero < 0, "NaN, Inf and zero counts exceed size")
-    v = t[:, NUM_COUNTS:DISK_HIST_LO].astype(np.float64)
-    vi = {name: v[:, i] for i, name in enumerate(VALUE_FIELDS)}
+    v = np.ascontiguousarray(t[:, NUM_COUNTS:DISK_HIST_LO].T, dtype=np.float64)  # one contiguous row per field
+    vi = {name: v[i] for i, name in enumerate(VALUE_FIELDS)}
     flag(~np.isin(vi["missing"], (0.0, 1.0)), "missing flag is not 0 or 1")
     mn, mx, mean, ssq = vi["min"], vi["max"], vi["mean"], vi["ssq_rel"]
     has = (finite > 0) & (vi["missing"] == 0)
@@ -436,23 +440,24 @@ def check_disk(t: np.ndarray) -> tuple[np.ndarray, dict[int, str]]:
         flag(has & (finite - zero == 0) & ((m != 0) | (ssq != 0)), "all values zero but min/max/ssq_rel are not")
         for name in VALUE_FIELDS[4:10] + ("hist_sample",):
             flag(~(np.isnan(vi[name]) | ((vi[name] >= 0) & np.isfinite(vi[name]))), f"{name} negative or infinite")
-        hist = t[:, DISK_HIST_START:].astype(np.float64)
-        flag(~np.all(np.isfinite(hist) & (hist >= 0), axis=1), "histogram bin negative or not finite")
-        total = hist.sum(axis=1)
+        hist = t[:, DISK_HIST_START:]
+        flag(~(np.isfinite(hist).all(axis=1) & (hist >= 0).all(axis=1)), "histogram bin negative or not finite")
+        total = hist.sum(axis=1, dtype=np.float64)
         expect = np.where(vi["missing"] == 0, finite - zero, 0)
         flag(np.abs(total - expect) > _CHECK_RTOL * np.maximum(expect, 1) + 0.5,
              "histogram total differs from the finite nonzero count")
-    lo = t[:, DISK_HIST_LO]
     width = t.shape[1] - DISK_HIST_START
-    vals, freq = np.unique(lo[np.isfinite(lo)], return_counts=True)
-    if not vals.size:
-        flag(np.ones(n_rows, dtype=bool), "histogram window start is not a number")
-        common = np.nan
-    else:
-        common = vals[np.argmax(freq)]
-        flag(lo != common, f"histogram window start differs from the event's ({common:g})")
-    if vals.size and not (common == int(common) and 0 <= common <= HIST_BINS - width):
-        flag(np.ones(n_rows, dtype=bool), f"histogram window {common:g}+{width} outside the {HIST_BINS} bins")
+    per = rows_per_event or n_rows
+    lo = t[:, DISK_HIST_LO].astype(np.float64).reshape(-1, per)
+    finite_lo = np.isfinite(lo)
+    with np.errstate(invalid="ignore"):
+        common = np.median(np.where(finite_lo, lo, np.inf), axis=1, keepdims=True)  # NaN rows count as +inf
+        common = np.where(np.isfinite(common), common, np.nan)
+        flag(~finite_lo.ravel(), "histogram window start is not a number")
+        flag((finite_lo & (lo != common)).ravel(), "histogram window start differs from the rest of its event")
+        outside = ~((common == np.floor(common)) & (common >= 0) & (common <= HIST_BINS - width))
+    flag(np.broadcast_to(outside & finite_lo, lo.shape).ravel(),
+         f"histogram window of {width} bins starts outside the {HIST_BINS} bins")
     bad = np.zeros(n_rows, dtype=bool)
     bad[list(reasons)] = True
     return bad, reasons
