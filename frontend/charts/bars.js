@@ -1,14 +1,14 @@
 /**
  * The depth profile: one bar per layer in network (forward) order, height = log10 of a magnitude (RMS by
  * default) at one step, coloured by status, with the healthy band drawn: shaded below the vanishing line and
- * above the exploding line, dashed at the median layer. The axis floor sits at least one decade below the smallest
+ * above the exploding line, dashed at the reference (the layers nearest the loss). The axis floor sits at least one decade below the smallest
  * value and every bar is at least `MIN_BAR_PX` tall, so the weakest layer (often the one that matters) is a clear
  * bar. A layer with no finite value (NaN/Inf) gets a dark marker at the top; an all-zero or missing layer a hollow
  * dashed box at the floor (never filled like a bar), so no layer silently disappears or passes for a tiny bar.
  */
 
 import { el, fmt, replace } from '../dom.js';
-import { statusColor } from '../status.js';
+import { STATUSES, STATUS_STYLE, statusColor } from '../status.js';
 import {
   beginFrame, drawDecadeGrid, drawOnResize, linearTicks, log10OrNull, logDomain,
 } from './scale.js';
@@ -18,6 +18,11 @@ const MARGIN = { left: 52, right: 12, top: 8, bottom: 22 };
 export const MIN_BAR_PX = 6;
 const ABSENT_PX = 8;
 const LABEL_H = 13;
+
+/** A layer drawn as the no-finite-value mark (else, without a value, as the hollow all-zero/missing box). */
+function isNonfinite(layer, key) {
+  return layer.status === 'nonfinite' || layer[key] === Infinity;
+}
 
 /** The plotted log range: `logDomain`, with the floor a full decade below the smallest value. */
 function barDomain(values, extra) {
@@ -49,10 +54,53 @@ function labelBox(yLine, width, plot, placed) {
 }
 
 /**
+ * The band's lines at this step, [log10 value, colour, label]: the reference the relative rules compare with (the
+ * layers nearest the loss; the median layer when the answer has no reference), vanishing below, exploding above.
+ */
+function bandLines(bands) {
+  const ref = bands.reference_rms !== undefined
+    ? [log10OrNull(bands.reference_rms), '#333333', 'reference (layers nearest the loss)']
+    : [log10OrNull(bands.median_rms), '#333333', 'median'];
+  return [ref,
+    [log10OrNull(bands.vanishing_below), '#0072B2', 'vanishing below'],
+    [log10OrNull(bands.exploding_above), '#D55E00', 'exploding above']];
+}
+
+/** Dashed lines with a white halo (readable on bars of the same colour), then their labels, so no line crosses a
+ * label. */
+function drawBandLines(ctx, lines, y, w, h) {
+  for (const [v, color] of lines) {
+    ctx.save();
+    ctx.strokeStyle = 'rgba(255,255,255,0.85)';
+    ctx.lineWidth = 3;
+    ctx.beginPath();
+    ctx.moveTo(MARGIN.left, y(v));
+    ctx.lineTo(MARGIN.left + w, y(v));
+    ctx.stroke();
+    ctx.setLineDash([5, 4]);
+    ctx.strokeStyle = color;
+    ctx.lineWidth = 1.5;
+    ctx.stroke();
+    ctx.restore();
+  }
+  ctx.textAlign = 'left';
+  ctx.textBaseline = 'top';
+  const placed = [];
+  for (const [v, color, label] of lines) {
+    const box = labelBox(y(v), ctx.measureText(label).width, { left: MARGIN.left, top: MARGIN.top, w, h }, placed);
+    placed.push(box);
+    ctx.fillStyle = 'rgba(255,255,255,0.85)';
+    ctx.fillRect(box.x, box.y, box.w, LABEL_H);
+    ctx.fillStyle = color;
+    ctx.fillText(label, box.x + 2, box.y + 1);
+  }
+}
+
+/**
  * @param {object} opts
  * @param {{layer:string,index:number,status:string}[]} opts.layers network order
  * @param {string} opts.key the magnitude to plot ('rms', 'norm' or 'max_abs')
- * @param {{median_rms?:number, vanishing_below?:number, exploding_above?:number}} [opts.bands]
+ * @param {{reference_rms?:number, median_rms?:number, vanishing_below?:number, exploding_above?:number}} [opts.bands]
  * @param {(layer:string)=>void} [opts.onSelect] click on a bar
  * @param {number} [opts.height]
  */
@@ -60,9 +108,20 @@ export function depthBars({ layers, key = 'rms', bands = {}, onSelect = null, he
   const canvas = el('canvas', { class: 'chart-canvas profile-canvas' });
   const readout = el('div', { class: 'chart-readout', text: 'hover a bar for the layer; click to open it' });
   const plot = el('div', { class: 'chart-plot' }, canvas);
-  const root = el('div', { class: 'chart' }, plot, readout);
+  // which colour is which status (only the statuses drawn), plus the two marks that are not bars
+  const present = new Set(layers.map((l) => l.status));
+  const noValue = layers.filter((l) => log10OrNull(l[key]) === null);
+  const legend = el('div', { class: 'chart-legend profile-legend' },
+    STATUSES.filter((s) => present.has(s)).map((s) => el('span', { class: 'legend-item', attrs: { 'data-status': s } },
+      el('span', { class: 'legend-band legend-solid', style: { background: STATUS_STYLE[s].color } }),
+      `${STATUS_STYLE[s].glyph} ${s}`)),
+    noValue.some((l) => isNonfinite(l, key)) ? el('span', { class: 'legend-item' },
+      el('span', { class: 'legend-band legend-solid', style: { background: '#000000' } }), 'mark at the top: no finite value') : null,
+    noValue.some((l) => !isNonfinite(l, key)) ? el('span', { class: 'legend-item' },
+      el('span', { class: 'legend-band legend-hollow' }), 'hollow box at the floor: all zero or missing') : null);
+  const root = el('div', { class: 'chart' }, legend, plot, readout);
   root.dataset.bars = String(layers.length);
-  const extra = [bands.median_rms, bands.vanishing_below, bands.exploding_above];
+  const extra = [bands.reference_rms ?? bands.median_rms, bands.vanishing_below, bands.exploding_above];
   const domain = barDomain(layers.map((l) => l[key]), key === 'rms' ? extra : []);
   let geometry = null;
   let hover = null;
@@ -108,7 +167,7 @@ export function depthBars({ layers, key = 'rms', bands = {}, onSelect = null, he
       const x0 = MARGIN.left + i * slot + gap / 2;
       const bw = Math.max(slot - gap, 0.6);
       if (l === null) {
-        if (layer.status === 'nonfinite' || layer[key] === Infinity) {
+        if (isNonfinite(layer, key)) {
           ctx.fillStyle = 'rgba(0,0,0,0.85)';
           ctx.fillRect(x0, MARGIN.top, bw, 6);
         } else {
@@ -124,44 +183,12 @@ export function depthBars({ layers, key = 'rms', bands = {}, onSelect = null, he
       ctx.fillStyle = statusColor(layer.status);
       ctx.fillRect(x0, top, bw, base - top);
     });
-    if (key === 'rms') {
-      const med = log10OrNull(bands.median_rms);
-      const lines = [
-        [med, '#333333', 'median'],
-        [log10OrNull(bands.vanishing_below), '#0072B2', 'vanishing below'],
-        [log10OrNull(bands.exploding_above), '#D55E00', 'exploding above'],
-      ];
-      ctx.textAlign = 'left';
-      ctx.textBaseline = 'top';
-      const placed = [];
-      for (const [v, color, label] of lines) {
-        if (v === null || v < lo || v > hi) continue;
-        // a white halo under each line and label keeps them readable on bars of the same colour
-        ctx.save();
-        ctx.strokeStyle = 'rgba(255,255,255,0.85)';
-        ctx.lineWidth = 3;
-        ctx.beginPath();
-        ctx.moveTo(MARGIN.left, y(v));
-        ctx.lineTo(MARGIN.left + w, y(v));
-        ctx.stroke();
-        ctx.setLineDash([5, 4]);
-        ctx.strokeStyle = color;
-        ctx.lineWidth = 1.5;
-        ctx.stroke();
-        ctx.restore();
-        const box = labelBox(y(v), ctx.measureText(label).width, { left: MARGIN.left, top: MARGIN.top, w, h }, placed);
-        placed.push(box);
-        ctx.fillStyle = 'rgba(255,255,255,0.85)';
-        ctx.fillRect(box.x, box.y, box.w, LABEL_H);
-        ctx.fillStyle = color;
-        ctx.fillText(label, box.x + 2, box.y + 1);
-      }
-    }
+    if (key === 'rms') drawBandLines(ctx, bandLines(bands).filter(([v]) => v !== null && v >= lo && v <= hi), y, w, h);
     if (!domain) {
       ctx.fillStyle = '#555';
       ctx.textAlign = 'center';
       ctx.textBaseline = 'middle';
-      ctx.fillText('no layer has a finite, non-zero value at this step: move the step slider back to see the last profile',
+      ctx.fillText('no finite, non-zero value at this step: slide back to see the profile',
         MARGIN.left + w / 2, MARGIN.top + h / 2);
     }
     if (hover !== null) {

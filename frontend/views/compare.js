@@ -34,7 +34,7 @@ export function compareStrip(model) {
         STATUSES.map((s) => el('td', { class: `num${counts[s] && isFlagged(s) ? ' bad-count' : ''}`,
           text: counts[s] ? String(counts[s]) : '·' })),
         el('td', {}, first ? [el('span', { class: 'mono', text: first.layer }), ' ', badge(first.status),
-          first.step === null || first.step === undefined ? '' : ` from step ${first.step}`] : 'nothing flagged'),
+          first.step === null || first.step === undefined ? '' : ` since step ${first.step}`] : 'nothing flagged'),
         el('td', { class: 'onset-cell' }, onset ? [`step ${onset.step} on `, el('span', { class: 'mono', text: onset.layer }),
           ' ', badge(onset.status)] : '·'));
     });

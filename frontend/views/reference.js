@@ -17,7 +17,7 @@ function kindOf(name) {
 
 /**
  * @param {Object<string, number>} thresholds the thresholds in force (series route)
- * @param {{vanishing_below?: number, exploding_above?: number, median_rms?: number}|null} bands
+ * @param {{vanishing_below?: number, exploding_above?: number, reference_rms?: number, median_rms?: number}|null} bands
  * @returns {{magnitude: object[], update: object[], ratio: object[], noise: object[]}} lines {value, label, color}:
  *   `update` for the update/weight ratio, `ratio` for the other ratios to the weight (gradient/weight)
  */
@@ -27,7 +27,11 @@ export function thresholdLines(thresholds, bands) {
     if (bands.exploding_above > 0) {
       out.magnitude.push({ value: bands.exploding_above, label: 'exploding above (RMS, now)', color: '#D55E00' });
     }
-    if (bands.median_rms > 0) out.magnitude.push({ value: bands.median_rms, label: 'median layer RMS (now)', color: '#777777' });
+    if (bands.reference_rms > 0) {
+      out.magnitude.push({ value: bands.reference_rms, label: 'reference RMS: layers nearest the loss (now)', color: '#777777' });
+    } else if (bands.reference_rms === undefined && bands.median_rms > 0) {
+      out.magnitude.push({ value: bands.median_rms, label: 'median layer RMS (now)', color: '#777777' });
+    }
     if (bands.vanishing_below > 0) {
       out.magnitude.push({ value: bands.vanishing_below, label: 'vanishing below (RMS, now)', color: '#0072B2' });
     }

@@ -55,7 +55,7 @@ export function summaryLine(health) {
   let verdict;
   if (firstBad) {
     verdict = el('span', { class: 'first-bad' }, 'First to go bad: ', el('span', { class: 'mono', text: firstBad.layer }),
-      ' ', badge(firstBad.status), known(firstBad.step) ? ` from step ${firstBad.step}` : '');
+      ' ', badge(firstBad.status), known(firstBad.step) ? ` — in trouble since step ${firstBad.step}` : '');
   } else {
     const inert = counts.inert ? ` (${counts.inert} inert)` : '';
     verdict = el('span', { class: 'first-bad ok', text: `No layer flagged at step ${health.step}${inert}.` });
