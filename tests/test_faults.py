@@ -583,3 +583,63 @@ def test_writer_refuses_a_step_below_the_last_of_the_same_tag(tmp_path):
         w.add_gradients(6, {"a": np.ones(3, dtype=np.int32)})  # integers are fine
     (s,) = reader.read_logdir(str(tmp_path)).runs
     assert s.steps.tolist() == [2, 5, 6] and s.problems == ()
+
+
+# --- single-flight: one computation per distinct request ------------------------------------------------------
+
+
+@pytest.mark.e2e
+def test_concurrent_identical_cold_requests_share_one_diagnosis(faults, monkeypatch):
+    from tensorboard.plugins import base_plugin
+
+    root, cases = faults
+    ingester = gl.data_server(str(root / "good"), {"gradhealth": 0}, last_steps={".": cases["good"].tab_steps[-1]})
+    p = plugin.GradHealthPlugin(base_plugin.TBContext(data_provider=ingester.data_provider,
+                                                      sampling_hints={"gradhealth": 0}))
+    apps = p.get_plugin_apps()
+    lock, calls, active, most = threading.Lock(), [], [0], [0]
+    real = plugin.diagnose
+    release = threading.Event()
+
+    def counting(series, t, step):
+        with lock:
+            calls.append(t)
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+        release.wait(10)  # hold every computation until all requests are in
+        try:
+            return real(series, t, step)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    monkeypatch.setattr(plugin, "diagnose", counting)
+
+    def burst(urls):
+        out = [None] * len(urls)
+
+        def one(i):
+            c = Client(lambda environ, start: apps[environ["PATH_INFO"]](environ, start))
+            r = c.get(urls[i])
+            out[i] = (r.status_code, r.get_data(as_text=True))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(urls))]
+        for t in threads:
+            t.start()
+        while True:  # the first computation started: hold it a moment so the others join it
+            with lock:
+                if calls:
+                    break
+        threading.Event().wait(0.3)  # not a timing assertion: a late request finds the cached answer instead
+        release.set()
+        for t in threads:
+            t.join()
+        release.clear()
+        return out
+
+    same = burst(["/health?run=."] * 24)
+    assert len(calls) == 1 and {a for a in same} == {same[0]} and same[0][0] == 200
+    varied = burst([f"/health?run=.&vanish_decades={3 + i % 4}" for i in range(24)])
+    assert {s for s, _ in varied} == {200}
+    assert sorted(t.vanish_decades for t in calls[1:]) == [4.0, 5.0, 6.0]  # 3 is the default, already cached
+    assert most[0] <= plugin.DIAGNOSES_AT_ONCE
