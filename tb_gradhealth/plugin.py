@@ -196,7 +196,7 @@ class GradHealthPlugin(base_plugin.TBPlugin):
             ctx = plugin_util.context(request.environ)
             eid = plugin_util.experiment_id(request.environ)
             try:
-                return runs_payload(self._reader.runs(ctx, eid), [])
+                return {"runs": self._reader.summaries(ctx, eid), "problems": []}
             except ProviderError as e:
                 return runs_payload([], [str(e)])
 

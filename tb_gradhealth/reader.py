@@ -483,6 +483,7 @@ class ProviderReader:
         self.downsample, self.sample_limit = sampling(data_provider, sampling_hint)
         self._cache_bytes = cache_bytes
         self._cache: OrderedDict[tuple[str, str], tuple[Any, RunSeries]] = OrderedDict()
+        self._summaries: dict[tuple[str, str], tuple[Any, dict[str, Any]]] = {}
         self._lock = threading.Lock()
         self._listing_lock = threading.Lock()
         self._run_locks: dict[tuple[str, str], threading.Lock] = {}
@@ -558,6 +559,29 @@ class ProviderReader:
                     self._cache.move_to_end(key)
                     self._evict()
             return series
+
+    def summaries(self, ctx: Any, experiment_id: str) -> list[dict[str, Any]]:
+        """:meth:`RunSeries.summary` of every run with gradhealth data, sorted by name; raises ProviderError.
+
+        A summary is kept (it is small) until the provider reports new data for its run, so listing a logdir of
+        many large runs does not read again the runs whose decoded records the cache let go."""
+        listing = self.listing(ctx, experiment_id)
+        out = []
+        for run, (_, tag_map) in sorted(self.series_names(listing).items()):
+            key = (experiment_id, run)
+            fp = (self.fingerprint(tag_map), self.downsample)
+            with self._lock:
+                hit = self._summaries.get(key)
+            if hit is None or hit[0] != fp:
+                series = self.run(ctx, experiment_id, run, listing)
+                if series is None:
+                    continue
+                hit = (fp, series.summary())
+                if not any(p.startswith("data provider could not read") for p in series.problems):
+                    with self._lock:
+                        self._summaries[key] = hit
+            out.append(hit[1])
+        return out
 
     def runs(self, ctx: Any, experiment_id: str) -> list[RunSeries]:
         """Every run with gradhealth data, sorted by name; raises ProviderError if listing fails."""

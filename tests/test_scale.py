@@ -213,3 +213,17 @@ def test_a_restart_replaces_later_steps_in_every_block_for_the_cli_and_the_tab(t
         assert series.steps.tolist() == list(range(8)), series.steps
         np.testing.assert_array_equal(series.records[5:8], np.stack([record.from_disk(record.to_disk(r))
                                                                      for r in second]))
+
+
+@pytest.mark.e2e
+def test_listing_many_runs_reads_each_once_even_when_the_cache_lets_records_go(tmp_path):
+    for i in range(3):
+        gl.make_scale_logdir(str(tmp_path), 4, 20, run=f"run_{i}", seed=i)
+    ingester = gl.data_server(str(tmp_path), {"gradhealth": 0}, last_steps={f"run_{i}": 19 for i in range(3)})
+    provider = CountingProvider(ingester.data_provider)
+    pr = reader.ProviderReader(provider, 0, cache_bytes=1, listing_ttl=3600)  # keeps one decoded run at most
+    first = pr.summaries(None, "")
+    assert [s["run"] for s in first] == ["run_0", "run_1", "run_2"] and all(s["num_steps"] == 20 for s in first)
+    assert first == [s.summary() for s in reader.read_logdir(str(tmp_path)).runs]
+    reads = len(provider.reads)
+    assert pr.summaries(None, "") == first and len(provider.reads) == reads  # no run read again
