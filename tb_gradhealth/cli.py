@@ -165,6 +165,7 @@ def report(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if not data.runs:
         raise UsageError(f"no gradient-health records in {args.logdir!r} (write them with tb_gradhealth's writers)")
     runs = [s for s in data.runs if s.num_steps]
+    unreadable = [s.run for s in data.runs if not s.num_steps]
     problems = list(data.problems)
     for series in data.runs:
         prefix = f"run {series.run!r}: " + ("" if series.num_steps else "unreadable, no record can be read: ")
@@ -173,18 +174,25 @@ def report(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         if not series.num_steps:
             problems.extend(prefix + p for p in series.problems or ("no records",))
     bodies = []
-    for series in runs:
+    for series in list(runs):
         try:
             body = health_payload(series, thresholds, step)
         except RequestError as e:
             raise UsageError(f"--step: run {series.run!r}: {e.message}") from e
+        except Exception as e:  # a bug must not hide the other runs: this one is reported as unreadable
+            line = f"run {series.run!r}: unreadable, internal error {type(e).__name__}: {e}"
+            print(f"tb-gradhealth: error: {_text(line)}", file=err)
+            problems.append(line)
+            runs.remove(series)
+            unreadable.append(series.run)
+            continue
         bodies.append((series, {**body, "problems": list(series.problems), "notes": list(series.notes)}))
     failed = sorted({x["status"] for _, b in bodies for x in b["layers"]} & fail_on)
     if args.json:
         text = json.dumps({"runs": [b for _, b in bodies], "problems": problems}, allow_nan=False)
     else:
         text = "\n\n".join([format_run(b, s, args.top) for s, b in bodies]
-                            + [f"run {_text(s.run)}: unreadable" for s in data.runs if not s.num_steps])
+                            + [f"run {_text(r)}: unreadable" for r in unreadable])
     try:
         out.write(text + "\n")
         out.flush()
@@ -194,7 +202,6 @@ def report(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         print(f"tb-gradhealth: failing: layers with status {', '.join(failed)} (--fail-on {args.fail_on})",
               file=err)
         return EXIT_FAIL
-    unreadable = [s.run for s in data.runs if not s.num_steps]
     if unreadable:
         print(f"tb-gradhealth: {len(unreadable)} run(s) unreadable: {', '.join(map(repr, unreadable))} (exit "
               f"{EXIT_UNREADABLE})", file=err)

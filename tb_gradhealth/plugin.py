@@ -10,6 +10,7 @@ Imports no TensorFlow.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from collections import OrderedDict
@@ -37,6 +38,7 @@ from tb_gradhealth.payloads import (
 )
 from tb_gradhealth.reader import ProviderError, ProviderReader, RunSeries
 
+_log = logging.getLogger(__name__)
 #: Different diagnoses computed at the same time at most (each holds a few arrays the size of the run's records).
 DIAGNOSES_AT_ONCE = 2
 #: Diagnoses (with their JSON) kept for warm requests.
@@ -184,6 +186,9 @@ class GradHealthPlugin(base_plugin.TBPlugin):
             body, code = produce(), 200
         except RequestError as e:
             body, code = {"error": e.message, "parameter": e.parameter}, e.status
+        except Exception as e:  # a bug: still a JSON answer, with the traceback in TensorBoard's log
+            _log.exception("gradhealth: %s failed", request.full_path)
+            body, code = {"error": f"internal error {type(e).__name__}: {e}", "parameter": None}, 500
         if not isinstance(body, str):
             body = json.dumps(body, allow_nan=False)
         return http_util.Respond(request, body, "application/json", code=code)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -54,6 +55,7 @@ except ImportError:  # pragma: no cover - grpc is a tensorboard dependency
 
 
 _GENERATIONS = itertools.count(1)
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, eq=False)
@@ -588,7 +590,14 @@ class ProviderReader:
         listing = self.listing(ctx, experiment_id)
         out = []
         for run in sorted(self.series_names(listing)):
-            series = self.run(ctx, experiment_id, run, listing)
+            try:
+                series = self.run(ctx, experiment_id, run, listing)
+            except ProviderError:
+                raise
+            except Exception as e:  # a bug must not hide the other runs: this one is listed with the error
+                _log.exception("gradhealth: reading run %r failed", run)
+                series = assemble(run, [], problems=[f"could not be read: internal error {type(e).__name__}: {e} "
+                                                     f"(traceback in TensorBoard's log)"])
             if series is not None:
                 out.append(series)
         return out

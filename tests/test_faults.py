@@ -643,3 +643,44 @@ def test_concurrent_identical_cold_requests_share_one_diagnosis(faults, monkeypa
     assert {s for s, _ in varied} == {200}
     assert sorted(t.vanish_decades for t in calls[1:]) == [4.0, 5.0, 6.0]  # 3 is the default, already cached
     assert most[0] <= plugin.DIAGNOSES_AT_ONCE
+
+
+# --- a bug in one run's diagnosis hides nothing else --------------------------------------------------------
+
+
+@pytest.mark.unit
+def test_a_failing_diagnosis_is_one_runs_error_not_a_traceback(faults, capsys, monkeypatch):
+    """Simulated bug: diagnosing one run raises. The CLI reports that run (exit 3) and all the others."""
+    root, cases = faults
+    from tb_gradhealth import payloads
+
+    real = payloads.diagnose
+
+    def broken(series, t, step):
+        if series.run == "good":
+            raise ZeroDivisionError("float division by zero")
+        return real(series, t, step)
+
+    monkeypatch.setattr(payloads, "diagnose", broken)
+    rc = cli.main(["report", str(root), "--json", "--fail-on", "none"])
+    out, err = capsys.readouterr()
+    body = json.loads(out)
+    assert rc == cli.EXIT_UNREADABLE and "Traceback" not in out + err
+    assert "good" not in {b["run"] for b in body["runs"]} and "huge" in {b["run"] for b in body["runs"]}
+    assert any(p.startswith("run 'good': unreadable, internal error ZeroDivisionError") for p in body["problems"])
+
+
+@pytest.mark.e2e
+def test_a_failing_route_answers_json_and_other_runs_are_served(faults, tab, monkeypatch):
+    real = plugin.diagnose
+
+    def broken(series, t, step):
+        if series.run == "good" and t.vanish_decades == 7:
+            raise ZeroDivisionError("float division by zero")
+        return real(series, t, step)
+
+    monkeypatch.setattr(plugin, "diagnose", broken)
+    r = tab.get(PREFIX + "/health?run=good&vanish_decades=7")
+    assert r.status_code == 500 and "ZeroDivisionError" in json.loads(r.get_data(as_text=True))["error"]
+    assert "Traceback" not in r.get_data(as_text=True)
+    assert _get(tab, "/health?run=huge&vanish_decades=7")[0] == 200
