@@ -306,8 +306,12 @@ def assemble(
     *,
     sample_limit: int | None = None,
     problems: Sequence[str] = (),
+    consume: bool = False,
 ) -> RunSeries:
     """Merge the tags of one run by layer name into a :class:`RunSeries`.
+
+    ``consume``: empty the tags' point lists and let each disk tensor go once it is decoded, so that a large run
+    never holds both all its disk tensors and all its decoded records (the readers pass True for data they read).
 
     A tag whose metadata is unreadable or of a future version is skipped with a problem; a tensor that does not
     decode, or a damaged row of one, is skipped with a problem (one line per tag, counting them) and the rest of the
@@ -344,13 +348,18 @@ def assemble(
                 valid.append((wall_time, len(valid), step, cols, t, ok))
         if sample_limit is not None and len(td.points) >= sample_limit:
             downsampled = True
+    if consume:  # from here on only ``valid`` holds the tensors
+        for td in [*tags, *(td for td, _ in good)]:
+            td.points.clear()
     steps = np.unique(np.array([v[2] for v in valid], dtype=np.int64))
     records = new_records(steps.size, len(layers))
     filled = np.zeros((steps.size, len(layers)), dtype=bool)
-    # Pass 2: decode in write order (wall time, then read order) so the last written record of a step wins.
-    valid.sort(key=lambda v: (v[0], v[1]))
+    # Pass 2: decode in write order (wall time, then read order) so the last written record of a step wins; taken
+    # from the end of the list, so that each tensor can go as soon as it is decoded.
+    valid.sort(key=lambda v: (v[0], v[1]), reverse=True)
     bins = (record.HIST_BINS, 0)  # the union of the histogram windows written
-    for _, _, step, cols, t, ok in valid:
+    while valid:
+        _, _, step, cols, t, ok = valid.pop()
         s = int(np.searchsorted(steps, step))
         rows = cols if ok.all() else cols[ok]
         again = rows[filled[s, rows]]
@@ -649,7 +658,8 @@ class ProviderReader:
                 points.setdefault(tag, []).extend((d.step, d.wall_time, d.numpy) for d in answer.get(tag, ()))
             del answer  # the answer's arrays now live in ``points``
         tags = [TagData(tag, ts.plugin_content, points[tag]) for tag, ts in tag_map.items() if tag in points]
-        series = assemble(name, tags, sample_limit=self.sample_limit, problems=problems)
+        del points
+        series = assemble(name, tags, sample_limit=self.sample_limit, problems=problems, consume=True)
         if sampled:
             series = dataclasses.replace(series, maybe_downsampled=True)
         return series, True
@@ -771,6 +781,6 @@ def read_logdir(logdir: str, runs: Sequence[str] | None = None,
             continue
         for name, stream_tags in split_streams(run, tags).items():
             if runs is None or name in runs:
-                out.append(assemble(name, [tags[t] for t in stream_tags], problems=run_problems))
+                out.append(assemble(name, [tags[t] for t in stream_tags], problems=run_problems, consume=True))
     out.sort(key=lambda s: s.run)
     return LogdirData(out, problems)
