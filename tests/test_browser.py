@@ -3,7 +3,7 @@
 A ``tensorboard`` process (``tensorboard.program.TensorBoard`` with the default plugins plus ``gradhealth``: through
 the package's ``tensorboard_plugins`` entry point when it is installed, else added explicitly) serves a demo-like
 logdir written by ``gh_logdirs`` (healthy, vanishing, exploding→NaN, an XSS-named layer, and 1,000 layers) plus
-a run with an all-NaN layer, and
+a run with an all-NaN layer and one with an inert (round-off only) bias, and
 Debian Chromium, driven by playwright, loads the tab inside TensorBoard's page and the plugin page itself.
 
 The launcher hides TensorFlow from TensorBoard (``sys.modules["tensorflow"] = None``): TensorBoard then uses its
@@ -27,7 +27,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +47,8 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networki
 SCALE_RUN = "scale1000"
 ALL_NAN_RUN = "allnan"
 ALL_NAN_LAYER = "dense_1/kernel"
+INERT_RUN = "biasbn"
+INERT_LAYER = "dense_0/bias"
 SCALE_LAYERS = 1000
 SCALE_STEPS = 30
 STARTUP_TIMEOUT_S = 120.0
@@ -92,22 +94,34 @@ def _get_json(url: str) -> dict | None:
         return None
 
 
-def make_all_nan(logdir: str, run: str = ALL_NAN_RUN, steps: int = 20, nan_from: int = 12) -> gh_logdirs.RunFacts:
-    """Four healthy layers, except that from ``nan_from`` on every element of ``ALL_NAN_LAYER``'s gradient is NaN:
-    no statistic of it is known there."""
+def _four_layer_run(logdir: str, run: str, scale: Callable[[int, str], float], steps: int = 20) -> list[str]:
+    """A run of two dense layers (kernel, bias) whose gradient at (step, layer) is Gaussian times ``scale(step,
+    layer)`` (NaN: every element NaN), with weights of RMS 0.05; returns the layer names."""
     rng = np.random.default_rng(4)
-    layers = ["dense_0/kernel", "dense_0/bias", ALL_NAN_LAYER, "dense_1/bias"]
+    layers = ["dense_0/kernel", "dense_0/bias", "dense_1/kernel", "dense_1/bias"]
     sizes = [64, 8, 64, 8]
     recs = np.empty((steps, len(layers), record.NUM_FIELDS))
     for s in range(steps):
         for j, n in enumerate(sizes):
-            g = rng.normal(0.0, 1e-3, size=n)
-            if layers[j] == ALL_NAN_LAYER and s >= nan_from:
-                g[:] = np.nan
+            g = rng.normal(0.0, 1.0, size=n) * scale(s, layers[j])
             recs[s, j] = record.compute(g, weight=rng.normal(0.0, 0.05, size=n), hist_sample=None)
-    step_list = list(range(steps))
-    gh_logdirs.write_records(os.path.join(logdir, run), layers, step_list, recs)
-    return gh_logdirs.RunFacts(layers, step_list, nan_step=nan_from, first_nan_layer=ALL_NAN_LAYER)
+    gh_logdirs.write_records(os.path.join(logdir, run), layers, list(range(steps)), recs)
+    return layers
+
+
+def make_all_nan(logdir: str, nan_from: int = 12) -> gh_logdirs.RunFacts:
+    """Healthy layers, except that from ``nan_from`` on every element of ``ALL_NAN_LAYER``'s gradient is NaN:
+    no statistic of it is known there."""
+    layers = _four_layer_run(logdir, ALL_NAN_RUN,
+                             lambda s, layer: np.nan if layer == ALL_NAN_LAYER and s >= nan_from else 1e-3)
+    return gh_logdirs.RunFacts(layers, list(range(20)), nan_step=nan_from, first_nan_layer=ALL_NAN_LAYER)
+
+
+def make_inert(logdir: str) -> gh_logdirs.RunFacts:
+    """Healthy layers, except ``INERT_LAYER``: a bias whose gradient is round-off (7 decades below its kernel's,
+    as for a bias right before a BatchNormalization)."""
+    layers = _four_layer_run(logdir, INERT_RUN, lambda s, layer: 1e-10 if layer == INERT_LAYER else 1e-3)
+    return gh_logdirs.RunFacts(layers, list(range(20)), healthy=[name for name in layers if name != INERT_LAYER])
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +130,7 @@ def logdir(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
     facts = gh_logdirs.make_demo_logdir(str(root))
     facts[SCALE_RUN] = gh_logdirs.make_scale_logdir(str(root), SCALE_LAYERS, SCALE_STEPS, run=SCALE_RUN)
     facts[ALL_NAN_RUN] = make_all_nan(str(root))
+    facts[INERT_RUN] = make_inert(str(root))
     return str(root), facts
 
 
@@ -740,4 +755,27 @@ def test_depth_profile_draws_the_weakest_layer_as_a_bar(tensorboard: str, gh: Pa
     # a solid bar at least MIN_BAR_PX (6 px) tall: neither a sliver nor the hollow box of a layer with no value
     assert height >= 6, (height, low)
     shot(p, "11_profile_weakest_bar.png")
+    gh.assert_clean()
+
+
+@pytest.mark.browser
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_inert_layer_is_muted_and_not_flagged(tensorboard: str, gh: Page) -> None:
+    body = api_json(tensorboard, "health", run=INERT_RUN)
+    statuses = {lj["layer"]: lj["status"] for lj in body["layers"]}
+    assert statuses[INERT_LAYER] == "inert" and set(statuses.values()) == {"inert", "healthy"}
+    page = open_plugin(gh, tensorboard)
+    select_runs(page, [INERT_RUN])
+    p = panel(page, INERT_RUN)
+    badge = p.locator(f'tr[data-layer="{INERT_LAYER}"] .badge')
+    assert badge.get_attribute("data-status") == "inert" and "inert" in badge.inner_text()
+    assert badge.evaluate("b => getComputedStyle(b).backgroundColor") == "rgb({}, {}, {})".format(*STATUS_RGB["inert"])
+    summary = p.locator("[data-testid=summary]").inner_text()
+    assert "No layer flagged" in summary and "1 inert" in summary.replace("\n", " ")
+    assert p.locator("[data-testid=timeline]").count() == 0 and p.locator("[data-testid=onset]").count() == 0
+    page.locator('.filter-bar input[data-status="inert"]').check()
+    page.wait_for_function(f"""() => document.querySelectorAll('section[data-run="{INERT_RUN}"] tbody tr[data-layer]')
+                                .length === 1""")
+    assert rows(page, INERT_RUN) == [(INERT_LAYER, "inert")]
     gh.assert_clean()
