@@ -31,6 +31,9 @@ FLAGS: tuple[str, ...] = STATUSES[:5]
 _CODE = {name: i for i, name in enumerate(STATUSES)}
 NONFINITE, EXPLODING, VANISHING, DEAD, MISSING, INERT, HEALTHY = range(len(STATUSES))
 FLAG_CODES = frozenset(_CODE[s] for s in FLAGS)
+#: Raw code of a step whose NaN/Inf gradient the optimizer skipped (recorded update exactly zero): confirmed as
+#: ``nonfinite`` only when it lasts ``sustain_steps``, like the slow statuses.
+SKIPPED = len(STATUSES)
 _ABSENT = -1
 #: The reference layers are the last ``REFERENCE_FRACTION`` of the layers with a live gradient at a step, at least
 #: ``REFERENCE_MIN`` of them: the layers nearest the loss, whose gradient has gone through the fewest Jacobians.
@@ -70,9 +73,9 @@ class Thresholds:
         3.0, 0.5, 30.0, 0.5, "Exploding: RMS at least this many decades above the reference (the median RMS of "
         "the layers nearest the loss) at the same step.")
     vanish_update_decades: float = _meta(
-        2.0, 0.0, 30.0, 0.5, "Where updates are recorded, a small gradient is vanishing only if the layer also "
-        "learns slowly: its update RMS at least this many decades below the reference layers' (an adaptive "
-        "optimizer such as Adam rescales small gradients; 0 ignores updates).")
+        3.0, 0.0, 30.0, 0.5, "Where updates are recorded, a small gradient is vanishing only if the layer also "
+        "learns slowly: its update, relative to its layer's weights, at least this many decades below the "
+        "reference layers' (an adaptive optimizer such as Adam rescales small gradients; 0 ignores updates).")
     inert_decades: float = _meta(
         4.0, 1.0, 30.0, 0.5, "Inert: a variable whose gradient RMS is at least this many decades below the other "
         "variables of its layer (same name prefix) and below the vanishing line gets only round-off, e.g. a bias "
@@ -90,13 +93,13 @@ class Thresholds:
         log=True)
     growth_decades: float = _meta(
         2.0, 0.1, 30.0, 0.1, "Exploding by trend: RMS grew by at least this many decades above its lowest value of "
-        "the previous growth_window logged steps, and half as many above their median (catches a divergence "
+        "the previous growth_window logged steps, and half as many above their mean (catches a divergence "
         "before it reaches NaN; a one-step dip and recovery is not a trend).")
     growth_window: int = _meta(
         10, 2, 100000, 1, "Exploding by trend: the window, in logged steps, the growth is measured over.")
     sustain_steps: int = _meta(
-        5, 1, 100000, 1, "Vanishing and dead must hold for this many consecutive logged steps (fewer when the run "
-        "has fewer): one quiet step is not a disease.")
+        5, 1, 100000, 1, "Vanishing, dead and optimizer-skipped NaN/Inf steps must hold for this many consecutive "
+        "logged steps (not when they follow another flag): one quiet step is not a disease.")
     update_ratio_above: float = _meta(
         1e-1, 1e-30, 1e38, 1e-3, "Note when ||update||/||weight|| is above this (rule of thumb ~1e-3, Karpathy): the "
         "learning rate is likely too high for the layer.", log=True)
@@ -324,17 +327,20 @@ def _history(records: np.ndarray) -> tuple[np.ndarray, ...]:
     return size, records[..., f["missing"]], size - n, records[..., f["zero"]], rms, m
 
 
-def _update_stats(records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """RMS of the applied update and ||update|| / ||weight||, NaN where not recorded (the ratio also where the
-    weight is 0)."""
+def _update_stats(records: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """RMS of the applied update, ||update|| / ||weight|| and ||weight||, NaN where not recorded (the ratio also
+    where the weight is 0)."""
     f = record.INDEX
+    if np.isnan(records[..., f["update_max_abs"]]).all() and np.isnan(records[..., f["weight_max_abs"]]).all():
+        nan = np.full(records.shape[:-1], np.nan)
+        return nan, nan, nan
     with np.errstate(invalid="ignore", divide="ignore"):
         upd = records[..., f["update_max_abs"]] * np.sqrt(records[..., f["update_ssq_rel"]])
         weight = records[..., f["weight_max_abs"]] * np.sqrt(records[..., f["weight_ssq_rel"]])
         size = records[..., f["size"]]
         rms = np.where(size > 0, upd / np.sqrt(np.where(size > 0, size, 1.0)), np.nan)
         ok = (weight > 0) & np.isfinite(weight) & np.isfinite(upd)
-        return rms, np.where(ok, upd / np.where(ok, weight, 1.0), np.nan)
+        return rms, np.where(ok, upd / np.where(ok, weight, 1.0), np.nan), weight
 
 
 def layer_groups(layers: Sequence[str]) -> list[np.ndarray]:
@@ -360,6 +366,17 @@ def _loudest_sibling(log_rms: np.ndarray, groups: list[np.ndarray]) -> np.ndarra
     return out
 
 
+def _layer_weight_scale(weight_norm: np.ndarray, size: np.ndarray, groups: list[np.ndarray]) -> np.ndarray:
+    """``[S, L]`` log10 of the largest weight RMS among the variables of each variable's layer: the scale its
+    update is measured against (a bias that starts at zero moves relative to its kernel, not to itself)."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        own = _log10(weight_norm / np.sqrt(np.where(size > 0, size, np.nan)))
+    out = own.copy()
+    for cols in groups:
+        out[:, cols] = np.nanmax(np.where(np.isnan(own[:, cols]), -np.inf, own[:, cols]), axis=1)[:, None]
+    return np.where(np.isfinite(out), out, np.nan)
+
+
 def _reference(log_values: np.ndarray, signal: np.ndarray) -> np.ndarray:
     """``[S]``: median of ``log_values`` over the reference layers: the last ``REFERENCE_FRACTION`` (at least
     ``REFERENCE_MIN``) of the layers with ``signal`` at each step, i.e. those nearest the loss."""
@@ -370,17 +387,21 @@ def _reference(log_values: np.ndarray, signal: np.ndarray) -> np.ndarray:
 
 
 def _window_stats(log_rms: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
-    """``[S, L]`` minimum and median of each column over the previous ``window`` rows (not the row itself), NaN
+    """``[S, L]`` minimum and mean of each column over the previous ``window`` rows (not the row itself), NaN
     ignored (NaN where the window has no value)."""
-    s_count = log_rms.shape[0]
     padded = np.concatenate([np.full((window,) + log_rms.shape[1:], np.nan), log_rms])
-    low, mid = np.empty(log_rms.shape), np.empty(log_rms.shape)
-    for a in range(0, s_count, _BLOCK):
-        b = min(a + _BLOCK, s_count)
-        win = np.lib.stride_tricks.sliding_window_view(padded[a:b + window - 1], window, axis=0).copy()
-        win.sort(axis=-1)
-        low[a:b], mid[a:b] = win[..., 0], _sorted_quantile(win, 0.5)
-    return low, mid
+    low = np.empty(log_rms.shape)
+    for a in range(0, log_rms.shape[0], _BLOCK):
+        b = min(a + _BLOCK, log_rms.shape[0])
+        win = np.lib.stride_tricks.sliding_window_view(padded[a:b + window - 1], window, axis=0)
+        low[a:b] = np.fmin.reduce(win, axis=-1)
+    known = ~np.isnan(padded)
+    total = np.concatenate([np.zeros((1,) + log_rms.shape[1:]), np.cumsum(np.where(known, padded, 0.0), axis=0)])
+    count = np.concatenate([np.zeros((1,) + log_rms.shape[1:]), np.cumsum(known, axis=0)])
+    n = count[window:-1] - count[:-window - 1]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.where(n > 0, (total[window:-1] - total[:-window - 1]) / np.where(n > 0, n, 1), np.nan)
+    return low, mean
 
 
 #: Logged steps evaluated together: keeps the temporaries of one block in cache.
@@ -399,8 +420,8 @@ class _Steps:
     max_abs: np.ndarray
     log_rms: np.ndarray  # NaN where the gradient is not live (absent, missing, nonfinite, all-zero)
     ref: np.ndarray  # [S] log10 RMS of the reference layers (nearest the loss)
-    log_upd: np.ndarray  # log10 RMS of the applied update, NaN where not recorded
-    ref_upd: np.ndarray  # [S] log10 update RMS of the reference layers
+    log_upd: np.ndarray  # log10 learning rate: update RMS / weight RMS of its layer, NaN where not recorded
+    ref_upd: np.ndarray  # [S] log10 learning rate of the reference layers
     upd_ratio: np.ndarray  # ||update|| / ||weight||, NaN where not recorded
     sibling: np.ndarray  # log10 RMS of the loudest other variable of the same layer
     base: np.ndarray  # log10 RMS the trend is measured from (lowest of the previous window)
@@ -414,6 +435,13 @@ class _Steps:
 
     def dec(self, s: int, i: int) -> float:
         return float(self.log_rms[s, i] - self.ref[s])
+
+    def columns(self, name: str) -> np.ndarray:
+        """``[L, S]`` contiguous copy of a per-(step, layer) array, made once: the per-layer passes read columns."""
+        cache = self.__dict__.setdefault("_columns", {})
+        if name not in cache:
+            cache[name] = np.ascontiguousarray(getattr(self, name).T)
+        return cache[name]
 
 
 def _live(records: np.ndarray) -> dict[str, np.ndarray]:
@@ -445,8 +473,15 @@ def _evaluate(records: np.ndarray, layers: Sequence[str], t: Thresholds) -> _Ste
     low = (dec <= -t.vanish_decades) | (rms < t.vanish_rms_below)
     inert = quiet_sibling & low
     signal = live & ~inert
-    upd_rms, upd_ratio = _update_stats(records)
-    log_upd = _log10(upd_rms)
+    upd_rms, upd_ratio, weight_norm = _update_stats(records)
+    # NaN/Inf that the optimizer did not apply (dynamic loss scaling): no update at all, finite weights. (A NaN
+    # update has no finite element either, but the weights it produced are NaN at the next step: see _confirm.)
+    # The optimizer skips a whole step, so one layer with that signature and no layer updated mark the step.
+    signature = v["nonfinite"] & (upd_rms == 0) & (weight_norm > 0) & np.isfinite(weight_norm)
+    step_skipped = signature.any(axis=1) & ~(upd_rms > 0).any(axis=1)
+    skipped = v["nonfinite"] & step_skipped[:, None]
+    groups = layer_groups(layers)
+    log_upd = _log10(upd_rms) - _layer_weight_scale(weight_norm, size, groups)
     ref_upd = _reference(np.where(signal, log_upd, np.nan), signal & np.isfinite(log_upd))
     with np.errstate(invalid="ignore"):
         learns = (t.vanish_update_decades > 0) & (log_upd > ref_upd[:, None] - t.vanish_update_decades)
@@ -456,7 +491,8 @@ def _evaluate(records: np.ndarray, layers: Sequence[str], t: Thresholds) -> _Ste
     big = size >= TREND_MIN_SIZE
     with np.errstate(invalid="ignore"):
         flags = {
-            "present": v["present"], "nonfinite": v["nonfinite"], "inert": inert, "learns": learns,
+            "present": v["present"], "nonfinite": v["nonfinite"], "skipped": skipped, "inert": inert,
+            "learns": learns,
             "exp_rel": signal & (dec >= t.explode_decades),
             "exp_rms": live & (rms > t.explode_rms_above),
             "exp_max": live & (v["max_abs"] > t.explode_max_abs_above),
@@ -473,6 +509,7 @@ def _evaluate(records: np.ndarray, layers: Sequence[str], t: Thresholds) -> _Ste
     raw[exploding] = EXPLODING
     raw[v["dead"]] = DEAD
     raw[v["nonfinite"]] = NONFINITE
+    raw[skipped] = SKIPPED
     raw[v["missing"]] = MISSING
     raw[~v["present"]] = _ABSENT
     return _Steps(raw=raw, size=size, rms=rms, max_abs=v["max_abs"], log_rms=log_rms, ref=ref, log_upd=log_upd,
@@ -530,15 +567,24 @@ CHAIN_GAP = 2
 
 
 def _confirm(runs: list[list[int]], need: int) -> tuple[int, int] | None:
-    """Relabel vanishing/dead runs shorter than ``need``: right after a flagged run they continue it (a saturating
-    layer collapsing during a divergence), otherwise they are healthy. Returns the trailing unconfirmed run."""
+    """Relabel in place the runs that need confirmation; returns the trailing unconfirmed slow run, if any.
+
+    A vanishing or dead run shorter than ``need`` logged steps is healthy, unless it directly follows a flagged
+    run: a layer that is already sick needs no confirmation (a saturating layer collapsing to zero inside a
+    divergence). Skipped NaN/Inf steps are nonfinite when they last ``need`` steps or NaN follows them. A healthy
+    stretch of at most ``CHAIN_GAP`` steps between two flagged runs continues the first.
+    """
     unconfirmed = None
     for k, r in enumerate(runs):
-        if r[0] in (VANISHING, DEAD) and r[2] - r[1] + 1 < need:
+        short = r[2] - r[1] + 1 < need
+        after_flag = k > 0 and runs[k - 1][0] in FLAG_CODES
+        if r[0] == SKIPPED:
+            leads_to_nan = k + 1 < len(runs) and runs[k + 1][0] == NONFINITE
+            r[0] = NONFINITE if leads_to_nan or not short else HEALTHY
+        elif r[0] in (VANISHING, DEAD) and short and not after_flag:
             if k == len(runs) - 1:
                 unconfirmed = (r[0], r[2] - r[1] + 1)
-            prev = runs[k - 1][0] if k else HEALTHY
-            r[0] = prev if prev in (NONFINITE, EXPLODING, VANISHING, DEAD) and k < len(runs) - 1 else HEALTHY
+            r[0] = HEALTHY
     for k in range(1, len(runs) - 1):
         r = runs[k]
         if r[0] == HEALTHY and r[2] - r[1] + 1 <= CHAIN_GAP and runs[k - 1][0] in FLAG_CODES \
@@ -548,27 +594,28 @@ def _confirm(runs: list[list[int]], need: int) -> tuple[int, int] | None:
 
 
 def _backdate(runs: list[list[int]], col: np.ndarray, t: Thresholds) -> None:
-    """An exploding run after a healthy one starts where the layer's RMS began its rise (at least ``rise`` decades
-    per logged step, at most ``growth_window`` steps back)."""
-    rise = t.growth_decades / t.growth_window / 2.0
+    """An exploding run after a healthy one starts where the layer's RMS began its rise: the steps that rose at the
+    trend rule's own slope (``growth_decades / growth_window`` per logged step), at most ``growth_window`` back."""
+    rise = t.growth_decades / t.growth_window
     for k in range(1, len(runs)):
         code, first, _ = runs[k]
         prev = runs[k - 1]
         if code != EXPLODING or prev[0] != HEALTHY:
             continue
         j = first
-        while j - 1 >= prev[1] and first - j < t.growth_window - 1 and col[j] - col[j - 1] >= rise:
+        # Step j-1 joins the episode when it rose from its own previous step.
+        while j - 1 >= max(prev[1], 1) and first - j < t.growth_window - 1 and col[j - 1] - col[j - 2] >= rise:
             j -= 1
         runs[k][1], prev[2] = j, min(prev[2], j - 1)
 
 
 def _track(ev: _Steps, i: int, t: Thresholds) -> _Track:
     """The layer's confirmed runs over the steps where it has a record."""
-    rows = np.flatnonzero(ev.present[:, i])
-    runs = _runs(ev.raw[rows, i].astype(np.int64))
-    unconfirmed = _confirm(runs, min(t.sustain_steps, rows.size))
+    rows = np.flatnonzero(ev.columns("present")[i])
+    runs = _runs(ev.columns("raw")[i, rows].astype(np.int64))
+    unconfirmed = _confirm(runs, t.sustain_steps)
     runs = _merge_equal(runs)
-    _backdate(runs, ev.log_rms[rows, i], t)
+    _backdate(runs, ev.columns("log_rms")[i, rows], t)
     runs = _merge_equal([r for r in runs if r[2] >= r[1]])
     return _Track(rows, [tuple(r) for r in runs], unconfirmed)
 
@@ -628,9 +675,13 @@ def diagnose_run(
                for i, name in enumerate(layers)]
         return RunHealth(None, t, out)
     ev = _evaluate(records, layers, t)
-    origin = _nonfinite_origin(ev.nonfinite)
-    last_rows = np.array([int(np.flatnonzero(ev.present[:, i])[-1]) if ev.present[:, i].any() else 0
-                          for i in range(len(layers))])
+    # A skipped NaN/Inf step counts when NaN/Inf follows it at the next step (the update was NaN, not skipped).
+    follows = np.zeros_like(ev.nonfinite)
+    follows[:-1] = ev.nonfinite[1:]
+    origin = _nonfinite_origin(ev.nonfinite & ~(ev.skipped & ~follows))
+    present = ev.present
+    s_count = present.shape[0]
+    last_rows = np.where(present.any(axis=0), s_count - 1 - np.argmax(present[::-1], axis=0), 0)
     d = record.derived(records[last_rows, np.arange(len(layers))])
     out = [_layer_health(ev, steps, layers, i, d, origin, t) for i in range(len(layers))]
     ranked = sorted(out, key=lambda lh: (-lh.severity, lh.index))
@@ -640,7 +691,7 @@ def diagnose_run(
 def _layer_health(ev: _Steps, steps: np.ndarray, layers: Sequence[str], i: int, d: dict[str, np.ndarray],
                   origin: tuple[int, int, int] | None, t: Thresholds) -> LayerHealth:
     name = layers[i]
-    if not ev.present[:, i].any():
+    if not ev.columns("present")[i].any():
         return LayerHealth(name, i, "missing", _BASE[MISSING] + 1.0,
                            [f"no record of this layer at or before step {int(steps[-1])}"], None, None)
     track = _track(ev, i, t)
@@ -651,11 +702,11 @@ def _layer_health(ev: _Steps, steps: np.ndarray, layers: Sequence[str], i: int, 
     ctx = _Ctx(ev, steps, s, i, last[2] - last[1] + 1, int(steps[track.rows[last[1]]]), t)
     reasons, excess = _reasons(code, ctx, d, i)
     if track.unconfirmed is not None:
-        reasons.append(_unconfirmed_note(track.unconfirmed, ctx, min(t.sustain_steps, track.rows.size)))
+        reasons.append(_unconfirmed_note(track.unconfirmed, ctx, t.sustain_steps))
     ever_nonfinite = ev.nonfinite[:, i]
     if code != NONFINITE and ever_nonfinite.any():
-        reasons.append(_past_nonfinite_note(ever_nonfinite, steps))
-    if code == NONFINITE and origin is not None:
+        reasons.append(_past_nonfinite_note(ever_nonfinite, ev.skipped[:, i], steps))
+    if origin is not None and (code == NONFINITE or (origin[1] == i and code in FLAG_CODES)):
         reasons.append(_origin_note(origin, i, layers, steps))
     if code in (EXPLODING, VANISHING, HEALTHY):  # a dead, NaN or missing gradient makes the ratios moot
         reasons.extend(_ratio_notes(d, i, t))
@@ -664,8 +715,10 @@ def _layer_health(ev: _Steps, steps: np.ndarray, layers: Sequence[str], i: int, 
     severity = 0.0 if not flagged else _BASE[code] + min(_SPAN - 2.0, (1.0 + excess) * persistence)
     if code == INERT:
         severity = _BASE[INERT] + 1.0
-    if code == NONFINITE and origin is not None and origin[1] == i and track.rows[last[1]] == origin[0]:
-        severity = _BASE[NONFINITE] + _SPAN - 1.0  # the layer where it started ranks first
+    if flagged and origin is not None and origin[1] == i and track.rows[chain] <= origin[0]:
+        # The layer where NaN/Inf started ranks first while it is flagged, whatever it turned into since (a layer
+        # whose weights became NaN often has an all-zero gradient afterwards).
+        severity = _BASE[NONFINITE] + _SPAN - 1.0
     return LayerHealth(
         layer=name, index=i, status=STATUSES[code], severity=float(severity), reasons=reasons,
         first_step=int(steps[track.rows[chain]]) if flagged else None, step=int(steps[s]),
@@ -799,8 +852,8 @@ def _vanishing_reasons(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], fl
         excess = max(excess, math.log10(t.vanish_rms_below / max(rms, record.FLUSH_BELOW)))
     lu, ru = float(ev.log_upd[s, i]), float(ev.ref_upd[s])
     if math.isfinite(lu) and math.isfinite(ru):
-        reasons.append(f"its update RMS {_e(10.0 ** lu)} is {ru - lu:.1f} decades below that of the layers "
-                       f"nearest the loss ({_e(10.0 ** ru)}): it barely learns")
+        reasons.append(f"it learns {ru - lu:.1f} decades slower than the layers nearest the loss (update RMS / "
+                       f"weight RMS {_e(10.0 ** lu)} against {_e(10.0 ** ru)})")
     return reasons, excess
 
 
@@ -844,10 +897,13 @@ def _unconfirmed_note(unconfirmed: tuple[int, int], c: _Ctx, need: int) -> str:
     return (f"note: {what} at the last {length} logged step(s); flagged as {STATUSES[code]} once it lasts {need}")
 
 
-def _past_nonfinite_note(col: np.ndarray, steps: np.ndarray) -> str:
+def _past_nonfinite_note(col: np.ndarray, skipped: np.ndarray, steps: np.ndarray) -> str:
     rows = np.flatnonzero(col)
-    return (f"note: NaN/Inf earlier at {rows.size} logged step(s), first at step {int(steps[rows[0]])}, last at "
-            f"step {int(steps[rows[-1]])}; finite since")
+    span = f"first at step {int(steps[rows[0]])}, last at step {int(steps[rows[-1]])}"
+    if skipped[rows].all():
+        return (f"note: NaN/Inf at {rows.size} logged step(s) that the optimizer skipped (its update was zero, as "
+                f"dynamic loss scaling does after an overflow), {span}; not a disease")
+    return f"note: NaN/Inf earlier at {rows.size} logged step(s), {span}; finite since"
 
 
 def _origin_note(origin: tuple[int, int, int], i: int, layers: Sequence[str], steps: np.ndarray) -> str:

@@ -270,10 +270,13 @@ def test_single_step_single_layer_and_empty():
     one = _records(np.array([[1e-3]]))
     h = diagnose_run(["w"], np.array([7]), one)
     assert h.step == 7 and h.statuses() == ["healthy"]
+    # One logged step cannot confirm a slow disease: a note says so; with sustain_steps=1 it is flagged at once.
     tiny = _records(np.array([[1e-12]]))
-    assert diagnose_run(["w"], np.array([7]), tiny).statuses() == ["vanishing"]  # sustain needs only 1 of 1
+    lone = diagnose_run(["w"], np.array([7]), tiny).layers[0]
+    assert lone.status == "healthy" and "flagged as vanishing once it lasts 5" in lone.reasons[-1]
+    assert diagnose_run(["w"], np.array([7]), tiny, Thresholds(sustain_steps=1)).statuses() == ["vanishing"]
     zero = _records(np.array([[0.0]]))
-    assert diagnose_run(["w"], np.array([7]), zero).statuses() == ["dead"]
+    assert diagnose_run(["w"], np.array([7]), zero, Thresholds(sustain_steps=1)).statuses() == ["dead"]
     empty = diagnose_run(["a", "b"], np.zeros(0, np.int64), np.zeros((0, 2, record.NUM_FIELDS)))
     assert empty.step is None and empty.statuses() == ["missing", "missing"]
     json.dumps(empty.to_json(), allow_nan=False)
@@ -531,7 +534,8 @@ def test_tf_linear_stack_with_too_large_init_explodes_before_nan(tf):
     h = diagnose_run(names, steps, recs)
     # "Since when": the chain of episodes starts at step 0 (exploding), NaN/Inf is its current status.
     top = h.layers[0]
-    assert h.first_bad == {"layer": top.layer, "status": "nonfinite", "step": 0}
+    assert h.first_bad == {"layer": top.layer, "status": "nonfinite", "step": top.first_step}
+    assert top.first_step <= 1 and "NaN/Inf started here" in " ".join(top.reasons)
     assert top.status_since == int(steps[nonfinite_rows[0]])
     assert [e["status"] for e in top.episodes] == ["exploding", "nonfinite"]
     assert h.onset["step"] == 0 and h.onset["status"] == "exploding"
