@@ -594,18 +594,23 @@ def _confirm(runs: list[list[int]], need: int) -> tuple[int, int] | None:
 
 
 def _backdate(runs: list[list[int]], col: np.ndarray, t: Thresholds) -> None:
-    """An exploding run after a healthy one starts where the layer's RMS began its rise: the steps that rose at the
-    trend rule's own slope (``growth_decades / growth_window`` per logged step), at most ``growth_window`` back."""
+    """An exploding run after a healthy one starts where the layer's RMS left its floor: the step after the last
+    one within ``growth_decades / growth_window`` (the trend's own per-step slope) of the lowest RMS of the
+    ``growth_window`` steps before the run. A quiet minibatch in the middle of the rise does not move the onset."""
     rise = t.growth_decades / t.growth_window
+    w = t.growth_window
     for k in range(1, len(runs)):
         code, first, _ = runs[k]
         prev = runs[k - 1]
         if code != EXPLODING or prev[0] != HEALTHY:
             continue
-        j = first
-        # Step j-1 joins the episode when it rose from its own previous step.
-        while j - 1 >= max(prev[1], 1) and first - j < t.growth_window - 1 and col[j - 1] - col[j - 2] >= rise:
-            j -= 1
+        lo = max(prev[1], first - w)
+        window = col[lo:first]
+        if not np.isfinite(window).any():
+            continue
+        floor = np.nanmin(window)
+        at_floor = np.flatnonzero(window <= floor + rise)
+        j = lo + int(at_floor[-1]) + 1
         runs[k][1], prev[2] = j, min(prev[2], j - 1)
 
 

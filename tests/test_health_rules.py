@@ -1,0 +1,200 @@
+"""The diagnosis rules on small, fast versions of the classic failures (and non-failures) of real networks.
+
+Each case builds records with ``record.compute`` from numpy gradients (plus weights and applied updates where the
+rule reads them) whose magnitudes mimic what the real network produces, and asserts the statuses, the ranking and
+the onsets. The full trainings these shapes come from are in ``benchmarks/diagnosis_zoo.py``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from tb_gradhealth import record
+from tb_gradhealth.health import FLAGS, Thresholds, diagnose_run
+
+pytestmark = pytest.mark.unit
+
+
+def _run(grad_rms: np.ndarray, names: list[str], *, weight_rms: np.ndarray | None = None,
+         update_rms: np.ndarray | None = None, sizes: list[int] | None = None, seed: int = 0,
+         zero_fraction: np.ndarray | None = None) -> np.ndarray:
+    """Records ``[S, L]`` of Gaussian gradients of the given RMS (NaN: nonfinite; inf: Inf), optionally with
+    weights and updates of the given RMS (update 0: the optimizer skipped the step)."""
+    rng = np.random.default_rng(seed)
+    s_count, l_count = grad_rms.shape
+    sizes = sizes or [64] * l_count
+    out = np.empty((s_count, l_count, record.NUM_FIELDS))
+    for s in range(s_count):
+        for i in range(l_count):
+            n, r = sizes[i], grad_rms[s, i]
+            g = np.full(n, np.nan) if np.isnan(r) else (np.full(n, np.inf) if np.isinf(r) else rng.normal(size=n) * r)
+            if zero_fraction is not None:
+                g[: int(round(zero_fraction[i] * n))] = 0.0
+            w = None if weight_rms is None else rng.normal(size=n) * weight_rms[s, i]
+            u = None if update_rms is None else rng.normal(size=n) * update_rms[s, i]
+            out[s, i] = record.compute(g, w, u, hist_sample=None)
+    return out
+
+
+def _flagged(h) -> dict[str, str]:
+    return {lh.layer: lh.status for lh in h.layers if lh.status in FLAGS}
+
+
+def _layers(n: int, kinds: tuple[str, ...] = ("kernel", "bias")) -> list[str]:
+    return [f"dense_{i:02d}/{k}" for i in range(n) for k in kinds]
+
+
+def test_deep_decay_blames_the_input_end_not_the_healthy_head():
+    # A deep sigmoid MLP: RMS decays 0.5 decades per layer from the output (1e-1) to the input (1e-8.5). Under a
+    # median or upper-quartile reference the head looked "exploding"; the reference is the layers nearest the loss.
+    depth, steps = 17, 8
+    log_rms = -1.0 - 0.5 * np.arange(depth)[::-1]
+    rms = np.repeat(10.0 ** log_rms, 2)[None, :] * np.ones((steps, 1))
+    names = _layers(depth)
+    h = diagnose_run(names, np.arange(steps), _run(rms, names))
+    decades = np.repeat(log_rms - log_rms[-1], 2)
+    status = h.statuses()
+    assert all(status[i] == "vanishing" for i in np.flatnonzero(decades <= -3.5)), status
+    assert all(status[i] == "healthy" for i in np.flatnonzero(decades >= -2.5)), status
+    assert "exploding" not in status
+    assert h.layers[0].layer.startswith("dense_00/") and h.first_bad["layer"] == h.layers[0].layer
+    assert h.first_bad["step"] == 0 and h.onset["step"] == 0
+
+
+def test_bias_before_batchnorm_is_inert_not_vanishing():
+    # A conv bias feeding only BatchNorm gets float32 round-off: ~5 decades below its own kernel.
+    depth, steps = 6, 8
+    names = [f"conv_{i}/{k}" for i in range(depth) for k in ("kernel", "bias")] + ["dense/kernel", "dense/bias"]
+    rms = np.full((steps, len(names)), 3e-3)
+    rms[:, 1:-2:2] = 3e-8  # every conv bias: round-off
+    h = diagnose_run(names, np.arange(steps), _run(rms, names))
+    by = h.by_layer()
+    assert _flagged(h) == {}
+    assert all(by[f"conv_{i}/bias"].status == "inert" for i in range(depth))
+    assert "use_bias=False" in by["conv_0/bias"].reasons[0] and h.first_bad is None
+    assert h.counts["inert"] == depth and h.counts["healthy"] == depth + 2
+
+
+def test_vanishing_layer_is_not_inert_when_kernel_and_bias_vanish_together():
+    names = _layers(6)
+    rms = np.full((8, 12), 1e-3)
+    rms[:, 0:2] = [1e-9, 3e-9]  # the first layer: kernel and bias both 6 decades down
+    rms[:, 5] = 3e-5  # a bias 1.5 decades below its kernel: a real, smaller gradient
+    h = diagnose_run(names, np.arange(8), _run(rms, names))
+    assert _flagged(h) == {"dense_00/kernel": "vanishing", "dense_00/bias": "vanishing"}
+    assert h.by_layer()["dense_02/bias"].status == "healthy"
+
+
+def test_adam_moves_a_small_gradient_layer_at_the_same_rate_it_is_not_vanishing():
+    names = _layers(5)
+    steps = 8
+    rms = np.full((steps, 10), 1e-2)
+    rms[:, 0:2] = 1e-6  # four decades below the head
+    weight = np.full((steps, 10), 0.1)
+    adam = np.full((steps, 10), 1e-3)  # Adam: every layer moves by ~lr per element
+    h = diagnose_run(names, np.arange(steps), _run(rms, names, weight_rms=weight, update_rms=adam))
+    assert _flagged(h) == {}
+    assert "still learns" in h.by_layer()["dense_00/kernel"].reasons[0]
+    sgd = rms * 0.1  # SGD: the update is the learning rate times the gradient
+    h = diagnose_run(names, np.arange(steps), _run(rms, names, weight_rms=weight, update_rms=sgd))
+    assert _flagged(h) == {"dense_00/kernel": "vanishing", "dense_00/bias": "vanishing"}
+    assert "learns 4.0 decades slower" in " ".join(h.by_layer()["dense_00/kernel"].reasons)
+
+
+def test_a_small_tensor_crossing_zero_is_not_a_divergence():
+    names = ["dense/kernel", "dense/bias", "out/kernel", "out/bias"]
+    steps = 16
+    rms = np.full((steps, 4), 0.3)
+    rms[:, 3] = 1.2
+    rms[9, 3] = 0.011  # the one-element output bias crosses zero, then comes back
+    rms[5, 0] = 0.003  # a 64-element kernel: one quiet minibatch, then back
+    recs = _run(rms, names, sizes=[64, 64, 64, 1])
+    for at in range(steps):
+        assert _flagged(diagnose_run(names, np.arange(steps), recs, at_step=at)) == {}, at
+
+
+def test_a_sparse_gradient_is_judged_on_the_rows_that_got_one():
+    names = ["embedding/embeddings", "dense/kernel", "dense/bias", "out/kernel"]
+    rms = np.full((6, 4), 1e-2)
+    recs = _run(rms, names, sizes=[100_000, 64, 64, 64], zero_fraction=np.array([0.9999, 0, 0, 0]))
+    # Over all elements its RMS is 2 decades lower; a 1.5-decade vanishing line would flag it on those.
+    h = diagnose_run(names, np.arange(6), recs, Thresholds(vanish_decades=1.5))
+    assert _flagged(h) == {}
+    assert record.derived(recs[-1, 0])["rms"] < 10 ** -3.9
+
+
+def test_update_larger_than_the_weight_is_exploding_before_the_gradient_grows():
+    names = _layers(4)
+    steps = 6
+    rms = np.full((steps, 8), 1e-2)
+    weight = np.full((steps, 8), 0.1)
+    update = np.full((steps, 8), 1e-4)
+    update[4:, 0] = 5.0  # SGD(0.1) on conv1: the update is 50x the weight
+    h = diagnose_run(names, np.arange(steps), _run(rms, names, weight_rms=weight, update_rms=update))
+    lh = h.by_layer()["dense_00/kernel"]
+    assert _flagged(h) == {"dense_00/kernel": "exploding"} and lh.first_step == 4
+    ratio = float(re.search(r"the applied update is ([\d.]+)x the weight's norm", lh.reasons[0]).group(1))
+    assert 30 < ratio < 80 and "weights are blowing up" in lh.reasons[0]
+
+
+def test_overflow_steps_skipped_by_loss_scaling_are_not_a_disease():
+    names = _layers(3)
+    steps = 12
+    rms = np.full((steps, 6), 1e-2)
+    weight = np.full((steps, 6), 0.1)
+    update = np.full((steps, 6), 1e-4)
+    rms[0:3] = np.inf  # the first steps overflow float16 at the initial loss scale ...
+    update[0:3] = 0.0  # ... and the optimizer skips them: nothing is applied
+    recs = _run(rms, names, weight_rms=weight, update_rms=update)
+    for at in range(steps):  # stop_on would read every step: never a halt
+        assert _flagged(diagnose_run(names, np.arange(steps), recs, at_step=at)) == {}, at
+    note = diagnose_run(names, np.arange(steps), recs).layers[0].reasons[-1]
+    assert "skipped" in note and "first at step 0, last at step 2" in note
+    # Skipped for as long as sustain_steps: training is stuck, that is nonfinite.
+    rms[3:8], update[3:8] = np.inf, 0.0
+    h = diagnose_run(names, np.arange(steps), _run(rms, names, weight_rms=weight, update_rms=update), at_step=7)
+    assert set(h.statuses()) == {"nonfinite"} and h.layers[0].first_step == 0
+
+
+def test_the_story_of_a_divergence_exploding_then_dead_then_nonfinite():
+    names = _layers(4)
+    steps = 30
+    rms = np.full((steps, 8), 1e-2)
+    rms[10:16, 0:2] = 1e-2 * 3.0 ** np.arange(1, 7)[:, None]  # grows 3x per step from step 10
+    rms[13, 0:2] = 3e-2  # one quiet minibatch in the middle of it
+    rms[16:22, 0:2] = 0.0  # saturated: all-zero gradient
+    rms[22:, 0:2] = np.nan  # then NaN
+    h = diagnose_run(names, np.arange(steps), _run(rms, names))
+    top = h.layers[0]
+    assert top.layer == "dense_00/bias" and top.status == "nonfinite"  # the deepest of the two NaN at step 22
+    assert [e["status"] for e in top.episodes] == ["exploding", "dead", "nonfinite"]
+    assert top.first_step in (10, 11) and top.status_since == 22
+    assert top.episodes[0]["to"] == 15 and top.episodes[1] == {"status": "dead", "from": 16, "to": 21}
+    assert [e["status"] for e in h.timeline] == ["exploding", "dead", "nonfinite"]
+    assert h.first_bad == {"layer": top.layer, "status": "nonfinite", "step": top.first_step}
+    assert h.onset["step"] == top.first_step
+
+
+def test_the_layer_where_nan_started_ranks_first_even_if_its_gradient_is_zero_now():
+    names = _layers(4)
+    steps = 20
+    rms = np.full((steps, 8), 1e-2)
+    rms[10:, 0:6] = np.nan  # injected in dense_02's backward pass: it and the shallower layers get NaN
+    rms[11:, 4:6] = 0.0  # dense_02's own gradient is all-zero afterwards (its NaN weights kill its ReLUs)
+    h = diagnose_run(names, np.arange(steps), _run(rms, names))
+    assert h.layers[0].layer == "dense_02/bias" and h.layers[0].status == "dead"
+    assert "NaN/Inf started here" in " ".join(h.layers[0].reasons)
+    assert h.first_bad == {"layer": "dense_02/bias", "status": "dead", "step": 10}
+
+
+def test_sum_and_mean_reduced_losses_get_the_same_verdict():
+    names = _layers(8)
+    log_rms = np.repeat(-2.0 - 0.7 * np.arange(8)[::-1], 2)
+    rms = 10.0 ** log_rms[None, :] * np.ones((8, 1))
+    mean = diagnose_run(names, np.arange(8), _run(rms, names))
+    total = diagnose_run(names, np.arange(8), _run(rms * 256, names))  # sum over a batch of 256
+    assert mean.statuses() == total.statuses() and "vanishing" in mean.statuses()
+    assert mean.first_bad["layer"] == total.first_bad["layer"]
