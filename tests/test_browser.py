@@ -577,7 +577,6 @@ def sickness(health_body: dict) -> tuple[float, int, int]:
 
 @pytest.mark.browser
 @pytest.mark.e2e
-@pytest.mark.slow
 def test_sickest_runs_are_ticked_first(tensorboard: str, gh: Page, logdir: tuple[str, dict]) -> None:
     _, facts = logdir
     page = open_plugin(gh, tensorboard)
@@ -602,7 +601,6 @@ def episode_label(ep: dict) -> str:
 
 @pytest.mark.browser
 @pytest.mark.e2e
-@pytest.mark.slow
 def test_since_column_is_the_onset_and_the_summary_tells_the_story(
         tensorboard: str, gh: Page, logdir: tuple[str, dict]) -> None:
     _, facts = logdir
@@ -639,7 +637,6 @@ def test_since_column_is_the_onset_and_the_summary_tells_the_story(
 
 @pytest.mark.browser
 @pytest.mark.e2e
-@pytest.mark.slow
 def test_detail_shades_the_episodes(tensorboard: str, gh: Page, logdir: tuple[str, dict]) -> None:
     _, facts = logdir
     layer = facts["exploding"].first_nan_layer
@@ -681,7 +678,6 @@ def test_detail_shades_the_episodes(tensorboard: str, gh: Page, logdir: tuple[st
 
 @pytest.mark.browser
 @pytest.mark.e2e
-@pytest.mark.slow
 def test_all_nan_layer_shows_dashes_not_zeros(tensorboard: str, gh: Page) -> None:
     body = api_json(tensorboard, "health", run=ALL_NAN_RUN)
     lj = next(lj for lj in body["layers"] if lj["layer"] == ALL_NAN_LAYER)
@@ -706,7 +702,6 @@ def test_all_nan_layer_shows_dashes_not_zeros(tensorboard: str, gh: Page) -> Non
 
 @pytest.mark.browser
 @pytest.mark.e2e
-@pytest.mark.slow
 def test_depth_profile_draws_the_weakest_layer_as_a_bar(tensorboard: str, gh: Page) -> None:
     steps = api_json(tensorboard, "profile", run="vanishing")["steps"]
 
@@ -760,7 +755,6 @@ def test_depth_profile_draws_the_weakest_layer_as_a_bar(tensorboard: str, gh: Pa
 
 @pytest.mark.browser
 @pytest.mark.e2e
-@pytest.mark.slow
 def test_inert_layer_is_muted_and_not_flagged(tensorboard: str, gh: Page) -> None:
     body = api_json(tensorboard, "health", run=INERT_RUN)
     statuses = {lj["layer"]: lj["status"] for lj in body["layers"]}
