@@ -77,7 +77,9 @@ class RssSampler:
 
 def append_step(path: Path, layers: list[str], step: int) -> None:
     rms = 10.0 ** np.linspace(-6.0, -2.0, len(layers))
-    event = gh_logdirs.record_event(step, metadata.tag_for(layers), gh_logdirs.synthetic_records(rms))
+    tag = metadata.tag_for(layers, step=step)  # the Writer's step-block tags; a new block's first event has metadata
+    first = tag != metadata.tag_for(layers, step=step - 1)
+    event = gh_logdirs.record_event(step, tag, gh_logdirs.synthetic_records(rms), layers=layers if first else None)
     with open(path, "ab") as f:
         f.write(eventfile.frame(event))
 
