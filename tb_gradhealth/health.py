@@ -72,10 +72,11 @@ class Thresholds:
     explode_decades: float = _meta(
         3.0, 0.5, 30.0, 0.5, "Exploding: RMS at least this many decades above the reference (the median RMS of "
         "the layers nearest the loss) at the same step.")
-    vanish_update_decades: float = _meta(
-        3.0, 0.0, 30.0, 0.5, "Where updates are recorded, a small gradient is vanishing only if the layer also "
-        "learns slowly: its update, relative to its layer's weights, at least this many decades below the "
-        "reference layers' (an adaptive optimizer such as Adam rescales small gradients; 0 ignores updates).")
+    update_decades: float = _meta(
+        3.0, 0.0, 30.0, 0.5, "Where updates are recorded, a gradient far below (above) the reference is vanishing "
+        "(exploding) only if the layer also learns that much slower (faster): its update RMS relative to its "
+        "layer's weights at least this many decades from the reference layers' (an adaptive optimizer such as "
+        "Adam rescales gradients of any size; 0 ignores updates).")
     inert_decades: float = _meta(
         4.0, 1.0, 30.0, 0.5, "Inert: a variable whose gradient RMS is at least this many decades below the other "
         "variables of its layer (same name prefix) and below the vanishing line gets only round-off, e.g. a bias "
@@ -484,7 +485,9 @@ def _evaluate(records: np.ndarray, layers: Sequence[str], t: Thresholds) -> _Ste
     log_upd = _log10(upd_rms) - _layer_weight_scale(weight_norm, size, groups)
     ref_upd = _reference(np.where(signal, log_upd, np.nan), signal & np.isfinite(log_upd))
     with np.errstate(invalid="ignore"):
-        learns = (t.vanish_update_decades > 0) & (log_upd > ref_upd[:, None] - t.vanish_update_decades)
+        speed = log_upd - ref_upd[:, None]  # NaN where updates are not recorded: the gradient rules alone decide
+        learns = (t.update_decades > 0) & (speed > -t.update_decades)
+        calm = (t.update_decades > 0) & (speed < t.update_decades)
     log_sig = np.where(signal, log_rms, np.nan)
     base, typical = _window_stats(log_sig, t.growth_window)
     ref_growth = ref - _window_stats(ref[:, None], t.growth_window)[0][:, 0]
@@ -492,8 +495,8 @@ def _evaluate(records: np.ndarray, layers: Sequence[str], t: Thresholds) -> _Ste
     with np.errstate(invalid="ignore"):
         flags = {
             "present": v["present"], "nonfinite": v["nonfinite"], "skipped": skipped, "inert": inert,
-            "learns": learns,
-            "exp_rel": signal & (dec >= t.explode_decades),
+            "learns": learns, "calm": calm,
+            "exp_rel": signal & (dec >= t.explode_decades) & ~calm,
             "exp_rms": live & (rms > t.explode_rms_above),
             "exp_max": live & (v["max_abs"] > t.explode_max_abs_above),
             "exp_update": live & big & (upd_ratio > t.explode_update_ratio),
@@ -823,6 +826,10 @@ def _exploding_reasons(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], fl
         above = c.ev.dec(s, i)
         reasons.append(f"{_rms_text(c, d)} is {above:.1f} decades above {c.ref_text()} {c.lasting()}: the "
                        f"gradient grows on its way back from the loss")
+        lu, ru = float(ev.log_upd[s, i]), float(ev.ref_upd[s])
+        if math.isfinite(lu) and math.isfinite(ru):
+            reasons.append(f"it learns {lu - ru:.1f} decades faster than the layers nearest the loss (update RMS / "
+                           f"weight RMS {_e(10.0 ** lu)} against {_e(10.0 ** ru)})")
         excess = max(excess, above - t.explode_decades)
     if ev.exp_rms[s, i]:
         reasons.append(f"{_rms_text(c, d)} is above the absolute bound {t.explode_rms_above:g}")
@@ -890,9 +897,13 @@ def _reasons(code: int, c: _Ctx, d: dict[str, np.ndarray], i: int) -> tuple[list
         return [f"no gradient reached this variable (None gradient) {c.lasting()}"], 0.0
     if code == INERT:
         return [_inert_reason(c)], 0.0
-    if c.ev.learns[c.s, i] and (c.ev.dec(c.s, i) <= -c.t.vanish_decades):
-        return [f"note: {_rms_text(c, d)} is {-c.ev.dec(c.s, i):.1f} decades below {c.ref_text()}, but its "
-                f"updates keep pace with theirs (an adaptive optimizer rescales it): it still learns"], 0.0
+    dec = c.ev.dec(c.s, i)
+    if c.ev.learns[c.s, i] and dec <= -c.t.vanish_decades:
+        return [f"note: {_rms_text(c, d)} is {-dec:.1f} decades below {c.ref_text()}, but its updates keep pace "
+                f"with theirs (an adaptive optimizer rescales it): it still learns"], 0.0
+    if c.ev.calm[c.s, i] and dec >= c.t.explode_decades:
+        return [f"note: {_rms_text(c, d)} is {dec:.1f} decades above {c.ref_text()}, but it learns at their pace "
+                f"(an adaptive optimizer rescales it; early convolutions sum over many positions)"], 0.0
     return [], 0.0
 
 

@@ -198,3 +198,21 @@ def test_sum_and_mean_reduced_losses_get_the_same_verdict():
     total = diagnose_run(names, np.arange(8), _run(rms * 256, names))  # sum over a batch of 256
     assert mean.statuses() == total.statuses() and "vanishing" in mean.statuses()
     assert mean.first_bad["layer"] == total.first_bad["layer"]
+
+
+def test_an_early_convolution_with_a_large_gradient_that_learns_at_the_head_pace_is_not_exploding():
+    # MobileNetV2 at 32x32 with Adam: the first conv and depthwise kernels sum over 16x16 positions and see raw
+    # inputs, so their gradient RMS is ~3.2 decades above the classifier's, yet Adam moves them at the same rate.
+    names = ["Conv1/kernel", "dw/depthwise_kernel", "block/kernel", "block/bias", "head/kernel", "head/bias"]
+    steps = 8
+    rms = np.full((steps, 6), 2e-2)
+    rms[:, 0:2] = 30.0
+    weight = np.full((steps, 6), 0.1)
+    adam = np.full((steps, 6), 1e-3)
+    h = diagnose_run(names, np.arange(steps), _run(rms, names, weight_rms=weight, update_rms=adam))
+    assert _flagged(h) == {}
+    assert "learns at their pace" in h.by_layer()["Conv1/kernel"].reasons[0]
+    sgd = rms * 1e-3  # SGD: the early layers move 1,500x faster than the head
+    h = diagnose_run(names, np.arange(steps), _run(rms, names, weight_rms=weight, update_rms=sgd))
+    assert _flagged(h) == {"Conv1/kernel": "exploding", "dw/depthwise_kernel": "exploding"}
+    assert "decades faster than the layers nearest the loss" in " ".join(h.by_layer()["Conv1/kernel"].reasons)
