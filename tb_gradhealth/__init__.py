@@ -2,7 +2,7 @@
 
 ``import tb_gradhealth`` imports nothing heavy and never TensorFlow: every submodule loads on first attribute
 access (``tb_gradhealth.summary``, ``tb_gradhealth.health``, ...), and the TF-based writers (``summary``, ``keras``,
-``tpu``, ``accumulate``) import TensorFlow only then, so the plugin, the CLI and the numpy :class:`Writer` work on a
+``tpu``, ``distribute``, ``accumulate`` and their helpers) import TensorFlow only then, so the plugin, the CLI and the numpy :class:`Writer` work on a
 machine without TensorFlow.
 """
 
@@ -14,9 +14,13 @@ from typing import Any
 __version__ = "0.1.0"
 
 #: Submodules that import TensorFlow (loaded only when used).
-_TF_MODULES = ("summary", "keras", "tpu", "accumulate")
+_TF_MODULES = (
+    "summary", "kernels", "histogram", "compat", "keras", "capture", "tpu", "distribute", "shards", "accumulate"
+)
 #: TensorFlow-free submodules.
-_PLAIN_MODULES = ("record", "metadata", "eventfile", "writer", "health", "reader", "plugin", "cli")
+_PLAIN_MODULES = (
+    "record", "metadata", "naming", "eventfile", "writer", "health", "reader", "payloads", "plugin", "cli"
+)
 _LAZY_MODULES = _TF_MODULES + _PLAIN_MODULES
 _LAZY_ATTRS = {"Writer": "writer", "Thresholds": "health"}
 

@@ -136,7 +136,7 @@ def window_starts(rows: np.ndarray, limit: int = MAX_POINTS) -> np.ndarray:
     n = rows.shape[0]
     if n <= limit:
         return np.arange(n)
-    nonfinite = (rows[:, record.INDEX["nan"]] + rows[:, record.INDEX["posinf"]] + rows[:, record.INDEX["neginf"]]) > 0
+    nonfinite = record.nonfinite_count(rows) > 0
     must = {0, n - 1} | ({int(np.argmax(nonfinite))} if nonfinite.any() else set())
     base = np.linspace(0, n - 1, limit - len(must), endpoint=False).round().astype(np.int64)
     return np.unique(np.concatenate([base, np.array(sorted(must), dtype=np.int64)]))

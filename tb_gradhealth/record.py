@@ -275,9 +275,14 @@ def merge_all(records: np.ndarray, axis: int = 0) -> np.ndarray:
 # --- derived quantities ---------------------------------------------------------------------------------------
 
 
-def finite_count(rec: np.ndarray) -> np.ndarray:
+def nonfinite_count(rec: np.ndarray) -> np.ndarray:
+    """NaN + Inf elements of each record."""
     rec = np.asarray(rec)
-    return rec[..., INDEX["size"]] - rec[..., INDEX["nan"]] - rec[..., INDEX["posinf"]] - rec[..., INDEX["neginf"]]
+    return rec[..., INDEX["nan"]] + rec[..., INDEX["posinf"]] + rec[..., INDEX["neginf"]]
+
+
+def finite_count(rec: np.ndarray) -> np.ndarray:
+    return np.asarray(rec)[..., INDEX["size"]] - nonfinite_count(rec)
 
 
 def max_abs(rec: np.ndarray) -> np.ndarray:

@@ -1,0 +1,221 @@
+"""The device side of ``GradientHealthCallback``: optimizer hooks and a ring buffer of records.
+
+The hooks wrap two methods of the model's optimizer *instance* (through :mod:`tb_gradhealth.compat`) before
+``fit`` traces its train function:
+
+* ``_all_reduce_sum_gradients`` (TF backend): the gradients after the cross-replica all-reduce, i.e. the gradient
+  every replica applies (identity without a ``tf.distribute`` strategy);
+* ``_backend_update_step(grads, variables, lr)``: runs after the optimizer has unscaled the gradients
+  (``loss_scale_factor``, ``LossScaleOptimizer``: its inner optimizer is the one wrapped), clipped them and
+  averaged accumulated ones; it is where the variables change.
+
+On a logged step the update hook keeps the weights from before the update, computes the device record
+(:func:`tb_gradhealth.summary.compute`) of the applied gradient with those weights and the update
+``w_before - w_after`` (a :class:`tb_gradhealth.summary.Delta`), and stores it with its step into a ring buffer of
+non-trainable variables that the host reads (:meth:`Capture.read_new`).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from tb_gradhealth import compat, record, summary
+
+#: Marks the optimizer instance that carries this module's hooks.
+_OWNER = "_tb_gradhealth_capture"
+
+CUSTOM_LOOP_ADVICE = (
+    "In a custom train_step or training loop, record the gradients yourself with "
+    "tb_gradhealth.summary.gradients(zip(grads, model.trainable_variables)) inside a tf.summary writer's "
+    "as_default() (or tb_gradhealth.Writer.add_gradients for non-TensorFlow code)."
+)
+
+
+class CaptureError(RuntimeError):
+    """The callback cannot see the gradients that training applies (see the message for what to do instead)."""
+
+
+class Capture:
+    """Device-side state of one ``fit``: the ring buffer variables and the two optimizer-method wrappers.
+
+    All variables are created under the model's distribution strategy as ``ON_READ`` /
+    ``ONLY_FIRST_REPLICA``: each replica writes its own copy locally (no cross-replica traffic in the step) and
+    the host reads the first replica's, which is right because every replica applies the same all-reduced
+    gradient.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        optimizer: Any,
+        *,
+        period: int,
+        slots: int,
+        record_updates: bool,
+        hist_sample: int | None,
+        seed: int | None,
+    ) -> None:
+        self.optimizer = optimizer
+        #: The optimizer's step counter: its raw ``_iterations`` (batches, which ``iterations`` divides by
+        #: ``gradient_accumulation_steps``), so steps line up with keras.callbacks.TensorBoard's batch steps.
+        self.steps = compat.optimizer_step_counter(optimizer)
+        self.variables = list(model.trainable_variables)
+        self.layers = summary.variable_names(self.variables)
+        self.period = period
+        self.slots = slots
+        self.hist_sample = hist_sample
+        self.seed = seed
+        self.record_updates = record_updates
+        self.traced = False
+        #: Which train-function variant is being traced: "capture" (with the statistics) or "plain" (without).
+        self.mode = "capture"
+        self._local = threading.local()  # replica functions may trace in parallel threads (MirroredStrategy)
+        self._rows = {id(v): i for i, v in enumerate(self.variables)}
+        self._make_buffers(model.distribute_strategy, slots, len(self.variables))
+
+    def _make_buffers(self, strategy: Any, slots: int, n: int) -> None:
+        """The ring buffer: ``slots`` records of ``n`` layers, their steps, and the counters the step reads."""
+        kw = dict(
+            trainable=False,
+            synchronization=tf.VariableSynchronization.ON_READ,
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+        )
+        with strategy.scope():
+            self.counts = tf.Variable(tf.zeros([slots, n, record.NUM_COUNTS], tf.int32), name="gh_counts", **kw)
+            self.values = tf.Variable(
+                tf.zeros([slots, n, record.NUM_VALUES + record.HIST_BINS], tf.float32), name="gh_values", **kw
+            )
+            self.stamps = tf.Variable(tf.zeros([slots], tf.int64), name="gh_stamps", **kw)
+            self.count = tf.Variable(tf.constant(0, tf.int64), name="gh_count", **kw)
+            self.remaining = tf.Variable(tf.constant(0, tf.int32), name="gh_remaining", **kw)
+            #: 1 until the statistics have run once: the first capturing call computes them even on an unlogged
+            #: step (and stores nothing), so that without jit_compile their per-layer XLA clusters compile at
+            #: the start of fit with the rest, not at the first logged step.
+            self.warm = tf.Variable(tf.constant(1, tf.int32), name="gh_warm", **kw)
+
+    # --- optimizer wrappers (run at trace time, inside the train step) ----------------------------------------
+
+    def install(self) -> None:
+        """Wrap the optimizer's update and all-reduce methods (instance attributes; :meth:`uninstall` undoes)."""
+        opt = self.optimizer
+        stale = opt.__dict__.get(_OWNER)
+        if stale is not None:  # a previous fit ended by an exception: drop its hooks first
+            stale.uninstall()
+        try:
+            original_update, original_reduce = compat.optimizer_methods(opt)
+        except compat.CompatError as e:
+            raise CaptureError(f"{e}. {CUSTOM_LOOP_ADVICE}") from e
+
+        def update_step(grads: Any, trainable_variables: Any, learning_rate: Any) -> Any:
+            return self._update_step(original_update, grads, trainable_variables, learning_rate)
+
+        def all_reduce(grads_and_vars: Any) -> Any:
+            reduced = original_reduce(grads_and_vars)
+            self._local.reduced = list(reduced)
+            return reduced
+
+        compat.set_optimizer_methods(opt, update_step, all_reduce if original_reduce is not None else None)
+        opt.__dict__[_OWNER] = self
+
+    def uninstall(self) -> None:
+        opt = self.optimizer
+        if opt.__dict__.get(_OWNER) is not self:
+            return
+        compat.restore_optimizer_methods(opt)
+        opt.__dict__.pop(_OWNER, None)
+
+    def _should_capture(self) -> tf.Tensor:
+        step = tf.cast(tf.convert_to_tensor(self.steps), tf.int64) + 1
+        armed = self.remaining > 0
+        if self.period <= 0:
+            return armed
+        return tf.logical_or(tf.equal(step % self.period, 0), armed)
+
+    def _update_step(self, original: Any, grads: Any, trainable_variables: Any, learning_rate: Any) -> Any:
+        self.traced = True
+        if self.mode != "capture":
+            return original(grads, trainable_variables, learning_rate)
+        grads = list(grads)
+        trainable_variables = list(trainable_variables)
+        rows = [self._row_of(v) for v in trainable_variables]
+        logged = self._should_capture() if self.period != 1 else None
+        # The weights before the update. A read that stays alive across the update makes TensorFlow (and XLA) copy
+        # the variable's buffer when the update writes it: the one copy this costs, only in the capture variant's
+        # calls, and no lasting memory (the tensors die with the step).
+        before = [tf.identity(tf.convert_to_tensor(v)) for v in trainable_variables] if self.record_updates else None
+        self._local.reduced = None
+        result = original(grads, trainable_variables, learning_rate)
+        reduced = self._local.reduced
+        self._local.reduced = None
+        applied = [g for g, _ in reduced] if reduced is not None else grads
+        if logged is None:  # every step is logged: no conditional around the statistics
+            self._store(self._compute(rows, applied, before))
+        else:
+            self._store_if_logged(logged, rows, applied, before)
+        return result
+
+    def _store_if_logged(self, logged: tf.Tensor, rows: list[int], applied: list[Any], before: Any) -> None:
+        """Statistics on logged steps, and once on the first call (``warm``) so that they compile at its start."""
+
+        def compute_then_store_if_logged() -> tf.Tensor:
+            rec = self._compute(rows, applied, before)  # an input of the inner cond: it runs either way
+            stored = tf.cond(logged, lambda: self._store(rec), lambda: tf.constant(False))
+            self.warm.assign(0)
+            return stored
+
+        tf.cond(logged | (self.warm > 0), compute_then_store_if_logged, lambda: tf.constant(False))
+
+    def _row_of(self, variable: Any) -> int:
+        row = self._rows.get(id(variable))
+        if row is None:
+            raise CaptureError(
+                f"the optimizer updates variable {getattr(variable, 'path', variable)!r}, which is not among the "
+                "model's trainable_variables when training began. " + CUSTOM_LOOP_ADVICE
+            )
+        return row
+
+    def _compute(self, rows: list[int], applied: list[Any], before: list[Any] | None) -> summary.DeviceRecord:
+        n = len(self.variables)
+        grads: list[Any] = [None] * n
+        for row, g in zip(rows, applied, strict=True):
+            grads[row] = g
+        weights = [tf.convert_to_tensor(v) for v in self.variables]  # after the update
+        updates = None
+        if before is not None:  # variables the optimizer did not touch (no gradient) keep weights, update unknown
+            updates = [None] * n
+            for row, w in zip(rows, before, strict=True):
+                # before - after, subtracted inside the statistics' loop over the update (never written out).
+                updates[row] = summary.Delta(w, weights[row])
+                weights[row] = w
+        return summary.compute(grads, weights, updates, hist_sample=self.hist_sample or 0, seed=self.seed)
+
+    def _store(self, rec: summary.DeviceRecord) -> tf.Tensor:
+        step = tf.cast(tf.convert_to_tensor(self.steps), tf.int64) + 1
+        count = self.count.read_value()
+        slot = tf.reshape(tf.cast(count % self.slots, tf.int32), [1, 1])
+        self.counts.assign(tf.tensor_scatter_nd_update(self.counts.read_value(), slot, rec.counts[None]))
+        self.values.assign(tf.tensor_scatter_nd_update(self.values.read_value(), slot, rec.values[None]))
+        self.stamps.assign(tf.tensor_scatter_nd_update(self.stamps.read_value(), slot, step[None]))
+        self.count.assign(count + 1)
+        self.remaining.assign(tf.maximum(self.remaining.read_value() - 1, 0))
+        return tf.constant(True)
+
+    # --- host side ----------------------------------------------------------------------------------------------
+
+    def read_new(self, already: int) -> tuple[int, list[tuple[int, np.ndarray]], int]:
+        """Records captured since the first ``already``: ``(count, [(step, rows [L, F])] by step, lost)``."""
+        count = int(self.count.numpy())
+        if count <= already:
+            return count, [], 0
+        lost = max(0, count - already - self.slots)
+        counts, values, stamps = self.counts.numpy(), self.values.numpy(), self.stamps.numpy()
+        out = []
+        for i in range(max(already, count - self.slots), count):
+            slot = i % self.slots
+            out.append((int(stamps[slot]), record.from_device(counts[slot], values[slot])))
+        out.sort(key=lambda item: item[0])
+        return count, out, lost

@@ -1,0 +1,87 @@
+"""The decade histogram of a gradient on the device: exact for small tensors, else from a uniform sample.
+
+Above ``hist_sample`` elements the histogram is built from ``hist_sample`` gathered positions (a golden-ratio
+sequence from one stateless random offset: each position uniform over the tensor; O(sample), no shuffle). The
+finite nonzero draws are binned and scaled by ``finite_nonzero / draws_kept``, and ``hist_sample`` records
+``draws_kept``: the rule of :func:`tb_gradhealth.record.compute` (estimated count = count x finite_nonzero /
+hist_sample).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from tb_gradhealth import record
+
+__all__ = ["histogram"]
+
+#: Lower / upper float32 edge of each histogram bin (bin b holds lo[b] <= |g| < hi[b]).
+_BIN_LO = np.concatenate([[0.0], record.HIST_EDGES]).astype(np.float32)
+_BIN_HI = np.concatenate([record.HIST_EDGES, [np.inf]]).astype(np.float32)
+
+
+def _seed_for(x: tf.Tensor, layer: Any, seed: Any) -> tf.Tensor:
+    """A stateless-RNG seed that differs by layer and by step: from ``seed`` if given, else from the data."""
+    salt = tf.cast(layer, tf.int32) * 7919 + 1
+    if seed is not None:
+        return tf.stack([tf.cast(seed, tf.int32), salt])
+    n = x.shape.num_elements()
+    probes = tf.cast(tf.gather(x, [0, n // 3, n // 2, n - 1]), tf.float32)
+    bits = tf.bitcast(probes, tf.int32)
+    mix = tf.bitwise.bitwise_xor(tf.bitwise.bitwise_xor(bits[0], bits[1] * 31), bits[2] * 131 + bits[3])
+    return tf.stack([salt, mix])
+
+
+def _sample_positions(x: tf.Tensor, n: int, k: int, layer: Any, seed: Any, valid_len: tf.Tensor | None) -> tf.Tensor:
+    """``k`` positions in ``[0, valid_len or n)``: a golden-ratio (Weyl) sequence from one random offset.
+
+    Each position is uniform over the tensor (so the scaled histogram is an unbiased estimate) and the positions
+    are spread evenly (lower variance than independent draws). One random number per tensor instead of ``k``:
+    drawing 4096 independent int32 positions per layer measured ~0.1 ms a layer under XLA on the reference CPU.
+    """
+    m = tf.cast(n if valid_len is None else tf.maximum(valid_len, 1), tf.int64)
+    stride = _coprime_stride(n)
+    offset = tf.random.stateless_uniform([], seed=_seed_for(x, layer, seed), minval=0, maxval=2**62, dtype=tf.int64)
+    i = tf.range(k, dtype=tf.int64)
+    return tf.cast((offset + i * stride) % m, tf.int32)
+
+
+def _coprime_stride(n: int) -> int:
+    """The integer nearest ``n / golden ratio`` that is coprime with ``n`` (no early repeats)."""
+    s = max(1, int(round(n * 0.6180339887498949)))
+    while math.gcd(s, n) != 1:
+        s += 1
+    return s
+
+
+def histogram(
+    x: tf.Tensor, n_nonzero: tf.Tensor, hist_sample: int, layer: int, seed: Any, valid_len: tf.Tensor | None
+) -> tuple[tf.Tensor, tf.Tensor]:
+    """``(hist float32 [77], hist_sample float32)``: exact if the tensor is small, else a scaled uniform sample."""
+    dt = x.dtype
+    n = x.shape.num_elements()
+    if n is None:
+        raise ValueError("gradients need a static shape for the histogram (XLA-safe sampling)")
+    exact = not hist_sample or n <= hist_sample
+    if exact:
+        v = x
+    else:
+        v = tf.gather(x, _sample_positions(x, n, hist_sample, layer, seed, valid_len))
+    av = tf.abs(v)
+    ok = (av >= tf.constant(record.FLUSH_BELOW, dt)) & (av <= dt.max)
+    a = tf.where(ok, tf.cast(av, tf.float32), tf.ones_like(av, tf.float32))  # float64 beyond float32 -> inf: top bin
+    e = tf.clip_by_value(tf.floor(tf.math.log(a) * np.float32(1 / np.log(10))), -38.0, 38.0)
+    b = tf.cast(e, tf.int32) + 38
+    b = tf.where(a < tf.gather(_BIN_LO, b), b - 1, b)  # correct log10 rounding at decade edges
+    b = tf.where(a >= tf.gather(_BIN_HI, b), b + 1, b)
+    w = tf.cast(ok, tf.float32)
+    hist = tf.math.unsorted_segment_sum(w, b, record.HIST_BINS)
+    kept = tf.reduce_sum(w)
+    if exact:
+        return hist, kept
+    scale = tf.where(kept > 0, tf.cast(n_nonzero, tf.float32) / tf.maximum(kept, 1.0), 0.0)
+    return hist * scale, kept

@@ -1,0 +1,453 @@
+"""Device-side statistics of gradient-health records: TF ops, XLA-safe, static shapes.
+
+One layer's record (:func:`layer_record`) is ``(counts int32 [5], values float32 [89])``, the numbers of
+:func:`tb_gradhealth.record.compute` (the float64 reference) computed where the gradient lives:
+
+* under XLA, float32 statistics run in one blocked loop over the gradient (:func:`_reduce_rows`: one float32 sum
+  and int32 reductions, the only kind XLA:CPU runs at memory speed): ``sum(g*g)``, the exact-zero count, and
+  ``max``/``min`` as int32 order-preserving keys; ``sum(g)`` as a reduction of its own. When both sums are finite
+  there is no NaN/Inf and those counts are 0; only otherwise does a ``tf.cond`` branch count NaN/+Inf/-Inf and
+  recompute over the finite values;
+* the norm is kept as ``max|g|`` and ``ssq_rel = sum(g*g) / max|g|^2``; the plain sum of squares is used only when it
+  is finite and ``max|g|`` is large enough that underflowed squares are negligible, else a second pass sums
+  ``(g / max|g|)^2``, right over float32's whole range;
+* the histogram comes from :mod:`tb_gradhealth.histogram`.
+
+The private XLA reduce is reached through :mod:`tb_gradhealth.compat`; docs/PERFORMANCE.md has the measured costs.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import tensorflow as tf
+
+from tb_gradhealth import compat, histogram, record
+
+_NV = record.NUM_VALUES + record.HIST_BINS
+#: Below this max|g| the plain sum of squares may lose underflowed squares: use the scaled pass instead.
+_FAST_MIN = {tf.float32: 1e-10, tf.float64: 1e-140}
+
+class DeviceRecord(NamedTuple):
+    """Records of ``L`` layers in device form: ``counts`` int32 ``[L, 5]``, ``values`` float32 ``[L, 89]``."""
+
+    counts: Any
+    values: Any
+
+
+class Delta(NamedTuple):
+    """An update given as the weight ``before`` and ``after`` it: :func:`compute` records ``before - after``.
+
+    Why not pass the difference: inside the statistics' compiled loop the subtraction is fused into the update's
+    own loop (which reads ``before`` and ``after``), so the difference is never written to memory and read back
+    (measured in docs/KERAS.md: the Keras callback's logged step).
+    """
+
+    before: Any
+    after: Any
+
+
+
+
+@functools.cache
+def _has_variadic_reduce() -> bool:
+    return compat.has_variadic_reduce()
+
+
+def fused_reductions() -> bool:
+    """Whether to reduce in XLA variadic loops: under XLA, when this TensorFlow has them (else plain TF ops)."""
+    return compat.in_xla_context() and _has_variadic_reduce()
+
+
+def _flat(t: Any) -> tf.Tensor:
+    x = tf.reshape(tf.convert_to_tensor(t), [-1])
+    if x.dtype not in (tf.float32, tf.float64):
+        x = tf.cast(x, tf.float32)  # float16 / bfloat16 / ints: exactly representable in float32
+    return x
+
+
+_REDUCERS: dict[tuple, Any] = {}
+_COMBINE = {"sum": tf.add, "max": tf.maximum, "min": tf.minimum}
+_FINISH = {"sum": tf.reduce_sum, "max": tf.reduce_max, "min": tf.reduce_min}
+#: Elements per row of the blocked reductions (see :func:`_reduce_rows`).
+_ROW = 1024
+
+
+def _init(kind: str, dtype: tf.DType) -> tf.Tensor:
+    if kind == "sum":
+        return tf.constant(0, dtype)
+    if dtype.is_integer:
+        return tf.constant(dtype.min if kind == "max" else dtype.max, dtype)
+    return tf.constant(-np.inf if kind == "max" else np.inf, dtype)
+
+
+def _variadic(operands: list[tf.Tensor], kinds: tuple[str, ...], axis: int) -> list[tf.Tensor]:
+    """Several reductions of same-shape tensors along ``axis`` in one loop (an XLA variadic reduce)."""
+    key = tuple((k, x.dtype) for k, x in zip(kinds, operands, strict=True))
+    if key not in _REDUCERS:
+
+        def combine(*args):
+            n = len(kinds)
+            return tuple(_COMBINE[k](a, b) for k, a, b in zip(kinds, args[:n], args[n:], strict=True))
+
+        specs = [tf.TensorSpec([], x.dtype) for x in operands] * 2
+        _REDUCERS[key] = tf.function(combine, autograph=False).get_concrete_function(*specs)
+    init = [_init(k, x.dtype) for k, x in zip(kinds, operands, strict=True)]
+    return compat.variadic_reduce(operands, init, axis, _REDUCERS[key])
+
+
+def _reduce_together(operands: list[tf.Tensor], kinds: tuple[str, ...]) -> list[tf.Tensor]:
+    """Several full reductions of same-length vectors in ONE pass (XLA variadic reduce; only under XLA).
+
+    Used for float64 data, and for float32 when the loop would need more than one float32 sum (slow: below).
+    """
+    return _variadic(operands, kinds, 0)
+
+
+def _reduce_rows(make: Callable[..., list[tf.Tensor]], vectors: Sequence[tf.Tensor], kinds: tuple[str, ...]):
+    """Full reductions of ``make(*vectors)`` (elementwise operands) in one blocked loop over the data.
+
+    The vectors are viewed as rows of ``_ROW`` elements (a free reshape of a prefix; the ragged tail is reduced
+    on its own), one XLA variadic reduce gives each operand's per-row results, and small reductions finish them.
+
+    Why this shape (measured on the reference CPU, 4 x 1M float32 values, docs/FORMAT.md "Writer cost"): XLA:CPU
+    runs a variadic reduce with **one float32 sum and any number of int32 reductions** at memory speed (0.9 ms),
+    but with two float sums, or a float max/min, as a scalar loop (5.0-11.3 ms). So callers pass at most one
+    float32 sum and turn max/min into int32 reductions of order-preserving keys (:func:`_order_key`). The rows
+    keep the float32 sum accurate: per-row partial sums of ~1K values, then a sum of those (relative error 1e-8
+    at 1M and 16M values, against 2e-6 / 1.6e-4 for one running sum over the whole tensor).
+    """
+    n = vectors[0].shape[0]
+    rows = 1 if n is None else max(1, n // _ROW)  # unknown length: one row (the histogram then asks for a shape)
+    if rows == 1:
+        return _variadic(make(*vectors), kinds, 0)
+    main = n // rows * rows
+    views = [tf.reshape(v[:main] if main < n else v, [rows, main // rows]) for v in vectors]
+    partial = _variadic(make(*views), kinds, 1)
+    out = [_FINISH[k](p) for k, p in zip(kinds, partial, strict=True)]
+    if main < n:
+        tail = _variadic(make(*[v[main:] for v in vectors]), kinds, 0)
+        out = [_COMBINE[k](a, b) for k, a, b in zip(kinds, out, tail, strict=True)]
+    return out
+
+
+def _flip(b: tf.Tensor) -> tf.Tensor:
+    """Sign-magnitude int32 bits <-> two's-complement order keys (the map is its own inverse)."""
+    return tf.bitwise.bitwise_xor(b, tf.bitwise.bitwise_and(tf.bitwise.right_shift(b, 31), 0x7FFFFFFF))
+
+
+def _order_key(x: tf.Tensor) -> tf.Tensor:
+    """int32 keys that sort like the float32 values, so max/min run as int reductions."""
+    return _flip(tf.bitcast(x, tf.int32))
+
+
+def _from_order_key(k: tf.Tensor, empty: float) -> tf.Tensor:
+    """The float32 value of a key; ``empty`` (-inf for a max, +inf for a min) where the reduction saw nothing
+    (its int32 init, which is the key of a NaN: no NaN reaches the fast path that uses these keys)."""
+    init = tf.int32.min if empty < 0 else tf.int32.max
+    return tf.where(tf.equal(k, init), tf.constant(empty, tf.float32), tf.bitcast(_flip(k), tf.float32))
+
+
+def _abs_bits(x: tf.Tensor) -> tf.Tensor:
+    """``|x|`` as int32 bits: they sort like the magnitudes (NaN above +Inf), so ``max`` is an int reduction."""
+    return tf.bitcast(tf.abs(x), tf.int32)
+
+
+def _max_abs_and_ssq_f32(v: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """``(max|v|, sum v^2)`` of a float32 vector in one fast blocked loop (see :func:`_reduce_rows`)."""
+    q, m = _reduce_rows(lambda c: [c * c, _abs_bits(c)], [v], ("sum", "max"))
+    return tf.bitcast(m, tf.float32), q
+
+
+def _first_pass(x: tf.Tensor, x_hi: tf.Tensor, x_lo: tf.Tensor, tiny: tf.Tensor, fused: bool) -> list[tf.Tensor]:
+    """``[sum, sum of squares, max, min, zero count]`` of a gradient (``x_hi``/``x_lo``: ``x`` with padding masked
+    for max/min).
+
+    Under XLA with float32 data: the sum of squares, the zero count and max/min (as int32 keys) in one blocked loop
+    (:func:`_reduce_rows`), and the plain sum as a reduction of its own (a library call on the gradient's buffer,
+    or folded into the matmul that made it). float64 under XLA: one variadic loop. Outside XLA: separate TF
+    reductions. (The weight and the update are reduced by :func:`_max_abs_ssq`, in a loop each.)
+    """
+    if fused and x.dtype == tf.float32:
+
+        def operands(v: tf.Tensor, hi: tf.Tensor, lo: tf.Tensor) -> list[tf.Tensor]:
+            return [v * v, tf.cast(tf.abs(v) < tiny, tf.int32), _order_key(hi), _order_key(lo)]
+
+        q, zero, kmax, kmin = _reduce_rows(operands, [x, x_hi, x_lo], ("sum", "sum", "max", "min"))
+        return [tf.reduce_sum(x), q, _from_order_key(kmax, -np.inf), _from_order_key(kmin, np.inf), zero]
+    is_zero = tf.cast(tf.abs(x) < tiny, tf.int32)
+    if not fused:
+        return [tf.reduce_sum(x), tf.reduce_sum(x * x), tf.reduce_max(x_hi), tf.reduce_min(x_lo),
+                tf.reduce_sum(is_zero)]
+    return _reduce_together([x, x * x, x_hi, x_lo, is_zero], ("sum", "sum", "max", "min", "sum"))
+
+
+def _scaled_sums(x: tf.Tensor, m: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """``(sum((x/m)^2), sum(x/m))``: a second pass that is exact in relative terms at any magnitude."""
+    safe = tf.where(m > 0, m, tf.ones_like(m))
+    y = x / safe
+    return tf.reduce_sum(y * y), tf.reduce_sum(y)
+
+
+def _delta_flat(d: Delta) -> tf.Tensor:
+    """``before - after`` flattened, in float32 (float64 stays float64), as an expression to fuse into a loop."""
+    b, a = _flat(d.before), _flat(d.after)
+    if b.dtype != a.dtype:
+        b, a = tf.cast(b, tf.float32), tf.cast(a, tf.float32)
+    return b - a
+
+
+def _flushed(v: tf.Tensor, tiny: tf.Tensor) -> tf.Tensor:
+    return tf.where(tf.abs(v) < tiny, tf.zeros_like(v), v)
+
+
+def _max_abs_ssq(t: Any, fused: bool = False) -> tuple[tf.Tensor, tf.Tensor]:
+    """``(max|w|, sum((w/max|w|)^2))`` over the finite values of a weight or update, float32.
+
+    Under XLA one loop over the data (float32: :func:`_reduce_rows`; a :class:`Delta` is subtracted inside it).
+    """
+    x = _delta_flat(t) if isinstance(t, Delta) else _flat(t)
+    dt = x.dtype
+    tiny = tf.constant(record.FLUSH_BELOW, dt)
+    a = tf.abs(x)
+    if fused and dt == tf.float32:
+        m, q = _max_abs_and_ssq_f32(x)
+    elif fused:
+        m, q = _reduce_together([a, x * x], ("max", "sum"))
+    else:
+        m, q = tf.reduce_max(a), tf.reduce_sum(x * x)
+    m = tf.maximum(m, tf.zeros([], dt))  # empty: -inf -> 0
+
+    def fast() -> tuple[tf.Tensor, tf.Tensor]:
+        return tf.where(m > 0, q / tf.where(m > 0, m * m, tf.ones_like(m)), tf.zeros_like(m)), m
+
+    def slow() -> tuple[tf.Tensor, tf.Tensor]:
+        fin = a <= dt.max
+        mf = tf.reduce_max(tf.where(fin, a, tf.zeros_like(a)))
+        mf = tf.maximum(_flushed(mf, tiny), tf.zeros([], dt))
+        return _scaled_sums(tf.where(fin, x, tf.zeros_like(x)), mf)[0], mf
+
+    ssq, m2 = tf.cond(tf.math.is_finite(q) & (m >= _FAST_MIN[dt]), fast, slow)
+    return tf.cast(m2, tf.float32), tf.cast(ssq, tf.float32)
+
+
+
+class _FirstPass(NamedTuple):
+    """A gradient's first-pass results and what both branches of :func:`_dense_stats` need."""
+
+    x: tf.Tensor
+    x_hi: tf.Tensor
+    x_lo: tf.Tensor
+    tiny: tf.Tensor
+    size: tf.Tensor
+    extra_zeros: tf.Tensor | None
+    s: tf.Tensor
+    q: tf.Tensor
+    mx: tf.Tensor
+    mn: tf.Tensor
+
+
+def _with_implicit_zeros(mx: tf.Tensor, mn: tf.Tensor, extra_zeros: tf.Tensor | None) -> tuple[tf.Tensor, tf.Tensor]:
+    """max/min widened to include 0 when a sparse gradient has implicit zero rows."""
+    if extra_zeros is None:
+        return mx, mn
+    has = extra_zeros > 0
+    return tf.where(has, tf.maximum(mx, 0), mx), tf.where(has, tf.minimum(mn, 0), mn)
+
+
+def _finish(p: _FirstPass, mx: tf.Tensor, mn: tf.Tensor, nonfinite: Any, sums: Callable[[tf.Tensor], Any]):
+    """``(min, max, mean, ssq_rel)`` from the finite extremes and a ``sums(max|g|)`` giving relative sums."""
+    dt = p.x.dtype
+    mx, mn = _flushed(mx, p.tiny), _flushed(mn, p.tiny)
+    m = tf.maximum(tf.maximum(mx, -mn), tf.zeros([], dt))
+    m = tf.where(tf.math.is_finite(m), m, tf.zeros_like(m))
+    nf = tf.cast(p.size - nonfinite, dt)
+    ssq_rel, mean_rel = sums(m)
+    ssq_rel = tf.where(m > 0, ssq_rel, tf.zeros_like(ssq_rel))
+    mean = tf.where((m > 0) & (nf > 0), mean_rel / tf.maximum(nf, 1) * m, tf.zeros_like(m))
+    return mx, mn, mean, ssq_rel
+
+
+def _all_finite(p: _FirstPass) -> tuple[tf.Tensor, ...]:
+    """Branch for finite sums: no NaN/Inf; the first pass's sums are reused when they did not underflow."""
+    dt = p.x.dtype
+
+    def sums(m: tf.Tensor) -> Any:
+        return tf.cond(
+            m >= _FAST_MIN[dt],
+            lambda: (p.q / (m * m), p.s / tf.where(m > 0, m, tf.ones_like(m))),
+            lambda: _scaled_sums(p.x, m),
+        )
+
+    z = tf.zeros([], tf.int32)
+    return (z, z, z, *_finish(p, p.mx, p.mn, 0, sums))
+
+
+def _with_nonfinite(p: _FirstPass) -> tuple[tf.Tensor, ...]:
+    """Branch for non-finite sums: count NaN/+Inf/-Inf, then recompute everything over the finite values."""
+    x, dt = p.x, p.x.dtype
+    inf = tf.constant(np.inf, dt)
+    nan = tf.reduce_sum(tf.cast(tf.math.is_nan(x), tf.int32))
+    posinf = tf.reduce_sum(tf.cast(tf.equal(x, inf), tf.int32))
+    neginf = tf.reduce_sum(tf.cast(tf.equal(x, -inf), tf.int32))
+    fin = tf.abs(x) <= dt.max
+    xf = tf.where(fin, x, tf.zeros_like(x))
+    mx, mn = _with_implicit_zeros(
+        tf.reduce_max(tf.where(fin, p.x_hi, -inf)), tf.reduce_min(tf.where(fin, p.x_lo, inf)), p.extra_zeros
+    )
+    return (nan, posinf, neginf, *_finish(p, mx, mn, nan + posinf + neginf, lambda m: _scaled_sums(xf, m)))
+
+
+def _dense_stats(
+    x: tf.Tensor,
+    *,
+    hist_sample: int,
+    layer: int,
+    seed: Any,
+    valid_len: tf.Tensor | None = None,
+    dense_size: tf.Tensor | None = None,
+    extra_zeros: tf.Tensor | None = None,
+    fused: bool = False,
+) -> tuple[tf.Tensor, tf.Tensor]:
+    """Counts int32 [5] and the gradient part of values float32 [89] (min, max, mean, ssq_rel, hist...).
+
+    ``valid_len``/``dense_size``/``extra_zeros`` describe a sparse gradient: only ``x[:valid_len]`` is data (the
+    rest is zero padding), and the dense tensor has ``dense_size`` elements of which ``extra_zeros`` beyond
+    ``x``'s zeros are implicit zeros (padding already subtracted).
+    """
+    dt = x.dtype
+    tiny = tf.constant(record.FLUSH_BELOW, dt)
+    n = tf.size(x)
+    if valid_len is not None:
+        inside = tf.range(n) < valid_len
+        x_hi = tf.where(inside, x, tf.constant(-np.inf, dt))
+        x_lo = tf.where(inside, x, tf.constant(np.inf, dt))
+    else:
+        x_hi = x_lo = x
+    s, q, mx, mn, zero = _first_pass(x, x_hi, x_lo, tiny, fused)
+    if extra_zeros is not None:
+        zero = zero + extra_zeros
+    mx, mn = _with_implicit_zeros(mx, mn, extra_zeros)
+    size = n if dense_size is None else dense_size
+    p = _FirstPass(x, x_hi, x_lo, tiny, size, extra_zeros, s, q, mx, mn)
+    finite = tf.math.is_finite(s) & tf.math.is_finite(q)
+    nan, posinf, neginf, mx, mn, mean, ssq_rel = tf.cond(finite, lambda: _all_finite(p), lambda: _with_nonfinite(p))
+    n_nonzero = size - nan - posinf - neginf - zero
+    hist, kept = histogram.histogram(x, n_nonzero, hist_sample, layer, seed, valid_len)
+    counts = tf.stack([tf.cast(size, tf.int32), nan, posinf, neginf, zero])
+    head = tf.stack([tf.cast(v, tf.float32) for v in (mn, mx, mean, ssq_rel)])
+    return counts, tf.concat([head, tf.reshape(kept, [1]), hist], 0)
+
+
+def _sparse_stats(g: tf.IndexedSlices, rows: int, **kw: Any) -> tuple[tf.Tensor, tf.Tensor]:
+    """Statistics of the dense gradient an ``IndexedSlices`` stands for, without building it.
+
+    Duplicate indices are summed first (as the dense gradient would be) with a sort and a segment sum of static
+    size; rows no index touches are the dense tensor's implicit zeros: they count as zeros (``zero``, ``size``,
+    mean, min/max), and take no part in the histogram of nonzero values.
+    """
+    values = tf.convert_to_tensor(g.values)
+    k = values.shape[0]
+    row = int(np.prod(values.shape[1:])) if values.shape.rank and values.shape.rank > 1 else 1
+    if k is None:
+        raise ValueError("IndexedSlices gradients need a static number of slices")
+    idx = tf.cast(g.indices, tf.int32)
+    order = tf.argsort(idx, stable=True)
+    sidx = tf.gather(idx, order)
+    new = tf.concat([tf.ones([min(k, 1)], tf.bool), sidx[1:] != sidx[:-1]], 0)
+    seg = tf.cumsum(tf.cast(new, tf.int32)) - 1
+    unique = tf.reduce_sum(tf.cast(new, tf.int32))
+    summed = tf.math.unsorted_segment_sum(tf.gather(values, order), seg, k)
+    x = _flat(summed)
+    return _dense_stats(
+        x,
+        valid_len=unique * row,
+        dense_size=tf.constant(rows * row, tf.int32),
+        extra_zeros=tf.constant((rows - k) * row, tf.int32),
+        **kw,
+    )
+
+
+def _optional_values(weight: Any, update: Any, fused: bool) -> tf.Tensor:
+    """Weight and update fields (NaN where not given)."""
+    nan = tf.constant(np.nan, tf.float32)
+    w = _max_abs_ssq(weight, fused) if weight is not None else (nan, nan)
+    u = _max_abs_ssq(update, fused) if update is not None else (nan, nan)
+    return tf.stack([w[0], w[1], u[0], u[1], nan, nan])
+
+
+def layer_record(g, w, u, size, hist_sample, layer, seed):
+    """``(counts int32 [5], values float32 [89])`` of one layer (``g=None``: the missing record)."""
+    fused = fused_reductions()
+    if g is None:
+        c = tf.constant([size, 0, 0, 0, 0], tf.int32)
+        head = tf.constant([np.inf, -np.inf, 0.0, 0.0], tf.float32)
+        tail = tf.concat([tf.constant([1.0, 0.0], tf.float32), tf.zeros([record.HIST_BINS], tf.float32)], 0)
+    else:
+        kw = dict(hist_sample=hist_sample, layer=layer, seed=seed, fused=fused)
+        if isinstance(g, tf.IndexedSlices):
+            c, v = _sparse_stats(g, size_rows(g, size), **kw)
+        else:
+            c, v = _dense_stats(_flat(g), **kw)
+        head, tail = v[:4], tf.concat([tf.zeros([1], tf.float32), v[4:]], 0)  # missing=0, hist_sample, hist
+    opt = _optional_values(w, u, fused)
+    return c, tf.concat([head, opt, tail], 0)
+
+
+_LAYER_FNS: dict[tuple, Any] = {}
+
+
+def _spec(t: Any) -> Any:
+    if t is None:
+        return None
+    if isinstance(t, tf.IndexedSlices):
+        return ("slices", tuple(t.values.shape), t.values.dtype, tuple(t.indices.shape))
+    if isinstance(t, Delta):
+        return ("delta", _spec(t.before), _spec(t.after))
+    return (tuple(t.shape), t.dtype)
+
+
+def layer_record_jit(g, w, u, size, hist_sample, layer, seed):
+    """One compiled function per distinct layer signature (each traced once: no retracing warnings)."""
+    key = (_spec(g), _spec(w), _spec(u), size, hist_sample, seed is None)
+    fn = _LAYER_FNS.get(key)
+    if fn is None:
+
+        def one(g, w, u, layer, seed):
+            return layer_record(g, w, u, size, hist_sample, layer, seed)
+
+        # One trace per signature, by design: no retracing warning.
+        fn = _LAYER_FNS[key] = compat.quiet_retracing(tf.function(one, jit_compile=True, autograph=False))
+    return fn(g, w, u, tf.constant(layer, tf.int32), seed)
+
+
+def compute_layers(grads, weights, updates, sizes, hist_sample, seed, layer_fn=None) -> DeviceRecord:
+    """The :class:`DeviceRecord` of all layers, each by ``layer_fn`` (default: inline :func:`layer_record`)."""
+    layer_fn = layer_fn or layer_record
+    counts, values = [], []
+    for i, (g, w, u, size) in enumerate(zip(grads, weights, updates, sizes, strict=True)):
+        c, v = layer_fn(g, w, u, size, hist_sample, i, seed)
+        counts.append(c)
+        values.append(v)
+    if not counts:
+        return DeviceRecord(tf.zeros([0, record.NUM_COUNTS], tf.int32), tf.zeros([0, _NV], tf.float32))
+    return DeviceRecord(tf.stack(counts), tf.stack(values))
+
+
+def size_rows(g: tf.IndexedSlices, size: int) -> int:
+    """Number of rows of the dense tensor behind an ``IndexedSlices`` (static)."""
+    values = g.values
+    row = int(np.prod(values.shape[1:])) if values.shape.rank and values.shape.rank > 1 else 1
+    if size >= 0 and row:
+        return size // row
+    dense = tf.get_static_value(g.dense_shape)
+    if dense is None:
+        raise ValueError("IndexedSlices gradient needs a static dense_shape (or its variable)")
+    return int(dense[0])
+
+
+#: All layers in one XLA cluster (``jit="cluster"``); retraced per model signature, by design.
+compute_jit = compat.quiet_retracing(tf.function(compute_layers, jit_compile=True, autograph=False))
