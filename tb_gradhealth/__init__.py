@@ -2,8 +2,8 @@
 
 ``import tb_gradhealth`` imports nothing heavy and never TensorFlow: every submodule loads on first attribute
 access (``tb_gradhealth.summary``, ``tb_gradhealth.health``, ...), and the TF-based writers (``summary``, ``keras``,
-``tpu``, ``distribute``, ``accumulate`` and their helpers) import TensorFlow only then, so the plugin, the CLI and the numpy :class:`Writer` work on a
-machine without TensorFlow.
+``tpu``, ``distribute``, ``accumulate`` and their helpers) import TensorFlow only then, so the plugin, the CLI and
+the numpy :class:`Writer` work on a machine without TensorFlow.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+from tensorboard import errors as tb_errors
 
 from tb_gradhealth import health, record
 from tb_gradhealth.reader import RunSeries
@@ -27,14 +28,20 @@ _INT_RE = re.compile(r"[0-9]{1,18}")
 _NUMBER_RE = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]{1,3})?")
 
 
-class RequestError(Exception):
-    """A request that cannot be answered: ``status`` 400 (bad parameter), 404 (unknown run/layer) or 503."""
+class RequestError(tb_errors.PublicError):
+    """A request that cannot be answered, as a ``tensorboard.errors`` error: ``http_code`` (also ``status``) 400 for a
+    bad parameter, 404 for an unknown run or layer, 503 when the data provider fails; ``parameter`` names the query
+    parameter at fault (None when none is), for the JSON body ``{"error", "parameter"}`` the frontend reads."""
 
     def __init__(self, status: int, message: str, parameter: str | None = None):
         super().__init__(message)
-        self.status = status
+        self.http_code = status
         self.message = message
         self.parameter = parameter
+
+    @property
+    def status(self) -> int:
+        return self.http_code
 
 
 def parse_step(raw: str | None, name: str = "step") -> int | None:

@@ -9,8 +9,10 @@ Imports no TensorFlow.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import mimetypes
 import os
 import threading
 from collections import OrderedDict
@@ -18,6 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from tensorboard import context as tb_context
+from tensorboard import errors as tb_errors
 from tensorboard import plugin_util
 from tensorboard.backend import http_util
 from tensorboard.plugins import base_plugin
@@ -44,16 +47,22 @@ DIAGNOSES_AT_ONCE = 2
 #: Diagnoses (with their JSON) kept for warm requests.
 HEALTH_CACHE_ENTRIES = 32
 
-_STATIC_TYPES = {
-    ".js": "text/javascript",
-    ".mjs": "text/javascript",
-    ".css": "text/css",
-    ".html": "text/html",
-    ".json": "application/json",
-    ".svg": "image/svg+xml",
-    ".png": "image/png",
-    ".txt": "text/plain",
-}
+#: Extensions the static route serves (anything else in the frontend directory is not served).
+_STATIC_EXTENSIONS = frozenset({".js", ".mjs", ".css", ".html", ".json", ".svg", ".png", ".txt"})
+
+
+@functools.cache
+def _mime_types() -> mimetypes.MimeTypes:
+    """Python's built-in type table, not the machine's ``/etc/mime.types`` (so every machine serves the same
+    types), with JavaScript as ``text/javascript`` (RFC 9239; older Pythons say ``application/javascript``)."""
+    types = mimetypes.MimeTypes(filenames=())
+    for ext in (".js", ".mjs"):
+        types.add_type("text/javascript", ext)
+    return types
+
+
+def _content_type(path: str) -> str:
+    return _mime_types().guess_type(path)[0] or "application/octet-stream"
 
 
 def _static_dir() -> str | None:
@@ -89,6 +98,29 @@ def _no_extra(args: Mapping[str, str], known: tuple[str, ...]) -> None:
     for k in args:
         if k not in known:
             raise RequestError(400, f"unknown parameter {k!r} (this route takes {', '.join(known)})", k)
+
+
+def _json_route(method: Callable[[Any, Any], Any]) -> Callable:
+    """A route answering ``method(self, request)`` as JSON (a ``str`` is sent as is); a ``tensorboard.errors``
+    error it raises becomes its HTTP status with the body ``{"error", "parameter"}``, any other exception a 500 with
+    the same body (and the traceback in TensorBoard's log)."""
+
+    @wrappers.Request.application
+    @functools.wraps(method)
+    def serve(self: Any, request: Any) -> wrappers.Response:
+        try:
+            body, code = method(self, request), 200
+        except tb_errors.PublicError as e:
+            body = {"error": getattr(e, "message", str(e)), "parameter": getattr(e, "parameter", None)}
+            code = e.http_code
+        except Exception as e:  # a bug: still a JSON answer, with the traceback in TensorBoard's log
+            _log.exception("gradhealth: %s failed", request.full_path)
+            body, code = {"error": f"internal error {type(e).__name__}: {e}", "parameter": None}, 500
+        if not isinstance(body, str):
+            body = json.dumps(body, allow_nan=False)
+        return http_util.Respond(request, body, "application/json", code=code)
+
+    return serve
 
 
 # --- the plugin ---------------------------------------------------------------------------------------------------
@@ -181,75 +213,46 @@ class GradHealthPlugin(base_plugin.TBPlugin):
                 self._flights.pop(key, None)
             flight.done.set()
 
-    def _respond(self, request: Any, produce: Callable[[], Any]) -> wrappers.Response:
-        try:
-            body, code = produce(), 200
-        except RequestError as e:
-            body, code = {"error": e.message, "parameter": e.parameter}, e.status
-        except Exception as e:  # a bug: still a JSON answer, with the traceback in TensorBoard's log
-            _log.exception("gradhealth: %s failed", request.full_path)
-            body, code = {"error": f"internal error {type(e).__name__}: {e}", "parameter": None}, 500
-        if not isinstance(body, str):
-            body = json.dumps(body, allow_nan=False)
-        return http_util.Respond(request, body, "application/json", code=code)
-
     # routes
-    @wrappers.Request.application
-    def _serve_runs(self, request: Any) -> wrappers.Response:
-        def produce() -> dict[str, Any]:
-            _no_extra(request.args, ())
-            ctx = plugin_util.context(request.environ)
-            eid = plugin_util.experiment_id(request.environ)
-            try:
-                return {"runs": self._reader.summaries(ctx, eid), "problems": []}
-            except ProviderError as e:
-                return runs_payload([], [str(e)])
+    @_json_route
+    def _serve_runs(self, request: Any) -> dict[str, Any]:
+        _no_extra(request.args, ())
+        ctx = plugin_util.context(request.environ)
+        eid = plugin_util.experiment_id(request.environ)
+        try:
+            return {"runs": self._reader.summaries(ctx, eid), "problems": []}
+        except ProviderError as e:
+            return runs_payload([], [str(e)])
 
-        return self._respond(request, produce)
+    @_json_route
+    def _serve_health(self, request: Any) -> str:
+        run = _required(request.args, "run")
+        step = _step(request.args)
+        t = _thresholds(request.args, ("run", "step"))
+        return self._diagnosis(request, self._series(request, run), t, step)[1]
 
-    @wrappers.Request.application
-    def _serve_health(self, request: Any) -> wrappers.Response:
-        def produce() -> str:
-            run = _required(request.args, "run")
-            step = _step(request.args)
-            t = _thresholds(request.args, ("run", "step"))
-            series = self._series(request, run)
-            return self._diagnosis(request, series, t, step)[1]
+    @_json_route
+    def _serve_series(self, request: Any) -> dict[str, Any]:
+        run = _required(request.args, "run")
+        layer = _required(request.args, "layer")
+        t = _thresholds(request.args, ("run", "layer"))
+        return series_payload(self._series(request, run), layer, t)
 
-        return self._respond(request, produce)
+    @_json_route
+    def _serve_histograms(self, request: Any) -> dict[str, Any]:
+        _no_extra(request.args, ("run", "layer"))
+        run = _required(request.args, "run")
+        layer = _required(request.args, "layer")
+        return histograms_payload(self._series(request, run), layer)
 
-    @wrappers.Request.application
-    def _serve_series(self, request: Any) -> wrappers.Response:
-        def produce() -> dict[str, Any]:
-            run = _required(request.args, "run")
-            layer = _required(request.args, "layer")
-            t = _thresholds(request.args, ("run", "layer"))
-            return series_payload(self._series(request, run), layer, t)
-
-        return self._respond(request, produce)
-
-    @wrappers.Request.application
-    def _serve_histograms(self, request: Any) -> wrappers.Response:
-        def produce() -> dict[str, Any]:
-            _no_extra(request.args, ("run", "layer"))
-            run = _required(request.args, "run")
-            layer = _required(request.args, "layer")
-            return histograms_payload(self._series(request, run), layer)
-
-        return self._respond(request, produce)
-
-    @wrappers.Request.application
-    def _serve_profile(self, request: Any) -> wrappers.Response:
-        def produce() -> dict[str, Any]:
-            run = _required(request.args, "run")
-            step = _step(request.args)
-            t = _thresholds(request.args, ("run", "step"))
-            series = self._series(request, run)
-            k = at_index(series, step)
-            h, _ = self._diagnosis(request, series, t, int(series.steps[k]))
-            return profile_payload(series, t, step, h)
-
-        return self._respond(request, produce)
+    @_json_route
+    def _serve_profile(self, request: Any) -> dict[str, Any]:
+        run = _required(request.args, "run")
+        step = _step(request.args)
+        t = _thresholds(request.args, ("run", "step"))
+        series = self._series(request, run)
+        h, _ = self._diagnosis(request, series, t, int(series.steps[at_index(series, step)]))
+        return profile_payload(series, t, step, h)
 
     @wrappers.Request.application
     def _serve_static(self, request: Any) -> wrappers.Response:
@@ -264,7 +267,7 @@ class GradHealthPlugin(base_plugin.TBPlugin):
             return http_util.Respond(request, body, "application/json", code=404)
         with open(resolved, "rb") as f:
             content = f.read()
-        return http_util.Respond(request, content, _STATIC_TYPES[os.path.splitext(resolved)[1].lower()])
+        return http_util.Respond(request, content, _content_type(resolved))
 
 
 class _Flight:
@@ -304,7 +307,7 @@ def _resolve_static(static: str, rel: str) -> str | None:
     parts = rel.split("/")
     if not rel or any(p in ("", ".", "..") or p.startswith(".") or "\\" in p or "\0" in p for p in parts):
         return None
-    if os.path.splitext(rel)[1].lower() not in _STATIC_TYPES:
+    if os.path.splitext(rel)[1].lower() not in _STATIC_EXTENSIONS:
         return None
     root = os.path.realpath(static)
     full = os.path.realpath(os.path.join(root, *parts))
