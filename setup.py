@@ -31,6 +31,10 @@ def read_long_description() -> str:
     return readme.read_text(encoding="utf-8") if readme.exists() else ""
 
 
+#: The TensorFlow / Keras range the TF writers support: CI runs their tests on the oldest (tensorflow 2.16.2, keras
+#: 3.0.5) and the newest of it; the private TF/Keras internals they use are listed in tb_gradhealth/compat.py.
+TF_REQUIREMENTS = ["tensorflow>=2.16,<2.22", "keras>=3.0,<3.16"]
+
 #: Files of frontend/ that the browser may load; anything else there (notes, tests) stays out of the package.
 STATIC_PATTERNS = [f"**/*.{ext}" for ext in ("js", "mjs", "css", "html", "svg", "png", "json")]
 
@@ -49,7 +53,7 @@ setup(
     zip_safe=False,
     install_requires=["tensorboard>=2.12", "numpy", "werkzeug", "google-crc32c"],
     extras_require={
-        "tf": ["tensorflow"],
+        "tf": TF_REQUIREMENTS,
         # Kept for old install commands: google-crc32c is now a dependency (the reader checks every data checksum).
         "fast": [],
         # Logdirs on object storage (tb_gradhealth/storage.py): fsspec with its GCS or S3 backend, imported lazily.

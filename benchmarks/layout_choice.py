@@ -8,9 +8,8 @@ gRPC with TensorBoard's ``GrpcDataProvider``) when it is installed.
 
 Records are synthetic but shaped like real ones: each layer's gradients span ~7 decades around a centre that drifts
 4 decades from the first to the last layer (a vanishing-gradient profile), so the packed tensor's shared histogram
-window is wider than one layer's (the cost of packing). Events are written with TF's C++ TFRecordWriter when
-TensorFlow is installed (same bytes as TensorBoard's writer, which computes CRCs in pure Python and would take
-minutes here), else with TensorBoard's EventFileWriter.
+window is wider than one layer's (the cost of packing). Events are written with the package's own TFRecord
+framing (:mod:`tb_gradhealth.eventfile`), the bytes TensorBoard's writer produces.
 
 Usage: python benchmarks/layout_choice.py [--layers 1000] [--steps 1000] [--skip-python-per-layer]
 """
@@ -21,19 +20,17 @@ import argparse
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
-from tensorboard import context  # noqa: E402
-from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer  # noqa: E402
-from tensorboard.compat.proto import event_pb2, tensor_pb2, tensor_shape_pb2, types_pb2  # noqa: E402
+import numpy as np
+from tensorboard import context
+from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
+from tensorboard.compat.proto import event_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
 
-from tb_gradhealth import metadata, record  # noqa: E402
+from tb_gradhealth import eventfile, metadata, record
 
 PLUGIN = metadata.PLUGIN_NAME
 
@@ -78,31 +75,18 @@ def event_bytes(step: int, tag: str, disk: np.ndarray, md) -> bytes:
 
 
 class RecordFile:
-    """An event file: TF's C++ TFRecordWriter if available (fast CRC), else TensorBoard's EventFileWriter."""
+    """An event file written with the package's TFRecord framing (:mod:`tb_gradhealth.eventfile`)."""
 
     def __init__(self, logdir: str) -> None:
         os.makedirs(logdir, exist_ok=True)
-        try:
-            import tensorflow as tf
-
-            path = os.path.join(logdir, "events.out.tfevents.0000000001.bench")
-            self._tf = tf.io.TFRecordWriter(path)
-            self._tf.write(event_pb2.Event(wall_time=1.7e9, file_version="brain.Event:2").SerializeToString())
-            self._tb = None
-        except ImportError:
-            from tensorboard.summary.writer.event_file_writer import EventFileWriter
-
-            self._tf = None
-            self._tb = EventFileWriter(logdir, max_queue_size=1000)
+        self._f = open(os.path.join(logdir, "events.out.tfevents.0000000001.bench"), "wb")  # noqa: SIM115
+        self.write(event_pb2.Event(wall_time=1.7e9, file_version="brain.Event:2").SerializeToString())
 
     def write(self, data: bytes) -> None:
-        if self._tf is not None:
-            self._tf.write(data)
-        else:
-            self._tb._async_writer.write(data)  # already-serialized event
+        self._f.write(eventfile.frame(data))
 
     def close(self) -> None:
-        (self._tf or self._tb).close()
+        self._f.close()
 
 
 def write_run(root: str, layout: str, layers: int, steps: int) -> tuple[str, float]:

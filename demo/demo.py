@@ -372,7 +372,10 @@ def serve(logdir: str, host: str, port: int) -> None:
             "gradhealth=0",
         ]
     )
-    url = tb.launch()
+    try:
+        url = tb.launch()
+    except program.TensorBoardServerException as e:  # taken between the check at start-up and now
+        raise SystemExit(f"demo: TensorBoard could not start: {e.msg}") from None
     log(f"TensorBoard is serving {logdir} at {url}#gradhealth  (Ctrl-C to stop)")
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops it as cleanly as Ctrl-C
     try:
@@ -402,7 +405,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = [r for r in args.runs if r not in RUNNERS]
     if unknown:
         p.error(f"unknown run(s) {', '.join(unknown)}; choose from {', '.join(ALL_RUNS)}")
+    if not args.runs and not args.serve:
+        p.error("--runs is empty: nothing to train (name runs, or add --serve to only serve the logdir)")
+    if not (args.steps > 0 and np.isfinite(args.steps)):
+        p.error(f"--steps must be a positive scale factor, got {args.steps}")
+    if args.serve:
+        busy = port_in_use(args.host, args.port)
+        if busy:
+            p.error(f"--port {args.port}: {busy}; stop what uses it or pick another port (--port 0 picks a free one)")
     return args
+
+
+def port_in_use(host: str, port: int) -> str | None:
+    """Why TensorBoard could not listen on ``host:port`` (checked before training), or None when it can."""
+    import errno
+    import socket
+
+    if port == 0:
+        return None
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        return f"cannot resolve host {host!r} ({e})"
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server will: TIME_WAIT is no conflict
+            try:
+                sock.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return f"{address[0]} port {port} is in use"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

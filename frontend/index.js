@@ -26,10 +26,8 @@ function addStylesheet() {
 /** Build the dashboard into the document body. */
 export async function render() {
   timing.mark('render');
-  window.__gradhealthTiming = timing;
   addStylesheet();
   const model = new Model();
-  window.__gradhealth = { model };
   const drawer = detailDrawer(model);
   const openDetail = (run, layer) => drawer.show(run, layer);
   const banner = el('div', { class: 'banner' });

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from tb_gradhealth import health, reader, storage
+from tb_gradhealth import __version__, health, reader, storage
 from tb_gradhealth.payloads import RequestError, health_payload, parse_step, parse_thresholds
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_UNREADABLE = 0, 1, 2, 3
@@ -34,9 +34,15 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _help_text(text: str) -> str:
+    """Help text taken from elsewhere, with argparse's ``%`` escaped (it formats help strings with ``%``)."""
+    return text.replace("%", "%%")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tb-gradhealth", description="Gradient health of TensorBoard runs, without a server.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     rep = sub.add_parser(
         "report",
@@ -59,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     for spec in health.Thresholds.spec():
         spellings = dict.fromkeys([_flag(spec["name"]), "--" + spec["name"]])  # --vanish-decades, --vanish_decades
         group.add_argument(*spellings, dest="t_" + spec["name"], metavar="V", default=None,
-                           help=f"{spec['description']} (default {spec['default']})")
+                           help=_help_text(f"{spec['description']} (default {spec['default']})"))
     return parser
 
 
@@ -160,8 +166,10 @@ def report(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     found = {s.run for s in data.runs}
     missing = [r for r in (args.run or []) if r not in found]
     if missing:
+        existing = sorted(reader.find_runs(args.logdir))
+        listed = ", ".join(map(repr, existing)) if existing else "none"
         raise UsageError(f"--run: no gradient-health data for run(s) {', '.join(map(repr, missing))} in "
-                         f"{args.logdir!r}")
+                         f"{args.logdir!r} (runs there: {listed})")
     if not data.runs:
         raise UsageError(f"no gradient-health records in {args.logdir!r} (write them with tb_gradhealth's writers)")
     runs = [s for s in data.runs if s.num_steps]

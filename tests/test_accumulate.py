@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from tb_gradhealth import record
-from tb_gradhealth.accumulate import GradientAccumulator
+
+pytestmark = pytest.mark.tf
+
+#: TensorFlow and the accumulator class, bound by the fixture below when a test of this module runs.
+tf: Any = None
+GradientAccumulator: Any = None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _tensorflow(tensorflow):
+    global tf, GradientAccumulator
+    from tb_gradhealth.accumulate import GradientAccumulator
+
+    tf = tensorflow
 
 SHAPES = [(8, 4), (4,), (4, 2)]
 

@@ -11,8 +11,8 @@ own TF stub, exactly as on a machine without TensorFlow. That changes nothing th
 and starts the server in ~3 s instead of ~30 s on a busy two-core machine.
 
 Screenshots of every view go to ``test-artifacts/`` (gitignored); ``GRADHEALTH_UPDATE_SCREENSHOT=1`` also copies
-the overview to ``docs/screenshot.png`` (the README image). The 1,000-layer timings are printed and saved to
-``test-artifacts/timing_1000_layers.json``.
+the overview to ``docs/screenshot.png``. Nothing here reads state the page keeps for itself: tests see what a user
+sees (the DOM, the requests).
 """
 
 from __future__ import annotations
@@ -58,8 +58,6 @@ STATUS_RGB = {"nonfinite": (0, 0, 0), "exploding": (213, 94, 0), "vanishing": (0
 
 # Goal from issue 7: 1,000 layers interactive within 1 s of the data arriving. Asserted with headroom for a
 # shared two-core machine; the measured figure is printed and saved.
-TTI_GOAL_MS = 1000.0
-TTI_LIMIT_MS = 2000.0
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright (python) is not installed")
 if not (os.path.exists(CHROMIUM) and os.access(CHROMIUM, os.X_OK)):
@@ -266,6 +264,9 @@ def shot(target: object, name: str, **kwargs: object) -> Path:
 # --- tests --------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.browser
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_tab_loads_inside_tensorboard(tensorboard: str, browser: object) -> None:
     gh = Page(browser, height=1300)
     try:
@@ -301,6 +302,9 @@ def _tab_loads_inside_tensorboard(tensorboard: str, gh: Page) -> None:
     gh.assert_clean()
 
 
+@pytest.mark.browser
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_ranked_table_puts_sick_layers_first(tensorboard: str, gh: Page, logdir: tuple[str, dict]) -> None:
     _, facts = logdir
     page = open_plugin(gh, tensorboard)
@@ -336,6 +340,9 @@ def test_ranked_table_puts_sick_layers_first(tensorboard: str, gh: Page, logdir:
     gh.assert_clean()
 
 
+@pytest.mark.browser
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_sort_and_filter(tensorboard: str, gh: Page, logdir: tuple[str, dict]) -> None:
     _, facts = logdir
     page = open_plugin(gh, tensorboard)
@@ -355,6 +362,9 @@ def test_sort_and_filter(tensorboard: str, gh: Page, logdir: tuple[str, dict]) -
     gh.assert_clean()
 
 
+@pytest.mark.browser
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_threshold_change_changes_flags(tensorboard: str, gh: Page) -> None:
     page = open_plugin(gh, tensorboard)
     select_runs(page, ["vanishing"])
@@ -388,6 +398,9 @@ def test_threshold_change_changes_flags(tensorboard: str, gh: Page) -> None:
     gh.assert_clean()
 
 
+@pytest.mark.browser
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_layer_detail_draws_charts(tensorboard: str, gh: Page, logdir: tuple[str, dict]) -> None:
     _, facts = logdir
     page = open_plugin(gh, tensorboard)
@@ -422,6 +435,9 @@ def test_layer_detail_draws_charts(tensorboard: str, gh: Page, logdir: tuple[str
     gh.assert_clean()
 
 
+@pytest.mark.browser
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_depth_profile_and_step_slider(tensorboard: str, gh: Page, logdir: tuple[str, dict]) -> None:
     _, facts = logdir
     page = open_plugin(gh, tensorboard)
@@ -441,6 +457,9 @@ def test_depth_profile_and_step_slider(tensorboard: str, gh: Page, logdir: tuple
     gh.assert_clean()
 
 
+@pytest.mark.browser
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_xss_layer_name_is_text(tensorboard: str, gh: Page) -> None:
     page = open_plugin(gh, tensorboard)
     select_runs(page, ["xss"])
@@ -458,6 +477,9 @@ def test_xss_layer_name_is_text(tensorboard: str, gh: Page) -> None:
     gh.assert_clean()
 
 
+@pytest.mark.browser
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_empty_and_downsampled_states(tensorboard: str, gh: Page) -> None:
     gh.page.route("**/data/plugin/gradhealth/runs", lambda route: route.fulfill(json={"runs": [], "problems": []}))
     gh.page.goto(plugin_url(tensorboard))
@@ -484,6 +506,9 @@ def test_empty_and_downsampled_states(tensorboard: str, gh: Page) -> None:
     gh.assert_clean()
 
 
+@pytest.mark.browser
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_refresh_reloads_runs_that_moved(tensorboard: str, gh: Page) -> None:
     """A run whose last step moved (still training) is re-diagnosed on refresh and marked as training."""
     calls = {"n": 0}
@@ -507,9 +532,29 @@ def test_refresh_reloads_runs_that_moved(tensorboard: str, gh: Page) -> None:
     gh.assert_clean()
 
 
-def test_1000_layers_time_to_interactive(tensorboard: str, gh: Page) -> None:
-    """Only the 1,000-layer run is listed, so the page loads exactly its diagnosis; times come from the page's
-    ``performance.now()`` marks (``window.__gradhealthTiming``)."""
+def _shown_numbers(texts: list[str]) -> list[float]:
+    """The numbers of a table column as the page prints them (``—`` for none is left out)."""
+    return [float(t.replace("+inf", "inf")) for t in texts if t.strip() not in ("", "—")]
+
+
+def _sort_by(page: Page, key: str) -> str:
+    """Click a column header and wait until the table says it is sorted by it; returns the direction."""
+    head = page.locator(f'th[data-key="{key}"]')
+    head.click()
+    page.wait_for_function(f"""() => {{
+        const th = document.querySelector('th[data-key="{key}"]');
+        return th && th.getAttribute('aria-sort') !== 'none';
+    }}""")
+    return head.get_attribute("aria-sort")
+
+
+@pytest.mark.browser
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_1000_layers_are_listed_sorted_and_shown_in_full(tensorboard: str, gh: Page) -> None:
+    """Only the 1,000-layer run is listed: its table counts every layer, a sort orders the shown rows by the
+    clicked column, "show all" draws all 1,000 rows and a sort still orders all of them. (How long this takes is
+    measured by benchmarks, not asserted here.)"""
 
     def only_scale(route: object) -> None:
         body = route.fetch().json()
@@ -519,39 +564,23 @@ def test_1000_layers_time_to_interactive(tensorboard: str, gh: Page) -> None:
     gh.page.route("**/data/plugin/gradhealth/runs", only_scale)
     page = gh.page
     page.goto(plugin_url(tensorboard))
-    page.wait_for_function(f"() => window.__gradhealthTiming && window.__gradhealthTiming.tti['{SCALE_RUN}'] > 0",
-                           timeout=60000)
-    timing = page.evaluate(f"""() => {{
-        const t = window.__gradhealthTiming;
-        const mark = (n) => (t.marks.find((m) => m.name === n) || {{}}).t;
-        return {{ tti: t.tti['{SCALE_RUN}'], health_arrived_at: mark('health-data:{SCALE_RUN}'),
-                 interactive_at: mark('interactive:{SCALE_RUN}') }};
-    }}""")
     table = panel(page, SCALE_RUN).locator("table.layer-table")
+    table.locator("tbody tr[data-layer]").first.wait_for(timeout=60000)
     assert table.get_attribute("data-matching") == str(SCALE_LAYERS)
-    page.evaluate("() => { window.__gradhealthTiming.sort = null; }")
-    page.locator('th[data-key="rms"]').click()
-    page.wait_for_function("() => window.__gradhealthTiming.sort !== null")
-    timing["sort_ms"] = page.evaluate("() => window.__gradhealthTiming.sort")
-    shown = table.locator("tbody tr[data-layer] td.num:nth-child(6)").all_inner_texts()
+    rms_column = table.locator("tbody tr[data-layer] td.num:nth-child(6)")
+    direction = _sort_by(page, "rms")
+    shown = _shown_numbers(rms_column.all_inner_texts())
     assert len(shown) > 10
+    assert shown == sorted(shown, reverse=direction == "descending")
     page.locator("[data-testid=show-all]").click()
-    page.wait_for_function("() => window.__gradhealthTiming.showAll !== null")
-    timing["show_all_ms"] = page.evaluate("() => window.__gradhealthTiming.showAll")
-    assert table.locator("tbody tr[data-layer]").count() == SCALE_LAYERS
-    page.evaluate("() => { window.__gradhealthTiming.sort = null; }")
-    page.locator('th[data-key="severity"]').click()
-    page.wait_for_function("() => window.__gradhealthTiming.sort !== null")
-    timing["sort_all_rows_ms"] = page.evaluate("() => window.__gradhealthTiming.sort")
-    timing["layers"] = SCALE_LAYERS
-    (ARTIFACTS / "timing_1000_layers.json").write_text(json.dumps(timing, indent=2))
-    print(f"\n1,000 layers: time to interactive after the health data arrived {timing['tti']:.0f} ms "
-          f"(goal {TTI_GOAL_MS:.0f} ms); sort {timing['sort_ms']:.0f} ms; show all rows "
-          f"{timing['show_all_ms']:.0f} ms; sort with all rows shown {timing['sort_all_rows_ms']:.0f} ms")
+    page.wait_for_function(f"() => document.querySelectorAll('table.layer-table tbody tr[data-layer]').length"
+                           f" === {SCALE_LAYERS}")
+    direction = _sort_by(page, "max_abs")
+    shown = _shown_numbers(table.locator("tbody tr[data-layer] td.num:nth-child(7)").all_inner_texts())
+    assert len(shown) == SCALE_LAYERS
+    assert shown == sorted(shown, reverse=direction == "descending")
     page.locator('th[data-key="rank"]').click()
     shot(page, "08_1000_layers.png")
-    assert timing["tti"] < TTI_LIMIT_MS
-    assert timing["sort_ms"] < TTI_LIMIT_MS
     gh.assert_clean()
 
 

@@ -38,6 +38,7 @@ def run(capsys, *argv):
     return rc, out, err
 
 
+@pytest.mark.unit
 def test_nonfinite_fails_by_default_and_names_the_run(capsys, demo):
     logdir, facts = demo
     rc, out, err = run(capsys, logdir)
@@ -56,6 +57,7 @@ def test_nonfinite_fails_by_default_and_names_the_run(capsys, demo):
     assert "\x1b[" not in out  # colour-free
 
 
+@pytest.mark.unit
 def test_fail_on_none_and_other_statuses(capsys, demo, healthy):
     logdir, _ = demo
     assert run(capsys, logdir, "--fail-on", "none")[0] == 0
@@ -66,6 +68,7 @@ def test_fail_on_none_and_other_statuses(capsys, demo, healthy):
     assert run(capsys, healthy, "--fail-on", "healthy")[0] == 1
 
 
+@pytest.mark.unit
 def test_threshold_flags_change_the_verdict(capsys, demo):
     logdir, _ = demo
     args = (logdir, "--run", "vanishing", "--fail-on", "vanishing")
@@ -75,6 +78,7 @@ def test_threshold_flags_change_the_verdict(capsys, demo):
     assert run(capsys, *args, "--vanish_decades", "10", "--vanish-rms-below", "0")[0] == 0  # underscore spelling
 
 
+@pytest.mark.unit
 def test_table_ranks_worst_first_and_prints_names_literally(capsys, demo):
     logdir, facts = demo
     rc, out, _ = run(capsys, logdir, "--run", "vanishing", "--run", "xss")
@@ -92,6 +96,7 @@ def test_table_ranks_worst_first_and_prints_names_literally(capsys, demo):
     assert "... 8 more layers" in out and len(block) == header + 1 + 2 + 1
 
 
+@pytest.mark.unit
 def test_json_has_the_health_shape_for_every_run(capsys, demo):
     logdir, facts = demo
     rc, out, _ = run(capsys, logdir, "--json", "--step", "20")
@@ -109,6 +114,7 @@ def test_json_has_the_health_shape_for_every_run(capsys, demo):
     assert by_run["exploding"]["summary"]["counts"]["nonfinite"] == 0
 
 
+@pytest.mark.unit
 def test_usage_errors_exit_2(capsys, demo, tmp_path):
     logdir, _ = demo
     (tmp_path / "empty").mkdir()
@@ -118,6 +124,7 @@ def test_usage_errors_exit_2(capsys, demo, tmp_path):
         ((tmp_path / "empty",), "no gradient-health records"),
         ((tmp_path / "scalars",), "no gradient-health records"),
         ((logdir, "--run", "nope"), "'nope'"),
+        ((logdir, "--run", "nope"), "runs there: 'exploding', 'healthy', 'vanishing', 'xss'"),
         ((logdir, "--fail-on", "sick"), "--fail-on"),
         ((logdir, "--fail-on", ""), "--fail-on"),
         ((logdir, "--step", "abc"), "--step"),
@@ -135,9 +142,21 @@ def test_usage_errors_exit_2(capsys, demo, tmp_path):
     assert cli.main([]) == 2 and cli.main(["report"]) == 2 and cli.main(["nope", str(logdir)]) == 2
     capsys.readouterr()
     assert cli.main(["report", "--help"]) == 0
-    assert "--vanish-decades" in capsys.readouterr().out
+    help_text = capsys.readouterr().out
+    assert "--vanish-decades" in help_text and "option_strings" not in help_text
+    for spec in cli.health.Thresholds.spec():  # every threshold's own description, "%" and all
+        assert " ".join(spec["description"].split()[:3]) in " ".join(help_text.split()), spec["name"]
 
 
+@pytest.mark.unit
+def test_version(capsys):
+    from tb_gradhealth import __version__
+
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"tb-gradhealth {__version__}"
+
+
+@pytest.mark.unit
 def test_truncated_file_is_a_warning_not_a_failure(capsys, tmp_path):
     gl.make_healthy(str(tmp_path))
     (path,) = (tmp_path / "healthy").iterdir()
@@ -146,6 +165,7 @@ def test_truncated_file_is_a_warning_not_a_failure(capsys, tmp_path):
     assert rc == 0 and "problem:" in out and "partial record" in out
 
 
+@pytest.mark.e2e
 def test_console_process_exit_status_without_tensorflow(demo):
     """The real process: exit status 1 on NaN, and neither the CLI nor the reader imports TensorFlow."""
     logdir, _ = demo

@@ -75,6 +75,7 @@ def _loaded(tb: TensorBoardProcess) -> dict:
 
 
 @pytest.mark.e2e
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_plain_tensorboard_keeps_every_step(tensorboard):
     runs = _loaded(tensorboard)
@@ -97,6 +98,7 @@ def test_plain_tensorboard_keeps_every_step(tensorboard):
     assert inf_steps == [INF_STEP], inf_steps
 
 
+@pytest.mark.e2e
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_the_users_own_sample_limit_wins(logdir, tmp_path_factory):
@@ -124,12 +126,14 @@ def _flags(samples) -> argparse.Namespace:
     ("gradhealth=3,scalars=9", {"gradhealth": 3, "scalars": 9}),
     (None, {"gradhealth": 0}),
 ])
+@pytest.mark.unit
 def test_fix_flags_sets_only_a_missing_value(given, expected):
     flags = _flags(given)
     plugin.GradHealthLoader().fix_flags(flags)
     assert flags.samples_per_plugin == expected
 
 
+@pytest.mark.unit
 @pytest.mark.unit
 def test_fix_flags_leaves_programs_without_the_flag_alone():
     flags = argparse.Namespace()
@@ -139,6 +143,7 @@ def test_fix_flags_leaves_programs_without_the_flag_alone():
         plugin.GradHealthLoader().fix_flags(_flags("gradhealth=x"))
 
 
+@pytest.mark.unit
 @pytest.mark.unit
 def test_tensorboard_program_applies_the_default_before_building_the_loader():
     """``program.TensorBoard.configure`` parses the real flag (a dict) and calls our fix_flags."""

@@ -70,22 +70,34 @@ def _status(run: dict) -> dict[str, str]:
     return {layer["layer"]: layer["status"] for layer in run["layers"]}
 
 
+@pytest.mark.e2e
+@pytest.mark.tf
+@pytest.mark.slow
 def test_progress_line_per_run(demo):
     _, out = demo
     for name in ("healthy", "vanishing", "exploding", "accumulation", "tpu_host_call", "numpy_writer"):
         assert re.search(rf"^\[demo\] {name}: \d+ steps in [\d.]+ s", out, re.M), out
 
 
+@pytest.mark.e2e
+@pytest.mark.tf
+@pytest.mark.slow
 def test_every_run_is_written(health):
     assert set(health) == set(RUNS), sorted(health)
 
 
+@pytest.mark.e2e
+@pytest.mark.tf
+@pytest.mark.slow
 def test_healthy_runs_have_no_flag(health):
     for name in ("healthy/train", "accumulation", "tpu_host_call", "numpy_writer"):
         statuses = _status(health[name])
         assert set(statuses.values()) == {"healthy"}, (name, statuses)
 
 
+@pytest.mark.e2e
+@pytest.mark.tf
+@pytest.mark.slow
 def test_vanishing_run_flags_the_layers_that_do_not_learn(demo, health):
     """Ground truth from what each layer does: how far its parameters moved over the run (the sum of the recorded
     update RMS over the logged steps), next to the logits layer's. The diagnosis only sees each step's records."""
@@ -107,6 +119,9 @@ def test_vanishing_run_flags_the_layers_that_do_not_learn(demo, health):
     assert run["summary"]["onset"]["step"] == int(series.steps[0])
 
 
+@pytest.mark.e2e
+@pytest.mark.tf
+@pytest.mark.slow
 def test_exploding_run_ends_nonfinite_and_was_exploding_before(demo, health):
     logdir, _ = demo
     series = next(s for s in reader.read_logdir(str(logdir)).runs if s.run == "exploding")
@@ -130,6 +145,9 @@ def test_exploding_run_ends_nonfinite_and_was_exploding_before(demo, health):
     assert before["summary"]["first_bad"]["step"] < nan_step - 5, before["summary"]
 
 
+@pytest.mark.e2e
+@pytest.mark.tf
+@pytest.mark.slow
 def test_report_gates_on_nonfinite(demo):
     logdir, _ = demo
     proc = _report(logdir)
@@ -139,6 +157,9 @@ def test_report_gates_on_nonfinite(demo):
     assert ok.returncode == 0, ok.stdout + ok.stderr
 
 
+@pytest.mark.e2e
+@pytest.mark.tf
+@pytest.mark.slow
 def test_accumulation_records_noise_and_tpu_merges_shards(demo):
     logdir, _ = demo
     runs = {r.run: r for r in reader.read_logdir(str(logdir), ["accumulation", "tpu_host_call"]).runs}
@@ -152,6 +173,9 @@ def test_accumulation_records_noise_and_tpu_merges_shards(demo):
     assert np.all(tpu.records[:, kernel, record.INDEX["size"]] == 4 * 32 * 64)
 
 
+@pytest.mark.e2e
+@pytest.mark.tf
+@pytest.mark.slow
 def test_serve_ends_with_tensorboard_serving_the_tab(demo):
     logdir, _ = demo
     proc = subprocess.Popen(
@@ -195,3 +219,33 @@ def test_serve_ends_with_tensorboard_serving_the_tab(demo):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("args, message", [
+    (["--steps", "-1"], "--steps must be a positive scale factor"),
+    (["--steps", "0"], "--steps must be a positive scale factor"),
+    (["--runs", ""], "--runs is empty"),
+    (["--runs", "nope"], "unknown run(s) nope"),
+])
+def test_bad_arguments_are_refused_before_training(args, message, tmp_path):
+    proc = subprocess.run([sys.executable, str(DEMO), "--logdir", str(tmp_path), *args], capture_output=True,
+                          text=True, timeout=120, env=ENV, cwd=str(REPO))
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert "training" not in proc.stdout and not any(tmp_path.iterdir())
+
+
+@pytest.mark.e2e
+def test_serve_on_a_busy_port_says_so_before_training(tmp_path):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = subprocess.run([sys.executable, str(DEMO), "--logdir", str(tmp_path), "--serve", "--host",
+                               "127.0.0.1", "--port", str(port)], capture_output=True, text=True, timeout=120,
+                              env=ENV, cwd=str(REPO))
+    assert proc.returncode == 2, proc.stderr
+    assert f"--port {port}" in proc.stderr and "in use" in proc.stderr and "Traceback" not in proc.stderr
+    assert "training" not in proc.stdout

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from tensorboard.compat.proto import event_pb2
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as tb_masked_crc32c
 
@@ -14,6 +15,7 @@ from tb_gradhealth import eventfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.unit
 def test_checksum_matches_tensorboard():
     rng = np.random.default_rng(0)
     for n in (0, 1, 7, 8, 1000):
@@ -21,6 +23,7 @@ def test_checksum_matches_tensorboard():
         assert eventfile.masked_crc32c(data) == tb_masked_crc32c(data)
 
 
+@pytest.mark.unit
 def test_file_round_trip_and_truncation(tmp_path):
     f = eventfile.EventFile(str(tmp_path), max_queue=1000)
     for step in range(5):
@@ -39,6 +42,7 @@ def test_file_round_trip_and_truncation(tmp_path):
     assert problems and "partial record" in problems[0]
 
 
+@pytest.mark.unit
 def test_tensorboard_loader_reads_our_files(tmp_path):
     from tensorboard.backend.event_processing import event_file_loader
 
@@ -49,6 +53,7 @@ def test_tensorboard_loader_reads_our_files(tmp_path):
     assert steps == [0, 3]
 
 
+@pytest.mark.e2e
 def test_writer_does_not_import_tensorflow(tmp_path):
     code = (
         "import sys, numpy as np\n"

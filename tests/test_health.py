@@ -57,12 +57,14 @@ def _healthy_grid(steps: int = 8, layers: int = 6, seed: int = 1) -> np.ndarray:
     return base[None, :] * np.exp(rng.normal(scale=0.2, size=(steps, layers)))
 
 
+@pytest.mark.unit
 def test_healthy_network_has_no_flags():
     h = _diag(_healthy_grid())
     assert h.counts["healthy"] == 6 and h.first_bad is None
     assert all(lh.severity == 0 and lh.first_step is None and lh.reasons == [] for lh in h.layers)
 
 
+@pytest.mark.unit
 def test_vanishing_layer_relative_to_median():
     rms = _healthy_grid()
     rms[:, 2] = 1e-3 * 10.0**-5  # 5 decades below the others, every step
@@ -76,6 +78,7 @@ def test_vanishing_layer_relative_to_median():
     assert h.first_bad == {"layer": "layer_2/kernel", "status": "vanishing", "step": 0}
 
 
+@pytest.mark.unit
 def test_vanishing_needs_sustain_steps_and_first_step_is_onset():
     rms = _healthy_grid(steps=10)
     rms[6:, 1] = 1e-9  # vanishing from row 6 (step 60): 4 logged steps
@@ -93,6 +96,7 @@ def test_vanishing_needs_sustain_steps_and_first_step_is_onset():
     assert _status(_diag(rms2, thresholds=Thresholds(sustain_steps=1)))[3] == "healthy"
 
 
+@pytest.mark.unit
 def test_vanishing_absolute_backstop_catches_uniformly_tiny_network():
     rms = _healthy_grid() * 1e-7  # every layer ~1e-10: relative rules see nothing
     h = _diag(rms)
@@ -101,6 +105,7 @@ def test_vanishing_absolute_backstop_catches_uniformly_tiny_network():
     assert set(_status(_diag(rms, thresholds=Thresholds(vanish_rms_below=0)))) == {"healthy"}
 
 
+@pytest.mark.unit
 def test_exploding_relative_absolute_and_trend():
     rms = _healthy_grid(steps=6)
     rms[:, 4] *= 1e5  # 5 decades above the others but still < 1e2 absolute
@@ -116,6 +121,7 @@ def test_exploding_relative_absolute_and_trend():
         explode_rms_above=1e38, explode_max_abs_above=1e38)))) == {"healthy"}
 
 
+@pytest.mark.unit
 def test_trend_catches_divergence_before_nan_and_backstops():
     # The whole network grows 3x per logged step from ~1e-3: the trend rule fires while RMS is still far below
     # the absolute bound (1e2) and long before float32 overflow.
@@ -137,12 +143,14 @@ def test_trend_catches_divergence_before_nan_and_backstops():
     assert _diag(_healthy_grid(steps=30)).counts["exploding"] == 0
 
 
+@pytest.mark.unit
 def test_trend_ignores_recovery_toward_the_median():
     rms = _healthy_grid(steps=10)
     rms[:, 0] = 1e-3 * np.logspace(-6, -2.5, 10)  # climbing back from 6 to 2.5 decades below: recovery
     assert _status(_diag(rms))[0] == "healthy"
 
 
+@pytest.mark.unit
 def test_dead_is_distinct_from_vanishing():
     rms = _healthy_grid()
     rms[:, 3] = 0.0
@@ -162,6 +170,7 @@ def test_dead_is_distinct_from_vanishing():
     assert diagnose_run(_names(6), np.arange(8), recs).statuses()[0] == "healthy"
 
 
+@pytest.mark.unit
 def test_missing_flag_and_absent_layers():
     recs = _records(_healthy_grid(steps=4, layers=4))
     recs[:, 1] = record.compute(None, np.ones(8))
@@ -178,6 +187,7 @@ def test_missing_flag_and_absent_layers():
     json.dumps(h.to_json(), allow_nan=False)
 
 
+@pytest.mark.unit
 def test_nonfinite_first_step_and_deepest_layer_first():
     rms = _healthy_grid(steps=8, layers=5)
     recs = _records(rms)
@@ -206,6 +216,7 @@ def test_nonfinite_first_step_and_deepest_layer_first():
     assert set(diagnose_run(_names(5), np.arange(8) * 10, recs, at_step=39).statuses()) == {"healthy"}
 
 
+@pytest.mark.unit
 def test_recovered_nonfinite_is_a_note_not_a_status():
     recs = _records(_healthy_grid(steps=6, layers=3))
     g = np.full(64, np.inf)
@@ -218,6 +229,7 @@ def test_recovered_nonfinite_is_a_note_not_a_status():
         == "nonfinite"
 
 
+@pytest.mark.unit
 def test_severity_orders_statuses_and_scales_within():
     rms = _healthy_grid(steps=8, layers=8)
     rms[:, 0] = 1e-10  # vanishing, far
@@ -242,6 +254,7 @@ def test_severity_orders_statuses_and_scales_within():
     assert short.status == "vanishing" and short.severity < by["layer_0/kernel"].severity
 
 
+@pytest.mark.unit
 def test_update_and_grad_to_weight_notes():
     rng = np.random.default_rng(0)
     w = rng.normal(size=64)
@@ -266,6 +279,7 @@ def test_update_and_grad_to_weight_notes():
 # --- edge cases -----------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_single_step_single_layer_and_empty():
     one = _records(np.array([[1e-3]]))
     h = diagnose_run(["w"], np.array([7]), one)
@@ -284,6 +298,7 @@ def test_single_step_single_layer_and_empty():
     assert diagnose_run(["a", "b"], np.arange(3), all_absent).statuses() == ["missing", "missing"]
 
 
+@pytest.mark.unit
 def test_bad_inputs_raise_value_error():
     recs = _records(_healthy_grid(steps=3, layers=2))
     with pytest.raises(ValueError, match="step 5 is before the first logged step 10"):
@@ -296,6 +311,7 @@ def test_bad_inputs_raise_value_error():
         diagnose_run(_names(2), np.arange(3), recs[..., :5])
 
 
+@pytest.mark.unit
 def test_json_shape_matches_the_contract():
     rms = _healthy_grid()
     rms[:, 0] = 1e-11
@@ -311,6 +327,7 @@ def test_json_shape_matches_the_contract():
     json.dumps(h, allow_nan=False)
 
 
+@pytest.mark.unit
 def test_history_quantities_agree_with_record_derived():
     recs = _records(_healthy_grid())
     recs[2, 1] = record.compute(np.array([np.nan, 1.0, 0.0, -3.0]))
@@ -322,6 +339,7 @@ def test_history_quantities_agree_with_record_derived():
     np.testing.assert_array_equal(zero, d["zero"])
 
 
+@pytest.mark.e2e
 def test_health_imports_neither_tensorflow_nor_tensorboard():
     code = ("import sys, tb_gradhealth.health; "
             "bad = [m for m in ('tensorflow', 'tensorboard', 'keras') if m in sys.modules]; assert not bad, bad")
@@ -331,6 +349,7 @@ def test_health_imports_neither_tensorflow_nor_tensorboard():
 # --- thresholds -----------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_thresholds_from_mapping_to_dict_and_spec():
     t = Thresholds.from_mapping({"vanish_decades": "4.5", "sustain_steps": "3", "explode_rms_above": 1e3})
     assert t.vanish_decades == 4.5 and t.sustain_steps == 3 and isinstance(t.sustain_steps, int)
@@ -355,11 +374,13 @@ def test_thresholds_from_mapping_to_dict_and_spec():
     ({"growth_window": "1"}, "growth_window"),
     ({"explode_rms_above": "inf"}, "explode_rms_above"),
 ])
+@pytest.mark.unit
 def test_thresholds_bad_values_name_the_key(params, named):
     with pytest.raises(ValueError, match=named):
         Thresholds.from_mapping(params)
 
 
+@pytest.mark.unit
 def test_thresholds_change_the_diagnosis():
     rms = _healthy_grid()
     rms[:, 2] = 1e-3 * 10**-3.5
@@ -372,6 +393,7 @@ def test_thresholds_change_the_diagnosis():
 # --- depth profile --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_profile_bands_and_statuses():
     rms = np.array([[1e-3, 2e-3, 1e-3, 1e-9, 0.0, 1e-3, np.nan]])
     recs = _records(rms)[0]
@@ -397,6 +419,7 @@ def test_profile_bands_and_statuses():
 # --- scale ----------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_scale_1000_by_1000(capsys):
     """1,000 layers x 1,000 logged steps: prints the time (no assert on it: shared CI machines are noisy)."""
     rng = np.random.default_rng(0)
@@ -477,6 +500,7 @@ def _rms_last(records: np.ndarray) -> np.ndarray:
     return record.derived(records[-1])["rms"]
 
 
+@pytest.mark.tf
 def test_tf_deep_sigmoid_mlp_early_layers_vanish(tf):
     net = _Net(tf)
     depth, width = 14, 16
@@ -506,6 +530,7 @@ def test_tf_deep_sigmoid_mlp_early_layers_vanish(tf):
     assert h.first_bad["layer"] == h.layers[0].layer and h.onset["step"] == 0
 
 
+@pytest.mark.tf
 def test_tf_linear_stack_with_too_large_init_explodes_before_nan(tf):
     net = _Net(tf)
     depth, width = 8, 32
@@ -541,6 +566,7 @@ def test_tf_linear_stack_with_too_large_init_explodes_before_nan(tf):
     assert h.onset["step"] == 0 and h.onset["status"] == "exploding"
 
 
+@pytest.mark.tf
 def test_tf_dead_relu_branch_is_dead_and_the_rest_healthy(tf):
     net = _Net(tf)
     trunk = [net.dense(f"trunk_{i}", 16, 16, std=math.sqrt(2 / 16)) for i in range(3)]
@@ -574,6 +600,7 @@ def _batch_norm(net: _Net, tf, name: str, n: int):
     return apply
 
 
+@pytest.mark.tf
 def test_tf_healthy_bn_relu_network_has_no_flags(tf):
     net = _Net(tf, seed=1)
     width = 32
@@ -596,6 +623,7 @@ def test_tf_healthy_bn_relu_network_has_no_flags(tf):
     assert spread < 3.0  # the layers of a healthy net sit within a few decades: the defaults leave a margin
 
 
+@pytest.mark.tf
 def test_tf_injected_nan_exact_step_and_first_layer(tf):
     net = _Net(tf, seed=2)
     depth, inject_layer, inject_step = 6, 3, 5

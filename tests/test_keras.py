@@ -86,6 +86,7 @@ def assert_applied(rows: np.ndarray, w_before: list[np.ndarray], w_after: list[n
     assert np.all(rows[:, record.INDEX["missing"]] == 0)
 
 
+@pytest.mark.tf
 @pytest.mark.parametrize("jit", [False, True])
 def test_recorded_gradient_is_the_applied_one(tmp_path, jit):
     x, y = make_data()
@@ -114,6 +115,7 @@ def test_recorded_gradient_is_the_applied_one(tmp_path, jit):
     assert_applied(recs2[14], weights2.weights[1], weights2.weights[2])
 
 
+@pytest.mark.tf
 def test_clipped_and_accumulated_gradients_are_the_applied_ones(tmp_path):
     """The record is taken after the optimizer's clipping and gradient accumulation: what w moved by."""
     x, y = make_data(16)
@@ -137,6 +139,7 @@ def test_clipped_and_accumulated_gradients_are_the_applied_ones(tmp_path):
         assert_applied(rows, weights.weights[s - 2], weights.weights[s])
 
 
+@pytest.mark.tf
 @pytest.mark.filterwarnings("ignore:.*(shuffle|ran out of data).*:UserWarning")
 def test_update_freq_integer_and_epoch(tmp_path):
     x, y = make_data(40)
@@ -181,6 +184,7 @@ def test_update_freq_integer_and_epoch(tmp_path):
     assert sorted(read_records(str(tmp_path / "unknown2"))[1]) == list(range(2, steps + 1, 2))
 
 
+@pytest.mark.tf
 def test_first_call_runs_the_statistics_once_and_stores_nothing(tmp_path):
     """update_freq=3: step 1 is not logged, yet the first call runs the statistics once (so that without
     jit_compile their XLA clusters compile at the start of fit, not in the first logged step) and stores nothing."""
@@ -198,6 +202,7 @@ def test_first_call_runs_the_statistics_once_and_stores_nothing(tmp_path):
     assert sorted(read_records(str(tmp_path))[1]) == [3]
 
 
+@pytest.mark.tf
 def test_steps_per_execution(tmp_path):
     x, y = make_data(48)
     reference = make_model(jit_compile=False)
@@ -215,6 +220,7 @@ def test_steps_per_execution(tmp_path):
             np.testing.assert_allclose(record.derived(recs[s])["norm"], record.derived(ref[s])["norm"], rtol=1e-4)
 
 
+@pytest.mark.tf
 def test_mixed_precision_records_unscaled_gradient(tmp_path):
     previous = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy("mixed_float16")
@@ -267,6 +273,8 @@ _MIRRORED_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.tf
+@pytest.mark.slow
 def test_mirrored_strategy(tmp_path):
     """Two logical CPU devices must be configured before TF initialises devices: run in a fresh process."""
     script = tmp_path / "mirrored.py"
@@ -287,6 +295,7 @@ def test_mirrored_strategy(tmp_path):
         np.testing.assert_allclose(rec["norm"], np.array(rec["delta"]) / LR, rtol=1e-4)
 
 
+@pytest.mark.tf
 def test_stop_on_nonfinite_stops_at_the_injected_step(tmp_path):
     x, y = make_data(40)
     x[5 * 4 + 1, 2] = np.nan  # a NaN in batch index 5: optimizer step 6
@@ -301,6 +310,7 @@ def test_stop_on_nonfinite_stops_at_the_injected_step(tmp_path):
     assert record.derived(recs[6])["nan"].sum() > 0 and record.derived(recs[5])["nan"].sum() == 0
 
 
+@pytest.mark.tf
 def test_stop_on_exploding_uses_the_thresholds(tmp_path):
     x, y = make_data(40)
     y[7 * 4 : 8 * 4] = 1e5  # a huge target in batch 7: a gradient RMS far above the backstop at step 8
@@ -314,6 +324,7 @@ def test_stop_on_exploding_uses_the_thresholds(tmp_path):
         GradientHealthCallback(tmp_path, stop_on=("exploding",), thresholds={"no_such_threshold": 1})
 
 
+@pytest.mark.tf
 def test_probe_mode_writes_at_epoch_ends_only(tmp_path):
     x, y = make_data(16)
     probe = (x[:8], y[:8])
@@ -330,6 +341,7 @@ def test_probe_mode_writes_at_epoch_ends_only(tmp_path):
     np.testing.assert_allclose(record.derived(recs[12])["norm"], [np.linalg.norm(g.numpy()) for g in grads], rtol=1e-5)
 
 
+@pytest.mark.tf
 def test_custom_train_step_that_bypasses_the_optimizer_raises(tmp_path):
     class Manual(keras.Model):
         def train_step(self, data):
@@ -350,6 +362,7 @@ def test_custom_train_step_that_bypasses_the_optimizer_raises(tmp_path):
     assert "_backend_update_step" not in model.optimizer.__dict__
 
 
+@pytest.mark.tf
 def test_other_backend_and_bad_arguments_raise(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="update_freq"):
         GradientHealthCallback(tmp_path, update_freq=0)

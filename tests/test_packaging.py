@@ -39,6 +39,8 @@ def wheel(tmp_path_factory) -> Path:
     return wheels[0]
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_wheel_ships_every_frontend_file_as_package_data(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     frontend = [p for p in (REPO / "frontend").rglob("*") if p.is_file() and p.suffix in SHIPPED]
@@ -49,6 +51,8 @@ def test_wheel_ships_every_frontend_file_as_package_data(wheel):
     assert {"tb_gradhealth/" + m for m in modules} <= names
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_wheel_metadata_entry_points_and_requirements(wheel):
     zf = zipfile.ZipFile(wheel)
     info = next(n.split("/")[0] for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
@@ -67,6 +71,8 @@ def test_wheel_metadata_entry_points_and_requirements(wheel):
     assert f"Version: {tb_gradhealth.__version__}" in meta
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_installed_wheel_serves_static_files_from_the_package(wheel, tmp_path):
     target = tmp_path / "site"
     proc = subprocess.run(

@@ -67,6 +67,7 @@ def get_json(c, url, status=200):
     return json.loads(r.get_data(as_text=True))
 
 
+@pytest.mark.e2e
 def test_runs_lists_every_run_with_layers_and_steps(client, demo):
     _, facts, _ = demo
     body = get_json(client, "/runs")
@@ -82,6 +83,7 @@ def test_runs_lists_every_run_with_layers_and_steps(client, demo):
     assert runs["xss"]["layers"][0] == gl.XSS_LAYER
 
 
+@pytest.mark.e2e
 def test_health_ranks_the_vanishing_layers_first(client, demo):
     _, facts, _ = demo
     body = get_json(client, "/health?run=vanishing")
@@ -101,6 +103,7 @@ def test_health_ranks_the_vanishing_layers_first(client, demo):
         assert x["rms_history"][-1] == pytest.approx(x["rms"])
 
 
+@pytest.mark.e2e
 def test_health_names_the_first_nonfinite_layer_and_step(client, demo):
     _, facts, _ = demo
     f = facts["exploding"]
@@ -120,6 +123,7 @@ def test_health_names_the_first_nonfinite_layer_and_step(client, demo):
     assert before["history_steps"][-1] == f.nan_step - 1
 
 
+@pytest.mark.e2e
 def test_thresholds_in_the_query_change_the_flags(client):
     default = get_json(client, "/health?run=vanishing")["summary"]["counts"]["vanishing"]
     loose = get_json(client, "/health?run=vanishing&vanish_decades=10&vanish_rms_below=0")
@@ -130,6 +134,7 @@ def test_thresholds_in_the_query_change_the_flags(client):
     assert strict["layers"][0]["status"] == "exploding" and strict["layers"][0]["reasons"]
 
 
+@pytest.mark.e2e
 def test_series_returns_derived_fields_for_one_layer(client, demo):
     _, facts, _ = demo
     f = facts["healthy"]
@@ -145,6 +150,7 @@ def test_series_returns_derived_fields_for_one_layer(client, demo):
     assert all(v is not None and v > 0 for v in body["fields"]["grad_to_weight"])
 
 
+@pytest.mark.e2e
 def test_series_merges_windows_keeping_the_last_step_alone(client):
     body = get_json(client, "/series?run=long&layer=block_0000/bias")
     assert body["total_steps"] == 1200 and body["merged"] is True and body["downsampled"] is False
@@ -153,6 +159,7 @@ def test_series_merges_windows_keeping_the_last_step_alone(client):
     assert body["steps"] == sorted(set(body["steps"]))
 
 
+@pytest.mark.unit
 def test_series_keeps_the_first_nonfinite_step_when_downsampling():
     rows = gl.synthetic_records(np.full((2000, 1), 1e-3))
     rows[1001, 0, record.INDEX["nan"]] = 3
@@ -162,6 +169,7 @@ def test_series_keeps_the_first_nonfinite_step_when_downsampling():
     assert body["fields"]["nan"][body["steps"].index(1001)] == 3
 
 
+@pytest.mark.e2e
 def test_histograms_are_trimmed_decades_per_step(client, demo):
     _, facts, _ = demo
     body = get_json(client, "/histograms?run=vanishing&layer=sigmoid_0/kernel")
@@ -178,6 +186,7 @@ def test_histograms_are_trimmed_decades_per_step(client, demo):
     assert nan_body["nonfinite"][facts["exploding"].nan_step] > 0
 
 
+@pytest.mark.e2e
 def test_profile_is_in_network_order_with_bands(client, demo):
     _, facts, _ = demo
     f = facts["vanishing"]
@@ -224,6 +233,7 @@ BAD_REQUESTS = [
 ]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("url,status,parameter", BAD_REQUESTS)
 def test_bad_requests_are_4xx_naming_the_parameter(client, tb_client, url, status, parameter):
     for c, prefix in ((client, ""), (tb_client, "/data/plugin/gradhealth")):
@@ -232,6 +242,7 @@ def test_bad_requests_are_4xx_naming_the_parameter(client, tb_client, url, statu
         assert parameter in body["error"]
 
 
+@pytest.mark.e2e
 def test_static_files_are_served_from_the_frontend_dir_only(client):
     static = plugin._static_dir()
     assert static is not None and Path(static, "index.js").is_file()
@@ -249,6 +260,7 @@ def test_static_files_are_served_from_the_frontend_dir_only(client):
         assert "error" in json.loads(r.get_data(as_text=True))
 
 
+@pytest.mark.unit
 def test_resolve_static_rejects_escapes(tmp_path):
     (tmp_path / "index.js").write_text("export function render() {}")
     (tmp_path / "secret.py").write_text("x")
@@ -260,6 +272,7 @@ def test_resolve_static_rejects_escapes(tmp_path):
         assert plugin._resolve_static(str(tmp_path), rel) is None, rel
 
 
+@pytest.mark.e2e
 def test_through_tensorboard_app_listing_and_routes(tb_client, demo):
     _, facts, _ = demo
     listing = get_json(tb_client, "/data/plugins_listing")
@@ -277,6 +290,7 @@ def test_through_tensorboard_app_listing_and_routes(tb_client, demo):
     assert get_json(tb_client, "/experiment/0/data/plugin/gradhealth/runs")["runs"] == runs["runs"]
 
 
+@pytest.mark.e2e
 def test_frontend_metadata_and_activity(demo):
     _, _, provider = demo
     p = plugin.GradHealthPlugin(base_plugin.TBContext(data_provider=provider, sampling_hints={}))
@@ -287,6 +301,7 @@ def test_frontend_metadata_and_activity(demo):
     assert empty.is_active() is False
 
 
+@pytest.mark.e2e
 def test_default_sampling_is_reported_in_runs(demo):
     _, _, provider = demo
     p = plugin.GradHealthPlugin(base_plugin.TBContext(data_provider=provider, sampling_hints={}))
@@ -295,27 +310,49 @@ def test_default_sampling_is_reported_in_runs(demo):
     assert long["sample_limit"] == reader.RUST_LOADER_DEFAULT and long["maybe_downsampled"] is True
 
 
-def test_warm_health_is_cached_and_consistent(client):
-    a = client.get("/health?run=long").get_data()
-    b = client.get("/health?run=long").get_data()
-    assert a == b
-    other = client.get("/health?run=long&step=600").get_data()
-    assert json.loads(other)["step"] == 600
+@pytest.mark.e2e
+def test_warm_health_is_cached_and_consistent(demo, monkeypatch):
+    """A repeated request is answered from the cache (no second diagnosis); other thresholds or steps are not."""
+    _, _, provider = demo
+    calls = []
+    real = plugin.diagnose
+    monkeypatch.setattr(plugin, "diagnose", lambda *a, **k: calls.append(a[1:]) or real(*a, **k))
+    p = plugin.GradHealthPlugin(base_plugin.TBContext(data_provider=provider, sampling_hints={"gradhealth": 0}))
+    fresh = Client(PluginApp(p.get_plugin_apps()))
+    a = fresh.get("/health?run=long").get_data()
+    b = fresh.get("/health?run=long").get_data()
+    assert a == b and len(calls) == 1
+    other = fresh.get("/health?run=long&step=600").get_data()
+    assert json.loads(other)["step"] == 600 and len(calls) == 2
+    fresh.get("/health?run=long&vanish_decades=2")
+    assert len(calls) == 3
+    assert fresh.get("/health?run=long").get_data() == a and len(calls) == 3
 
 
+@pytest.mark.e2e
 def test_cli_json_is_the_health_route(client, demo, capsys):
-    """The CLI (event files, no server) and the plugin (data server) give the same diagnosis."""
-    logdir, _, _ = demo
+    """The CLI (event files, no server) and the plugin (data server) give the same diagnosis, and that diagnosis
+    is the one the generated runs are known to hold."""
+    logdir, facts, _ = demo
     assert cli.main(["report", str(logdir), "--json", "--run", "vanishing", "--run", "exploding",
                      "--fail-on", "none"]) == 0
     out = json.loads(capsys.readouterr().out)
+    assert sorted(body["run"] for body in out["runs"]) == ["exploding", "vanishing"]
     for body in out["runs"]:
-        served = get_json(client, f"/health?run={body.pop('run')}")
+        run = body.pop("run")
+        served = get_json(client, f"/health?run={run}")
         served.pop("run")
         assert body.pop("problems") == [] and body.pop("notes") == []
         assert body == served
+        statuses = {x["layer"]: x["status"] for x in body["layers"]}
+        if run == "vanishing":
+            assert {n for n, s in statuses.items() if s == "vanishing"} == set(facts[run].vanishing)
+        else:
+            assert body["summary"]["first_bad"]["layer"] == facts[run].first_nan_layer
+            assert statuses[facts[run].first_nan_layer] == "nonfinite"
 
 
+@pytest.mark.e2e
 def test_a_failing_data_provider_is_503_or_a_problem_never_500(tmp_path):
     """When TensorBoard's data server goes away, data routes answer 503 naming the failure, `runs` reports it."""
     import time

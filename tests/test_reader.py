@@ -35,6 +35,7 @@ def _only(data: reader.LogdirData, run: str) -> reader.RunSeries:
     return series
 
 
+@pytest.mark.unit
 def test_demo_logdir_reads_every_run_in_network_order(tmp_path):
     facts = gl.make_demo_logdir(str(tmp_path))
     data = reader.read_logdir(str(tmp_path))
@@ -51,6 +52,7 @@ def test_demo_logdir_reads_every_run_in_network_order(tmp_path):
     assert _only(data, "xss").layers[0] == gl.XSS_LAYER
 
 
+@pytest.mark.unit
 def test_values_survive_the_disk_form_exactly(tmp_path):
     layers = ["a", "b", "c"]
     recs = np.stack([_rows(3, 10.0 ** -k, seed=k) for k in range(4)])
@@ -62,6 +64,7 @@ def test_values_survive_the_disk_form_exactly(tmp_path):
     assert s.records[2, 1, record.INDEX["nan"]] == 7
 
 
+@pytest.mark.unit
 def test_tags_with_different_layer_sets_merge_by_name_with_absent_rows_nan(tmp_path):
     run = tmp_path / "multi"
     big, small = ["embed", "dense/kernel", "dense/bias", "out"], ["dense/kernel", "extra", "out"]
@@ -86,6 +89,7 @@ def test_tags_with_different_layer_sets_merge_by_name_with_absent_rows_nan(tmp_p
     np.testing.assert_array_equal(s.records[:3, col["out"]], _roundtrip(rec_big[:3, 3]))
 
 
+@pytest.mark.unit
 def test_streams_of_one_run_are_separate_series(tmp_path):
     """Keras' probe gradients (name="probe_gradients") are another measurement of the same layers: not merged."""
     run = tmp_path / "keras"
@@ -107,6 +111,7 @@ def test_streams_of_one_run_are_separate_series(tmp_path):
     assert reader.stream_of("gradhealth/a/b/0a1b2c3d") == "a/b"
 
 
+@pytest.mark.unit
 def test_rewritten_step_keeps_the_last_written_record(tmp_path):
     run_dir = str(tmp_path / "r")
     tag = metadata.tag_for(["a"])
@@ -121,6 +126,7 @@ def test_rewritten_step_keeps_the_last_written_record(tmp_path):
     np.testing.assert_array_equal(s.records[1, 0], _roundtrip(second[None])[0])
 
 
+@pytest.mark.unit
 def test_bad_tensors_are_reported_and_the_rest_is_read(tmp_path):
     run_dir = str(tmp_path / "r")
     layers = ["a", "b"]
@@ -147,6 +153,7 @@ def test_bad_tensors_are_reported_and_the_rest_is_read(tmp_path):
     assert "outside the 77 bins" in rows_problem
 
 
+@pytest.mark.unit
 def test_unreadable_and_future_metadata_skip_only_that_tag(tmp_path):
     run_dir = str(tmp_path / "r")
     ok_tag, bad_tag, future_tag = (metadata.tag_for(["a"]), metadata.tag_for(["b"]), metadata.tag_for(["c"]))
@@ -164,6 +171,7 @@ def test_unreadable_and_future_metadata_skip_only_that_tag(tmp_path):
     assert future_tag in text and "v99" in text and "upgrade" in text
 
 
+@pytest.mark.unit
 def test_truncated_file_reports_and_keeps_the_records_before(tmp_path):
     facts = gl.make_vanishing(str(tmp_path))
     (path,) = (tmp_path / "vanishing").iterdir()
@@ -176,6 +184,7 @@ def test_truncated_file_reports_and_keeps_the_records_before(tmp_path):
     assert "partial record" in problem and path.name in problem
 
 
+@pytest.mark.unit
 def test_corrupt_record_header_stops_that_file_only(tmp_path):
     gl.make_vanishing(str(tmp_path))
     gl.make_xss(str(tmp_path))
@@ -195,6 +204,7 @@ def test_corrupt_record_header_stops_that_file_only(tmp_path):
     assert _only(got, "xss").problems == ()
 
 
+@pytest.mark.unit
 def test_undecodable_event_payload_is_skipped(tmp_path):
     run_dir = str(tmp_path / "r")
     tag = metadata.tag_for(["a"])
@@ -208,6 +218,7 @@ def test_undecodable_event_payload_is_skipped(tmp_path):
     assert any("1 corrupt event(s)" in p for p in s.problems)
 
 
+@pytest.mark.unit
 def test_reading_while_a_writer_appends(tmp_path):
     """Each read sees a consistent prefix: a half-written record is left for the next read, not an error."""
     run_dir = str(tmp_path / "live")
@@ -231,6 +242,7 @@ def test_reading_while_a_writer_appends(tmp_path):
         assert s.steps.tolist() == list(range(6)) and s.problems == ()
 
 
+@pytest.mark.unit
 def test_runs_are_named_like_tensorboard_and_other_data_is_ignored(tmp_path):
     gl.make_xss(str(tmp_path), run=".")  # records in the logdir itself: run "."
     gl.make_xss(str(tmp_path), run="a/b")
@@ -240,6 +252,7 @@ def test_runs_are_named_like_tensorboard_and_other_data_is_ignored(tmp_path):
     assert [s.run for s in data.runs] == [".", "a/b"]
 
 
+@pytest.mark.unit
 def test_read_logdir_selected_runs_and_missing_logdir(tmp_path):
     gl.make_demo_logdir(str(tmp_path))
     assert [s.run for s in reader.read_logdir(str(tmp_path), runs=["xss"]).runs] == ["xss"]
@@ -249,11 +262,13 @@ def test_read_logdir_selected_runs_and_missing_logdir(tmp_path):
         reader.read_logdir(str(next((tmp_path / "xss").iterdir())))
 
 
+@pytest.mark.unit
 def test_merge_order_keeps_every_tags_order():
     assert reader._merge_order([["a", "b", "c"], ["x", "b", "y"], ["c", "z"]]) == ["a", "x", "b", "y", "c", "z"]
     assert reader._merge_order([]) == []
 
 
+@pytest.mark.unit
 def test_sampling_hint_becomes_a_positive_downsample():
     assert reader.sampling(object(), 0) == (reader.SAMPLE_ALL, None)
     assert reader.sampling(object(), 7) == (7, 7)
@@ -263,6 +278,7 @@ def test_sampling_hint_becomes_a_positive_downsample():
 # --- through TensorBoard's data server (the default loader of `tensorboard`) -----------------------------------------
 
 
+@pytest.mark.e2e
 def test_provider_reader_matches_the_logdir_reader_and_caches(tmp_path):
     facts = gl.make_demo_logdir(str(tmp_path))
     ingester = gl.data_server(str(tmp_path), {"gradhealth": 0}, last_steps=gl.last_steps(facts))
@@ -281,6 +297,7 @@ def test_provider_reader_matches_the_logdir_reader_and_caches(tmp_path):
     assert pr.has_data(None, "")
 
 
+@pytest.mark.e2e
 def test_provider_reader_splits_streams_like_the_logdir_reader(tmp_path):
     layers = ["dense/kernel", "dense/bias"]
     gl.write_records(str(tmp_path / "keras"), layers, [0, 1, 2], np.stack([_rows(2, 1e-3, s) for s in range(3)]))
@@ -294,6 +311,7 @@ def test_provider_reader_splits_streams_like_the_logdir_reader(tmp_path):
         np.testing.assert_array_equal(a.records, b.records)
 
 
+@pytest.mark.e2e
 def test_provider_default_sample_limit_and_downsampling(tmp_path):
     gl.make_scale_logdir(str(tmp_path), 3, 150, run="long")
     ingester = gl.data_server(str(tmp_path), {}, last_steps={"long": 149})
@@ -306,6 +324,7 @@ def test_provider_default_sample_limit_and_downsampling(tmp_path):
     assert s5.num_steps == 5 and s5.sample_limit == 5 and s5.maybe_downsampled and s5.last_step == 149
 
 
+@pytest.mark.e2e
 def test_provider_reader_sees_new_steps_while_training_writes(tmp_path):
     layers = ["a", "b"]
     tag = metadata.tag_for(layers)
@@ -352,6 +371,7 @@ assert "tensorflow" not in sys.modules
 """
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("hint", [None, 0])
 def test_python_loader_provider(tmp_path, hint):
     """TensorBoard's other loader (`--load_fast=false`): the Python multiplexer keeps 10 samples per tensor tag by

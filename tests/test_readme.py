@@ -40,10 +40,12 @@ def _blocks() -> list:
     return params
 
 
+@pytest.mark.unit
 def test_readme_has_examples():
     assert len(_blocks()) >= 8
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("code", _blocks())
 def test_python_block_runs_and_writes_records(code, tmp_path):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
@@ -58,6 +60,7 @@ def test_python_block_runs_and_writes_records(code, tmp_path):
         assert not run.problems, run.problems
 
 
+@pytest.mark.unit
 def test_setup_is_two_commands_that_exist():
     setup = README.split("## Set-up: two commands", 1)[1].split("\n## ", 1)[0]
     block = re.search(r"```sh\n(.*?)```", setup, re.S).group(1)
@@ -74,6 +77,7 @@ def test_setup_is_two_commands_that_exist():
     assert "playwright install" not in re.sub(r"#.*", "", ci)
 
 
+@pytest.mark.unit
 def test_linked_files_exist():
     links = re.findall(r"\]\(([^)#]+)\)", README)
     assert links
@@ -81,6 +85,7 @@ def test_linked_files_exist():
     assert not missing, missing
 
 
+@pytest.mark.unit
 def test_threshold_defaults_quoted_in_readme_are_the_code_defaults():
     from tb_gradhealth import Thresholds
 
@@ -93,6 +98,7 @@ def test_threshold_defaults_quoted_in_readme_are_the_code_defaults():
         assert float(value) == defaults[name], (name, value, defaults[name])
 
 
+@pytest.mark.unit
 def test_cli_flags_in_readme_exist(capsys):
     from tb_gradhealth import cli
 

@@ -40,6 +40,7 @@ def decade_bins(abs_values: np.ndarray) -> np.ndarray:
     return (a[:, None] >= edges[None, :]).sum(axis=1)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("scale", SCALES)
 def test_exact_fields_at_extreme_scales(scale):
     rng = np.random.default_rng(int(-math.log10(scale) + 100))
@@ -63,6 +64,7 @@ def test_exact_fields_at_extreme_scales(scale):
     assert rec[record.INDEX["hist_sample"]] == nz.size and d["hist_exact"]
 
 
+@pytest.mark.unit
 def test_largest_and_smallest_normal_float32():
     big = np.finfo(np.float32).max
     g = np.array([big, -big, big / 2, TINY, -TINY * 3], np.float32)
@@ -74,6 +76,7 @@ def test_largest_and_smallest_normal_float32():
     np.testing.assert_allclose(d["norm"], math.sqrt(1000) * 2 * TINY, rtol=1e-6)
 
 
+@pytest.mark.unit
 def test_subnormals_flush_to_zero():
     g = np.array([1e-39, -1e-40, 1.0, 0.0], np.float32)  # the first two are float32 subnormals
     rec = record.compute(g)
@@ -82,6 +85,7 @@ def test_subnormals_flush_to_zero():
     assert rec[record.HIST_START:].sum() == 1
 
 
+@pytest.mark.unit
 def test_nan_inf_are_counted_and_do_not_poison_finite_stats():
     rng = np.random.default_rng(1)
     clean = rng.standard_normal(300).astype(np.float32) * 1e-25
@@ -98,6 +102,7 @@ def test_nan_inf_are_counted_and_do_not_poison_finite_stats():
     np.testing.assert_allclose(d["norm"], reference(clean)["norm"], rtol=1e-6)
 
 
+@pytest.mark.unit
 def test_all_nonfinite_and_empty():
     d = record.derived(record.compute(np.array([np.nan, np.inf], np.float32)))
     assert d["finite"] == 0 and d["norm"] == 0 and math.isnan(d["rms"]) and d["max_abs"] == 0
@@ -107,6 +112,7 @@ def test_all_nonfinite_and_empty():
     assert d["size"] == 0 and math.isnan(d["zero_fraction"]) and math.isnan(d["rms"]) and d["norm"] == 0
 
 
+@pytest.mark.unit
 def test_missing_and_optional_fields():
     w = np.array([3.0, -4.0, np.nan], np.float32)
     rec = record.compute(None, w)
@@ -126,6 +132,7 @@ def split_merge(g: np.ndarray, cut: int, **kw) -> tuple[np.ndarray, np.ndarray]:
     return whole, merged
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("scale", [1e-36, 1.0, 1e36])
 def test_merge_of_two_halves_equals_whole(scale):
     rng = np.random.default_rng(2)
@@ -149,6 +156,7 @@ def test_merge_of_two_halves_equals_whole(scale):
     np.testing.assert_allclose(dm["rms"], dw["rms"], rtol=1e-10)
 
 
+@pytest.mark.unit
 def test_merge_identity_all_and_unknown_optionals():
     g = np.arange(-5, 20, dtype=np.float32)
     r = record.compute(g, g)
@@ -165,6 +173,7 @@ def test_merge_identity_all_and_unknown_optionals():
     assert record.merge(record.missing(), whole)[record.INDEX["missing"]] == 0
 
 
+@pytest.mark.unit
 def test_sampled_histogram_scaling_rule_and_merge():
     rng = np.random.default_rng(3)
     g = (rng.standard_normal(50_000) * 10.0 ** rng.integers(-30, 30, 50_000)).astype(np.float32)
@@ -189,6 +198,7 @@ def test_sampled_histogram_scaling_rule_and_merge():
     assert merged[record.INDEX["hist_sample"]] == 2048
 
 
+@pytest.mark.unit
 def test_histogram_edges():
     vals = np.array([2e-38, 1e-37, 9.9e-37, 1.0, 9.99, 10.0, 1e38, 3e38], np.float32)
     got = record.hist_bin(vals)
@@ -197,6 +207,7 @@ def test_histogram_edges():
     assert record.HIST_BIN_LOG10_LO[38] == 0 and record.HIST_BINS == 77
 
 
+@pytest.mark.unit
 def test_noise_fields():
     a = np.array([1.0, 2.0, 3.0], np.float32)
     b = np.array([3.0, 2.0, 1.0], np.float32)
@@ -207,6 +218,7 @@ def test_noise_fields():
     assert record.noise_fields([a]) == (1.0, 0.0)
 
 
+@pytest.mark.unit
 def test_disk_round_trip():
     rng = np.random.default_rng(5)
     rows = np.stack([
@@ -230,6 +242,7 @@ def test_disk_round_trip():
     assert record.from_disk(record.to_disk(record.empty((0,)))).shape == (0, record.NUM_FIELDS)
 
 
+@pytest.mark.unit
 def test_disk_errors():
     rows = np.stack([record.compute(np.ones(3, np.float32))])
     rows[0, 0] = 2**31
@@ -245,6 +258,7 @@ def test_disk_errors():
         record.from_disk(np.zeros((1, 4), np.float32))
 
 
+@pytest.mark.unit
 def test_device_form():
     rows = np.stack([record.compute(np.arange(5, dtype=np.float32)), record.missing()])
     counts = rows[:, : record.NUM_COUNTS].astype(np.int32)

@@ -72,6 +72,8 @@ def variables():
     return {n: tf.Variable(np.ones(np.shape(g), np.float32) * 0.5, name=n) for n, g in CASES.items()}
 
 
+@pytest.mark.tf
+@pytest.mark.slow
 def test_same_record_on_every_path(variables):
     grads = {n: tf.constant(g) for n, g in CASES.items()}
     hs = 4096
@@ -107,6 +109,8 @@ def test_same_record_on_every_path(variables):
                 raise AssertionError(f"{path} / {name}: {e}") from e
 
 
+@pytest.mark.tf
+@pytest.mark.slow
 def test_large_layers_match_the_float64_reference():
     """Layers of 1M-4M values (blocked loop, ragged tail, zeros, both signs): norms within 1e-5 on every path.
 
@@ -140,6 +144,7 @@ def test_large_layers_match_the_float64_reference():
                 raise AssertionError(f"{path} / {name}: {e}") from e
 
 
+@pytest.mark.tf
 def test_extreme_norms_in_float32_xla():
     """Norm right from 1e-37 to 1e+38 where a plain float32 sum of squares under/overflows."""
     for e in (-37.5, -30, -19, 19, 30, 37.5):
@@ -151,6 +156,7 @@ def test_extreme_norms_in_float32_xla():
             np.testing.assert_allclose(d["rms"], float(g[1]), rtol=1e-5)
 
 
+@pytest.mark.tf
 def test_bfloat16_and_sampling_seed():
     g = (RNG.standard_normal(40) * 3).astype(np.float32)
     rec = to_mem(summary.compute({"b": tf.cast(g, tf.bfloat16)}))[0]
@@ -164,6 +170,7 @@ def test_bfloat16_and_sampling_seed():
     np.testing.assert_array_equal(a[0, : record.INDEX["hist_sample"]], c[0, : record.INDEX["hist_sample"]])
 
 
+@pytest.mark.tf
 def test_none_gradients_and_weights():
     w1 = tf.Variable(RNG.standard_normal((3, 4)).astype(np.float32), name="dense/kernel")
     w2 = tf.Variable(np.array([1e-30, -2e-30], np.float32), name="dense/bias")
@@ -192,6 +199,7 @@ def test_none_gradients_and_weights():
         summary.compute({"x": None})  # no variable: the size is unknown
 
 
+@pytest.mark.tf
 def test_indexed_slices_match_the_dense_gradient():
     table = tf.Variable(np.zeros((50, 4), np.float32), name="emb/embeddings")
     values = RNG.standard_normal((6, 4)).astype(np.float32)
@@ -222,6 +230,7 @@ def test_indexed_slices_match_the_dense_gradient():
     assert_matches_reference(mem, tf.convert_to_tensor(big).numpy(), 64)
 
 
+@pytest.mark.tf
 def test_layer_names_from_pairs_dicts_and_lists():
     import keras
 
@@ -255,6 +264,7 @@ def read_back(logdir: str) -> dict:
     return out
 
 
+@pytest.mark.tf
 def test_gradients_round_trip_through_event_files(tmp_path):
     vs = [tf.Variable(RNG.standard_normal((20, 30)).astype(np.float32), name=f"layer{i}/kernel") for i in range(2)]
     grads = [tf.constant(CASES["mixed"][:600].reshape(20, 15).repeat(2, 1)), tf.constant(np.full((20, 30), 1e-38 * 5,
@@ -293,6 +303,7 @@ def test_gradients_round_trip_through_event_files(tmp_path):
                 assert_matches_reference(rows[i], grads[i].numpy(), 4096, w)
 
 
+@pytest.mark.tf
 def test_compute_in_jit_then_write_outside(tmp_path):
     v = tf.Variable(np.ones((4, 5), np.float32), name="k")
     writer = tf.summary.create_file_writer(str(tmp_path))
@@ -322,6 +333,7 @@ def test_compute_in_jit_then_write_outside(tmp_path):
     assert_matches_reference(row, np.full((4, 5), 8.0, np.float32), 4096, np.ones((4, 5), np.float32))
 
 
+@pytest.mark.tf
 @pytest.mark.parametrize("mode", ["eager_jit", "plain_ops", "tf_function", "xla_step"])
 def test_update_as_delta_equals_the_explicit_difference(mode):
     """``Delta(before, after)`` (fused into the gradient's loop) records the same update norm as the difference
@@ -351,6 +363,7 @@ def test_update_as_delta_equals_the_explicit_difference(mode):
                                rtol=1e-5)
 
 
+@pytest.mark.tf
 def test_unknown_length_gradient_gets_a_clear_error():
     """A gradient of unknown static length (XLA needs fixed shapes) is refused with a message naming the cause."""
     f = tf.function(lambda g: summary.compute({"a": g}), input_signature=[tf.TensorSpec([None], tf.float32)])

@@ -171,6 +171,7 @@ def tensorboard(demo_logdir, neutral_cwd, tmp_path_factory):
     assert tb.proc.poll() is not None, "tensorboard is still running"
 
 
+@pytest.mark.e2e
 def test_entry_point_is_the_loader_of_this_package(neutral_cwd):
     found = _installed_entry_point(neutral_cwd)
     # The loader, not the plugin class: only a TBLoader gets fix_flags (every step kept by default).
@@ -179,6 +180,7 @@ def test_entry_point_is_the_loader_of_this_package(neutral_cwd):
     assert found["plugin"], f"{found['value']} is neither a TBPlugin nor a TBLoader subclass"
 
 
+@pytest.mark.e2e
 def test_plugins_listing_has_gradhealth_as_es_module(tensorboard):
     def listing():
         status, _, body = _get(tensorboard.base + "/data/plugins_listing")
@@ -198,6 +200,7 @@ def test_plugins_listing_has_gradhealth_as_es_module(tensorboard):
     )
 
 
+@pytest.mark.e2e
 def test_es_module_is_served_as_javascript(tensorboard):
     tensorboard.wait_until("the server", lambda: _get(tensorboard.base + "/data/plugins_listing")[0] == 200)
     status, ctype, body = _get(tensorboard.base + "/data/plugin/gradhealth/index.js")
@@ -215,6 +218,7 @@ def test_es_module_is_served_as_javascript(tensorboard):
             assert sub[0] == 200 and "javascript" in sub[1], (spec, sub[:2])
 
 
+@pytest.mark.e2e
 def test_data_routes_answer_json_for_every_run(tensorboard, demo_logdir):
     _, facts = demo_logdir
 

@@ -9,13 +9,28 @@ from __future__ import annotations
 
 import glob
 import os
+from typing import Any
 
 import numpy as np
 import pytest
-import tensorflow as tf
+from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 from tensorboard.util import tensor_util
 
-from tb_gradhealth import metadata, record, tpu
+from tb_gradhealth import metadata, record
+
+pytestmark = pytest.mark.tf
+
+#: TensorFlow and tb_gradhealth.tpu, bound by the fixture below when a test of this module runs.
+tf: Any = None
+tpu: Any = None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _tensorflow(tensorflow):
+    global tf, tpu
+    from tb_gradhealth import tpu
+
+    tf = tensorflow
 
 SHAPES = {"dense/kernel": (6, 5), "dense/bias": (5,), "out/kernel": (5, 3)}
 
@@ -24,7 +39,7 @@ def read_events(log_dir: str) -> dict[str, list[tuple[int, np.ndarray, bytes]]]:
     """{tag: [(step, array, plugin content)]} from every event file under ``log_dir``."""
     out: dict[str, list] = {}
     for path in sorted(glob.glob(os.path.join(log_dir, "events.out.tfevents.*"))):
-        for event in tf.compat.v1.train.summary_iterator(path):
+        for event in EventFileLoader(path).Load():
             for v in event.summary.value:
                 arr = tensor_util.make_ndarray(v.tensor)
                 out.setdefault(v.tag, []).append((event.step, arr, v.metadata.plugin_data.content))
@@ -221,3 +236,11 @@ def test_bad_input_fails_at_build_time(tmp_path):
             fn(tensors[0][:, :0], tensors[1][:, :0], tensors[2])
     with pytest.raises(ValueError, match="same layers"):
         tpu.simulate_shards([{"a": tf.ones([2])}, {"b": tf.ones([2])}], 0, d)
+
+
+def test_distribute_helpers_are_also_reachable_from_tpu():
+    from tb_gradhealth import distribute, shards
+
+    for name in ("replica_record", "applied_record", "merge_replicas", "merge_and_write"):
+        assert getattr(tpu, name) is getattr(distribute, name)
+    assert tpu.merge_shards is shards.merge_shards and tpu.flush is shards.flush

@@ -1,0 +1,56 @@
+"""Numbers the docs state that can drift from the code: defaults and the supported TensorFlow/Keras range.
+
+Read from the sources as text (``ast``), so this runs without TensorFlow.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from tb_gradhealth import compat
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _defaults(path: Path, cls: str, method: str = "__init__") -> dict[str, object]:
+    """Literal default values of ``cls.method``'s parameters in ``path``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    node = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls)
+    fn = next(n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == method)
+    args = fn.args.args[len(fn.args.args) - len(fn.args.defaults):] + fn.args.kwonlyargs
+    defaults = list(fn.args.defaults) + list(fn.args.kw_defaults)
+    return {a.arg: ast.literal_eval(d) for a, d in zip(args, defaults, strict=True)
+            if d is not None and isinstance(d, ast.Constant)}
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in text.split("."))
+
+
+def test_keras_update_freq_default_is_the_one_documented():
+    default = _defaults(REPO / "tb_gradhealth" / "keras.py", "GradientHealthCallback")["update_freq"]
+    table = (REPO / "docs" / "KERAS.md").read_text(encoding="utf-8")
+    assert re.search(rf"\| `update_freq` \| `{default}` \|", table), f"docs/KERAS.md does not give default {default}"
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    for stated in re.findall(r"update_freq[^.\n]*?default[^0-9\n]*(\d+)", readme):
+        assert int(stated) == default, f"README says update_freq defaults to {stated}, the code to {default}"
+
+
+def test_supported_tensorflow_and_keras_range_agrees_everywhere():
+    setup = (REPO / "setup.py").read_text(encoding="utf-8")
+    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
+    for package in ("tensorflow", "keras"):
+        oldest, newest = compat.VERIFIED[package]
+        low, high = re.search(rf'"{package}>=([\d.]+),<([\d.]+)"', setup).groups()
+        assert _version(oldest)[:2] == _version(low)[:2], (package, oldest, low)
+        assert _version(newest) < _version(high), (package, newest, high)
+        pinned = re.search(rf"^OLDEST_{'TF' if package == 'tensorflow' else 'KERAS'}=([\d.]+)$", ci, re.M).group(1)
+        assert pinned == oldest, f".ci/run tests {package} {pinned}, compat.VERIFIED says {oldest}"
+    ci_low, ci_high = re.search(r'^TF_RANGE="tensorflow-cpu>=([\d.]+),<([\d.]+)"$', ci, re.M).groups()
+    assert re.search(rf'"tensorflow>={re.escape(ci_low)},<{re.escape(ci_high)}"', setup)
