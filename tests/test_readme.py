@@ -72,7 +72,8 @@ def test_setup_is_two_commands_that_exist():
     assert (REPO / "demo" / "demo.py").is_file() and (REPO / ".ci" / "run").is_file()
     ci = (REPO / ".ci" / "run").read_text()
     # The README says what .ci/run does; keep the two in step.
-    for step in ('pip install -q tensorflow-cpu -e ".[test]"', "ruff check .", "python -m pytest", "apt-get install"):
+    for step in ('pip install -q "$TF_RANGE" -e ".[test]"', "ruff check .", "python -m pytest", "apt-get install",
+                 "pytest -m tf"):
         assert step in ci, step
     assert "playwright install" not in re.sub(r"#.*", "", ci)
 
