@@ -650,13 +650,6 @@ def _check_inputs(layers: Sequence[str], steps: np.ndarray, records: np.ndarray)
     return steps.astype(np.int64), records
 
 
-def _honest(d: dict[str, np.ndarray], i: int, key: str) -> float:
-    """A statistic of the finite values, NaN (JSON null: unknown) where the layer has no finite value."""
-    if key in ("norm", "rms", "max_abs", "mean") and not d["finite"][i] > 0:
-        return math.nan
-    return float(d[key][i])
-
-
 def diagnose_run(
     layers: Sequence[str],
     steps: np.ndarray,
@@ -731,8 +724,8 @@ def _layer_health(ev: _Steps, steps: np.ndarray, layers: Sequence[str], i: int, 
         layer=name, index=i, status=STATUSES[code], severity=float(severity), reasons=reasons,
         first_step=int(steps[track.rows[chain]]) if flagged else None, step=int(steps[s]),
         status_since=int(steps[track.rows[last[1]]]) if flagged else None, episodes=_episodes(track, steps),
-        **{k: _honest(d, i, k) for k in ("norm", "rms", "max_abs", "mean", "zero_fraction", "grad_to_weight",
-                                         "update_to_weight", "noise", "weight_norm")},
+        **{k: float(d[k][i]) for k in ("norm", "rms", "max_abs", "mean", "zero_fraction", "grad_to_weight",
+                                       "update_to_weight", "noise", "weight_norm")},
         nan=int(d["nan"][i]), inf=int(d["inf"][i]),
     )
 

@@ -300,17 +300,21 @@ def _norm(scale: np.ndarray, ssq_rel: np.ndarray) -> np.ndarray:
 def derived(rec: np.ndarray) -> dict[str, np.ndarray]:
     """Human-facing quantities of records (memory form), as float64 arrays over the leading dimensions.
 
-    ``norm``/``rms``/``mean``/``max_abs`` are over finite values; ``zero_fraction`` and ``nonfinite`` over all
-    elements; ratios are NaN when their optional field was not recorded.
+    ``norm``/``rms``/``mean``/``max_abs`` are over finite values, NaN (unknown, never 0) where every element is
+    NaN/Inf;
+    ``zero_fraction`` and ``nonfinite`` over all elements; ratios are NaN when their optional field was not
+    recorded. A weight or update keeps its norm over its finite elements only, so where the gradient has no finite
+    value (NaN weights make NaN gradients) a weight norm of 0 is unknown too.
     """
     rec = np.asarray(rec, dtype=np.float64)
     size = rec[..., INDEX["size"]]
     n = finite_count(rec)
-    m = max_abs(rec)
+    m = np.where((n > 0) | (size == 0), max_abs(rec), np.nan)  # an empty tensor's norm is 0; all-NaN: unknown
     norm = _norm(m, rec[..., INDEX["ssq_rel"]])
     with np.errstate(invalid="ignore", divide="ignore"):
         rms = np.where(n > 0, norm / np.sqrt(np.where(n > 0, n, 1)), np.nan)
         weight_norm = _norm(rec[..., INDEX["weight_max_abs"]], rec[..., INDEX["weight_ssq_rel"]])
+        weight_norm = np.where((n > 0) | (size == 0) | (weight_norm > 0), weight_norm, np.nan)
         weight_rms = weight_norm / np.sqrt(np.where(size > 0, size, np.nan))
         update_norm = _norm(rec[..., INDEX["update_max_abs"]], rec[..., INDEX["update_ssq_rel"]])
         noise_norm = _norm(m, rec[..., INDEX["noise_ssq_rel"]])
@@ -323,7 +327,7 @@ def derived(rec: np.ndarray) -> dict[str, np.ndarray]:
             "zero_fraction": np.where(size > 0, rec[..., INDEX["zero"]] / np.where(size > 0, size, 1), np.nan),
             "min": rec[..., INDEX["min"]],
             "max": rec[..., INDEX["max"]],
-            "mean": rec[..., INDEX["mean"]],
+            "mean": np.where(np.isfinite(m), rec[..., INDEX["mean"]], np.nan),
             "max_abs": m,
             "norm": norm,
             "rms": rms,

@@ -216,3 +216,18 @@ def test_an_early_convolution_with_a_large_gradient_that_learns_at_the_head_pace
     h = diagnose_run(names, np.arange(steps), _run(rms, names, weight_rms=weight, update_rms=sgd))
     assert _flagged(h) == {"Conv1/kernel": "exploding", "dw/depthwise_kernel": "exploding"}
     assert "decades faster than the layers nearest the loss" in " ".join(h.by_layer()["Conv1/kernel"].reasons)
+
+
+def test_a_nan_layer_reports_unknown_numbers_never_zero():
+    names = ["a/kernel", "b/kernel", "c/kernel"]
+    g = np.full(64, np.nan)
+    rows = np.stack([record.compute(g, np.full(64, np.nan), np.full(64, np.nan)),  # NaN weights, NaN gradient
+                     record.compute(np.r_[g[:32], np.ones(32)], np.ones(64)),  # half NaN: the finite half's numbers
+                     record.compute(np.ones(64) * 1e-2, np.ones(64))])
+    h = diagnose_run(names, np.array([3]), rows[None])
+    by = {x["layer"]: x for x in h.to_json()["layers"]}
+    assert by["a/kernel"]["status"] == "nonfinite"
+    for key in ("norm", "rms", "max_abs", "mean", "weight_norm", "grad_to_weight", "update_to_weight"):
+        assert by["a/kernel"][key] is None, key
+    assert by["b/kernel"]["max_abs"] == 1.0 and by["b/kernel"]["norm"] == pytest.approx(np.sqrt(32))
+    assert by["b/kernel"]["weight_norm"] == pytest.approx(8.0)
