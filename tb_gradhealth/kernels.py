@@ -62,10 +62,12 @@ def fused_reductions() -> bool:
     return compat.in_xla_context() and _has_variadic_reduce()
 
 
-def _flat(t: Any) -> tf.Tensor:
+def _flat(t: Any, keep_float64: bool = False) -> tf.Tensor:
+    """``t`` flattened, as float32: a record describes the values as float32 holds them (float16 / bfloat16 / ints
+    exactly; float64 rounded, beyond float32's range to +-Inf, as in :func:`tb_gradhealth.record.flush_to_zero`)."""
     x = tf.reshape(tf.convert_to_tensor(t), [-1])
-    if x.dtype not in (tf.float32, tf.float64):
-        x = tf.cast(x, tf.float32)  # float16 / bfloat16 / ints: exactly representable in float32
+    if x.dtype != tf.float32 and not (keep_float64 and x.dtype == tf.float64):
+        x = tf.cast(x, tf.float32)
     return x
 
 
@@ -193,11 +195,12 @@ def _scaled_sums(x: tf.Tensor, m: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
 
 
 def _delta_flat(d: Delta) -> tf.Tensor:
-    """``before - after`` flattened, in float32 (float64 stays float64), as an expression to fuse into a loop."""
-    b, a = _flat(d.before), _flat(d.after)
+    """``before - after`` flattened, as float32 (float64 weights are subtracted in float64 first, so an update far
+    below the weight's float32 resolution is kept), as an expression to fuse into a loop."""
+    b, a = _flat(d.before, keep_float64=True), _flat(d.after, keep_float64=True)
     if b.dtype != a.dtype:
         b, a = tf.cast(b, tf.float32), tf.cast(a, tf.float32)
-    return b - a
+    return tf.cast(b - a, tf.float32)
 
 
 def _flushed(v: tf.Tensor, tiny: tf.Tensor) -> tf.Tensor:

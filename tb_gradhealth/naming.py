@@ -31,12 +31,20 @@ def _var_name(var: Any) -> str | None:
 
 
 def _unique(names: list[str]) -> list[str]:
-    seen: dict[str, int] = {}
+    """Repeats get ``#1``, ``#2``, ...: the first suffix that no other row has, given or made (variables named
+    ``a``, ``a#1``, ``a`` become ``a``, ``a#1``, ``a#2``: every gradient keeps its own row)."""
+    given = set(names)
+    used: set[str] = set()
+    last: dict[str, int] = {}
     out = []
     for n in names:
-        k = seen.get(n, 0)
-        seen[n] = k + 1
-        out.append(n if k == 0 else f"{n}#{k}")
+        name, k = n, last.get(n, 0)
+        while name in used or (name != n and name in given):
+            k += 1
+            name = f"{n}#{k}"
+        last[n] = k
+        used.add(name)
+        out.append(name)
     return out
 
 
@@ -55,13 +63,27 @@ def _is_parallel_lists(items: list[Any]) -> bool:
 def _split(grads: Any) -> tuple[list[str | None], list[Any], list[Any]]:
     """``(names or None each, gradients, variables or None each)`` of any accepted form of ``grads``."""
     if isinstance(grads, Mapping):
+        bad = [k for k in grads if not isinstance(k, str) or not k]
+        if bad:
+            raise TypeError(f"gradient names (dict keys) must be non-empty strings, got {bad[0]!r}")
         glist = list(grads.values())
-        return [str(k) for k in grads], glist, [None] * len(glist)
+        return list(grads), glist, [None] * len(glist)
     items = list(grads)
     if _is_parallel_lists(items):
         items = list(zip(items[0], items[1], strict=True))
+    elif (len(items) == 2 and all(isinstance(x, list | tuple) for x in items) and len(items[0]) != len(items[1])
+          and any(is_variable(v) for v in items[1]) and not any(is_variable(v) for v in items[0])):
+        raise ValueError(f"(gradients, variables) lists of different lengths: {len(items[0])} gradients but "
+                         f"{len(items[1])} variables")
     if items and all(isinstance(it, tuple) and len(it) == 2 and is_variable(it[1]) for it in items):
         return [None] * len(items), [g for g, _ in items], [v for _, v in items]
+    for i, g in enumerate(items):
+        if is_variable(g):
+            raise TypeError(f"gradient {i} is a variable ({_var_name(g)!r}), not its gradient: pass (grad, var) "
+                            f"pairs, a (grads, vars) pair of lists, or a {{name: grad}} dict")
+        if isinstance(g, list | tuple):
+            raise TypeError(f"gradient {i} is a {type(g).__name__}, not a tensor: pass (grad, var) pairs, a (grads, "
+                            f"vars) pair of equal-length lists, a {{name: grad}} dict or a list of tensors")
     return [None] * len(items), items, [None] * len(items)
 
 

@@ -684,3 +684,71 @@ def test_a_failing_route_answers_json_and_other_runs_are_served(faults, tab, mon
     assert r.status_code == 500 and "ZeroDivisionError" in json.loads(r.get_data(as_text=True))["error"]
     assert "Traceback" not in r.get_data(as_text=True)
     assert _get(tab, "/health?run=huge&vanish_decades=7")[0] == 200
+
+
+# --- the TF summary op refuses ambiguous input ------------------------------------------------------------------
+
+
+@pytest.mark.tf
+def test_summary_gradients_refuses_mismatched_or_misplaced_input_and_keeps_every_layer(tmp_path):
+    tf = pytest.importorskip("tensorflow")
+    from tb_gradhealth import summary
+
+    v1, v2 = tf.Variable(tf.ones(3), name="v1"), tf.Variable(tf.ones(2), name="v2")
+    g = [tf.ones(3), tf.ones(2), tf.ones(4)]
+    writer = tf.summary.create_file_writer(str(tmp_path / "refused"))
+    with writer.as_default():
+        for bad, error, text in [
+            ((g, [v1, v2]), ValueError, "3 gradients but 2 variables"),
+            ([v1, v2], TypeError, "variable"),  # the variables instead of their gradients
+            ([g[0], [g[1], g[2]]], TypeError, "gradient 1"),  # a nested list is not a gradient
+            ({None: g[0]}, TypeError, "None"),
+        ]:
+            with pytest.raises(error, match=text):
+                summary.gradients(bad, step=0)
+    writer.close()
+    assert reader.read_logdir(str(tmp_path)).runs == []
+    # Variables named a, a#1 and a: the repeat is suffixed past the name another variable already has, so every
+    # gradient keeps its own row.
+    va, vb, vc = (tf.Variable(tf.fill([4], float(k)), name=n) for k, n in ((1, "a"), (2, "a#1"), (3, "a")))
+    pairs = [(tf.fill([4], 1.0), va), (tf.fill([4], 2.0), vb), (tf.fill([4], 3.0), vc)]
+    names = summary.layer_names(pairs)
+    assert names == ["a", "a#1", "a#2"]
+    writer = tf.summary.create_file_writer(str(tmp_path / "kept"))
+    with writer.as_default():
+        summary.gradients(pairs, step=0, weights=False)
+    writer.close()
+    (s,) = reader.read_logdir(str(tmp_path)).runs
+    assert list(s.layers) == names
+    np.testing.assert_array_equal(record.derived(s.records[0])["max_abs"], [1.0, 2.0, 3.0])
+    # float64 beyond float32's range: the TF path counts what the numpy reference counts (+-Inf), in every mode.
+    g64 = np.concatenate([np.random.default_rng(5).normal(size=60) * 1e300, np.linspace(-2.0, 2.0, 40)])
+    want = record.compute(g64, hist_sample=None)
+    for jit in (True, False):
+        got = record.from_device(*summary.compute({"l": tf.constant(g64)}, hist_sample=0, jit=jit))[0]
+        for name in record.COUNT_FIELDS + ("min", "max"):
+            assert got[record.INDEX[name]] == want[record.INDEX[name]], (jit, name)
+        np.testing.assert_array_equal(got[record.HIST_START:], want[record.HIST_START:])
+
+
+@pytest.mark.unit
+def test_repeated_names_never_collide_with_given_ones():
+    from tb_gradhealth import naming
+
+    class Var:  # a variable as the naming rule sees one: assignable, with a name
+        def __init__(self, name):
+            self.name = name
+
+        def assign(self, value):
+            pass
+
+    for given in (["a", "a#1", "a"], ["a", "a", "a#1"], ["a", "a", "a"], ["a#1", "a", "a", "a#2", "a"]):
+        names = naming.variable_names([Var(n) for n in given])
+        assert len(set(names)) == len(names) and names[0] == given[0], (given, names)
+        assert all(n == g or n.startswith(g + "#") for n, g in zip(names, given, strict=True))
+    with pytest.raises(ValueError, match="3 gradients but 2 variables"):
+        naming.layer_names(([1.0, 2.0, 3.0], [Var("a"), Var("b")]))
+    with pytest.raises(TypeError, match="gradient 0 is a variable"):
+        naming.layer_names([Var("a"), Var("b")])
+    with pytest.raises(TypeError, match="non-empty strings"):
+        naming.layer_names({None: 1.0})
