@@ -6,7 +6,7 @@ so ``pip install .`` and a built wheel both carry the files as ``tb_gradhealth/s
 no custom build command. An editable install (``pip install -e .``) has no ``static/`` folder; the plugin then serves
 ``frontend/`` straight from the checkout (``tb_gradhealth.plugin._static_dir``), so edits show without reinstalling.
 
-TensorFlow is an extra: the plugin, the CLI and the numpy ``Writer`` never import it.
+TensorFlow is an extra: the plugin, the CLI and the numpy ``Writer`` never import it; so are PyTorch and JAX.
 """
 
 import re
@@ -35,6 +35,8 @@ def read_long_description() -> str:
 #: 3.0.5) and the newest of it; the private TF/Keras internals they use are listed in tb_gradhealth/compat.py.
 TF_REQUIREMENTS = ["tensorflow>=2.16,<2.22", "keras>=3.0,<3.16"]
 
+TEST = ["pytest", "playwright", "ruff", "hypothesis", "fsspec", "gcsfs", "s3fs", "moto[server]", "gcp-storage-emulator"]
+
 #: Files of frontend/ that the browser may load; anything else there (notes, tests) stays out of the package.
 STATIC_PATTERNS = [f"**/*.{ext}" for ext in ("js", "mjs", "css", "html", "svg", "png", "json")]
 
@@ -59,9 +61,13 @@ setup(
         # Logdirs on object storage (tb_gradhealth/storage.py): fsspec with its GCS or S3 backend, imported lazily.
         "gcs": ["fsspec", "gcsfs"],
         "s3": ["fsspec", "s3fs"],
-        # The object-storage tests run real servers: moto's S3 server and a GCS emulator.
-        "test": ["pytest", "playwright", "ruff", "hypothesis", "fsspec", "gcsfs", "s3fs", "moto[server]",
-                 "gcp-storage-emulator"],
+        # Device-side records for PyTorch (tb_gradhealth.torch) and JAX (tb_gradhealth.jax); imported lazily.
+        "torch": ["torch>=2.3"],
+        "jax": ["jax>=0.4.30"],
+        # The object-storage tests run real servers: moto's S3 server and a GCS emulator. "test" adds PyTorch and
+        # JAX; "test-tf" leaves them out (the oldest-TensorFlow tier of .ci/run: its numpy<2 pins exclude new JAX).
+        "test": [*TEST, "torch>=2.3", "jax>=0.4.30"],
+        "test-tf": TEST,
     },
     entry_points={
         "tensorboard_plugins": ["gradhealth = tb_gradhealth.plugin:GradHealthLoader"],

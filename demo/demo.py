@@ -14,6 +14,7 @@ run                  network                                              writer
 ``accumulation``     MLP trained with 4 micro-batches per step            ``accumulate.GradientAccumulator`` (noise)
 ``tpu_host_call``    MLP on 4 simulated TPU shards                        ``tpu.host_call`` (shards merged on host)
 ``numpy_writer``     two-layer numpy MLP with hand-written backprop       ``tb_gradhealth.Writer`` (no TensorFlow)
+``pytorch``          PyTorch MLP, AdamW (only when torch is installed)    ``tb_gradhealth.torch.StepRecorder``
 ===================  ===================================================  ===========================================
 
 The Keras runs are ``<name>/train`` because the callback writes where ``keras.callbacks.TensorBoard`` writes its
@@ -46,7 +47,7 @@ except ImportError:  # pragma: no cover - depends on how the demo is started
 
 #: Run names in the order they are trained (and listed in TensorBoard).
 TF_RUNS = ("healthy", "vanishing", "exploding", "accumulation", "tpu_host_call")
-ALL_RUNS = (*TF_RUNS, "numpy_writer")
+ALL_RUNS = (*TF_RUNS, "numpy_writer", "pytorch")
 
 FEATURES = 32
 CLASSES = 4
@@ -318,6 +319,32 @@ def run_numpy_writer(logdir: str, steps: int) -> int:
     return steps
 
 
+def run_pytorch(logdir: str, steps: int) -> int:
+    """A PyTorch MLP; records computed on the device by ``tb_gradhealth.torch`` (skipped without PyTorch)."""
+    try:
+        import torch
+    except ImportError:
+        log("pytorch: skipped (PyTorch is not installed: pip install '.[torch]')")
+        return 0
+    import tb_gradhealth.torch
+    from tb_gradhealth import Writer
+
+    torch.manual_seed(7)
+    x, y = (torch.from_numpy(a) for a in make_data(steps * BATCH, seed=7))
+    model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 64), torch.nn.ReLU(), torch.nn.Linear(64, CLASSES))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    with Writer(logdir) as writer:
+        recorder = tb_gradhealth.torch.StepRecorder(writer, model, opt)
+        for step in range(steps):
+            xb, yb = x[step * BATCH : (step + 1) * BATCH].float(), y[step * BATCH : (step + 1) * BATCH].long()
+            loss = torch.nn.functional.cross_entropy(model(xb), yb)
+            opt.zero_grad()
+            loss.backward()
+            recorder.step(step)
+            writer.add_scalars(step, {"loss": loss.item()})
+    return steps
+
+
 RUNNERS: dict[str, tuple[Callable[[str, int], int], int]] = {
     # name: (function, steps)
     "healthy": (run_healthy, 100),
@@ -326,6 +353,7 @@ RUNNERS: dict[str, tuple[Callable[[str, int], int], int]] = {
     "accumulation": (run_accumulation, 80),
     "tpu_host_call": (run_tpu_host_call, 40),
     "numpy_writer": (run_numpy_writer, 100),
+    "pytorch": (run_pytorch, 60),
 }
 
 

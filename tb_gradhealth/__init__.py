@@ -21,7 +21,9 @@ _TF_MODULES = (
 _PLAIN_MODULES = (
     "record", "metadata", "naming", "eventfile", "writer", "health", "reader", "payloads", "plugin", "cli"
 )
-_LAZY_MODULES = _TF_MODULES + _PLAIN_MODULES
+#: Submodules for other frameworks (optional extras ``torch`` and ``jax``; imported only when used).
+_FRAMEWORK_MODULES = ("torch", "jax")
+_LAZY_MODULES = _TF_MODULES + _PLAIN_MODULES + _FRAMEWORK_MODULES
 _LAZY_ATTRS = {"Writer": "writer", "Thresholds": "health"}
 
 __all__ = ["Writer", "Thresholds", "__version__", *_LAZY_MODULES]

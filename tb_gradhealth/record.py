@@ -36,6 +36,8 @@ Three encodings share these fields:
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 FORMAT_VERSION = 1
@@ -116,6 +118,18 @@ def hist_bin(abs_values: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         a = np.asarray(abs_values, dtype=np.float64).astype(np.float32)
     return np.searchsorted(HIST_EDGES, a, side="right")
+
+
+def sample_stride(n: int) -> int:
+    """Stride of the device paths' histogram sample: the integer nearest ``n / golden ratio`` coprime with ``n``.
+
+    Positions ``(offset + i * stride) % n`` for ``i < hist_sample`` are each uniform over the tensor when
+    ``offset`` is, and spread evenly with no early repeats (one random number per tensor instead of one per draw).
+    """
+    s = max(1, int(round(n * 0.6180339887498949)))
+    while math.gcd(s, n) != 1:
+        s += 1
+    return s
 
 
 def _max_abs_and_ssq_rel(finite: np.ndarray) -> tuple[float, float]:

@@ -7,6 +7,7 @@ The demo runs once per module (about 40 s of CPU on two cores); every test reads
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -25,7 +26,9 @@ from tb_gradhealth import reader, record
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "demo" / "demo.py"
-RUNS = ("healthy/train", "vanishing/train", "exploding", "accumulation", "tpu_host_call", "numpy_writer")
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+RUNS = ("healthy/train", "vanishing/train", "exploding", "accumulation", "tpu_host_call", "numpy_writer") + (
+    ("pytorch",) if HAS_TORCH else ())
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
 
 
@@ -75,7 +78,8 @@ def _status(run: dict) -> dict[str, str]:
 @pytest.mark.slow
 def test_progress_line_per_run(demo):
     _, out = demo
-    for name in ("healthy", "vanishing", "exploding", "accumulation", "tpu_host_call", "numpy_writer"):
+    for name in ("healthy", "vanishing", "exploding", "accumulation", "tpu_host_call", "numpy_writer") + (
+            ("pytorch",) if HAS_TORCH else ()):
         assert re.search(rf"^\[demo\] {name}: \d+ steps in [\d.]+ s", out, re.M), out
 
 
@@ -90,7 +94,8 @@ def test_every_run_is_written(health):
 @pytest.mark.tf
 @pytest.mark.slow
 def test_healthy_runs_have_no_flag(health):
-    for name in ("healthy/train", "accumulation", "tpu_host_call", "numpy_writer"):
+    healthy = ("healthy/train", "accumulation", "tpu_host_call", "numpy_writer") + (("pytorch",) if HAS_TORCH else ())
+    for name in healthy:
         statuses = _status(health[name])
         assert set(statuses.values()) == {"healthy"}, (name, statuses)
 
