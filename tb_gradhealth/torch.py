@@ -15,21 +15,22 @@ without TensorFlow.
   it records the gradient the optimizer applies, after AMP unscaling, the applied update, and skipped steps.
 
 Numbers agree with :func:`tb_gradhealth.record.compute` (float64 reference): counts, min/max and the exact
-histogram are equal; ``ssq_rel``/``mean`` (float32 accumulation) to about 1e-6 relative. Values below float32's
-smallest normal number count as zero, as on every other path. The histogram of a tensor larger than
+histogram are equal; ``ssq_rel``/``mean`` (float32 accumulation) to about 1e-6 relative. Values are taken as float32
+holds them (float64 beyond its range is +-Inf; below its smallest normal number, zero), as on every other path.
+The histogram of a tensor larger than
 ``hist_sample`` is built from ``hist_sample`` positions ``(offset + i * stride) % n`` (the TF path's rule; the
 offset comes from ``seed`` and the layer index, or from the data), scaled to the finite nonzero count.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from tb_gradhealth import record
+from tb_gradhealth import devicestats, record
 from tb_gradhealth.writer import Writer
 
 __all__ = [
@@ -44,7 +45,6 @@ __all__ = [
 ]
 
 _VI = {name: record.NUM_COUNTS + i for i, name in enumerate(record.VALUE_FIELDS)}
-_NV = record.NUM_VALUES + record.HIST_BINS
 _EDGES: dict[torch.device, torch.Tensor] = {}
 
 
@@ -89,8 +89,9 @@ def _local(t: Any) -> Any:
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
-    x = t.detach().reshape(-1)
-    return x if x.dtype in (torch.float32, torch.float64) else x.float()  # f16/bf16/ints: exact in float32
+    """The values as float32 holds them (the record's definition): f16/bf16 exactly, float64 beyond float32's
+    range becomes +-Inf."""
+    return t.detach().reshape(-1).float()
 
 
 # --- the statistics (torch ops, branch-free) ----------------------------------------------------------------
@@ -119,75 +120,33 @@ def _seed_offset(seed: int, layer: int) -> int:
     return (z ^ (z >> 31)) >> 2
 
 
-def _histogram(
-    x: torch.Tensor, nonzero: torch.Tensor, hist_sample: int, offset: Any
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(hist float32 [77], hist_sample float32)``: exact when ``x`` is small, else a scaled sample."""
-    n = x.numel()
-    sampled = bool(hist_sample) and n > hist_sample
-    if sampled:
+def _histogram(av: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    b = torch.bucketize(av.float(), _edges(av.device), right=True)
+    return torch.zeros(record.HIST_BINS, device=av.device, dtype=torch.float32).index_add_(0, b, w)
+
+
+def _const(a: np.ndarray, like: Any) -> torch.Tensor:
+    return torch.from_numpy(a).to(like.device) if isinstance(like, torch.Tensor) else torch.from_numpy(a)
+
+
+_BE = devicestats.Backend(torch, lambda t: t.float(), _histogram, _const, torch.div)
+
+
+def _sampler(n: int, hist_sample: int, offset: Any) -> Any:
+    """The sampling rule: ``hist_sample`` positions ``(offset + i * stride) % n`` (``None``: exact histogram)."""
+    if not hist_sample or n <= hist_sample:
+        return None
+
+    def sample(x: torch.Tensor) -> torch.Tensor:
         i = torch.arange(hist_sample, device=x.device, dtype=torch.int64)
-        x = x[(offset + i * record.sample_stride(n)) % n]
-    a = x.abs()
-    ok = (a >= record.FLUSH_BELOW) & (a <= torch.finfo(x.dtype).max)
-    # float32 comparison as on every path (float64 beyond float32's range becomes inf: the open top bin)
-    b = torch.bucketize(a.float(), _edges(x.device), right=True)
-    w = ok.float()
-    hist = torch.zeros(record.HIST_BINS, device=x.device, dtype=torch.float32).index_add_(0, b, w)
-    kept = w.sum()
-    if sampled:
-        hist = hist * torch.where(kept > 0, nonzero.float() / kept.clamp_min(1.0), 0.0)
-    return hist, kept
+        return x[(offset + i * record.sample_stride(n)) % n]
 
-
-def _grad_stats(
-    x: torch.Tensor, extra_zeros: int, hist_sample: int, offset: Any
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Counts int64 ``[5]`` and ``[min, max, mean, ssq_rel, hist_sample, *hist]`` float32 of a flat gradient.
-
-    ``extra_zeros``: implicit zeros beyond ``x`` (a sparse gradient's untouched rows).
-    """
-    dt = x.dtype
-    n = x.numel()
-    inf = float("inf")
-    a = x.abs()
-    finite = a <= torch.finfo(dt).max  # False for NaN and +-Inf
-    keep = finite & (a >= record.FLUSH_BELOW)  # finite and not flushed to zero
-    nfin = finite.sum()
-    nonzero = keep.sum()
-    nan = torch.isnan(x).sum()
-    posinf = (x == inf).sum()
-    neginf = n - nfin - nan - posinf
-    xk = torch.where(keep, x, torch.zeros((), dtype=dt, device=x.device))
-    mx = torch.where(finite, xk, -inf).amax()
-    mn = torch.where(finite, xk, inf).amin()
-    if extra_zeros:
-        mx, mn = mx.clamp_min(0), mn.clamp_max(0)
-    m = torch.maximum(mx, -mn).clamp_min(0)  # no finite value: -inf -> 0
-    y = xk / torch.where(m > 0, m, 1.0)
-    ssq = (y * y).sum()
-    nf = nfin + extra_zeros
-    mean = torch.where(nf > 0, y.sum() / nf.clamp_min(1) * m, 0.0)
-    hist, kept = _histogram(x, nonzero, hist_sample, offset)
-    counts = torch.stack([torch.full_like(nan, n + extra_zeros), nan, posinf, neginf, nfin - nonzero + extra_zeros])
-    head = torch.stack([mn, mx, mean, ssq]).float()
-    return counts, torch.cat([head, kept.reshape(1), hist])
+    return sample
 
 
 def _norm_stats(t: Any) -> torch.Tensor:
-    """``[max|w|, sum((w / max|w|)^2)]`` float32 over the finite, unflushed values of a weight or update."""
-    if isinstance(t, Delta):
-        b, a = _flat(t.before), _flat(t.after)
-        x = b - a if b.dtype == a.dtype else b.float() - a.float()
-    else:
-        x = _flat(t)
-    if x.numel() == 0:
-        return torch.zeros(2, device=x.device)
-    a = x.abs()
-    af = torch.where((a >= record.FLUSH_BELOW) & (a <= torch.finfo(a.dtype).max), a, 0.0)
-    m = af.amax()
-    y = af / torch.where(m > 0, m, 1.0)
-    return torch.stack([m, (y * y).sum()]).float()
+    x = _flat(t.before) - _flat(t.after) if isinstance(t, Delta) else _flat(t)
+    return devicestats.norm_stats(_BE, x)
 
 
 def _layer(
@@ -195,14 +154,12 @@ def _layer(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(counts int64 [5], values float32 [89])`` of one layer, in :data:`record.VALUE_FIELDS` order."""
     device = next(t for t in (g, w, u, torch.zeros(())) if isinstance(t, torch.Tensor)).device
-    nan = torch.full((2,), float("nan"), device=device)
-    opt = [_norm_stats(w) if w is not None else nan, _norm_stats(u) if u is not None else nan, nan]
+    wr = None if w is None else _norm_stats(w)
+    ur = None if u is None else _norm_stats(u)
     if g is None or _flat_size(g) == 0:
-        missing = 1.0 if g is None else 0.0
         counts = torch.tensor([size if g is None else 0, 0, 0, 0, 0], device=device)
-        head = torch.tensor([float("inf"), -float("inf"), 0.0, 0.0], device=device)
-        tail = torch.cat([torch.tensor([missing, 0.0], device=device), torch.zeros(record.HIST_BINS, device=device)])
-        return counts, torch.cat([head, *opt, tail])
+        empty = devicestats.empty_values(_BE, torch.zeros((), device=device))
+        return counts, devicestats.assemble(_BE, empty, wr, ur, g is None)
     if g.is_sparse:
         g = g.coalesce()  # duplicate indices summed, as in the dense gradient
         x = _flat(g.values())
@@ -211,8 +168,8 @@ def _layer(
         x, extra = _flat(g), 0
     if offset is None and hist_sample and x.numel() > hist_sample:
         offset = _data_offset(x, layer)
-    counts, v = _grad_stats(x, extra, hist_sample, offset)
-    return counts, torch.cat([v[:4], *opt, torch.zeros(1, device=device), v[4:]])
+    counts, v = devicestats.grad_stats(_BE, x, extra, hist_sample, _sampler(x.numel(), hist_sample, offset))
+    return counts, devicestats.assemble(_BE, v, wr, ur, False)
 
 
 def _flat_size(g: torch.Tensor) -> int:
@@ -299,62 +256,16 @@ def merge(packed: torch.Tensor, group: Any = None) -> torch.Tensor:
     """
     import torch.distributed as dist
 
+    def reduce(op: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+        def run(t: torch.Tensor) -> torch.Tensor:
+            dist.all_reduce(t, op=op, group=group)
+            return t
+
+        return run
+
     counts, v = _unpack(packed)
-    v = v.double()
-    col = {name: i - record.NUM_COUNTS for name, i in _VI.items()}
-
-    def field(name: str) -> torch.Tensor:
-        return v[:, col[name]]
-
-    mn, mx = field("min"), field("max")
-    m = torch.maximum(-mn, mx)
-    m = torch.where(torch.isfinite(m), m, 0.0)
-    scales = [field("weight_max_abs"), field("update_max_abs")]
-    maxes = torch.stack([mx, -mn, m] + [torch.nan_to_num(s, nan=-1.0) for s in scales], dim=1)
-    dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
-    g_mx, g_mn, g_m = maxes[:, 0], -maxes[:, 1], maxes[:, 2]
-
-    def rescaled(ssq: torch.Tensor, s: torch.Tensor, s_all: torch.Tensor) -> torch.Tensor:
-        r = torch.where(s_all > 0, s / torch.where(s_all > 0, s_all, 1.0), 0.0)
-        return torch.nan_to_num(ssq * r * r)
-
-    nf = (counts[:, 0] - counts[:, 1:4].sum(1)).double()
-    sums = torch.cat(
-        [
-            counts.double(),
-            torch.stack(
-                [
-                    field("mean") * nf,
-                    rescaled(field("ssq_rel"), m, g_m),
-                    rescaled(field("weight_ssq_rel"), scales[0], maxes[:, 3]),
-                    rescaled(field("update_ssq_rel"), scales[1], maxes[:, 4]),
-                    field("missing"),
-                    field("hist_sample"),
-                    torch.ones_like(nf),
-                ],
-                dim=1,
-            ),
-            v[:, record.NUM_VALUES :],
-        ],
-        dim=1,
-    )
-    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-    out_counts = sums[:, : record.NUM_COUNTS]
-    mean_w, ssq, wssq, ussq, missing, hs, ranks = sums[:, record.NUM_COUNTS : record.NUM_COUNTS + 7].unbind(1)
-    g_nf = out_counts[:, 0] - out_counts[:, 1:4].sum(1)
-    out = v.clone()
-    out[:, col["min"]], out[:, col["max"]] = g_mn, g_mx
-    out[:, col["mean"]] = torch.where(g_nf > 0, mean_w / g_nf.clamp_min(1), 0.0)
-    out[:, col["ssq_rel"]] = ssq
-    nan = torch.full_like(ssq, float("nan"))
-    for name, k, q in (("weight", 3, wssq), ("update", 4, ussq)):
-        have = maxes[:, k] >= 0
-        out[:, col[f"{name}_max_abs"]] = torch.where(have, maxes[:, k], nan)
-        out[:, col[f"{name}_ssq_rel"]] = torch.where(have, q, nan)
-    out[:, col["missing"]] = (missing == ranks).double()
-    out[:, col["hist_sample"]] = hs
-    out[:, record.NUM_VALUES :] = sums[:, record.NUM_COUNTS + 7 :]
-    return _pack(out_counts.round().long(), out)
+    c, values = devicestats.merge(_BE, counts, v.double(), reduce(dist.ReduceOp.MAX), reduce(dist.ReduceOp.SUM))
+    return _pack(c.long(), values)
 
 
 def to_memory(packed: torch.Tensor | np.ndarray) -> np.ndarray:

@@ -1,0 +1,173 @@
+"""The record's statistics and shard merge written once for array libraries with a numpy-like namespace (torch,
+jax.numpy): :mod:`tb_gradhealth.torch` and :mod:`tb_gradhealth.jax` call these with their own namespace, so the
+two device paths compute the same numbers the same way. Branch-free (``where`` instead of ``if``): they trace
+under ``torch.compile`` and ``jax.jit``. Imports numpy only.
+
+A backend is a :class:`Backend`: the namespace ``xp`` (``torch`` or ``jax.numpy``), a float32 cast, and the
+histogram of float32 magnitudes (``torch.bucketize`` + ``index_add`` / ``jnp.searchsorted`` + ``.at[].add``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from tb_gradhealth import record
+
+F32_MAX = float(np.finfo(np.float32).max)
+#: Columns of the value fields in a packed row (after the 5 counts).
+COL = {name: i for i, name in enumerate(record.VALUE_FIELDS)}
+
+
+class Backend(NamedTuple):
+    xp: Any
+    f32: Callable[[Any], Any]
+    #: ``(abs values float32 [k], weights float32 [k]) -> hist float32 [HIST_BINS]`` (float32 edge comparison).
+    histogram: Callable[[Any, Any], Any]
+    #: ``(numpy array, like) -> array`` on ``like``'s device (``like`` may be ``None``: the default device).
+    const: Callable[[np.ndarray, Any], Any]
+    #: ``(x, m) -> x / m`` for a scalar ``m > 0`` up to 3.4e38 (XLA needs care: ``tb_gradhealth.jax._divide``).
+    divide: Callable[[Any, Any], Any]
+
+
+
+
+def _sums(be: Backend, xk: Any, m: Any) -> tuple[Any, Any]:
+    """``(sum((x/m)^2), sum(x/m))``: exact in relative terms at any magnitude (``m`` known first)."""
+    y = be.divide(xk, be.xp.where(m > 0, m, 1.0))
+    return be.xp.sum(y * y), be.xp.sum(y)
+
+
+def grad_stats(be: Backend, x: Any, extra_zeros: int, hist_sample: int, sample: Callable[[Any], Any] | None):
+    """``(counts [5] int, [min, max, mean, ssq_rel, hist_sample, *hist] float32)`` of a flat float32 gradient.
+
+    ``extra_zeros``: implicit zeros beyond ``x`` (a sparse gradient's untouched rows). ``sample``: ``None`` for the
+    exact histogram, else a function returning ``hist_sample`` elements of ``x`` at the sampling rule's positions.
+    """
+    xp = be.xp
+    n = math.prod(x.shape)
+    inf = float("inf")
+    a = xp.abs(x)
+    finite = a <= F32_MAX  # False for NaN and +-Inf
+    keep = finite & (a >= record.FLUSH_BELOW)  # finite and not flushed to zero
+    nfin = xp.sum(finite)
+    nonzero = xp.sum(keep)
+    nan = xp.sum(xp.isnan(x))
+    posinf = xp.sum(x == inf)
+    neginf = n - nfin - nan - posinf
+    xk = xp.where(keep, x, 0.0)
+    mx = xp.max(xp.where(finite, xk, -inf))
+    mn = xp.min(xp.where(finite, xk, inf))
+    if extra_zeros:
+        mx, mn = xp.where(mx > 0, mx, 0.0), xp.where(mn < 0, mn, 0.0)
+    m = xp.maximum(mx, -mn)
+    m = xp.where(m > 0, m, 0.0)  # no finite value: -inf -> 0
+    ssq, s = _sums(be, xk, m)
+    nf = nfin + extra_zeros
+    mean = xp.where(nf > 0, s / xp.where(nf > 0, nf, 1) * m, 0.0)
+    v = x if sample is None else sample(x)
+    av = xp.abs(v)
+    w = be.f32((av >= record.FLUSH_BELOW) & (av <= F32_MAX))
+    hist = be.histogram(av, w)
+    kept = xp.sum(w)
+    if sample is not None:  # scaled to the exact finite nonzero count
+        hist = hist * xp.where(kept > 0, be.f32(nonzero) / xp.where(kept > 0, kept, 1.0), 0.0)
+    counts = xp.stack([nan * 0 + n + extra_zeros, nan, posinf, neginf, nfin - nonzero + extra_zeros])
+    head = be.f32(xp.stack([mn, mx, mean, ssq]))
+    return counts, xp.concatenate([head, xp.reshape(kept, (1,)), hist])
+
+
+def norm_stats(be: Backend, x: Any) -> Any:
+    """``[max|w|, sum((w / max|w|)^2)]`` float32 over the finite, unflushed values of a flat weight or update."""
+    xp = be.xp
+    if math.prod(x.shape) == 0:
+        return be.f32(xp.stack([xp.sum(x), xp.sum(x)]))
+    a = xp.abs(x)
+    af = xp.where((a >= record.FLUSH_BELOW) & (a <= F32_MAX), a, 0.0)
+    m = xp.max(af)
+    return be.f32(xp.stack([m, _sums(be, af, m)[0]]))
+
+
+def empty_values(be: Backend, like: Any) -> Any:
+    """``[min, max, mean, ssq_rel, hist_sample, *hist]`` of a layer with no values (the missing or empty record)."""
+    head = np.array([np.inf, -np.inf, 0.0, 0.0, 0.0], np.float32)
+    return be.const(np.concatenate([head, np.zeros(record.HIST_BINS, np.float32)]), like)
+
+
+def assemble(be: Backend, grad: Any, weight: Any, update: Any, missing: bool) -> Any:
+    """One layer's values ``[12 + HIST_BINS]`` in :data:`record.VALUE_FIELDS` order from :func:`grad_stats`'s
+    (or :func:`empty_values`') vector and the optional :func:`norm_stats` of the weight and the update."""
+    nan = be.const(np.full(2, np.nan, np.float32), grad)
+    opt = [weight if weight is not None else nan, update if update is not None else nan, nan]
+    flag = be.const(np.array([float(missing)], np.float32), grad)
+    return be.xp.concatenate([grad[:4], *opt, flag, grad[4:]])
+
+
+def merge(
+    be: Backend,
+    counts: Any,
+    values: Any,
+    all_max: Callable[[Any], Any],
+    all_sum: Callable[[Any], Any],
+    all_sum_counts: Callable[[Any], Any] | None = None,
+) -> tuple[Any, Any]:
+    """Records of shards ``(counts [L, 5] int, values [L, 89])`` -> the full tensors' records, on every shard.
+
+    ``all_max`` / ``all_sum`` are the collectives (``all_reduce`` MAX / SUM, ``lax.pmax`` / ``lax.psum``): first
+    the max of ``[max, -min, max|g|, max|w|, max|u|]``, then (each relative sum of squares rescaled to the global
+    max|.|) the sum of the counts, histogram, ``hist_sample``, finite-weighted mean and sums of squares. The same
+    result as :func:`record.merge_all` over the shards. The counts join the float sum (exact when ``values`` are
+    float64) unless ``all_sum_counts`` sums them on their own (integers: exact in float32 backends too).
+    """
+    xp = be.xp
+
+    def field(name: str) -> Any:
+        return values[:, COL[name]]
+
+    mn, mx = field("min"), field("max")
+    m = xp.maximum(-mn, mx)
+    m = xp.where(xp.isfinite(m), m, 0.0)
+    scales = [xp.where(xp.isnan(field(f"{k}_max_abs")), -1.0, field(f"{k}_max_abs")) for k in ("weight", "update")]
+    maxes = all_max(xp.stack([mx, -mn, m, *scales], 1))
+
+    def rescaled(ssq: Any, s: Any, s_all: Any) -> Any:
+        r = xp.where(s_all > 0, s / xp.where(s_all > 0, s_all, 1.0), 0.0)
+        return xp.where(xp.isnan(ssq), 0.0, ssq * r * r)
+
+    c = counts * xp.ones_like(values[:, :1])  # counts in the values' float type (float64: exact)
+    nf = c[:, 0] - c[:, 1] - c[:, 2] - c[:, 3]
+    extra = [
+        field("mean") * nf,
+        rescaled(field("ssq_rel"), m, maxes[:, 2]),
+        rescaled(field("weight_ssq_rel"), scales[0], maxes[:, 3]),
+        rescaled(field("update_ssq_rel"), scales[1], maxes[:, 4]),
+        field("missing"),
+        field("hist_sample"),
+        nf * 0 + 1,
+    ]
+    k = 0 if all_sum_counts is not None else record.NUM_COUNTS
+    head = [] if k == 0 else [c]
+    sums = all_sum(xp.concatenate([*head, xp.stack(extra, 1), values[:, record.NUM_VALUES :]], 1))
+    out_c = sums[:, :k] if k else all_sum_counts(counts)
+    mean_w, ssq, wssq, ussq, missing, hs, ranks = (sums[:, k + i] for i in range(7))
+    g_nf = (out_c[:, 0] - out_c[:, 1] - out_c[:, 2] - out_c[:, 3]) * 1.0 + ssq * 0
+    nan = ssq * np.nan
+    cols = {
+        "min": -maxes[:, 1],
+        "max": maxes[:, 0],
+        "mean": xp.where(g_nf > 0, mean_w / xp.where(g_nf > 0, g_nf, 1.0), 0.0),
+        "ssq_rel": ssq,
+        "weight_max_abs": xp.where(maxes[:, 3] >= 0, maxes[:, 3], nan),
+        "weight_ssq_rel": xp.where(maxes[:, 3] >= 0, wssq, nan),
+        "update_max_abs": xp.where(maxes[:, 4] >= 0, maxes[:, 4], nan),
+        "update_ssq_rel": xp.where(maxes[:, 4] >= 0, ussq, nan),
+        "micro_batches": nan,
+        "noise_ssq_rel": nan,
+        "missing": be.f32(missing == ranks),
+        "hist_sample": hs,
+    }
+    head = xp.stack([be.f32(cols[name]) for name in record.VALUE_FIELDS], 1)
+    return (xp.round(out_c) if k else out_c), xp.concatenate([head, be.f32(sums[:, k + 7 :])], 1)
