@@ -10,7 +10,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
 #: A test belongs to at least one of these tiers (``slow`` only adds to one of them).
-TIERS = ("unit", "tf", "e2e", "browser")
+TIERS = ("unit", "tf", "e2e", "browser", "torch", "jax")
 
 
 @pytest.fixture(scope="session")
