@@ -174,6 +174,7 @@ class RunScore:
     #: a divergence halted more than one logged step before its labelled onset
     premature: bool = False
     train_s: float | None = None
+    train_cpu_s: float | None = None
     n_layers: int = 0
     n_steps: int = 0
 
@@ -397,6 +398,10 @@ def report(runs: Sequence[RunScore], markdown: bool = False) -> str:
     return "\n".join(out)
 
 
+def _secs(x: float | None) -> str | None:
+    return None if x is None else f"{x:.1f}"
+
+
 def _short(names: Sequence[str], n: int = 4) -> str:
     return ", ".join(names[:n]) + (f" (+{len(names) - n})" if len(names) > n else "") if names else "-"
 
@@ -433,6 +438,7 @@ def score_cases(case_dirs: Sequence[Path], times: Mapping[str, float] | None = N
         d = diagnose_steps(run.layers, run.steps, run.records)
         r = score_run(labels, d)
         r.train_s = (times or {}).get(labels["case"], labels.get("train_s"))
+        r.train_cpu_s = labels.get("train_cpu_s")
         if r.unlabelled:
             print(f"[zoo] {r.case}: {len(r.unlabelled)} recorded layers without a label (scored as healthy): "
                   f"{_short(r.unlabelled)}", file=sys.stderr)
@@ -446,6 +452,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="where each case's logdir is kept (default: benchmarks/.zoo-cache)")
     ap.add_argument("--refresh", action="store_true", help="retrain the selected cases even when cached")
     ap.add_argument("--only", default="", help="comma-separated case names")
+    ap.add_argument("--light", action="store_true",
+                    help="leave out the keras.applications cases (minutes of CPU each), for quick iterations")
     ap.add_argument("--list", action="store_true", help="list the cases and their labelling rules, then exit")
     ap.add_argument("--score-only", action="store_true", help="score the cached cases, train nothing")
     ap.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
@@ -457,7 +465,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from benchmarks import zoo_cases  # noqa: PLC0415 - TensorFlow only when training
 
-    names = [n for n in args.only.split(",") if n] or list(zoo_cases.CASES)
+    names = [n for n in args.only.split(",") if n] or [n for n, c in zoo_cases.CASES.items()
+                                                       if not (args.light and c.heavy)]
     unknown = [n for n in names if n not in zoo_cases.CASES]
     if unknown:
         print(f"unknown case(s): {', '.join(unknown)}; known: {', '.join(zoo_cases.CASES)}", file=sys.stderr)
@@ -467,6 +476,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{n:24s} {zoo_cases.CASES[n].rule}")
         return 0
     times: dict[str, float] = {}
+    start = time.perf_counter()
     if not args.score_only:
         for n in names:
             case_dir = args.cache / n
@@ -475,16 +485,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             t0 = time.perf_counter()
             zoo_cases.train(n, case_dir)
             times[n] = time.perf_counter() - t0
-            print(f"[zoo] trained {n} in {times[n]:.1f} s", flush=True)
+            cpu = json.loads((case_dir / "labels.json").read_text()).get("train_cpu_s")
+            print(f"[zoo] trained {n} in {times[n]:.1f} s ({cpu} CPU s)", flush=True)
         if times:
-            print(f"[zoo] training time, {len(times)} case(s): {sum(times.values()):.1f} s", flush=True)
+            print(f"[zoo] trained {len(times)} case(s) in {time.perf_counter() - start:.1f} s wall "
+                  f"(import and set-up included; load average {os.getloadavg()[0]:.1f})", flush=True)
     dirs = [args.cache / n for n in names if (args.cache / n / "labels.json").exists()]
     runs = score_cases(dirs, times)
-    print(table(["case", "sick", "logged steps", "layers", "training s"],
-                [[r.case, r.sick, r.n_steps, r.n_layers, None if r.train_s is None else f"{r.train_s:.1f}"]
-                 for r in runs], args.markdown))
-    total = sum(r.train_s or 0.0 for r in runs)
-    print(f"training time of these {len(runs)} cases (this call, or when cached): {total:.1f} s")
+    print(table(["case", "sick", "logged steps", "layers", "training s (wall)", "training s (CPU)"],
+                [[r.case, r.sick, r.n_steps, r.n_layers, _secs(r.train_s), _secs(r.train_cpu_s)] for r in runs],
+                args.markdown))
+    print(f"training time of these {len(runs)} cases (when trained): {sum(r.train_s or 0.0 for r in runs):.1f} s "
+          f"wall, {sum(r.train_cpu_s or 0.0 for r in runs):.1f} s CPU")
     print(report(runs, args.markdown))
     if args.json:
         args.json.write_text(json.dumps(figures(runs), indent=1, default=str))

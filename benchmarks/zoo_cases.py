@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -60,14 +61,16 @@ class Case:
     name: str
     rule: str
     fn: Callable[[str], dict[str, Any]]
+    #: a keras.applications model: minutes of CPU each (tracing, and the callback's first-call compilation)
+    heavy: bool = False
 
 
 CASES: dict[str, Case] = {}
 
 
-def case(name: str, rule: str) -> Callable:
+def case(name: str, rule: str, heavy: bool = False) -> Callable:
     def register(fn: Callable[[str], dict[str, Any]]) -> Callable[[str], dict[str, Any]]:
-        CASES[name] = Case(name, rule, fn)
+        CASES[name] = Case(name, rule, fn, heavy)
         return fn
 
     return register
@@ -82,9 +85,10 @@ def train(name: str, case_dir: Path) -> dict[str, Any]:
     shutil.rmtree(case_dir, ignore_errors=True)
     case_dir.mkdir(parents=True)
     keras.utils.set_random_seed(sum(map(ord, name)))
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _cpu_s()
     labels = CASES[name].fn(str(case_dir))
     labels["train_s"] = round(time.perf_counter() - t0, 2)
+    labels["train_cpu_s"] = round(_cpu_s() - c0, 2)
     labels["case"] = name
     labels.setdefault("rule", CASES[name].rule)
     runs = [r for r in reader.read_logdir(str(case_dir)).runs if r.num_steps]
@@ -100,6 +104,12 @@ def train(name: str, case_dir: Path) -> dict[str, Any]:
     labels["logged_steps"] = [int(s) for s in runs[0].steps]
     (case_dir / "labels.json").write_text(json.dumps(labels, indent=1, default=_json_default))
     return labels
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process, all threads (the machine is shared: wall time depends on the others' load)."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
 
 
 def _json_default(x: Any) -> Any:
@@ -932,14 +942,15 @@ def _app_case(name: str, scale: float) -> Callable[[str], dict[str, Any]]:
 # a BatchNormalization), MobileNetV2's project_BN betas (reached only through a 1x1 conv into BatchNormalization),
 # EfficientNetB0's project_bn betas of blocks without a residual (their stochastic-depth Dropout in the residual
 # blocks scales each sample differently, so there the beta is not inert; the rule leaves it healthy).
-case("app_resnet50", APP_RULE + " (ResNet50)")(_app_case("ResNet50", 1.0))
-case("app_mobilenetv2", APP_RULE + " (MobileNetV2)")(_app_case("MobileNetV2", 1.0))
-case("app_efficientnetb0", APP_RULE + " (EfficientNetB0: takes 0-255 inputs)")(_app_case("EfficientNetB0", 255.0))
+case("app_resnet50", APP_RULE + " (ResNet50)", heavy=True)(_app_case("ResNet50", 1.0))
+case("app_mobilenetv2", APP_RULE + " (MobileNetV2)", heavy=True)(_app_case("MobileNetV2", 1.0))
+case("app_efficientnetb0", APP_RULE + " (EfficientNetB0: takes 0-255 inputs)", heavy=True)(
+    _app_case("EfficientNetB0", 255.0))
 
 
 # ResNet50 with SGD(0.1) on the same task diverges within a few steps: labelled by the divergence rule (raw loss and
 # the weight norms before every step), conv biases inert as above. At most 16 steps, 3 after the first NaN loss.
-@case("app_resnet50_diverge", DIVERGE_RULE + " (ResNet50, SGD 0.1)")
+@case("app_resnet50_diverge", DIVERGE_RULE + " (ResNet50, SGD 0.1)", heavy=True)
 def app_resnet50_diverge(log_dir: str) -> dict[str, Any]:
     import keras
 
