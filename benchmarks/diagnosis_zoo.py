@@ -18,8 +18,14 @@ The scorer reads every run back with :func:`tb_gradhealth.reader.read_logdir`, d
 
     flock /tmp/gradhealth-heavy.lock python benchmarks/diagnosis_zoo.py            # train what is not cached, score
     python benchmarks/diagnosis_zoo.py --list
-    python benchmarks/diagnosis_zoo.py --only sigmoid_mlp_8,nan_injection --refresh
+    python benchmarks/diagnosis_zoo.py --only sigmoid_mlp_10,nan_injection --refresh
+    python benchmarks/diagnosis_zoo.py --light                 # without the keras.applications cases
     python benchmarks/diagnosis_zoo.py --score-only --markdown --json /tmp/zoo.json
+
+The cache (``--cache``, or ``$GRADHEALTH_ZOO_CACHE``, default ``benchmarks/.zoo-cache``) keeps each case's logdir:
+scoring a cached zoo takes seconds, so thresholds and rules can be tuned against it without retraining.
+A divergence halted more than one logged step before its labelled onset counts as a premature halt (it stopped
+a training that was still sound), not as a lead.
 
 Label format (``labels.json``)::
 
