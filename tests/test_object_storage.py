@@ -160,7 +160,7 @@ def test_writer_to_bucket_then_report_exit_codes(server):
 
     both = _report(server, logdir)
     assert both.returncode == cli.EXIT_FAIL, both.stderr
-    assert "first bad: dense/kernel (nonfinite) at step 13" in both.stdout, both.stdout
+    assert "first bad: dense/kernel (nonfinite) since step 13" in both.stdout, both.stdout
     healthy = _report(server, logdir, "--run", "healthy")
     assert healthy.returncode == cli.EXIT_OK, healthy.stderr
     assert "20 logged" in healthy.stdout, healthy.stdout
