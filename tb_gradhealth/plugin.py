@@ -10,13 +10,16 @@ Imports no TensorFlow.
 from __future__ import annotations
 
 import functools
+import gzip
 import json
 import logging
 import mimetypes
 import os
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from tensorboard import context as tb_context
@@ -116,11 +119,34 @@ def _json_route(method: Callable[[Any, Any], Any]) -> Callable:
         except Exception as e:  # a bug: still a JSON answer, with the traceback in TensorBoard's log
             _log.exception("gradhealth: %s failed", request.full_path)
             body, code = {"error": f"internal error {type(e).__name__}: {e}", "parameter": None}, 500
+        if isinstance(body, Answer):
+            if _GZIP_OK.search(request.headers.get("Accept-Encoding", "")):
+                return http_util.Respond(request, body.gzipped, "application/json", code=code,
+                                         content_encoding="gzip")
+            return http_util.Respond(request, body.raw, "application/json", code=code)
         if not isinstance(body, str):
             body = json.dumps(body, allow_nan=False)
         return http_util.Respond(request, body, "application/json", code=code)
 
     return serve
+
+
+#: What TensorBoard's ``http_util`` accepts as "gzip welcome" in ``Accept-Encoding`` (gzip, x-gzip or *, not q=0).
+_GZIP_OK = re.compile(r"(?:^|,|\s)(?:(?:x-)?gzip|\*)(?!;q=0)(?:\s|,|$)")
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A JSON answer encoded once (UTF-8, and gzip as TensorBoard would) for every request that shares it: a large
+    run's ``health`` answer is megabytes, and compressing it per request would cost more than the diagnosis."""
+
+    raw: bytes
+    gzipped: bytes
+
+    @classmethod
+    def of(cls, body: Any) -> Answer:
+        raw = json.dumps(body, allow_nan=False).encode("utf-8")
+        return cls(raw, gzip.compress(raw, compresslevel=3, mtime=0))
 
 
 # --- the plugin ---------------------------------------------------------------------------------------------------
@@ -135,7 +161,7 @@ class GradHealthPlugin(base_plugin.TBPlugin):
         self._context = context
         hint = (context.sampling_hints or {}).get(metadata.PLUGIN_NAME)
         self._reader = ProviderReader(context.data_provider, hint)
-        self._health_cache: OrderedDict[tuple, tuple[health.RunHealth, str]] = OrderedDict()
+        self._health_cache: OrderedDict[tuple, tuple[health.RunHealth, Answer]] = OrderedDict()
         self._health_lock = threading.Lock()
         self._flights: dict[tuple, _Flight] = {}
         self._slots = threading.BoundedSemaphore(DIAGNOSES_AT_ONCE)
@@ -175,9 +201,9 @@ class GradHealthPlugin(base_plugin.TBPlugin):
         return series
 
     def _diagnosis(self, request: Any, series: RunSeries, t: health.Thresholds, step: int | None
-                   ) -> tuple[health.RunHealth, str]:
-        """The diagnosis and its ``health`` JSON text, cached per (run data, thresholds, step): the data part of the
-        key is the series' generation, which changes whenever the reader decodes new data.
+                   ) -> tuple[health.RunHealth, Answer]:
+        """The diagnosis and its encoded ``health`` answer, cached per (run data, thresholds, step): the data part of
+        the key is the series' generation, which changes whenever the reader decodes new data.
 
         Single-flight: concurrent requests with one key share one computation (the first computes, the others wait
         for its result), and at most :data:`DIAGNOSES_AT_ONCE` different keys are computed at a time, so memory
@@ -198,8 +224,8 @@ class GradHealthPlugin(base_plugin.TBPlugin):
         try:
             with self._slots:
                 h = diagnose(series, t, int(series.steps[k]))
-                text = json.dumps(health_payload(series, t, int(series.steps[k]), h), allow_nan=False)
-            flight.result = (h, text)
+                answer = Answer.of(health_payload(series, t, int(series.steps[k]), h))
+            flight.result = (h, answer)
             with self._health_lock:
                 self._health_cache[key] = flight.result
                 while len(self._health_cache) > HEALTH_CACHE_ENTRIES:
@@ -225,7 +251,7 @@ class GradHealthPlugin(base_plugin.TBPlugin):
             return runs_payload([], [str(e)])
 
     @_json_route
-    def _serve_health(self, request: Any) -> str:
+    def _serve_health(self, request: Any) -> Answer:
         run = _required(request.args, "run")
         step = _step(request.args)
         t = _thresholds(request.args, ("run", "step"))
@@ -275,10 +301,10 @@ class _Flight:
 
     def __init__(self) -> None:
         self.done = threading.Event()
-        self.result: tuple[health.RunHealth, str] | None = None
+        self.result: tuple[health.RunHealth, Answer] | None = None
         self.error: BaseException | None = None
 
-    def wait(self) -> tuple[health.RunHealth, str]:
+    def wait(self) -> tuple[health.RunHealth, Answer]:
         self.done.wait()
         if self.error is not None:
             raise self.error

@@ -752,3 +752,14 @@ def test_repeated_names_never_collide_with_given_ones():
         naming.layer_names([Var("a"), Var("b")])
     with pytest.raises(TypeError, match="non-empty strings"):
         naming.layer_names({None: 1.0})
+
+
+@pytest.mark.e2e
+def test_shared_answer_is_the_same_with_and_without_gzip(tab):
+    import gzip
+
+    plain = tab.get(PREFIX + "/health?run=restart")
+    packed = tab.get(PREFIX + "/health?run=restart", headers={"Accept-Encoding": "gzip, deflate"})
+    assert plain.status_code == packed.status_code == 200
+    assert "Content-Encoding" not in plain.headers and packed.headers["Content-Encoding"] == "gzip"
+    assert json.loads(gzip.decompress(packed.get_data())) == json.loads(plain.get_data(as_text=True))
