@@ -13,6 +13,7 @@ Skipped, with the reason, when a server program or fsspec backend is not install
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -158,9 +159,11 @@ def test_writer_to_bucket_then_report_exit_codes(server):
     _write(f"{logdir}/healthy", server.options, 20).close()
     _write(f"{logdir}/sick", server.options, 20, nan_at=13).close()
 
-    both = _report(server, logdir)
+    both = _report(server, logdir, "--json")
     assert both.returncode == cli.EXIT_FAIL, both.stderr
-    assert "first bad: dense/kernel (nonfinite) since step 13" in both.stdout, both.stdout
+    runs = {r["run"]: r for r in json.loads(both.stdout)["runs"]}
+    assert runs["sick"]["summary"]["first_bad"] == {"layer": "dense/kernel", "status": "nonfinite", "step": 13}
+    assert runs["healthy"]["summary"]["first_bad"] is None
     healthy = _report(server, logdir, "--run", "healthy")
     assert healthy.returncode == cli.EXIT_OK, healthy.stderr
     assert "20 logged" in healthy.stdout, healthy.stdout
