@@ -1,6 +1,6 @@
 """Backend at scale: a real ``tensorboard`` process (started as a user starts it, with no flag) over one run of
 1,000 layers x 1,000 logged steps (1M layer-steps) and 1,000 x 10,000 (10M), optionally side by side with
-TensorBoard's own histogram route over per-variable histogram and scalar summaries of the same run (``--seed000``).
+TensorBoard's own histogram route over per-variable histogram and scalar summaries of the same run (``--histograms``).
 
 For each size it measures, in one run on this machine: start of the ``tensorboard`` process → first *complete*
 ``health`` answer (every step and layer: cold), warm ``health`` / ``series`` / ``profile`` / ``histograms`` latency
@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,11 +35,9 @@ from importlib import metadata as importlib_metadata
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+from tb_gradhealth import testing
 
-import gh_logdirs  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 _WRAPPER = """
 import sys
@@ -52,11 +49,6 @@ tb.configure(argv=[None] + sys.argv[1:])
 sys.exit(tb.main())
 """
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def entry_point_installed() -> bool:
@@ -155,22 +147,22 @@ def wait_until(pred, deadline: float, interval: float = 0.25):
     return None
 
 
-def generate(data: Path, layers: int, steps: int, seed000: bool) -> tuple[Path, Path | None]:
+def generate(data: Path, layers: int, steps: int, histograms: bool) -> tuple[Path, Path | None]:
     gh = data / f"gh_{layers}x{steps}"
     if not (gh / "done").exists():
         shutil.rmtree(gh, ignore_errors=True)  # a half-written earlier attempt would add duplicate steps
         t = time.perf_counter()
-        gh_logdirs.make_scale_logdir(str(gh), layers, steps, run="scale")
+        testing.make_scale_logdir(str(gh), layers, steps, run="scale")
         (gh / "done").write_text("")
         print(f"  generated {gh} in {time.perf_counter() - t:.1f} s", flush=True)
-    hist = data / f"seed000_{layers}x{steps}"
-    if seed000 and not (hist / "done").exists():
+    hist = data / f"histograms_{layers}x{steps}"
+    if histograms and not (hist / "done").exists():
         shutil.rmtree(hist, ignore_errors=True)
         t = time.perf_counter()
-        gh_logdirs.make_seed000_logdir(str(hist), layers, steps, run="seed000")
+        testing.make_histogram_logdir(str(hist), layers, steps, run="histograms")
         (hist / "done").write_text("")
         print(f"  generated {hist} in {time.perf_counter() - t:.1f} s", flush=True)
-    return gh, hist if seed000 else None
+    return gh, hist if histograms else None
 
 
 def generate_many(data: Path, n_runs: int, layers: int, steps: int) -> Path:
@@ -179,7 +171,7 @@ def generate_many(data: Path, n_runs: int, layers: int, steps: int) -> Path:
         shutil.rmtree(logdir, ignore_errors=True)
         t = time.perf_counter()
         for i in range(n_runs):
-            gh_logdirs.make_scale_logdir(str(logdir), layers, steps, run=f"run_{i:03d}", seed=i)
+            testing.make_scale_logdir(str(logdir), layers, steps, run=f"run_{i:03d}", seed=i)
         (logdir / "done").write_text("")
         print(f"  generated {logdir} in {time.perf_counter() - t:.1f} s", flush=True)
     return logdir
@@ -188,7 +180,7 @@ def generate_many(data: Path, n_runs: int, layers: int, steps: int) -> Path:
 def bench_many(logdir: Path, n_runs: int, layers: int, steps: int, limit: float) -> dict:
     """A logdir of many runs: start → ``runs`` lists every run with every step; then the complete ``health`` of
     every run once (the first request of each is cold), warm ``health`` and ``series``; peak RSS."""
-    port = free_port()
+    port = testing.free_port()
     base = f"http://127.0.0.1:{port}/data/plugin/gradhealth"
     t0 = time.monotonic()
     proc = start_tensorboard(str(logdir), port, None)
@@ -249,7 +241,7 @@ class PeakRss:
 
 def bench_gradhealth(logdir: Path, layers: int, steps: int, limit: float, samples: str | None = None) -> dict:
     """``samples`` None: plain ``tensorboard --logdir`` (the package's loader keeps every step by default)."""
-    port = free_port()
+    port = testing.free_port()
     base = f"http://127.0.0.1:{port}/data/plugin/gradhealth"
     t0 = time.monotonic()
     proc = start_tensorboard(str(logdir), port, samples)
@@ -299,8 +291,8 @@ def bench_gradhealth(logdir: Path, layers: int, steps: int, limit: float, sample
         stop(proc)
 
 
-def bench_seed000(logdir: Path, layers: int, steps: int, limit: float) -> dict:
-    port = free_port()
+def bench_histogram_route(logdir: Path, layers: int, steps: int, limit: float) -> dict:
+    port = testing.free_port()
     base = f"http://127.0.0.1:{port}/data/plugin"
     t0 = time.monotonic()
     proc = start_tensorboard(str(logdir), port, None)  # TensorBoard's defaults for histograms and scalars
@@ -313,7 +305,7 @@ def bench_seed000(logdir: Path, layers: int, steps: int, limit: float) -> dict:
         out["server_up_s"] = round(time.monotonic() - t0, 2) if up else None
         last_tag = q(f"{names[-1]}-grad")
 
-        complete = json_when(f"{base}/histograms/histograms?run=seed000&tag={last_tag}",
+        complete = json_when(f"{base}/histograms/histograms?run=histograms&tag={last_tag}",
                              lambda data: bool(data) and data[-1][1] == steps - 1)
         data = wait_until(complete, deadline, 0.5)
         out["first_complete_histogram_s"] = round(time.monotonic() - t0, 2) if data else None
@@ -322,8 +314,8 @@ def bench_seed000(logdir: Path, layers: int, steps: int, limit: float) -> dict:
             return out
         out["histogram_points_per_tag"] = len(data)
         sample = [names[i * (len(names) - 1) // 19] for i in range(20)]
-        hist_t = [timed(f"{base}/histograms/histograms?run=seed000&tag={q(n + '-grad')}")[0] for n in sample]
-        scal_t = [timed(f"{base}/scalars/scalars?run=seed000&tag={q(n + '-grad-' + s)}")[0]
+        hist_t = [timed(f"{base}/histograms/histograms?run=histograms&tag={q(n + '-grad')}")[0] for n in sample]
+        scal_t = [timed(f"{base}/scalars/scalars?run=histograms&tag={q(n + '-grad-' + s)}")[0]
                   for n in sample[:10] for s in ("mean", "std", "max", "min")]
         out["histogram_route_s"] = round(statistics.median(hist_t), 4)
         out["scalar_route_s"] = round(statistics.median(scal_t), 4)
@@ -361,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="1000x1000,1000x10000", help="LAYERSxSTEPS,... (default: %(default)s)")
     ap.add_argument("--data", default="/tmp/gradhealth-bench-data-blocks", help="where generated logdirs are cached")
-    ap.add_argument("--seed000", action="store_true", help="also time TensorBoard's histogram route on the same run")
+    ap.add_argument("--histograms", action="store_true", help="also time TensorBoard's histogram route on the same run")
     ap.add_argument("--limit", type=float, default=600.0, help="seconds allowed for a server to answer completely")
     ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     ap.add_argument("--many", default="100x200x1000", metavar="RUNSxLAYERSxSTEPS",
@@ -373,13 +365,13 @@ def main(argv: list[str] | None = None) -> int:
     for size in args.sizes.split(","):
         layers, steps = (int(x) for x in size.lower().split("x"))
         print(f"== {layers} layers x {steps} steps", flush=True)
-        gh, hist = generate(data, layers, steps, args.seed000)
+        gh, hist = generate(data, layers, steps, args.histograms)
         r = {"gradhealth": bench_gradhealth(gh, layers, steps, args.limit)}
         print("  gradhealth:", json.dumps(r["gradhealth"]), flush=True)
         if hist is not None:
-            r["seed000"] = bench_seed000(hist, layers, steps, args.limit)
-            print("  seed000:   ", json.dumps(r["seed000"]), flush=True)
-            g, s = r["gradhealth"], r["seed000"]
+            r["histogram_route"] = bench_histogram_route(hist, layers, steps, args.limit)
+            print("  histograms:", json.dumps(r["histogram_route"]), flush=True)
+            g, s = r["gradhealth"], r["histogram_route"]
             if g.get("warm_health_s") and s.get("every_layer_once_s"):
                 r["ratios"] = {
                     "every_layer_ranked_vs_every_layer_once": round(s["every_layer_once_s"] / g["warm_health_s"], 1),

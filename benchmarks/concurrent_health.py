@@ -29,17 +29,10 @@ import threading
 import time
 from pathlib import Path
 
+import backend_scale as bs  # this script's directory is on sys.path when it runs
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import backend_scale as bs  # noqa: E402
-import gh_logdirs  # noqa: E402
-
-from tb_gradhealth import eventfile, metadata  # noqa: E402
+from tb_gradhealth import eventfile, metadata, testing
 
 THRESHOLD_VARIANTS = [f"vanish_decades={v}" for v in (2, 2.5, 3, 3.5, 4, 4.5, 5, 5.5, 6, 6.5)]
 
@@ -79,7 +72,7 @@ def append_step(path: Path, layers: list[str], step: int) -> None:
     rms = 10.0 ** np.linspace(-6.0, -2.0, len(layers))
     tag = metadata.tag_for(layers, step=step)  # the Writer's step-block tags; a new block's first event has metadata
     first = tag != metadata.tag_for(layers, step=step - 1)
-    event = gh_logdirs.record_event(step, tag, gh_logdirs.synthetic_records(rms), layers=layers if first else None)
+    event = testing.record_event(step, tag, testing.synthetic_records(rms), layers=layers if first else None)
     with open(path, "ab") as f:
         f.write(eventfile.frame(event))
 
@@ -132,13 +125,13 @@ def main(argv: list[str] | None = None) -> int:
 
     cached = Path(args.data) / f"concurrent_{args.layers}x{args.steps}"
     if not cached.exists():
-        gh_logdirs.make_scale_logdir(str(cached), args.layers, args.steps, run="big")
+        testing.make_scale_logdir(str(cached), args.layers, args.steps, run="big")
     work = Path(tempfile.mkdtemp(prefix="gh-concurrent-"))
     shutil.copytree(cached, work / "logs")
     (path,) = (work / "logs" / "big").iterdir()
     # The generator's layer names (make_scale_logdir).
     layers = [f"block_{i // 2:04d}/{'kernel' if i % 2 == 0 else 'bias'}" for i in range(args.layers)]
-    port = bs.free_port()
+    port = testing.free_port()
     proc = bs.start_tensorboard(str(work / "logs"), port, "gradhealth=0")
     base = f"http://127.0.0.1:{port}/data/plugin/gradhealth"
     try:

@@ -1,11 +1,11 @@
-"""Bytes crossing from device to host per step per layer: tb_gradhealth's host_call vs seed 000's sampling recipe.
+"""Bytes crossing from device to host per step per layer: our host_call vs sampling 1,000 values per variable.
 
-Seed 000 (plan 1) sends, per variable, ``shuffle(flatten(g))[:1000]`` as a ``[1, 1000]`` float32 tensor plus
-scalars; the issue counts 4,016 B per variable (1000 samples + 4 scalars). Ours sends one packed record per layer
+The sampling recipe sends, per variable, ``shuffle(flatten(g))[:1000]`` as a ``[1, 1000]`` float32 tensor plus
+scalars: 4,016 B per variable (1000 samples + 4 scalars). Ours sends one packed record per layer
 (``counts`` int32 [1, L, 5] + ``values`` float32 [1, L, 89]) plus the step and the extra scalars once per step.
 Both payloads are measured from the actual tensors each recipe builds (shape x dtype size), per shard.
 
-The second half shows what the bytes buy: a 1M-element gradient with one 1e8 spike, 3 NaN and 2 Inf. The seed's
+The second half shows what the bytes buy: a 1M-element gradient with one 1e8 spike, 3 NaN and 2 Inf. The recipe's
 1000-element sample sees the spike with probability 1e-3 and the NaN/Inf almost never; the record's max|g| and
 NaN/Inf counts are exact. No timing here, so no lock is needed.
 
@@ -26,16 +26,16 @@ import tensorflow as tf  # noqa: E402
 
 from tb_gradhealth import record, tpu  # noqa: E402
 
-SEED_SAMPLES = 1000
+SAMPLED_VALUES = 1000
 
 
 def _nbytes(tensors: list[tf.Tensor]) -> int:
     return int(sum(t.shape.num_elements() * t.dtype.size for t in tensors))
 
 
-def seed_tensors(grads: list[tf.Tensor], step: tf.Tensor, loss: tf.Tensor, lr: tf.Tensor) -> list[tf.Tensor]:
-    """Seed 000 plan 1, verbatim: ``[gs, loss, lr] + [reshape(shuffle(flatten(g))[:1000], [1, -1])]``."""
-    sampled = [tf.reshape(tf.random.shuffle(tf.reshape(g, [-1]))[:SEED_SAMPLES], [1, -1]) for g in grads]
+def sampled_tensors(grads: list[tf.Tensor], step: tf.Tensor, loss: tf.Tensor, lr: tf.Tensor) -> list[tf.Tensor]:
+    """The sampling recipe: ``[gs, loss, lr] + [reshape(shuffle(flatten(g))[:1000], [1, -1])]``."""
+    sampled = [tf.reshape(tf.random.shuffle(tf.reshape(g, [-1]))[:SAMPLED_VALUES], [1, -1]) for g in grads]
     return [tf.reshape(step, [1]), tf.reshape(loss, [1]), tf.reshape(lr, [1])] + sampled
 
 
@@ -48,18 +48,18 @@ def payload(n_layers: int, size: int) -> dict[str, float]:
     loss, lr = tf.constant(0.5), tf.constant(0.1)
     with tempfile.TemporaryDirectory() as d:
         _, ours = tpu.host_call(list(zip(grads, variables, strict=True)), step, d, {"loss": loss, "learning_rate": lr})
-    seed = seed_tensors(grads, step, loss, lr)
+    sampled = sampled_tensors(grads, step, loss, lr)
     ours_record = _nbytes(ours[:2])
     ours_shared = _nbytes(ours[2:])
-    seed_per_var = _nbytes(seed[3:]) / n_layers
+    sampled_per_var = _nbytes(sampled[3:]) / n_layers
     return {
         "layers": n_layers,
         "ours_bytes_per_layer": ours_record / n_layers,
         "ours_shared_bytes_per_step": ours_shared,
         "ours_total_bytes_per_step": ours_record + ours_shared,
-        "seed_bytes_per_variable": seed_per_var + 4 * 4,  # as counted in the issue: 1000 samples + 4 scalars
-        "seed_total_bytes_per_step": _nbytes(seed),
-        "ratio_seed_over_ours_per_layer": (seed_per_var + 16) / (ours_record / n_layers),
+        "sampled_bytes_per_variable": sampled_per_var + 4 * 4,  # 1000 samples + 4 scalars
+        "sampled_total_bytes_per_step": _nbytes(sampled),
+        "ratio_sampled_over_ours_per_layer": (sampled_per_var + 16) / (ours_record / n_layers),
     }
 
 
@@ -75,7 +75,7 @@ def fidelity(trials: int, size: int = 1_000_000) -> dict[str, object]:
     seen_spike = seen_nan = seen_inf = 0
     for t in range(trials):
         tf.random.set_seed(t)
-        sample = tf.random.shuffle(gt)[:SEED_SAMPLES].numpy()
+        sample = tf.random.shuffle(gt)[:SAMPLED_VALUES].numpy()
         seen_spike += bool(np.any(sample == np.float32(1e8)))
         seen_nan += bool(np.isnan(sample).any())
         seen_inf += bool(np.isinf(sample).any())
@@ -86,9 +86,9 @@ def fidelity(trials: int, size: int = 1_000_000) -> dict[str, object]:
     return {
         "elements": size,
         "trials": trials,
-        "seed_sample_saw_1e8_spike": f"{seen_spike}/{trials}",
-        "seed_sample_saw_nan": f"{seen_nan}/{trials}",
-        "seed_sample_saw_inf": f"{seen_inf}/{trials}",
+        "sampled_sample_saw_1e8_spike": f"{seen_spike}/{trials}",
+        "sampled_sample_saw_nan": f"{seen_nan}/{trials}",
+        "sampled_sample_saw_inf": f"{seen_inf}/{trials}",
         "ours_max_abs": float(der["max_abs"]),
         "ours_nan": int(der["nan"]),
         "ours_inf": int(der["inf"]),

@@ -1,14 +1,14 @@
 """Per-step cost of gradient-health logging on the reference model, as ratios to a plain train step, in one run.
 
-The model of ../shared/reference/ (a 4x1024 ReLU MLP, 3.96M parameters, 10 variables, batch 128, SGD), logging
+A 4x1024 ReLU MLP (3.96M parameters, 10 variables, batch 128, SGD), logging
 **every step**. Variants, timed side by side in interleaved rounds (the minimum over rounds is kept: it is the
 least disturbed by other processes on a shared machine):
 
   base / base_xla    plain train step, no logging (without / with jit_compile=True)
-  stats              seed 000 plan 2: mean/std/max/min scalars per variable
-  sampled            seed 000 plan 1: shuffle(flatten)[:1000] + tf.summary.histogram per variable
+  stats              mean/std/max/min scalars per variable
+  sampled            shuffle(flatten)[:1000] + tf.summary.histogram per variable
   fullhist           tf.summary.histogram on each full gradient (Keras-style histograms)
-  probe              seed 003: extra forward/backward on a fixed batch + scalars + full histograms
+  probe              extra forward/backward on a fixed batch + scalars + full histograms
   ours               tb_gradhealth.summary.gradients(...) inside the plain tf.function step
   ours_xla           jit_compile=True step returning summary.compute(...); summary.write(...) outside (ratio to
                      base_xla)
@@ -21,14 +21,14 @@ least disturbed by other processes on a shared machine):
   floor_minmax / floor_minmax_xla
                      reduce_max(g) and reduce_min(g) of each gradient: two of the record's exact fields, nothing else
 
-  --alternatives     our other designs, for docs/FORMAT.md: ours_ops (plain TF ops, no nested XLA), ours_cluster
+  --alternatives     our other designs, for docs/PERFORMANCE.md: ours_ops (plain TF ops, no nested XLA), ours_cluster
                      (all layers in one XLA cluster), ours_noweights (no weight norms), ours_every10 (logging
                      every 10th step via tf.summary.record_if)
 
-Also prints bytes on disk per layer-step for ours, and the Keras callback rows (engineer B's section, with their
+Also prints bytes on disk per layer-step for ours, and the Keras callback rows (with their
 own baseline). Wall time and process CPU time are both shown; CPU time is steadier when other jobs share the CPU.
 Run under ``flock /tmp/gradhealth-bench.lock``.
-Usage: python benchmarks/writer_overhead.py [--steps 40] [--rounds 3] [--no-seeds] [--alternatives] [--only a,b]
+Usage: python benchmarks/writer_overhead.py [--steps 40] [--rounds 3] [--no-baselines] [--alternatives] [--only a,b]
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ import tensorflow as tf  # noqa: E402
 
 from tb_gradhealth import summary  # noqa: E402
 
-SEED_VARIANTS = ("stats", "sampled", "fullhist", "probe")
+BASELINE_VARIANTS = ("stats", "sampled", "fullhist", "probe")
 #: Our variants without XLA: the default, and the alternatives measured for docs/FORMAT.md (use --only NAME).
 OURS_OPTIONS = {
     "ours": {},
@@ -176,7 +176,7 @@ class Bench:
         return dt
 
 
-# --- Keras callback rows: engineer B adds them here (function `keras_variants`), leave the rest alone ----------
+# --- Keras callback rows (function `keras_variants`) -----------------------------------------------------------
 def keras_variants(bench: Bench) -> dict[str, float]:
     """``model.fit`` step time with ``GradientHealthCallback`` at ``update_freq=1`` and at its default, as ratios to
     the same ``fit`` without it (goals: <= 1.10x and <= 1.02x), with and without ``jit_compile``.
@@ -290,12 +290,12 @@ def main() -> None:
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--only", default="", help="comma-separated variants (base and base_xla always run)")
-    p.add_argument("--no-seeds", action="store_true", help="skip the seed recipes")
+    p.add_argument("--no-baselines", action="store_true", help="skip the other logging recipes")
     p.add_argument("--alternatives", action="store_true", help="also time our alternative designs (OURS_OPTIONS)")
     args = p.parse_args()
     variants = ["base", *FLOOR_VARIANTS, "ours", "base_xla", *(f + "_xla" for f in FLOOR_VARIANTS), "ours_xla"]
-    if not args.no_seeds:
-        variants[1:1] = list(SEED_VARIANTS)
+    if not args.no_baselines:
+        variants[1:1] = list(BASELINE_VARIANTS)
     if args.alternatives or args.only:
         variants += [v for v in OURS_OPTIONS if v != "ours"]
     if args.only:

@@ -6,12 +6,7 @@
 import { STATUSES, isFlagged, statusRank } from './status.js';
 
 /** Error carrying the backend's `{"error": ...}` message. */
-export class ApiError extends Error {
-  constructor(message, status) {
-    super(message);
-    this.status = status;
-  }
-}
+export class ApiError extends Error {}
 
 /** GET `./<route>?<params>` and parse JSON; throws ApiError with the backend's message on a non-2xx answer. */
 export async function api(route, params = {}) {
@@ -29,7 +24,7 @@ export async function api(route, params = {}) {
   }
   if (!response.ok) {
     const message = body && body.error ? body.error : `${route}: HTTP ${response.status}`;
-    throw new ApiError(message, response.status);
+    throw new ApiError(message);
   }
   return body;
 }

@@ -12,6 +12,7 @@ Keras 3 from 2.16 on). CI runs the TensorFlow tests against the oldest and the n
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -135,6 +136,17 @@ def optimizer_step_counter(optimizer: Any) -> Any:
     ``gradient_accumulation_steps``). Fallback: the public ``iterations`` (steps that applied an update)."""
     raw = getattr(optimizer, "_iterations", None)
     return raw if raw is not None else optimizer.iterations
+
+
+def compute_loss_for_inference(model: Any, x: Any, y: Any, y_pred: Any, sample_weight: Any) -> Any:
+    """``model.compute_loss`` of an inference-mode forward pass: with ``training=False`` where the Keras version
+    takes that argument (it selects the losses added during training); older versions (3.0) take no ``training``."""
+    try:
+        takes_training = "training" in inspect.signature(model.compute_loss).parameters
+    except (TypeError, ValueError):  # pragma: no cover - a compute_loss without a signature
+        takes_training = True
+    extra = {"training": False} if takes_training else {}
+    return model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, **extra)
 
 
 def train_functions(model: Any, modes: Sequence[str]) -> dict[str, Any]:

@@ -24,20 +24,17 @@ from tensorboard.compat.proto import event_pb2
 
 from tb_gradhealth import storage
 
-try:  # optional C implementation
+try:  # C implementation (a dependency; the fallback keeps a broken install readable)
     import google_crc32c
 
     def _crc32c(data: bytes) -> int:
         return google_crc32c.value(data)
 
-    FAST_CRC = True
 except ImportError:  # pragma: no cover - depends on the environment
     from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import crc32c as _tb_crc32c
 
     def _crc32c(data: bytes) -> int:
         return _tb_crc32c(data)
-
-    FAST_CRC = False
 
 _MASK_DELTA = 0xA282EAD8
 

@@ -161,7 +161,7 @@ class _Probe:
         def probe(x: Any, y: Any, sample_weight: Any) -> Any:
             with tf.GradientTape() as tape:
                 y_pred = model(x, training=False)
-                loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False)
+                loss = compat.compute_loss_for_inference(model, x, y, y_pred, sample_weight)
             grads = tape.gradient(loss, variables)
             weights = [tf.convert_to_tensor(v) for v in variables]
             return summary.compute(grads, weights, None, hist_sample=hist_sample, seed=seed)

@@ -205,8 +205,7 @@ def histograms_payload(series: RunSeries, layer: str) -> dict[str, Any]:
     window's mean per step, ``zero`` and ``nonfinite`` its exact totals."""
     first, last, count, rows = _windowed(series, layer, record.NUM_FIELDS)
     hist = rows[:, record.HIST_START :] / count[:, None]
-    nonempty = np.flatnonzero(np.any(hist != 0, axis=0))
-    lo, hi = (int(nonempty[0]), int(nonempty[-1]) + 1) if nonempty.size else (0, 0)
+    lo, hi = record.hist_window(hist)
     d = record.derived(rows)
     return {
         "run": series.run,

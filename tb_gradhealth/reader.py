@@ -501,8 +501,8 @@ class ProviderReader:
 
     def listing(self, ctx: Any, experiment_id: str) -> dict[str, Mapping[str, Any]]:
         """``{run: {tag: TensorTimeSeries}}`` of gradient-health tags, at most ``listing_ttl`` seconds old; raises
-        :class:`ProviderError`. (The data server answers ``list_tensors`` in ~50 ms, which would otherwise be most
-        of every warm request; the dashboard sends its requests in bursts, which share one listing.)"""
+        :class:`ProviderError`. (A ``list_tensors`` call to the data server would otherwise be most of every warm
+        request; the dashboard sends its requests in bursts, which share one listing.)"""
         with self._listing_lock:  # concurrent cold requests share one listing call
             return self._listing(ctx, experiment_id)
 
@@ -696,7 +696,7 @@ def is_event_file(name: str) -> bool:
     return "tfevents" in name
 
 
-def read_run_dir(run: str, paths: Sequence[str], problems: list[str],
+def read_run_dir(paths: Sequence[str], problems: list[str],
                  storage_options: Mapping[str, Any] | None = None) -> list[TagData]:
     """Gradient-health tags of one run from its event files (in name order = creation order).
 
@@ -772,7 +772,7 @@ def read_logdir(logdir: str, runs: Sequence[str] | None = None,
         if runs is not None and run not in runs and not any(r.startswith(run + " [") for r in runs):
             continue
         run_problems: list[str] = []
-        tags = {td.tag: td for td in read_run_dir(run, paths, run_problems, storage_options)}
+        tags = {td.tag: td for td in read_run_dir(paths, run_problems, storage_options)}
         if not tags:
             if any(p.startswith("tag ") for p in run_problems):  # gradhealth records, but none readable
                 out.append(assemble(run, [], problems=run_problems))

@@ -73,8 +73,9 @@ NUM_COUNTS: int = len(COUNT_FIELDS)
 NUM_VALUES: int = len(VALUE_FIELDS)
 INDEX: dict[str, int] = {name: i for i, name in enumerate(FIELDS)}
 HIST_START: int = NUM_COUNTS + NUM_VALUES
-#: Index of ``hist_lo`` in a disk row, and where its histogram bins start.
-DISK_HIST_LO: int = NUM_COUNTS + NUM_VALUES
+#: Index of ``hist_lo`` in a disk row (the column where a memory row's histogram starts), and where a disk row's
+#: histogram bins start.
+DISK_HIST_LO: int = HIST_START
 DISK_HIST_START: int = DISK_HIST_LO + 1
 
 #: Smallest normal float32: anything smaller in magnitude is flushed to zero (see module docstring).
@@ -368,6 +369,13 @@ def _check_rows(rec: np.ndarray) -> np.ndarray:
     return rec
 
 
+def hist_window(hist: np.ndarray) -> tuple[int, int]:
+    """``(lo, hi)``: the bins ``[lo, hi)`` of histograms ``[..., HIST_BINS]`` outside which every bin is empty in
+    every row (``(0, 0)`` when all are): the window the disk form keeps and the ``histograms`` route shows."""
+    nonempty = np.flatnonzero(np.any(np.reshape(hist, (-1, HIST_BINS)) != 0, axis=0))
+    return (int(nonempty[0]), int(nonempty[-1]) + 1) if nonempty.size else (0, 0)
+
+
 def to_disk(rec: np.ndarray) -> np.ndarray:
     """Memory-form rows ``[L, NUM_FIELDS]`` → the float32 disk tensor (counts as int32 bits, histogram trimmed)."""
     rec = _check_rows(rec)
@@ -375,8 +383,7 @@ def to_disk(rec: np.ndarray) -> np.ndarray:
     if np.any(counts > MAX_ELEMENTS_PER_PART):
         raise ValueError(f"a count exceeds {MAX_ELEMENTS_PER_PART}: split the tensor into parts")
     hist = rec[:, HIST_START:]
-    nonempty = np.flatnonzero(np.any(hist != 0, axis=0))
-    lo, hi = (int(nonempty[0]), int(nonempty[-1]) + 1) if nonempty.size else (0, 0)
+    lo, hi = hist_window(hist)
     out = np.empty((rec.shape[0], DISK_HIST_START + hi - lo), dtype=np.float32)
     out.view(np.int32)[:, :NUM_COUNTS] = np.rint(counts).astype(np.int32)
     out[:, NUM_COUNTS:DISK_HIST_LO] = rec[:, NUM_COUNTS:HIST_START]

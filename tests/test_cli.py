@@ -10,10 +10,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gh_logdirs as gl  # noqa: E402
-
-from tb_gradhealth import cli, health  # noqa: E402
+from tb_gradhealth import cli, health
+from tb_gradhealth import testing as gl
 
 ROOT = Path(__file__).resolve().parent.parent
 

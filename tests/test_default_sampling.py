@@ -10,18 +10,17 @@ called sampled, and the user's own ``--samples_per_plugin=gradhealth=N`` still w
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 from tensorboard.plugins import base_plugin
+from test_tensorboard_process import TensorBoardProcess, _installed_entry_point
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gh_logdirs  # noqa: E402
-from test_tensorboard_process import TensorBoardProcess, _installed_entry_point  # noqa: E402
-
-from tb_gradhealth import plugin, record  # noqa: E402
+from tb_gradhealth import (
+    plugin,
+    record,
+    testing,
+)
 
 LAYERS = ["dense_0/kernel", "dense_0/bias", "dense_1/kernel"]
 STEPS = 1000
@@ -47,9 +46,9 @@ def logdir(tmp_path_factory) -> str:
     d = tmp_path_factory.mktemp("default_sampling")
     rng = np.random.default_rng(0)
     steps = list(range(STEPS))
-    gh_logdirs.write_records(str(d / "nan637"), LAYERS, steps, _rows(rng, STEPS, nan_from=NAN_STEP))
-    gh_logdirs.write_records(str(d / "inf500"), LAYERS, steps, _rows(rng, STEPS, inf_at=INF_STEP))
-    gh_logdirs.write_records(str(d / "short100"), LAYERS, steps[:100], _rows(rng, 100))
+    testing.write_records(str(d / "nan637"), LAYERS, steps, _rows(rng, STEPS, nan_from=NAN_STEP))
+    testing.write_records(str(d / "inf500"), LAYERS, steps, _rows(rng, STEPS, inf_at=INF_STEP))
+    testing.write_records(str(d / "short100"), LAYERS, steps[:100], _rows(rng, 100))
     return str(d)
 
 

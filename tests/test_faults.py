@@ -28,10 +28,8 @@ from tensorboard.backend.event_processing import plugin_event_multiplexer
 from tensorboard.compat.proto import event_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
 from werkzeug.test import Client
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gh_logdirs as gl  # noqa: E402
-
-from tb_gradhealth import Writer, cli, health, metadata, plugin, reader, record  # noqa: E402
+from tb_gradhealth import Writer, cli, health, metadata, plugin, reader, record
+from tb_gradhealth import testing as gl
 
 LAYERS = ["l0/kernel", "l0/bias", "l1/kernel"]
 TAG = metadata.tag_for(LAYERS)

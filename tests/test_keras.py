@@ -23,7 +23,7 @@ keras = pytest.importorskip("keras")
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader  # noqa: E402
 from tensorboard.util import tensor_util  # noqa: E402
 
-from tb_gradhealth import metadata, record  # noqa: E402
+from tb_gradhealth import compat, metadata, record  # noqa: E402
 from tb_gradhealth.keras import CaptureError, GradientHealthCallback  # noqa: E402
 
 LR = 0.1
@@ -149,7 +149,8 @@ def test_update_freq_integer_and_epoch(tmp_path):
               callbacks=[keras.callbacks.TensorBoard(log_dir, update_freq=3, write_graph=False),
                          GradientHealthCallback(log_dir, update_freq=3)])
     assert sorted(read_records(str(log_dir))[1]) == [3, 6, 9]
-    # Keras' TensorBoard callback with the same arguments writes batch_loss into the same run at the same steps.
+    # Keras' TensorBoard callback with the same arguments writes batch_loss into the same run at the same steps
+    # (from TensorFlow 2.17 on: under 2.16, Keras' own callback writes its batch scalars at other steps).
     loss_steps = {
         event.step
         for path in glob.glob(os.path.join(log_dir, "train", "events.out.tfevents.*"))
@@ -157,7 +158,8 @@ def test_update_freq_integer_and_epoch(tmp_path):
         for value in event.summary.value
         if value.tag == "batch_loss"
     }
-    assert loss_steps == {3, 6, 9}
+    if tuple(int(p) for p in tf.__version__.split(".")[:2]) >= (2, 17):
+        assert loss_steps == {3, 6, 9}
 
     model = make_model(jit_compile=False)
     weights = WeightLog()
@@ -336,7 +338,7 @@ def test_probe_mode_writes_at_epoch_ends_only(tmp_path):
     assert read_records(str(tmp_path))[1] == {}  # no training-gradient records with update_freq=None
     # The last probe is the gradient of the fixed batch at the final weights.
     with tf.GradientTape() as tape:
-        loss = model.compute_loss(x=probe[0], y=probe[1], y_pred=model(probe[0], training=False), training=False)
+        loss = compat.compute_loss_for_inference(model, probe[0], probe[1], model(probe[0], training=False), None)
     grads = tape.gradient(loss, model.trainable_variables)
     np.testing.assert_allclose(record.derived(recs[12])["norm"], [np.linalg.norm(g.numpy()) for g in grads], rtol=1e-5)
 

@@ -30,7 +30,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_tensorboard_process import TensorBoardProcess, _installed_entry_point  # noqa: E402
 
-from tb_gradhealth import Writer, cli, reader, storage  # noqa: E402
+from tb_gradhealth import Writer, cli, reader, storage, testing  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVER_START_S = 60.0
@@ -41,11 +41,6 @@ def _program(name: str) -> str | None:
     here = Path(sys.executable).parent / name
     return str(here) if here.exists() else shutil.which(name)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_for_port(proc: subprocess.Popen, port: int, log: Path) -> None:
@@ -90,7 +85,7 @@ def _s3(tmp: Path) -> Server:
     if program is None:
         pytest.skip("moto_server not installed (pip install 'moto[server]')")
     pytest.importorskip("s3fs", reason="s3fs not installed (pip install 'tb-gradhealth[s3]')")
-    port = _free_port()
+    port = testing.free_port()
     endpoint = f"http://127.0.0.1:{port}"
     env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
            "AWS_ENDPOINT_URL": endpoint, "S3_ENDPOINT": endpoint}
@@ -110,7 +105,7 @@ def _gcs(tmp: Path) -> Server:
     # read when gcsfs is imported, so set before the first gs:// URL is used.
     os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
     pytest.importorskip("gcsfs", reason="gcsfs not installed (pip install 'tb-gradhealth[gcs]')")
-    port = _free_port()
+    port = testing.free_port()
     endpoint = f"http://127.0.0.1:{port}"
     env = {"STORAGE_EMULATOR_HOST": endpoint, "FSSPEC_GCS_TOKEN": "anon", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
     options = {"token": "anon", "endpoint_url": endpoint}

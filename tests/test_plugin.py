@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,10 +14,8 @@ from tensorboard.backend import application
 from tensorboard.plugins import base_plugin
 from werkzeug.test import Client
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gh_logdirs as gl  # noqa: E402
-
-from tb_gradhealth import cli, health, payloads, plugin, reader, record  # noqa: E402
+from tb_gradhealth import cli, health, payloads, plugin, reader, record
+from tb_gradhealth import testing as gl
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import sys
-from pathlib import Path
 from urllib.parse import quote
 
 import numpy as np
@@ -21,10 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gh_logdirs as gl  # noqa: E402
-
-from tb_gradhealth import health, payloads, plugin, record  # noqa: E402
+from tb_gradhealth import health, payloads, plugin, record
+from tb_gradhealth import testing as gl
 
 SETTINGS = settings(max_examples=40, derandomize=True, database=None, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

@@ -1,6 +1,6 @@
 """The reader: event files and TensorBoard's data provider → RunSeries, and everything that can go wrong in a logdir.
 
-Event files are written with TensorBoard's protos and TFRecord framing (tests/gh_logdirs.py), no TensorFlow.
+Event files are written with TensorBoard's protos and TFRecord framing (tests/testing.py), no TensorFlow.
 """
 
 from __future__ import annotations
@@ -14,10 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gh_logdirs as gl  # noqa: E402
-
-from tb_gradhealth import metadata, reader, record  # noqa: E402
+from tb_gradhealth import metadata, reader, record
+from tb_gradhealth import testing as gl
 
 
 def _rows(n_layers: int, scale: float, seed: int = 0) -> np.ndarray:

@@ -6,16 +6,11 @@ mechanisms on small runs with small budgets, against independent references and 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gh_logdirs as gl  # noqa: E402
-
-from tb_gradhealth import Writer, health, metadata, payloads, reader, record  # noqa: E402
+from tb_gradhealth import Writer, health, metadata, payloads, reader, record
+from tb_gradhealth import testing as gl
 
 
 def _records(n_steps: int, n_layers: int, seed: int = 0) -> np.ndarray:

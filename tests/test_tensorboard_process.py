@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,8 +21,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gh_logdirs  # noqa: E402
+from tb_gradhealth import testing
 
 STARTUP_TIMEOUT_S = 90.0  # TensorBoard imports TF when present and starts its data server: slow on 2 busy cores
 
@@ -65,11 +63,6 @@ def _tensorboard_command() -> list[str]:
     return [sys.executable, "-m", "tensorboard.main"]
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _get(url: str, timeout: float = 10.0) -> tuple[int, str, bytes]:
     try:
@@ -85,7 +78,7 @@ class TensorBoardProcess:
     def __init__(self, logdir: str, log_path: Path, cwd: Path,
                  flags: tuple[str, ...] = ("--samples_per_plugin", "gradhealth=0"),
                  env: dict[str, str] | None = None) -> None:
-        self.port = _free_port()
+        self.port = testing.free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
@@ -150,7 +143,7 @@ class TensorBoardProcess:
 @pytest.fixture(scope="module")
 def demo_logdir(tmp_path_factory) -> tuple[str, dict]:
     logdir = tmp_path_factory.mktemp("tb_process_logdir")
-    facts = gh_logdirs.make_demo_logdir(str(logdir))
+    facts = testing.make_demo_logdir(str(logdir))
     return str(logdir), facts
 
 

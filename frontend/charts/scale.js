@@ -78,12 +78,6 @@ export function drawEmpty(ctx, margin, h, text) {
   ctx.fillText(text, margin.left + 8, margin.top + h / 2);
 }
 
-/** Width available to a chart: its container's width, or a fallback before layout. */
-export function availableWidth(node, fallback = 600) {
-  const w = node && node.clientWidth;
-  return w && w > 50 ? w : fallback;
-}
-
 /** Viridis-like sequential colour map (perceptually ordered, colour-blind safe) for t in [0, 1]. */
 const VIRIDIS = [
   [68, 1, 84], [72, 40, 120], [62, 74, 137], [49, 104, 142], [38, 130, 142],

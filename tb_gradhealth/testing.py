@@ -1,15 +1,16 @@
-"""Generate gradient-health logdirs for tests and benchmarks, without TensorFlow.
+"""Synthetic gradient-health logdirs with a known diagnosis, for tests and benchmarks; no TensorFlow.
 
-Event files are written with TensorBoard's own protos and TFRecord framing (``RecordWriter``) over a plain file,
-because TensorBoard's ``EventFileWriter`` reaches ``tf.io.gfile`` and so would import TensorFlow.
+Events are TensorBoard's protos framed by :mod:`tb_gradhealth.eventfile` (the package's one event-file writer).
+Part of the package so that the test suite and the benchmarks import it the same way (``from tb_gradhealth
+import testing``), and so that a dashboard or a CI gate built on the plugin can be tested against known runs.
 
 * :func:`make_demo_logdir` writes demo-like runs whose diagnosis is known in advance (used by the reader, plugin,
   CLI, browser and tensorboard-process tests): ``healthy``, ``vanishing`` (early layers decades below the rest),
   ``exploding`` (growing, then NaN at a known step in the deepest layer first) and ``xss`` (a layer named like an
   HTML injection).
-* :func:`make_scale_logdir` writes one run of N layers x M steps quickly (vectorised records and CRCs) for
-  ``benchmarks/backend_scale.py``; :func:`make_seed000_logdir` writes the seed-000 style logs of the same size
-  (a 30-bucket histogram and 4 scalars per variable per step) for the side-by-side histogram-route figure.
+* :func:`make_scale_logdir` writes one run of N layers x M steps quickly (vectorised records) for
+  ``benchmarks/backend_scale.py``; :func:`make_histogram_logdir` writes the same run logged the common TensorBoard
+  way (a 30-bucket histogram and 4 scalars per variable per step) for the side-by-side histogram-route figure.
 * :func:`data_server` starts TensorBoard's own data server (the default loader of ``tensorboard``) on a logdir and
   returns its ingester: ``ingester.data_provider`` is a real ``context.data_provider`` for in-process plugin tests.
 """
@@ -225,73 +226,16 @@ def make_demo_logdir(logdir: str) -> dict[str, RunFacts]:
 
 # --- scale generators (benchmark) ---------------------------------------------------------------------------------
 
-_CRC_TABLE: np.ndarray | None = None
-
-
-def _crc_table() -> np.ndarray:
-    global _CRC_TABLE
-    if _CRC_TABLE is None:
-        table = np.zeros(256, dtype=np.uint32)
-        for i in range(256):
-            c = i
-            for _ in range(8):
-                c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
-            table[i] = c
-        _CRC_TABLE = table
-    return _CRC_TABLE
-
-
-def masked_crc32c_many(datas: Sequence[bytes]) -> list[int]:
-    """Masked CRC32C of many byte strings at once: vectorised across strings of equal length (numpy), which is
-    ~100x faster than the pure-Python CRC for the millions of records a benchmark logdir holds."""
-    table = _crc_table()
-    out = [0] * len(datas)
-    by_len: dict[int, list[int]] = {}
-    for i, d in enumerate(datas):
-        by_len.setdefault(len(d), []).append(i)
-    for length, idx in by_len.items():
-        if len(idx) < 16:
-            for i in idx:
-                out[i] = eventfile.masked_crc32c(datas[i])
-            continue
-        for start in range(0, len(idx), 65536):
-            chunk = idx[start : start + 65536]
-            buf = np.frombuffer(b"".join(datas[i] for i in chunk), dtype=np.uint8).reshape(len(chunk), length)
-            crc = np.full(len(chunk), 0xFFFFFFFF, dtype=np.uint32)
-            for pos in range(length):
-                crc = table[(crc ^ buf[:, pos]) & 0xFF] ^ (crc >> 8)
-            crc ^= np.uint32(0xFFFFFFFF)
-            masked = ((crc >> 15) | (crc << 17)) + np.uint32(0xA282EAD8)
-            for i, c in zip(chunk, masked.tolist(), strict=True):
-                out[i] = int(c) & 0xFFFFFFFF
-    return out
-
-
-def write_events_fast(path: str, events: Iterable[bytes], chunk: int = 200_000) -> str:
-    """Like :func:`write_events`, streaming, with vectorised data CRCs and one header CRC per distinct length
-    (for logdirs of millions of events)."""
-    headers: dict[int, bytes] = {}
-
-    def flush(f, batch: list[bytes]) -> None:
-        crcs = masked_crc32c_many(batch)
-        parts = []
-        for e, c in zip(batch, crcs, strict=True):
-            h = headers.get(len(e))
-            if h is None:
-                n = struct.pack("<Q", len(e))
-                h = headers[len(e)] = n + struct.pack("<I", eventfile.masked_crc32c(n))
-            parts += (h, e, struct.pack("<I", c))
-        f.write(b"".join(parts))
-
+def write_events_fast(path: str, events: Iterable[bytes]) -> str:
+    """Like :func:`write_events` into a fresh file, streaming and buffered: for logdirs of millions of events."""
     with open(path, "wb") as f:
-        batch = [version_event()]
+        batch = [frame(version_event())]
         for e in events:
-            batch.append(e)
-            if len(batch) >= chunk:
-                flush(f, batch)
+            batch.append(frame(e))
+            if len(batch) >= 65536:
+                f.write(b"".join(batch))
                 batch = []
-        if batch:
-            flush(f, batch)
+        f.write(b"".join(batch))
     return path
 
 
@@ -339,19 +283,13 @@ def make_scale_logdir(logdir: str, n_layers: int, n_steps: int, run: str = "scal
             seen.add(tag)
             yield record_event(s, tag, synthetic_records(rms), layers=layers if first else None)
 
-    path = event_file_path(os.path.join(logdir, run))
-    if eventfile.FAST_CRC:  # C CRC32C: frame each record as the Writer does
-        with open(path, "wb") as f:
-            f.write(frame(version_event()))
-            for e in events():
-                f.write(frame(e))
-    else:
-        write_events_fast(path, events())
+    write_events_fast(event_file_path(os.path.join(logdir, run)), events())
     return RunFacts(layers, list(range(n_steps)))
 
 
-def make_seed000_logdir(logdir: str, n_layers: int, n_steps: int, run: str = "seed000", *, scalars: bool = True) -> str:
-    """The seed-000 way of logging the same run: per variable per step a 30-bucket ``tf.summary.histogram``
+def make_histogram_logdir(logdir: str, n_layers: int, n_steps: int, run: str = "histograms", *,
+                          scalars: bool = True) -> str:
+    """The common TensorBoard way of logging the same run: per variable per step a 30-bucket ``tf.summary.histogram``
     (v2 tensor ``[30, 3]`` float64) and mean/std/max/min scalars, one event per summary (as TF2 writes them)."""
     from tensorboard.plugins.histogram import summary_v2 as hist_v2
 
@@ -435,6 +373,13 @@ def data_server(logdir: str, samples_per_plugin: dict[str, int] | None = None, *
             raise TimeoutError(f"data server: {seen} in {logdir} after {timeout} s, waiting for {last_steps}")
         time.sleep(0.05)
     return ingester
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (for a server a test or benchmark starts)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def last_steps(facts: dict[str, RunFacts]) -> dict[str, int]:
