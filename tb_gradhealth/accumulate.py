@@ -1,7 +1,7 @@
 """Gradient accumulation over micro-batches (TF2), with the record of the applied gradient and the gradient noise.
 
 Accumulating ``k`` micro-batch gradients before one optimizer step simulates a ``k`` times larger batch on one
-device (seed 001). The accumulator keeps, per variable, the running *mean* of the micro-batch gradients (one
+device. The accumulator keeps, per variable, the running *mean* of the micro-batch gradients (one
 buffer of the variable's size, as the seed's ``assign_add(g / k)`` does) and, per layer, one extra scalar: the sum
 of squared deviations of the micro-batch gradients from their mean, which gives the **gradient noise** for free:
 

@@ -40,8 +40,8 @@ def _sample_positions(x: tf.Tensor, n: int, k: int, layer: Any, seed: Any, valid
     """``k`` positions in ``[0, valid_len or n)``: a golden-ratio (Weyl) sequence from one random offset.
 
     Each position is uniform over the tensor (so the scaled histogram is an unbiased estimate) and the positions
-    are spread evenly (lower variance than independent draws). One random number per tensor instead of ``k``:
-    drawing 4096 independent int32 positions per layer measured ~0.1 ms a layer under XLA on the reference CPU.
+    are spread evenly (lower variance than independent draws). One random number per tensor instead of ``k``
+    independent draws, which cost a noticeable part of the record under XLA (docs/PERFORMANCE.md).
     """
     m = tf.cast(n if valid_len is None else tf.maximum(valid_len, 1), tf.int64)
     stride = _coprime_stride(n)

@@ -198,7 +198,7 @@ class GradientHealthCallback(keras.callbacks.Callback):
         seed: seed of the histogram sampling.
         probe_data: optional ``(x, y)`` or ``(x, y, sample_weight)`` batch: at each epoch end, the gradient of
             the loss on this fixed batch (inference-mode forward, so no batch-norm statistics change) is recorded
-            under ``name="probe_gradients"``: the seed-003 recipe, for a constant reference batch. Off by default:
+            under ``name="probe_gradients"``: gradients on a constant reference batch. Off by default:
             it costs an extra forward/backward pass and is not the gradient training applied.
         stop_on: statuses that stop training at the first logged step showing them: ``"nonfinite"`` (a NaN or
             Inf in a gradient) and/or ``"exploding"`` (as diagnosed by :mod:`tb_gradhealth.health` with

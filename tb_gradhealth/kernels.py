@@ -43,7 +43,7 @@ class Delta(NamedTuple):
 
     Why not pass the difference: inside the statistics' compiled loop the subtraction is fused into the update's
     own loop (which reads ``before`` and ``after``), so the difference is never written to memory and read back
-    (measured in docs/KERAS.md: the Keras callback's logged step).
+    (docs/KERAS.md, *Cost*).
     """
 
     before: Any
@@ -115,12 +115,11 @@ def _reduce_rows(make: Callable[..., list[tf.Tensor]], vectors: Sequence[tf.Tens
     The vectors are viewed as rows of ``_ROW`` elements (a free reshape of a prefix; the ragged tail is reduced
     on its own), one XLA variadic reduce gives each operand's per-row results, and small reductions finish them.
 
-    Why this shape (measured on the reference CPU, 4 x 1M float32 values, docs/FORMAT.md "Writer cost"): XLA:CPU
-    runs a variadic reduce with **one float32 sum and any number of int32 reductions** at memory speed (0.9 ms),
-    but with two float sums, or a float max/min, as a scalar loop (5.0-11.3 ms). So callers pass at most one
-    float32 sum and turn max/min into int32 reductions of order-preserving keys (:func:`_order_key`). The rows
-    keep the float32 sum accurate: per-row partial sums of ~1K values, then a sum of those (relative error 1e-8
-    at 1M and 16M values, against 2e-6 / 1.6e-4 for one running sum over the whole tensor).
+    Why this shape (docs/PERFORMANCE.md has the measurements): XLA:CPU runs a variadic reduce with **one float32
+    sum and any number of int32 reductions** at memory speed, but one with two float sums, or a float max/min, as a
+    scalar loop several times slower. So callers pass at most one float32 sum and turn max/min into int32
+    reductions of order-preserving keys (:func:`_order_key`). The rows keep the float32 sum accurate: per-row
+    partial sums of ~1K values, then a sum of those, instead of one running sum over the whole tensor.
     """
     n = vectors[0].shape[0]
     rows = 1 if n is None else max(1, n // _ROW)  # unknown length: one row (the histogram then asks for a shape)
