@@ -64,7 +64,10 @@ def test_wheel_metadata_entry_points_and_requirements(wheel):
     requires = [ln.split(":", 1)[1].strip() for ln in meta.splitlines() if ln.startswith("Requires-Dist:")]
     plain = [r for r in requires if "extra ==" not in r]
     assert {r.split(">")[0].split("=")[0].split("<")[0].strip().lower() for r in plain} == {
-        "tensorboard", "numpy", "werkzeug"}
+        "tensorboard", "numpy", "werkzeug", "google-crc32c"}
+    assert "gradhealth = tb_gradhealth.plugin:GradHealthLoader" in entry_points  # only a loader gets fix_flags
+    for extra, backend in (("gcs", "gcsfs"), ("s3", "s3fs")):  # object storage: fsspec and its backend
+        assert any(r.startswith(backend) and f'extra == "{extra}"' in r for r in requires), requires
     assert any(r.startswith("tensorflow") and 'extra == "tf"' in r for r in requires), requires
     import tb_gradhealth
 
