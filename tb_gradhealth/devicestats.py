@@ -140,7 +140,7 @@ def merge(
     c = counts * xp.ones_like(values[:, :1])  # counts in the values' float type (float64: exact)
     nf = c[:, 0] - c[:, 1] - c[:, 2] - c[:, 3]
     extra = [
-        field("mean") * nf,
+        field("mean") / xp.where(maxes[:, 2] > 0, maxes[:, 2], 1.0) * nf,  # relative: no float32 overflow
         rescaled(field("ssq_rel"), m, maxes[:, 2]),
         rescaled(field("weight_ssq_rel"), scales[0], maxes[:, 3]),
         rescaled(field("update_ssq_rel"), scales[1], maxes[:, 4]),
@@ -158,7 +158,7 @@ def merge(
     cols = {
         "min": -maxes[:, 1],
         "max": maxes[:, 0],
-        "mean": xp.where(g_nf > 0, mean_w / xp.where(g_nf > 0, g_nf, 1.0), 0.0),
+        "mean": xp.where(g_nf > 0, mean_w / xp.where(g_nf > 0, g_nf, 1.0) * maxes[:, 2], 0.0),
         "ssq_rel": ssq,
         "weight_max_abs": xp.where(maxes[:, 3] >= 0, maxes[:, 3], nan),
         "weight_ssq_rel": xp.where(maxes[:, 3] >= 0, wssq, nan),

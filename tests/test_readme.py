@@ -3,11 +3,13 @@ directory) and leaves gradient-health records that the reader can read back; the
 the repository actually has; every linked file exists.
 
 A block preceded by ``<!-- readme-test: skip (reason) -->`` is not run (the TPUEstimator fragment: that API is
-gone from TensorFlow 2.21); ``<!-- readme-test: needs torch -->`` runs only where PyTorch is installed.
+gone from TensorFlow 2.21); ``<!-- readme-test: needs torch -->`` (or ``needs jax``) runs only where that framework
+is installed.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -31,11 +33,9 @@ def _blocks() -> list:
         marks = []
         if marker.startswith("skip"):
             marks.append(pytest.mark.skip(reason=f"README marks it {marker!r}"))
-        if "needs torch" in marker:
-            try:
-                import torch  # noqa: F401
-            except ImportError:
-                marks.append(pytest.mark.skip(reason="PyTorch is not installed (optional)"))
+        for module in ("torch", "jax"):
+            if f"needs {module}" in marker and importlib.util.find_spec(module) is None:
+                marks.append(pytest.mark.skip(reason=f"{module} is not installed (optional)"))
         params.append(pytest.param(code, id=f"block{i}-line{line}", marks=marks))
     return params
 

@@ -1,0 +1,250 @@
+"""JAX writer: gradient-health records as a pure, ``jax.jit``-able function of a gradient pytree.
+
+* :func:`compute` maps a gradient pytree (from ``jax.grad``, optax, flax, ...) to the packed records
+  ``[L, NUM_FIELDS]`` float32 (the 5 counts as int32 bit patterns, then the value fields and the 77 histogram
+  bins: 376 bytes a layer), rows named by :func:`layer_names` from the pytree paths (``params/dense/kernel``).
+  It is pure: call it inside your jitted step and return the record; only the record leaves the device.
+* Sharded gradients: under ``jax.jit`` with sharded inputs (``NamedSharding``) the reductions run where the shards
+  live and XLA combines them, so the record is the full gradient's. Inside ``shard_map``, pass the mesh axis:
+  ``compute(local_grads, axis_name="data")`` computes each device's shard record and merges them with
+  ``lax.pmax`` / ``lax.psum`` (:func:`merge`), the rule of :func:`record.merge_all`.
+* :func:`recording` wraps an optax-style ``GradientTransformation`` (``init``/``update``; optax itself is not
+  imported): its state carries the record of the gradient and of the transformed update (the update the optimizer
+  applies), computed every ``every`` steps. :func:`add_records` / :func:`write_state` copy the record to the host
+  and write it with :class:`tb_gradhealth.Writer`.
+
+The statistics are :mod:`tb_gradhealth.devicestats`, shared with the PyTorch path; the numbers match
+:func:`record.compute` as documented in docs/TORCH_JAX.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from tb_gradhealth import devicestats, record
+from tb_gradhealth.writer import Writer
+
+__all__ = ["RecordingState", "add_records", "compute", "keras_callback", "layer_names", "merge", "recording",
+           "to_memory", "write_state"]
+
+
+def _histogram(av: jax.Array, w: jax.Array) -> jax.Array:
+    b = jnp.searchsorted(jnp.asarray(record.HIST_EDGES), av.astype(jnp.float32), side="right")
+    return jnp.zeros(record.HIST_BINS, jnp.float32).at[b].add(w)
+
+
+def _divide(x: jax.Array, m: jax.Array) -> jax.Array:
+    """``x / m`` for ``m`` up to 3.4e38: XLA on CPU computes ``x * (1 / m)`` and flushes a subnormal ``1 / m``
+    (``m > 8.5e37``) to zero, so above 2**100 both sides are first scaled by 2**-64 (exact). What that scaling
+    flushes (values below 2**-62) is below 2**-162 relative to ``m``: nothing in a sum of squares or a mean."""
+    c = jnp.where(m > 2.0**100, 2.0**-64, 1.0)
+    return (x * c) / (m * c)
+
+
+_BE = devicestats.Backend(
+    jnp, lambda t: jnp.asarray(t).astype(jnp.float32), _histogram, lambda a, like: jnp.asarray(a),
+    _divide,
+)
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def _key_name(k: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def _leaves(tree: Any) -> tuple[list[str], list[Any]]:
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_none)
+    return ["/".join(_key_name(k) for k in path) or f"layer_{i}" for i, (path, _) in enumerate(flat)], \
+        [leaf for _, leaf in flat]
+
+
+def layer_names(grads: Any) -> list[str]:
+    """Row names: each leaf's pytree path joined with ``/`` (dict keys, attribute names, sequence indices)."""
+    return _leaves(grads)[0]
+
+
+def _mix(h: jax.Array) -> jax.Array:
+    """A uint32 hash finaliser (murmur3's), so nearby seeds and layers give unrelated offsets."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _sampler(x: jax.Array, hist_sample: int, layer: int, seed: Any) -> Callable[[jax.Array], jax.Array] | None:
+    """The sampling rule: ``hist_sample`` positions ``(offset + i * stride) % n``; offset from seed or data."""
+    n = int(x.size)
+    if not hist_sample or n <= hist_sample:
+        return None
+    base = jnp.asarray((np.arange(hist_sample, dtype=np.int64) * record.sample_stride(n)) % n, jnp.uint32)
+    if seed is None:
+        probes = lax.bitcast_convert_type(x[jnp.asarray([0, n // 3, n // 2, n - 1])], jnp.uint32)
+        h = probes[0] ^ (probes[1] * jnp.uint32(31)) ^ (probes[2] * jnp.uint32(131) + probes[3])
+    else:
+        h = jnp.asarray(seed).astype(jnp.uint32) * jnp.uint32(0x9E3779B9)
+    offset = _mix(h + jnp.uint32((layer * 7919 + 1) & 0xFFFFFFFF)) % jnp.uint32(n)
+    pos = (base + offset) % jnp.uint32(n)
+    return lambda v: v[pos.astype(jnp.int32)]
+
+
+def _flat(t: Any) -> jax.Array:
+    return jnp.reshape(jnp.asarray(t), (-1,)).astype(jnp.float32)  # the values as float32 holds them
+
+
+def _aligned(tree: Any, names: list[str]) -> list[Any]:
+    if tree is None:
+        return [None] * len(names)
+    got = dict(zip(*_leaves(tree), strict=True))
+    return [got.get(n) for n in names]
+
+
+def compute(grads: Any, weights: Any = None, updates: Any = None, *, hist_sample: int = record.DEFAULT_HIST_SAMPLE,
+            seed: Any = None, axis_name: Any = None) -> jax.Array:
+    """Packed records ``[L, NUM_FIELDS]`` float32 of the gradient pytree ``grads`` (pure; jit-able).
+
+    ``weights`` / ``updates``: pytrees with the same paths (e.g. the params and the optimizer's updates) for the
+    optional norms. A ``None`` leaf is a missing gradient (its size from ``weights``). ``seed`` (an int or a traced
+    scalar, e.g. the step) seeds histogram sampling; by default it comes from the data. ``axis_name``: inside
+    ``shard_map``, the mesh axis over which ``grads`` are sharded: the shards' records are merged (:func:`merge`).
+    """
+    names, glist = _leaves(grads)
+    wlist, ulist = _aligned(weights, names), _aligned(updates, names)
+    counts, values = [], []
+    for i, (g, w, u) in enumerate(zip(glist, wlist, ulist, strict=True)):
+        wr = None if w is None else devicestats.norm_stats(_BE, _flat(w))
+        ur = None if u is None else devicestats.norm_stats(_BE, _flat(u))
+        if g is None or np.size(g) == 0:
+            size = 0 if g is not None else (int(np.size(w)) if w is not None else 0)
+            c = jnp.asarray([size, 0, 0, 0, 0], jnp.int32)
+            gv = devicestats.empty_values(_BE, None)
+        else:
+            x = _flat(g)
+            c, gv = devicestats.grad_stats(_BE, x, 0, hist_sample, _sampler(x, hist_sample, i, seed))
+        counts.append(c.astype(jnp.int32))
+        values.append(devicestats.assemble(_BE, gv, wr, ur, g is None))
+    if not counts:
+        return jnp.zeros((0, record.NUM_FIELDS), jnp.float32)
+    c, v = jnp.stack(counts), jnp.stack(values)
+    if axis_name is not None:
+        return merge(c, v, axis_name)
+    return _pack(c, v)
+
+
+def _pack(counts: jax.Array, values: jax.Array) -> jax.Array:
+    return jnp.concatenate([lax.bitcast_convert_type(counts.astype(jnp.int32), jnp.float32),
+                            values.astype(jnp.float32)], axis=1)
+
+
+def merge(counts: jax.Array, values: jax.Array, axis_name: Any) -> jax.Array:
+    """Merge the shards' records over the mapped axis ``axis_name`` (``lax.pmax`` then ``lax.psum``; counts in
+    int32, exact) into the full tensors' packed records, on every shard."""
+    c, v = devicestats.merge(_BE, counts, values, lambda t: lax.pmax(t, axis_name), lambda t: lax.psum(t, axis_name),
+                             all_sum_counts=lambda t: lax.psum(t, axis_name))
+    return _pack(c, v)
+
+
+def to_memory(packed: Any) -> np.ndarray:
+    """Packed records (device or host) -> memory-form rows ``[L, NUM_FIELDS]`` float64: the one host copy."""
+    p = np.ascontiguousarray(jax.device_get(packed), dtype=np.float32)
+    return record.from_device(p[:, : record.NUM_COUNTS].copy().view(np.int32), p[:, record.NUM_COUNTS :])
+
+
+def add_records(writer: Writer, step: int, names: list[str], packed: Any, *, name: str = "gradients") -> str:
+    """Copy packed records (e.g. returned by a jitted step) to the host and write them. Returns the tag."""
+    return writer.add_records(step, names, to_memory(packed), name=name)
+
+
+# --- optax-style wrapper --------------------------------------------------------------------------------------
+
+
+class RecordingState(NamedTuple):
+    """State of :func:`recording`: the inner state, the step count, and the last logged step's record."""
+
+    inner: Any
+    count: jax.Array
+    #: Packed records of the gradients with the transformed updates' norms, computed at step ``recorded_at``.
+    record: jax.Array
+    recorded_at: jax.Array
+
+
+class GradientTransformation(NamedTuple):
+    """The optax protocol (``init(params)``, ``update(updates, state, params=None)``), without importing optax."""
+
+    init: Callable[..., Any]
+    update: Callable[..., Any]
+
+
+def recording(
+    inner: Any, *, every: int = 1, weights: bool = True, hist_sample: int = record.DEFAULT_HIST_SAMPLE
+) -> GradientTransformation:
+    """Wrap an optax-style transformation so that its state records the gradients it receives and the update it
+    returns (``update_max_abs``/``update_ssq_rel``: the update the optimizer applies) every ``every`` steps.
+
+    Use it as the last (outermost) transformation so the recorded update is the applied one, e.g.
+    ``recording(optax.adamw(1e-3))``. Between logged steps ``lax.cond`` skips the statistics. Write with
+    :func:`write_state` outside the jitted step (layer names: :func:`layer_names` of the gradients).
+    """
+
+    def init(params: Any) -> RecordingState:
+        n = len(layer_names(params))
+        return RecordingState(inner.init(params), jnp.zeros([], jnp.int32),
+                              jnp.zeros((n, record.NUM_FIELDS), jnp.float32), jnp.full([], -1, jnp.int32))
+
+    def update(grads: Any, state: RecordingState, params: Any = None, **extra: Any) -> tuple[Any, RecordingState]:
+        new_updates, new_inner = inner.update(grads, state.inner, params, **extra)
+
+        def rec() -> tuple[jax.Array, jax.Array]:
+            w = params if weights else None
+            return compute(grads, w, new_updates, hist_sample=hist_sample, seed=state.count), state.count
+
+        r, at = lax.cond(state.count % every == 0, rec, lambda: (state.record, state.recorded_at))
+        return new_updates, RecordingState(new_inner, state.count + 1, r, at)
+
+    return GradientTransformation(init, update)
+
+
+def write_state(writer: Writer, state: RecordingState, names: list[str], *, name: str = "gradients") -> int | None:
+    """Write the record a :func:`recording` state holds, at the step it was computed (host copy: the record and
+    one int). Returns that step, or ``None`` when nothing was recorded yet. Call it once per logged step."""
+    at = int(jax.device_get(state.recorded_at))
+    if at < 0:
+        return None
+    add_records(writer, at, names, state.record, name=name)
+    return at
+
+
+def keras_callback(writer: Writer, key: str = "gradhealth", *, every: int = 1, name: str = "gradients") -> Any:
+    """A Keras 3 callback (JAX backend) that writes the packed record a custom ``train_step`` puts in its logs.
+
+    Keras' own callback cannot see the gradients on the JAX backend (``fit`` computes them inside its jitted
+    ``train_step``), so the step computes the record itself: ``logs[key] = tb_gradhealth.jax.compute(grads,
+    trainable_variables, updates)`` (docs/TORCH_JAX.md has the whole ``train_step``). Rows are named by the model's
+    ``trainable_variables`` paths; steps count the training batches this callback has seen, from 0.
+    """
+    import keras
+
+    class GradHealthLogs(keras.callbacks.Callback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.step = 0
+
+        def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+            if logs and key in logs and self.step % every == 0:
+                names = [v.path for v in self.model.trainable_variables]
+                add_records(writer, self.step, names, logs[key], name=name)
+            self.step += 1
+
+    return GradHealthLogs()
