@@ -66,7 +66,7 @@ def test_wheel_metadata_entry_points_and_requirements(wheel):
     assert {r.split(">")[0].split("=")[0].split("<")[0].strip().lower() for r in plain} == {
         "tensorboard", "numpy", "werkzeug", "google-crc32c"}
     assert "gradhealth = tb_gradhealth.plugin:GradHealthLoader" in entry_points  # only a loader gets fix_flags
-    for extra, backend in (("gcs", "gcsfs"), ("s3", "s3fs")):  # object storage: fsspec and its backend
+    for extra, backend in (("gcs", "gcsfs"), ("s3", "s3fs"), ("torch", "torch"), ("jax", "jax")):  # optional backends
         assert any(r.startswith(backend) and f'extra == "{extra}"' in r for r in requires), requires
     assert any(r.startswith("tensorflow") and 'extra == "tf"' in r for r in requires), requires
     import tb_gradhealth
