@@ -93,7 +93,7 @@ def jax_methods() -> tuple[dict, int, int, dict]:
 
     rng = np.random.default_rng(0)
     params = {f"layer{i}": {"kernel": jnp.asarray(rng.normal(size=(a, b)) / np.sqrt(a), jnp.float32),
-                            "bias": jnp.zeros(b)} for i, (a, b) in enumerate(zip(WIDTHS[:-1], WIDTHS[1:]))}
+                            "bias": jnp.zeros(b)} for i, (a, b) in enumerate(zip(WIDTHS[:-1], WIDTHS[1:], strict=True))}
     x = jnp.asarray(rng.normal(size=(BATCH, WIDTHS[0])), jnp.float32)
     y = jnp.asarray(rng.integers(0, WIDTHS[-1], BATCH))
 
