@@ -617,10 +617,10 @@ class ProviderReader:
 
         TensorBoard's data server answers a read in one gRPC message of at most 256 MB (about 2 million layer-steps
         of records), so the run's tags are read in groups whose largest possible answer stays under
-        ``read_budget`` (:func:`read_groups`): the numpy ``Writer`` splits a run over step-block tags, so a run of
-        any length is read whole. A single tag too large for one answer (written by an older version, or by the TF
-        summary op, which writes one tag for every step) is read with evenly spaced steps instead, with a problem
-        line saying so. The provider decodes every tensor of an answer and fails on the first malformed one: a
+        ``read_budget`` (:func:`read_groups`): the writers split a run over step-block tags, so a run of any length
+        is read whole. A single tag too large for one answer (written by an older version, or by the TPU
+        ``host_call`` path, which writes one tag for every step) is read with evenly spaced steps instead, with a
+        problem line saying so. The provider decodes every tensor of an answer and fails on the first malformed one: a
         group that fails so is read tag by tag, and only the tag holding it is lost (with a problem line).
         """
         points: dict[str, list[tuple[int, float, Any]]] = {}
@@ -650,7 +650,7 @@ class ProviderReader:
                 if not sampled:
                     problems.append(
                         f"tag {group[0]}: too large for one answer of the data server; showing {fewer} evenly "
-                        f"spaced steps of it (the numpy Writer of this version splits runs into step-block tags, "
+                        f"spaced steps of it (the writers of this version split runs into step-block tags, "
                         f"which are read whole)")
                 sampled = True
                 continue

@@ -134,6 +134,8 @@ def write(
 
     Uses the default ``tf.summary`` writer; ``step`` defaults to ``tf.summary.experimental.get_step()``. Returns
     what ``tf.summary.write`` returns (whether a summary was written). Not usable inside ``jit_compile=True``.
+    The tag carries the step's block (:func:`metadata.tag_for`), as the numpy ``Writer``'s, so that a run of any
+    length is read in bounded answers.
     """
     if compat.in_xla_context():
         raise RuntimeError(
@@ -147,7 +149,14 @@ def write(
         rec = device_record() if callable(device_record) else device_record
         return to_disk(DeviceRecord(*rec))
 
-    return tf.summary.write(metadata.tag_for(layers, name), tensor, step=step, metadata=md)
+    base = metadata.tag_for(layers, name)
+    at = tf.summary.experimental.get_step() if step is None else step
+    if at is None:  # tf.summary.write raises its own error for a missing step (when it records)
+        tag: Any = base
+    else:
+        block = tf.cast(at, tf.int64) // metadata.block_steps(len(layers))
+        tag = tf.strings.join([base + ".", tf.strings.as_string(block)])
+    return tf.summary.write(tag, tensor, step=step, metadata=md)
 
 
 @tf.autograph.experimental.do_not_convert

@@ -222,3 +222,26 @@ def test_listing_many_runs_reads_each_once_even_when_the_cache_lets_records_go(t
     assert first == [s.summary() for s in reader.read_logdir(str(tmp_path)).runs]
     reads = len(provider.reads)
     assert pr.summaries(None, "") == first and len(provider.reads) == reads  # no run read again
+
+
+@pytest.mark.tf
+def test_the_tf_summary_op_writes_step_block_tags_too(tmp_path, monkeypatch):
+    tf = pytest.importorskip("tensorflow")
+    from tb_gradhealth import summary
+
+    monkeypatch.setattr(metadata, "BLOCK_LAYER_STEPS", 8)  # 2 layers -> 4 steps a tag
+    grads = [tf.constant(np.linspace(-1e-3, 1e-3, 12, dtype=np.float32)), tf.constant(np.ones(3, np.float32))]
+    names = ["dense/kernel", "dense/bias"]
+    step = tf.Variable(0, dtype=tf.int64)
+
+    @tf.function
+    def log():
+        return summary.write(summary.compute(grads), names, step=step)
+
+    with tf.summary.create_file_writer(str(tmp_path / "run")).as_default():
+        for s in range(10):
+            step.assign(s)
+            log()
+    (run,) = reader.read_logdir(str(tmp_path)).runs
+    assert run.steps.tolist() == list(range(10)) and run.layers == tuple(names) and not run.problems
+    assert sorted(run.tags) == [metadata.tag_for(names, step=s) for s in (0, 4, 8)]
