@@ -153,10 +153,8 @@ def format_run(body: dict[str, Any], series: reader.RunSeries, top: int = 0) -> 
     return "\n".join(lines)
 
 
-def report(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    fail_on = _fail_on(args.fail_on)
-    step = _step(args.step)
-    thresholds = _thresholds(args)
+def _read(args: argparse.Namespace, err: TextIO) -> reader.LogdirData:
+    """The logdir's runs (only ``--run`` ones when given); warnings on ``err``; a usage error when there is none."""
     try:
         data = reader.read_logdir(args.logdir, runs=args.run)
     except (FileNotFoundError, NotADirectoryError, PermissionError, storage.StorageError) as e:
@@ -172,7 +170,12 @@ def report(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                          f"{args.logdir!r} (runs there: {listed})")
     if not data.runs:
         raise UsageError(f"no gradient-health records in {args.logdir!r} (write them with tb_gradhealth's writers)")
-    runs = [s for s in data.runs if s.num_steps]
+    return data
+
+
+def _diagnose(data: reader.LogdirData, thresholds: health.Thresholds, step: int | None, err: TextIO
+              ) -> tuple[list[tuple[reader.RunSeries, dict[str, Any]]], list[str], list[str]]:
+    """``(bodies, unreadable runs, problems)``: the health JSON of each readable run; read problems on ``err``."""
     unreadable = [s.run for s in data.runs if not s.num_steps]
     problems = list(data.problems)
     for series in data.runs:
@@ -182,7 +185,7 @@ def report(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         if not series.num_steps:
             problems.extend(prefix + p for p in series.problems or ("no records",))
     bodies = []
-    for series in list(runs):
+    for series in (s for s in data.runs if s.num_steps):
         try:
             body = health_payload(series, thresholds, step)
         except RequestError as e:
@@ -191,10 +194,18 @@ def report(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             line = f"run {series.run!r}: unreadable, internal error {type(e).__name__}: {e}"
             print(f"tb-gradhealth: error: {_text(line)}", file=err)
             problems.append(line)
-            runs.remove(series)
             unreadable.append(series.run)
             continue
         bodies.append((series, {**body, "problems": list(series.problems), "notes": list(series.notes)}))
+    return bodies, unreadable, problems
+
+
+def report(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """``tb-gradhealth report``: print the runs' diagnosis on ``out``; returns the exit status."""
+    fail_on = _fail_on(args.fail_on)
+    step = _step(args.step)
+    thresholds = _thresholds(args)
+    bodies, unreadable, problems = _diagnose(_read(args, err), thresholds, step, err)
     failed = sorted({x["status"] for _, b in bodies for x in b["layers"]} & fail_on)
     if args.json:
         text = json.dumps({"runs": [b for _, b in bodies], "problems": problems}, allow_nan=False)

@@ -38,8 +38,10 @@ def test_keras_update_freq_default_is_the_one_documented():
     table = (REPO / "docs" / "KERAS.md").read_text(encoding="utf-8")
     assert re.search(rf"\| `update_freq` \| `{default}` \|", table), f"docs/KERAS.md does not give default {default}"
     readme = (REPO / "README.md").read_text(encoding="utf-8")
-    for stated in re.findall(r"update_freq[^.\n]*?default[^0-9\n]*(\d+)", readme):
-        assert int(stated) == default, f"README says update_freq defaults to {stated}, the code to {default}"
+    stated = re.findall(r"`update_freq`[^.]*?\(default (\d+)\)", readme)
+    assert stated, "README does not state the update_freq default"
+    for value in stated:
+        assert int(value) == default, f"README says update_freq defaults to {value}, the code to {default}"
 
 
 def test_supported_tensorflow_and_keras_range_agrees_everywhere():
@@ -54,3 +56,14 @@ def test_supported_tensorflow_and_keras_range_agrees_everywhere():
         assert pinned == oldest, f".ci/run tests {package} {pinned}, compat.VERIFIED says {oldest}"
     ci_low, ci_high = re.search(r'^TF_RANGE="tensorflow-cpu>=([\d.]+),<([\d.]+)"$', ci, re.M).groups()
     assert re.search(rf'"tensorflow>={re.escape(ci_low)},<{re.escape(ci_high)}"', setup)
+
+
+def test_device_record_size_stated_in_the_docs_is_the_layout():
+    from tb_gradhealth import record
+
+    size = (record.NUM_COUNTS + record.NUM_VALUES + record.HIST_BINS) * 4  # int32 counts, float32 values and bins
+    texts = {p: p.read_text(encoding="utf-8") for p in (REPO / "README.md", REPO / "docs" / "DISTRIBUTED.md")}
+    stated = {p.name: re.findall(r"(\d+) (?:bytes a layer|B per layer)", t) for p, t in texts.items()}
+    assert any(stated.values()), "no device-record size stated"
+    for name, values in stated.items():
+        assert all(int(v) == size for v in values), (name, values, size)

@@ -66,7 +66,8 @@ def test_setup_is_two_commands_that_exist():
     block = re.search(r"```sh\n(.*?)```", setup, re.S).group(1)
     commands = [ln for ln in block.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
     assert commands == [
-        "pip install tensorflow-cpu . && python demo/demo.py --logdir /tmp/gradhealth-demo --serve",
+        "python3 -m venv .venv && . .venv/bin/activate && pip install tensorflow-cpu . && "
+        "python demo/demo.py --logdir /tmp/gradhealth-demo --serve",
         "bash .ci/run",
     ]
     assert (REPO / "demo" / "demo.py").is_file() and (REPO / ".ci" / "run").is_file()
