@@ -113,7 +113,14 @@ def host_call(
     rec = compute(grads_and_vars, record_weights, hist_sample, seed, weights)
     tensors = [rec.counts[tf.newaxis], rec.values[tf.newaxis], tf.reshape(step_t, [1])]
     tensors += [tf.reshape(v, [1]) for v in scalar_ts.values()]
-    scalar_tags = list(scalar_ts)
+    host_call_fn = _host_call_fn(names, list(scalar_ts), log_dir, name=name, hist_sample=hist_sample,
+                                 all_reduced=all_reduced, flush_every_call=flush_every_call)
+    return host_call_fn, tensors
+
+
+def _host_call_fn(names: list[str], scalar_tags: list[str], log_dir: str, *, name: str, hist_sample: int | None,
+                  all_reduced: bool, flush_every_call: bool) -> Callable[..., list[Any]]:
+    """The host side of :func:`host_call`: checks the concatenated shard tensors, merges, writes."""
     n_layers = len(names)
 
     def host_call_fn(counts: tf.Tensor, values: tf.Tensor, steps: tf.Tensor, *scalar_values: tf.Tensor) -> list[Any]:
@@ -136,7 +143,32 @@ def host_call(
         return write(disk, names, step0, log_dir, means, name, "gradients", hist_sample, flush_every_call)
 
     host_call_fn.layers = tuple(names)  # type: ignore[attr-defined]
-    return host_call_fn, tensors
+    return host_call_fn
+
+
+def _as_tensors(shard: Any) -> Any:
+    """A ``{layer: array}`` shard as float32 tensors (tensors and None kept); other forms unchanged."""
+    if isinstance(shard, Mapping):
+        return {k: v if v is None or tf.is_tensor(v) else tf.constant(np.asarray(v, np.float32))
+                for k, v in shard.items()}
+    return shard
+
+
+def _simulated_host_call(shards: Sequence[Any], step: int, log_dir: Any, scalars: Any, weights: Any,
+                         host_call_kwargs: dict[str, Any]) -> tuple[list[Any], tf.Tensor]:
+    """Each shard's :func:`host_call` tensors, concatenated as TPUEstimator does, through shard 0's host function:
+    ``(its ops, the merged rows it writes)``."""
+    w = None if weights is None else _as_tensors(weights)
+    built = [
+        host_call(_as_tensors(s), step, log_dir, None if scalars is None else scalars[i], weights=w,
+                  **host_call_kwargs)
+        for i, s in enumerate(shards)
+    ]
+    if len({fn.layers for fn, _ in built}) != 1:
+        raise ValueError("all shards must have the same layers")
+    concat = [tf.concat(list(parts), axis=0) for parts in zip(*(t for _, t in built), strict=True)]
+    keep = 1 if host_call_kwargs.get("all_reduced") else None  # what host_call_fn keeps, for the return value
+    return built[0][0](*concat), merge_shards(concat[0][:keep], concat[1][:keep])
 
 
 def simulate_shards(
@@ -171,25 +203,8 @@ def simulate_shards(
         raise ValueError(f"{len(scalars)} scalar mappings for {len(shards)} shards")
     host_call_kwargs = {**host_call_kwargs, "flush_every_call": True}
 
-    def tensors_of(shard: Any) -> Any:
-        if isinstance(shard, Mapping):
-            return {k: v if v is None or tf.is_tensor(v) else tf.constant(np.asarray(v, np.float32))
-                    for k, v in shard.items()}
-        return shard
-
     def build() -> tuple[list[Any], tf.Tensor]:
-        w = None if weights is None else tensors_of(weights)
-        built = [
-            host_call(tensors_of(s), step, log_dir, None if scalars is None else scalars[i], weights=w,
-                      **host_call_kwargs)
-            for i, s in enumerate(shards)
-        ]
-        layer_sets = {fn.layers for fn, _ in built}
-        if len(layer_sets) != 1:
-            raise ValueError("all shards must have the same layers")
-        concat = [tf.concat(list(parts), axis=0) for parts in zip(*(t for _, t in built), strict=True)]
-        keep = 1 if host_call_kwargs.get("all_reduced") else None  # what host_call_fn keeps, for the return value
-        return built[0][0](*concat), merge_shards(concat[0][:keep], concat[1][:keep])
+        return _simulated_host_call(shards, step, log_dir, scalars, weights, host_call_kwargs)
 
     if not graph:
         _, merged = build()

@@ -10,8 +10,8 @@ The launcher hides TensorFlow from TensorBoard (``sys.modules["tensorflow"] = No
 own TF stub, exactly as on a machine without TensorFlow. That changes nothing the plugin sees (it never imports TF)
 and starts the server in ~3 s instead of ~30 s on a busy two-core machine.
 
-Screenshots of every view go to ``test-artifacts/`` (gitignored); ``GRADHEALTH_UPDATE_SCREENSHOT=1`` also copies
-the overview to ``docs/screenshot.png``. Nothing here reads state the page keeps for itself: tests see what a user
+Screenshots of every view go to ``test-artifacts/`` (gitignored); the README's image is of the demo's runs
+(``demo/screenshot.py``). Nothing here reads state the page keeps for itself: tests see what a user
 sees (the DOM, the requests).
 """
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -288,9 +287,7 @@ def _tab_loads_inside_tensorboard(tensorboard: str, gh: Page) -> None:
         """() => document.querySelector('section[data-run="exploding"] .step-label').textContent === '29'
                  && document.querySelector('section[data-run="exploding"] .profile-canvas')""")
     gh.page.wait_for_timeout(500)
-    path = shot(gh.page, "00_overview_in_tensorboard.png")
-    if os.environ.get("GRADHEALTH_UPDATE_SCREENSHOT") == "1":
-        shutil.copyfile(path, REPO / "docs" / "screenshot.png")
+    shot(gh.page, "00_overview_in_tensorboard.png")
     gh.assert_clean()
 
 
