@@ -1,0 +1,352 @@
+"""What gradient-health logging costs on real architectures: keras.applications models and a small transformer.
+
+Models (weights=None, 32x32x3 inputs, batch 16, 10 classes, Adam, random data made here): ResNet50, MobileNetV2,
+EfficientNetB0, DenseNet121, and a 2-block transformer built from keras.layers (32 tokens, width 64). They have
+hundreds of variables, most of them tiny (biases, batch-norm parameters), unlike the 10-variable MLP of
+``writer_overhead.py``: per-variable costs show here.
+
+Configurations, each on its own copy of the model, all in ONE process, timed in interleaved rounds (each round runs
+``--steps`` steps of every configuration in turn; per-round ratios to the plain step of the same round; the median
+and the min-max spread over rounds are printed):
+
+  plain        Keras' own train function (what ``fit`` calls per step), no callback
+  every        ``GradientHealthCallback(update_freq=1)``: the statistics of gradient, weight and update each step
+  default      ``GradientHealthCallback()`` (update_freq=100): timed steps are unlogged ones; the average cost at
+               that cadence is printed as (99 x unlogged + 1 x logged) / 100, the logged step taken from ``every``
+  floor        the plain step plus ONE ``reduce_max`` per gradient, kept in a variable (an optimizer whose
+               ``apply`` takes it): the least any exact per-layer statistic costs on that model
+  loop         a custom ``tf.function`` train step (GradientTape + optimizer.apply)
+  loop_gh      the same + ``tb_gradhealth.summary.gradients`` every step (under a ``tf.summary`` writer)
+  loop_xla     the custom step with ``jit_compile=True``
+  loop_xla_gh  the same returning ``summary.compute(...)``; ``summary.write`` outside
+
+The callback configurations are driven the way ``fit`` drives them (``on_train_begin``, ``on_train_batch_begin``,
+the model's train function, ``on_train_batch_end``, ... ``on_train_end``), so that rounds can interleave without
+re-tracing. Each step is synchronised by reading its loss.
+
+First step = the first train-function call (trace + compile + one step). Peak RSS and a second first-step figure
+come from a fresh subprocess per configuration (``--rss``, on by default): peak RSS in one process only grows, and
+a configuration compiled after another benefits from its warm caches, so both are measured where nothing else ran
+before. The child runs the first step and three more and reports ``ru_maxrss``.
+
+Timing figures from a shared machine (here: 2 CPU cores shared with other jobs) move with the load: read the
+spread. Run under ``flock /tmp/gradhealth-heavy.lock``.
+
+Usage: python benchmarks/real_architectures.py [--models resnet50,transformer] [--rounds 3] [--steps 4]
+       [--configs plain,every,...] [--no-rss]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+BATCH, CLASSES, SIZE = 16, 10, 32
+MODELS = ("resnet50", "mobilenetv2", "efficientnetb0", "densenet121", "transformer")
+CONFIGS = ("plain", "every", "default", "floor", "loop", "loop_gh", "loop_xla", "loop_xla_gh")
+CONV = {"resnet50", "mobilenetv2", "efficientnetb0", "densenet121"}
+GOALS = {"first": 1.25, "every_conv": 1.12, "floor_gap": 0.05, "default": 1.02, "rss": 1.10}
+
+
+def build_model(name: str) -> Any:
+    import keras
+
+    keras.utils.set_random_seed(0)
+    apps = {
+        "resnet50": keras.applications.ResNet50,
+        "mobilenetv2": keras.applications.MobileNetV2,
+        "efficientnetb0": keras.applications.EfficientNetB0,
+        "densenet121": keras.applications.DenseNet121,
+    }
+    if name in apps:
+        return apps[name](weights=None, input_shape=(SIZE, SIZE, 3), classes=CLASSES)
+    if name != "transformer":
+        raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+    layers, width, tokens = keras.layers, 64, 32
+    inp = keras.Input((tokens,), dtype="int32")
+    x = layers.Embedding(1000, width)(inp)
+    x = x + layers.Embedding(tokens, width)(keras.ops.arange(tokens))[None]
+    for _ in range(2):
+        h = layers.MultiHeadAttention(4, width // 4)(x, x)
+        x = layers.LayerNormalization()(x + h)
+        h = layers.Dense(width)(layers.Dense(4 * width, activation="gelu")(x))
+        x = layers.LayerNormalization()(x + h)
+    out = layers.Dense(CLASSES)(layers.GlobalAveragePooling1D()(x))
+    return keras.Model(inp, out)
+
+
+def make_data(name: str) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    if name == "transformer":
+        x = rng.integers(0, 1000, size=(BATCH, 32)).astype(np.int32)
+    else:
+        x = rng.standard_normal((BATCH, SIZE, SIZE, 3)).astype(np.float32)
+    return x, rng.integers(0, CLASSES, size=(BATCH,)).astype(np.int32)
+
+
+class Runner:
+    """One configuration on its own copy of a model: ``first()`` once, then ``run(k)`` steps per round."""
+
+    def __init__(self, model_name: str, config: str, log_root: str) -> None:
+        import keras
+        import tensorflow as tf
+
+        self.config = config
+        self.model = model = build_model(model_name)
+        x, y = make_data(model_name)
+        self.x, self.y = tf.constant(x), tf.constant(y)
+        self.iterator = iter(tf.data.Dataset.from_tensors((x, y)).repeat())
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=model_name == "transformer")
+        opt = _floor_optimizer(len(model.trainable_variables)) if config == "floor" else keras.optimizers.Adam(1e-4)
+        model.compile(optimizer=opt, loss=loss)
+        opt.build(model.trainable_variables)
+        self.batch = 0
+        self.callback = None
+        if config.startswith("loop"):
+            self._step = self._make_loop(config, loss, os.path.join(log_root, config))
+            return
+        if config in ("every", "default"):
+            from tb_gradhealth.keras import GradientHealthCallback
+
+            cb = self.callback = GradientHealthCallback(
+                os.path.join(log_root, config), update_freq=1 if config == "every" else 100
+            )
+            cb.set_model(model)
+            cb.set_params({"epochs": 1, "steps": None, "verbose": 0})
+            cb.on_train_begin()
+            cb.on_epoch_begin(0)
+        else:
+            model.make_train_function(force=True)
+        self._step = self._fit_step
+
+    def _fit_step(self) -> None:
+        cb = self.callback
+        if cb is not None:
+            cb.on_train_batch_begin(self.batch)
+        logs = self.model.train_function(self.iterator)
+        float(logs["loss"])
+        if cb is not None:
+            cb.on_train_batch_end(self.batch, {})
+        self.batch += 1
+
+    def _make_loop(self, config: str, loss_fn: Any, log_dir: str) -> Any:
+        import tensorflow as tf
+
+        from tb_gradhealth import summary
+
+        model, opt = self.model, self.model.optimizer
+        tvars = model.trainable_variables
+        names = summary.variable_names(tvars)
+        gh, xla = config.endswith("_gh"), "xla" in config
+        writer = tf.summary.create_file_writer(log_dir)
+
+        @tf.function(jit_compile=xla)
+        def step(x: Any, y: Any) -> Any:
+            with tf.GradientTape() as tape:
+                loss = loss_fn(y, model(x, training=True))
+            grads = tape.gradient(loss, tvars)
+            out = (loss,)
+            if gh and xla:
+                out = (loss, summary.compute(list(zip(grads, tvars, strict=True))))
+            elif gh:
+                summary.gradients(zip(grads, tvars, strict=True), step=tf.cast(opt.iterations, tf.int64))
+            opt.apply(grads, tvars)
+            return out
+
+        def run() -> None:
+            with writer.as_default():
+                out = step(self.x, self.y)
+                if len(out) > 1:
+                    summary.write(out[1], names, step=tf.cast(opt.iterations, tf.int64))
+            float(out[0])
+
+        return run
+
+    def first(self) -> float:
+        t = time.perf_counter()
+        self._step()
+        return time.perf_counter() - t
+
+    def run(self, k: int) -> float:
+        t = time.perf_counter()
+        for _ in range(k):
+            self._step()
+        return (time.perf_counter() - t) / k
+
+    def close(self) -> None:
+        if self.callback is not None:
+            self.callback.on_epoch_end(0)
+            self.callback.on_train_end()
+
+
+def _floor_optimizer(n: int) -> Any:
+    """Adam whose ``apply`` also keeps ``reduce_max`` of each gradient in a variable (the floor row)."""
+    import keras
+    import tensorflow as tf
+
+    class FloorAdam(keras.optimizers.Adam):
+        def __init__(self) -> None:
+            super().__init__(1e-4)
+            self.floor_out = tf.Variable(tf.zeros([n]), trainable=False)
+
+        def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
+            grads = list(grads)
+            self.floor_out.assign(tf.stack([tf.reduce_max(g) for g in grads]))
+            return super().apply(grads, trainable_variables)
+
+    return FloorAdam()
+
+
+def child(model_name: str, config: str) -> None:
+    """Fresh process: first step and three more, then ``{"first": s, "rss_mb": peak}`` on stdout."""
+    with tempfile.TemporaryDirectory() as d:
+        r = Runner(model_name, config, d)
+        first = r.first()
+        r.run(3)
+        r.close()
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"first": first, "rss_mb": rss}))
+
+
+def run_child(model_name: str, config: str) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", f"{model_name}:{config}"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _ratio_cell(values: list[float]) -> str:
+    if not values:
+        return "-"
+    med = statistics.median(values)
+    return f"{med:.3f}x ({min(values):.2f}-{max(values):.2f})" if len(values) > 1 else f"{med:.3f}x"
+
+
+def bench_model(model_name: str, configs: list[str], rounds: int, steps: int, rss: bool) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        runners: dict[str, Runner] = {}
+        first: dict[str, float] = {}
+        for c in configs:
+            runners[c] = Runner(model_name, c, d)
+            first[c] = runners[c].first()
+            print(f"  [{model_name} {c}: first step {first[c]:.1f} s]", file=sys.stderr, flush=True)
+            runners[c].run(1)  # `default` traces its plain variant here; others warm up
+        times: dict[str, list[float]] = {c: [] for c in configs}
+        for _ in range(rounds):
+            for c in configs:
+                times[c].append(runners[c].run(steps))
+        n_vars = len(runners[configs[0]].model.trainable_variables)
+        n_params = sum(int(np.prod(v.shape)) for v in runners[configs[0]].model.trainable_variables)
+        for r in runners.values():
+            r.close()
+    fresh = {c: run_child(model_name, c) for c in configs} if rss else {}
+    return {"model": model_name, "variables": n_vars, "params": n_params, "first": first, "times": times,
+            "fresh": fresh}
+
+
+def _per_round(res: dict, c: str, base: str) -> list[float]:
+    t = res["times"]
+    if c not in t or base not in t:
+        return []
+    return [a / b for a, b in zip(t[c], t[base], strict=True)]
+
+
+def report(res: dict) -> list[str]:
+    t, first, fresh = res["times"], res["first"], res["fresh"]
+    lines = [f"\n{res['model']}: {res['variables']} variables, {res['params'] / 1e6:.2f}M parameters; "
+             f"plain step {statistics.median(t['plain']) * 1e3:.0f} ms (median over rounds)"
+             if "plain" in t else f"\n{res['model']}"]
+    lines.append(f"  {'config':12s} {'step ms':>9s} {'step ratio (min-max)':>26s} {'first s':>8s} {'first ratio':>12s}"
+                 f" {'fresh first':>12s} {'RSS MB':>8s} {'RSS ratio':>9s}")
+    for c in t:
+        base = "loop_xla" if c == "loop_xla_gh" else ("loop" if c.startswith("loop") else "plain")
+        ratios = _per_round(res, c, base) if c != base else []
+        fr = f"{first[c] / first[base]:.2f}x" if base in first and c != base else ""
+        ff = fresh.get(c, {}).get("first")
+        ffr = f"{ff:.1f}s" if ff else ""
+        if ff and base in fresh and c != base:
+            ffr = f"{ff / fresh[base]['first']:.2f}x"
+        rss = fresh.get(c, {}).get("rss_mb")
+        rr = f"{rss / fresh[base]['rss_mb']:.3f}x" if rss and base in fresh and c != base else ""
+        lines.append(f"  {c:12s} {statistics.median(t[c]) * 1e3:9.1f} {_ratio_cell(ratios):>26s} {first[c]:8.1f}"
+                     f" {fr:>12s} {ffr:>12s} {rss or 0:8.0f} {rr:>9s}")
+    every, default = _per_round(res, "every", "plain"), _per_round(res, "default", "plain")
+    if every and default:
+        avg = [(99 * d + e) / 100 for d, e in zip(default, every, strict=True)]
+        lines.append(f"  default cadence average (99 unlogged + 1 logged)/100: {_ratio_cell(avg)}")
+    return lines + goals(res)
+
+
+def goals(res: dict) -> list[str]:
+    """The issue's goals, printed (not asserted)."""
+    out = []
+    every, floor = _per_round(res, "every", "plain"), _per_round(res, "floor", "plain")
+    default = _per_round(res, "default", "plain")
+    first, fresh = res["first"], res["fresh"]
+
+    def mark(ok: bool) -> str:
+        return "met" if ok else "NOT met"
+
+    if every:
+        e = statistics.median(every)
+        if res["model"] in CONV:
+            out.append(f"  goal every step <= {GOALS['every_conv']}x: {e:.3f}x {mark(e <= GOALS['every_conv'])}")
+        if floor:
+            f = statistics.median(floor)
+            out.append(f"  goal within {GOALS['floor_gap']} of floor ({f:.3f}x): gap {e - f:+.3f} "
+                       f"{mark(e - f <= GOALS['floor_gap'])}")
+    if every and default:
+        avg = statistics.median([(99 * d + e) / 100 for d, e in zip(default, every, strict=True)])
+        out.append(f"  goal default cadence <= {GOALS['default']}x: {avg:.3f}x {mark(avg <= GOALS['default'])}")
+    src = fresh if "every" in fresh and "plain" in fresh else first
+    if "every" in src and "plain" in src:
+        v = src["every"]["first"] / src["plain"]["first"] if src is fresh else src["every"] / src["plain"]
+        out.append(f"  goal first step <= {GOALS['first']}x ({'fresh process' if src is fresh else 'in process'}):"
+                   f" {v:.2f}x {mark(v <= GOALS['first'])}")
+    if "every" in fresh and "plain" in fresh:
+        v = fresh["every"]["rss_mb"] / fresh["plain"]["rss_mb"]
+        out.append(f"  goal peak RSS <= {GOALS['rss']}x: {v:.3f}x {mark(v <= GOALS['rss'])}")
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=4, help="steps per configuration per round")
+    p.add_argument("--no-rss", action="store_true", help="skip the fresh-process first step and peak RSS")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.child:
+        child(*a.child.split(":"))
+        return
+    import tensorflow as tf
+
+    configs = [c for c in a.configs.split(",") if c]
+    if "plain" not in configs:
+        configs.insert(0, "plain")
+    print(f"TensorFlow {tf.__version__}, {os.cpu_count()} CPUs (shared with other jobs: read the spread), "
+          f"load average {os.getloadavg()[0]:.1f}; {a.rounds} rounds x {a.steps} steps; "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
+    for m in a.models.split(","):
+        t0 = time.perf_counter()
+        res = bench_model(m, configs, a.rounds, a.steps, not a.no_rss)
+        print("\n".join(report(res)), flush=True)
+        print(f"  ({time.perf_counter() - t0:.0f} s, load average {os.getloadavg()[0]:.1f})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
