@@ -375,6 +375,31 @@ def data_server(logdir: str, samples_per_plugin: dict[str, int] | None = None, *
     return ingester
 
 
+def read_back(logdir: str, plugin: str = metadata.PLUGIN_NAME) -> dict:
+    """``{tag: (metadata content bytes, [(step, value)])}`` of the runs in ``logdir``, read back through TensorBoard's
+    own in-process data provider with every step kept (tensors of ``plugin``, or scalars with ``"scalars"``)."""
+    from tensorboard import context
+    from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
+
+    mux = plugin_event_multiplexer.EventMultiplexer(tensor_size_guidance={plugin: 0, "scalars": 0})
+    mux.AddRunsFromDirectory(logdir)
+    mux.Reload()
+    dp = data_provider.MultiplexerDataProvider(mux, logdir)
+    ctx = context.RequestContext()
+    out = {}
+    if plugin == "scalars":
+        listing = dp.list_scalars(ctx, experiment_id="", plugin_name=plugin)
+        data = dp.read_scalars(ctx, experiment_id="", plugin_name=plugin, downsample=10**9)
+    else:
+        listing = dp.list_tensors(ctx, experiment_id="", plugin_name=plugin)
+        data = dp.read_tensors(ctx, experiment_id="", plugin_name=plugin, downsample=10**9)
+    for run, tags in listing.items():
+        for tag, ts in tags.items():
+            points = [(d.step, d.value if plugin == "scalars" else d.numpy) for d in data[run][tag]]
+            out[tag] = (ts.plugin_content, points)
+    return out
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now (for a server a test or benchmark starts)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -10,10 +10,8 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from tensorboard import context  # noqa: E402
-from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer  # noqa: E402
 
-from tb_gradhealth import metadata, record, summary  # noqa: E402
+from tb_gradhealth import metadata, record, summary, testing  # noqa: E402
 
 RNG = np.random.default_rng(0)
 
@@ -249,21 +247,6 @@ def test_layer_names_from_pairs_dicts_and_lists():
     assert rec.counts.shape[0] == 4 and int(rec.counts[0, 4]) == 6  # all zeros
 
 
-def read_back(logdir: str) -> dict:
-    mux = plugin_event_multiplexer.EventMultiplexer(tensor_size_guidance={metadata.PLUGIN_NAME: 0})
-    mux.AddRunsFromDirectory(logdir)
-    mux.Reload()
-    dp = data_provider.MultiplexerDataProvider(mux, logdir)
-    ctx = context.RequestContext()
-    listing = dp.list_tensors(ctx, experiment_id="", plugin_name=metadata.PLUGIN_NAME)
-    data = dp.read_tensors(ctx, experiment_id="", plugin_name=metadata.PLUGIN_NAME, downsample=10**6)
-    out = {}
-    for run, tags in listing.items():
-        for tag, ts in tags.items():
-            out[tag] = (metadata.decode_content(ts.plugin_content), [(d.step, d.numpy) for d in data[run][tag]])
-    return out
-
-
 @pytest.mark.tf
 def test_gradients_round_trip_through_event_files(tmp_path):
     vs = [tf.Variable(RNG.standard_normal((20, 30)).astype(np.float32), name=f"layer{i}/kernel") for i in range(2)]
@@ -290,9 +273,10 @@ def test_gradients_round_trip_through_event_files(tmp_path):
         with tf.summary.record_if(False):
             assert not bool(summary.gradients(list(zip(grads, vs, strict=False)), step=12, name="eager"))
     eager_writer.flush()
-    got = read_back(str(tmp_path))
+    got = testing.read_back(str(tmp_path))
     assert len(got) == 2
-    for tag, (content, points) in got.items():
+    for tag, (raw, points) in got.items():
+        content = metadata.decode_content(raw)
         assert content.layers == ("layer0/kernel", "layer1/kernel") and content.version == record.FORMAT_VERSION
         name = "eager" if "eager" in tag else "gradients"
         assert tag == metadata.tag_for(content.layers, name, step=0)  # every step here is in the first block
@@ -328,7 +312,8 @@ def test_compute_in_jit_then_write_outside(tmp_path):
     writer.flush()
     with pytest.raises(Exception, match="return .*compute"):
         bad(tf.constant(1.0))
-    ((content, points),) = read_back(str(tmp_path)).values()
+    ((raw, points),) = testing.read_back(str(tmp_path)).values()
+    content = metadata.decode_content(raw)
     row = record.from_disk(points[0][1])[0]
     assert content.layers == ("k",) and points[0][0] == 3
     assert_matches_reference(row, np.full((4, 5), 8.0, np.float32), 4096, np.ones((4, 5), np.float32))

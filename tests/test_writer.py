@@ -10,36 +10,14 @@ import textwrap
 
 import numpy as np
 import pytest
-from tensorboard import context
-from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
+from tensorboard.backend.event_processing import plugin_event_multiplexer
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 from tensorboard.compat.proto import summary_pb2
 
-from tb_gradhealth import metadata, record
+from tb_gradhealth import metadata, record, testing
 from tb_gradhealth.writer import Writer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def read_back(logdir: str, plugin: str = metadata.PLUGIN_NAME) -> dict:
-    """{tag: (content bytes, [(step, ndarray)])} of the single run in ``logdir``, via TensorBoard's data provider."""
-    mux = plugin_event_multiplexer.EventMultiplexer(tensor_size_guidance={plugin: 0, "scalars": 0})
-    mux.AddRunsFromDirectory(logdir)
-    mux.Reload()
-    dp = data_provider.MultiplexerDataProvider(mux, logdir)
-    ctx = context.RequestContext()
-    out = {}
-    if plugin == "scalars":
-        listing = dp.list_scalars(ctx, experiment_id="", plugin_name=plugin)
-        data = dp.read_scalars(ctx, experiment_id="", plugin_name=plugin, downsample=10**9)
-    else:
-        listing = dp.list_tensors(ctx, experiment_id="", plugin_name=plugin)
-        data = dp.read_tensors(ctx, experiment_id="", plugin_name=plugin, downsample=10**9)
-    for run, tags in listing.items():
-        for tag, ts in tags.items():
-            points = [(d.step, d.value if plugin == "scalars" else d.numpy) for d in data[run][tag]]
-            out[tag] = (ts.plugin_content, points)
-    return out
 
 
 def reference(g: np.ndarray | None, w: np.ndarray | None) -> dict[str, float]:
@@ -68,7 +46,7 @@ def test_add_gradients_round_trip_through_data_provider(tmp_path):
     with Writer(str(tmp_path), hist_sample=4096, seed=1) as w:
         for step in (3, 7):
             tag = w.add_gradients(step, grads, weights=weights)
-    got = read_back(str(tmp_path))
+    got = testing.read_back(str(tmp_path))
     assert list(got) == [tag]
     content, points = got[tag]
     c = metadata.decode_content(content)
@@ -104,7 +82,7 @@ def test_metadata_only_on_first_event_per_tag_and_tensorboard_keeps_first(tmp_pa
     with_md = [v.tag for v in values if v.HasField("metadata")]
     assert len(values) == 4 and len(with_md) == 2 and len(set(with_md)) == 2  # once per tag
     # TensorBoard attributes the first metadata to every later event of the tag
-    got = read_back(str(tmp_path))
+    got = testing.read_back(str(tmp_path))
     assert sorted(len(metadata.decode_content(c).layers) for c, _ in got.values()) == [1, 2]
     mux = plugin_event_multiplexer.EventMultiplexer(tensor_size_guidance={"gradhealth": 0})
     mux.AddRunsFromDirectory(str(tmp_path))
@@ -123,7 +101,7 @@ def test_add_scalars_are_standard_scalars(tmp_path):
     with Writer(str(tmp_path)) as w:
         for step in range(4):
             w.add_scalars(step, {"loss": 1.0 / (step + 1), "lr": 0.1})
-    got = read_back(str(tmp_path), plugin="scalars")
+    got = testing.read_back(str(tmp_path), plugin="scalars")
     assert set(got) == {"loss", "lr"}
     steps, values = zip(*got["loss"][1], strict=True)
     assert steps == (0, 1, 2, 3)
@@ -142,7 +120,7 @@ def test_add_records_validates_and_close_is_final(tmp_path):
     w.close()
     with pytest.raises(RuntimeError):
         w.add_scalars(0, {"a": 1.0})
-    content, points = read_back(str(tmp_path))[tag]
+    content, points = testing.read_back(str(tmp_path))[tag]
     assert metadata.decode_content(content).kind == "merged"
     assert points[0][0] == 5 and record.from_disk(points[0][1])[1, record.INDEX["missing"]] == 1
 
@@ -166,7 +144,7 @@ def test_works_with_tensorflow_absent(tmp_path):
     res = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip().endswith("ok")
-    (content, points), = read_back(str(tmp_path)).values()
+    (content, points), = testing.read_back(str(tmp_path)).values()
     rows = record.from_disk(points[0][1])
     assert metadata.decode_content(content).layers == ("l/kernel", "l/bias")
     assert rows[0, record.INDEX["size"]] == 6 and rows[0, record.INDEX["zero"]] == 1
