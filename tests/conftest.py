@@ -1,8 +1,11 @@
-"""Shared test set-up: quiet TensorFlow logs and keep TF on the CPU; TensorFlow imported only by the tests that
-use it (the ``tensorflow`` fixture), so collecting the suite or running ``pytest -m unit`` never imports it; every
-test must carry a tier marker (pytest.ini)."""
+"""Shared test set-up: quiet TensorFlow logs and keep TF on the CPU; every test must carry a tier marker
+(pytest.ini). With ``-m``, a test module none of whose tests the expression selects is not even imported (its
+markers are read from its source), so ``pytest -m unit`` never imports TensorFlow, PyTorch or JAX."""
 
+import ast
 import os
+from collections.abc import Mapping
+from pathlib import Path
 
 import pytest
 
@@ -26,3 +29,59 @@ def pytest_collection_modifyitems(config, items):
             f"{len(untiered)} test(s) without a tier marker ({', '.join(TIERS)}; see pytest.ini), e.g. "
             + ", ".join(untiered[:5])
         )
+
+
+def _mark_names(node: ast.AST) -> set[str]:
+    """Names ``X`` of every ``pytest.mark.X`` inside an expression (a decorator, a ``pytestmark`` value)."""
+    return {
+        n.attr for n in ast.walk(node)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute) and n.value.attr == "mark"
+        and isinstance(n.value.value, ast.Name) and n.value.value.id == "pytest"
+    }
+
+
+def _marker_sets(tree: ast.Module) -> list[set[str]]:
+    """The marker names of each test function of a module: its decorators, its classes' and the module's marks."""
+    module: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets):
+            module |= _mark_names(node.value)
+    sets = []
+
+    def visit(body: list[ast.stmt], inherited: set[str]) -> None:
+        for node in body:
+            if isinstance(node, ast.ClassDef):
+                visit(node.body, inherited | set().union(*map(_mark_names, node.decorator_list)))
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name.startswith("test"):
+                sets.append(inherited | set().union(*map(_mark_names, node.decorator_list)))
+
+    visit(tree.body, module)
+    return sets
+
+
+class _Present(Mapping):
+    """Marker names as booleans for ``eval`` of a ``-m`` expression: present or not."""
+
+    def __init__(self, names: set[str]) -> None:
+        self.names = names
+
+    def __getitem__(self, key: str) -> bool:
+        return key in self.names
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    expr = config.getoption("markexpr")
+    if not expr or collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
+        return None
+    try:
+        sets = _marker_sets(ast.parse(collection_path.read_text(encoding="utf-8")))
+        selected = [eval(expr, {"__builtins__": {}}, _Present(s)) for s in sets]  # noqa: S307 - marker names only
+    except Exception:  # an expression this reading does not understand: collect as usual
+        return None
+    return True if sets and not any(selected) else None
