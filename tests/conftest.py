@@ -3,6 +3,7 @@
 markers are read from its source), so ``pytest -m unit`` never imports TensorFlow, PyTorch or JAX."""
 
 import ast
+import importlib
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,6 +21,21 @@ TIERS = ("unit", "tf", "e2e", "browser", "torch", "jax")
 def tensorflow():
     """The ``tensorflow`` module; the test is skipped where TensorFlow is not installed."""
     return pytest.importorskip("tensorflow")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _tensorflow_imports(request: pytest.FixtureRequest) -> None:
+    """A test module that declares ``TF_IMPORTS = {name: "module[:attribute]"}`` gets ``tf`` and those names bound
+    in its globals when its first test runs (so collecting it imports no TensorFlow; without TensorFlow it skips)."""
+    imports = getattr(request.module, "TF_IMPORTS", None)
+    if imports is None:
+        return
+    names = vars(request.module)
+    names["tf"] = request.getfixturevalue("tensorflow")
+    for name, target in imports.items():
+        module, _, attribute = target.partition(":")
+        loaded = importlib.import_module(module)
+        names[name] = getattr(loaded, attribute) if attribute else loaded
 
 
 def pytest_collection_modifyitems(config, items):

@@ -11,17 +11,10 @@ from tb_gradhealth import record
 
 pytestmark = pytest.mark.tf
 
-#: TensorFlow and the accumulator class, bound by the fixture below when a test of this module runs.
+#: Bound by tests/conftest.py when a test here runs, never at collection: ``tf`` and these names.
+TF_IMPORTS = {"GradientAccumulator": "tb_gradhealth.accumulate:GradientAccumulator"}
 tf: Any = None
 GradientAccumulator: Any = None
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _tensorflow(tensorflow):
-    global tf, GradientAccumulator
-    from tb_gradhealth.accumulate import GradientAccumulator
-
-    tf = tensorflow
 
 SHAPES = [(8, 4), (4,), (4, 2)]
 

@@ -20,17 +20,10 @@ from tb_gradhealth import metadata, record
 
 pytestmark = pytest.mark.tf
 
-#: TensorFlow and tb_gradhealth.tpu, bound by the fixture below when a test of this module runs.
+#: Bound by tests/conftest.py when a test here runs, never at collection: ``tf`` and these names.
+TF_IMPORTS = {"tpu": "tb_gradhealth.tpu"}
 tf: Any = None
 tpu: Any = None
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _tensorflow(tensorflow):
-    global tf, tpu
-    from tb_gradhealth import tpu
-
-    tf = tensorflow
 
 SHAPES = {"dense/kernel": (6, 5), "dense/bias": (5,), "out/kernel": (5, 3)}
 
