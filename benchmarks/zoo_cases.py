@@ -20,13 +20,14 @@ ones it uses and why they apply):
 * **dead rule**: with plain SGD (no momentum, no weight decay) a variable changes at a step iff its gradient is
   nonzero; a variable bitwise unchanged at >= 90% of the steps gets exactly-zero gradients: ``dead`` from the first
   logged step.
-* **divergence rule**: the raw loss ``L_s`` (and each weight norm, taken before step s's update) diverges from the
-  first logged step ``s`` at which it grows by at least ``GROWTH``x per logged step for ``GROWTH_STEPS``
-  consecutive logged steps (a non-finite value counts as growth) and never again comes down to ``L_(s-1)``
-  (a spike that recovers, a catapult, is not a divergence); the run's onset is the earliest over the loss
-  and the weight norms. A layer whose weight norm grew >= 10x from the onset to its last finite value is
-  ``exploding`` from the onset (the culprits); every layer is ``nonfinite`` from the first step its gradient
-  was NaN/Inf (measured from the weights SGD wrote, or the loss), which is the run's ``first_nan``.
+* **divergence rule**: the raw loss ``L_s`` (and each layer's main-parameter weight norm, taken before step s's
+  update) diverges from the first logged step ``s`` at which it grows by at least ``GROWTH``x per logged step
+  for ``GROWTH_STEPS`` consecutive logged steps, or (a weight norm) jumps >= 10x in one step (a non-finite value
+  counts as growth), and never again comes down to its value at ``s-1`` (a spike that recovers, a catapult, is
+  not a divergence); the run's onset is the earliest over the loss and the weight norms. A layer whose main
+  weight norm grew >= 10x from just before the onset to its last finite value is ``exploding`` from the onset
+  (the culprits); every layer is ``nonfinite`` from the first step its gradient was NaN/Inf (measured from the
+  weights SGD wrote, or the loss), the run's ``first_nan``. A run where neither happens is labelled healthy.
 """
 
 from __future__ import annotations
@@ -298,16 +299,22 @@ def _deepest_first(names: Sequence[str], sick: Sequence[str]) -> list[str]:
     return sorted(sick, key=lambda n: -order[n])
 
 
-def growth_onset(steps: Sequence[int], values: Sequence[float]) -> int | None:
-    """The divergence rule's onset of one series: first step of ``GROWTH_STEPS`` consecutive >= ``GROWTH``x rises."""
+def growth_onset(steps: Sequence[int], values: Sequence[float], jump: bool = False) -> int | None:
+    """The divergence rule's onset of one series: the first step of ``GROWTH_STEPS`` consecutive >= ``GROWTH``x
+    rises, or (``jump``, for weight norms) of a single >= ``EXPLODE_WEIGHT_GROWTH``x jump, after which the series
+    never comes back down. Not ``jump`` for the loss: a noisy loss jumps 10x out of a dip without diverging."""
     v = list(values)
-    for i in range(1, len(v) - GROWTH_STEPS + 1):
-        if not math.isfinite(v[i - 1]):
+
+    def rises(j: int, factor: float) -> bool:
+        return not math.isfinite(v[j]) or (math.isfinite(v[j - 1]) and v[j] >= factor * v[j - 1])
+
+    for i in range(1, len(v)):
+        if not (math.isfinite(v[i - 1]) and v[i - 1] > 0):
             continue
-        ok = all(not math.isfinite(v[j]) or (math.isfinite(v[j - 1]) and v[j] >= GROWTH * v[j - 1])
-                 for j in range(i, i + GROWTH_STEPS))
+        steady = i + GROWTH_STEPS <= len(v) and all(rises(j, GROWTH) for j in range(i, i + GROWTH_STEPS))
         # ... and never comes back to where it started (a transient spike that recovers is not a divergence)
-        if ok and all(not math.isfinite(x) or x > v[i - 1] for x in v[i:]):
+        kept = all(not math.isfinite(x) or x > v[i - 1] for x in v[i:])
+        if kept and (steady or (jump and rises(i, EXPLODE_WEIGHT_GROWTH))):
             return int(steps[i])
     return None
 
@@ -316,10 +323,20 @@ def divergence_labels(names: Sequence[str], steps: Sequence[int], loss: Sequence
                       nonfinite_from: dict[str, int | None], *, inert: Sequence[str] = (), rule: str
                       ) -> dict[str, Any]:
     """The divergence rule (module docstring). ``wnorm``: [S, L] weight norms before each step's update;
-    ``nonfinite_from``: per variable, the first step whose gradient was NaN/Inf (None: never)."""
+    ``nonfinite_from``: per variable, the first step whose gradient was NaN/Inf (None: never).
+
+    Weight norms are judged on each layer's main parameter (first variable with a nonzero initial norm: a
+    zero-initialised bias or beta "grows" by any factor from nothing); the layer's other variables share its status.
+    """
     wnorm = np.asarray(wnorm, dtype=np.float64)
+    main = {}
+    for idx in groups(names).values():
+        live = [i for i in idx if names[i] not in inert]
+        m = next((i for i in live if wnorm[0, i] > 0), None)
+        if m is not None:
+            main.update(dict.fromkeys(live, m))
     onsets = [growth_onset(steps, loss)]
-    onsets += [growth_onset(steps, list(wnorm[:, i])) for i in range(len(names)) if names[i] not in inert]
+    onsets += [growth_onset(steps, list(wnorm[:, m]), jump=True) for m in set(main.values())]
     found = [o for o in onsets if o is not None]
     onset = min(found) if found else None
     nan_steps = [s for s in nonfinite_from.values() if s is not None]
@@ -328,9 +345,8 @@ def divergence_labels(names: Sequence[str], steps: Sequence[int], loss: Sequence
     culprits = []
     for i, n in enumerate(names):
         chain = []
-        if onset is not None and n not in inert:
-            oi = list(steps).index(onset)
-            col = wnorm[oi:, i]
+        if onset is not None and i in main:
+            col = wnorm[max(list(steps).index(onset) - 1, 0):, main[i]]  # from the value before the rise
             fin = col[np.isfinite(col)]
             grew = float(fin[-1] / col[0]) if fin.size and col[0] > 0 else math.nan
             if grew >= EXPLODE_WEIGHT_GROWTH and (nonfinite_from.get(n) is None or nonfinite_from[n] > onset):
@@ -344,10 +360,12 @@ def divergence_labels(names: Sequence[str], steps: Sequence[int], loss: Sequence
             layers[n] = {"status": "inert", "onset": None}
     if not culprits and first_nan is not None:
         culprits = [n for n in names if nonfinite_from.get(n) == first_nan]
-    return {"sick": bool(layers and any(e["status"] != "inert" for e in layers.values())), "layers": layers,
-            "culprits": _deepest_first(names, culprits), "onset": onset if onset is not None else first_nan,
-            "first_nan": first_nan, "diverges": True, "rule": rule,
-            "evidence": {"loss": [float(x) for x in loss]}}
+    sick = any(e["status"] != "inert" for e in layers.values())
+    return {"sick": sick, "layers": layers, "culprits": _deepest_first(names, culprits),
+            "onset": onset if onset is not None else first_nan, "first_nan": first_nan, "diverges": sick,
+            "rule": rule, "evidence": {"loss": [float(x) for x in loss],
+                                       "main_weight_norms": {names[m]: [float(x) for x in wnorm[:, m]]
+                                                             for m in sorted(set(main.values()))}}}
 
 
 def nonfinite_from_trace(names: Sequence[str], trace: Any) -> dict[str, int | None]:
@@ -756,8 +774,9 @@ def _chain(steps: Sequence[int], states: Sequence[str]) -> dict[str, Any]:
     return {"status": eps[0]["status"], "onset": eps[0]["from"], "episodes": eps}
 
 
-DIVERGE_RULE = ("divergence rule: onset = first of 3 logged steps each >= 1.5x the previous (loss or a weight "
-                "norm); exploding = weight norm grew >= 10x from onset; nonfinite from the first NaN gradient")
+DIVERGE_RULE = ("divergence rule: onset = first of 3 logged steps each >= 1.5x the previous (loss or a main weight "
+                "norm), or a weight norm's >= 10x jump, never undone; exploding = main weight norm grew >= 10x from "
+                "just before the onset; nonfinite from the first NaN gradient")
 
 
 def _diverging_fit(log_dir: str, model: Any, optimizer: Any, x: Any, y: Any, *, batch: int, loss: Any = None,
