@@ -167,7 +167,7 @@ def _scaler_run(tmp_path, inject_inf: bool):
 
 @pytest.mark.parametrize("inject_inf", [False, True], ids=["applied", "skipped"])
 def test_step_recorder_with_grad_scaler(tmp_path, inject_inf):
-    from tests.test_writer import read_back
+    from tb_gradhealth.testing import read_back
 
     model, seen = _scaler_run(tmp_path, inject_inf)
     assert seen["applied"] is (not inject_inf)
