@@ -598,9 +598,10 @@ def _confirm(runs: list[list[int]], need: int) -> tuple[int, int] | None:
 
 def _backdate(runs: list[list[int]], col: np.ndarray, t: Thresholds) -> None:
     """An exploding run after a healthy one starts where the layer's RMS left its floor: the step after the last
-    one within ``growth_decades / growth_window`` (the trend's own per-step slope) of the lowest RMS of the
-    ``growth_window`` steps before the run. A quiet minibatch in the middle of the rise does not move the onset."""
-    rise = t.growth_decades / t.growth_window
+    one within twice the trend's own per-step slope (``2 * growth_decades / growth_window``, 0.4 decades) of the
+    lowest RMS of the ``growth_window`` steps before the run. A quiet minibatch in the middle of the rise does not
+    move the onset; minibatch noise (a few tenths of a decade) does not start it."""
+    rise = 2.0 * t.growth_decades / t.growth_window
     w = t.growth_window
     for k in range(1, len(runs)):
         code, first, _ = runs[k]
