@@ -685,18 +685,44 @@ def diagnose_run(
     s_count = present.shape[0]
     last_rows = np.where(present.any(axis=0), s_count - 1 - np.argmax(present[::-1], axis=0), 0)
     d = record.derived(records[last_rows, np.arange(len(layers))])
-    out = [_layer_health(ev, steps, layers, i, d, origin, t) for i in range(len(layers))]
+    tracks = [_track(ev, i, t) if ev.columns("present")[i].any() else None for i in range(len(layers))]
+    _follow_siblings(tracks, ev, layers)
+    out = [_layer_health(ev, steps, layers, i, d, origin, t, tracks[i]) for i in range(len(layers))]
     ranked = sorted(out, key=lambda lh: (-lh.severity, lh.index))
     return RunHealth(int(steps[-1]), t, ranked, _first_bad(ranked), _onset(out), _timeline(out))
 
 
+def _follow_siblings(tracks: list[_Track | None], ev: _Steps, layers: Sequence[str]) -> None:
+    """A tensor too small for a trend (a one-element bias) has an RMS of one or a few numbers, so its own exploding
+    onset is noise: when a larger variable of its layer has an exploding episode overlapping its own, it takes
+    that episode's onset."""
+    small = ev.size.max(axis=0) < TREND_MIN_SIZE
+    for cols in layer_groups(layers):
+        big = [int(c) for c in cols if not small[c] and tracks[c] is not None]
+        for c in (int(c) for c in cols if small[c] and tracks[c] is not None):
+            track = tracks[c]
+            for k in range(1, len(track.runs)):
+                code, first, last = track.runs[k]
+                prev = track.runs[k - 1]
+                if code != EXPLODING or prev[0] != HEALTHY:
+                    continue
+                a, z = track.rows[first], track.rows[last]
+                starts = [tracks[b].rows[r[1]] for b in big for r in tracks[b].runs
+                          if r[0] == EXPLODING and tracks[b].rows[r[1]] <= z and a <= tracks[b].rows[r[2]]]
+                if not starts:
+                    continue
+                j = int(np.searchsorted(track.rows, min(starts)))
+                j = max(j, prev[1] + 1)
+                track.runs[k - 1] = (prev[0], prev[1], j - 1)
+                track.runs[k] = (code, j, last)
+
+
 def _layer_health(ev: _Steps, steps: np.ndarray, layers: Sequence[str], i: int, d: dict[str, np.ndarray],
-                  origin: tuple[int, int, int] | None, t: Thresholds) -> LayerHealth:
+                  origin: tuple[int, int, int] | None, t: Thresholds, track: _Track | None) -> LayerHealth:
     name = layers[i]
-    if not ev.columns("present")[i].any():
+    if track is None:
         return LayerHealth(name, i, "missing", _BASE[MISSING] + 1.0,
                            [f"no record of this layer at or before step {int(steps[-1])}"], None, None)
-    track = _track(ev, i, t)
     code = track.code
     s = int(track.rows[-1])
     last = track.runs[-1]

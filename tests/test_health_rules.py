@@ -231,3 +231,15 @@ def test_a_nan_layer_reports_unknown_numbers_never_zero():
         assert by["a/kernel"][key] is None, key
     assert by["b/kernel"]["max_abs"] == 1.0 and by["b/kernel"]["norm"] == pytest.approx(np.sqrt(32))
     assert by["b/kernel"]["weight_norm"] == pytest.approx(8.0)
+
+
+def test_a_one_element_bias_takes_the_onset_of_its_layers_explosion():
+    names = ["hidden/kernel", "hidden/bias", "out/kernel", "out/bias"]
+    steps = 24
+    rms = np.full((steps, 4), 1e-2)
+    rms[12:, 2] = 1e-2 * 3.0 ** np.arange(1, 13)  # the output kernel explodes from step 12
+    rms[10:, 3] = 1e-2 * 3.0 ** np.arange(1, 15)  # its one-element bias: a noisy single number, 2 steps earlier
+    recs = _run(rms, names, sizes=[64, 64, 64, 1])
+    h = diagnose_run(names, np.arange(steps), recs).by_layer()
+    assert h["out/kernel"].status == "exploding" and h["out/kernel"].first_step == 12
+    assert h["out/bias"].status == "exploding" and h["out/bias"].first_step == 12
