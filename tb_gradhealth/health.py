@@ -34,6 +34,9 @@ FLAG_CODES = frozenset(_CODE[s] for s in FLAGS)
 #: Raw code of a step whose NaN/Inf gradient the optimizer skipped (recorded update exactly zero): confirmed as
 #: ``nonfinite`` only when it lasts ``sustain_steps``, like the slow statuses.
 SKIPPED = len(STATUSES)
+#: An exploding episode goes on while the layer's weight norm stays this many times its norm before the episode:
+#: a blow-up of the weights that is not undone leaves the layer damaged even when its gradient looks normal again.
+BLOWN_UP = 10.0
 _ABSENT = -1
 #: The reference layers are the last ``REFERENCE_FRACTION`` of the layers with a live gradient at a step, at least
 #: ``REFERENCE_MIN`` of them: the layers nearest the loss, whose gradient has gone through the fewest Jacobians.
@@ -424,6 +427,7 @@ class _Steps:
     log_upd: np.ndarray  # log10 learning rate: update RMS / weight RMS of its layer, NaN where not recorded
     ref_upd: np.ndarray  # [S] log10 learning rate of the reference layers
     upd_ratio: np.ndarray  # ||update|| / ||weight||, NaN where not recorded
+    weight_norm: np.ndarray  # ||weight||, NaN where not recorded
     sibling: np.ndarray  # log10 RMS of the loudest other variable of the same layer
     base: np.ndarray  # log10 RMS the trend is measured from (lowest of the previous window)
     flags: dict[str, np.ndarray]
@@ -497,8 +501,11 @@ def _evaluate(records: np.ndarray, layers: Sequence[str], t: Thresholds) -> _Ste
             "present": v["present"], "nonfinite": v["nonfinite"], "skipped": skipped, "inert": inert,
             "learns": learns, "calm": calm,
             "exp_rel": signal & (dec >= t.explode_decades) & ~calm,
-            "exp_rms": live & (rms > t.explode_rms_above),
-            "exp_max": live & (v["max_abs"] > t.explode_max_abs_above),
+            # The absolute bounds judge a layer the reference cannot (the whole network is huge); a layer far above
+            # the reference is judged by the relative rule and its learning rate (a fresh first convolution on raw
+            # pixels under Adam exceeds the bounds for a step and is healthy).
+            "exp_rms": live & (rms > t.explode_rms_above) & ~(dec >= t.explode_decades),
+            "exp_max": live & (v["max_abs"] > t.explode_max_abs_above) & ~(dec >= t.explode_decades),
             "exp_update": live & big & (upd_ratio > t.explode_update_ratio),
             "exp_trend": signal & big & (log_sig - base >= t.growth_decades)
             & (log_sig - typical >= t.growth_decades / 2) & ((dec >= -1.0) | (ref_growth >= t.growth_decades)[:, None]),
@@ -516,7 +523,7 @@ def _evaluate(records: np.ndarray, layers: Sequence[str], t: Thresholds) -> _Ste
     raw[v["missing"]] = MISSING
     raw[~v["present"]] = _ABSENT
     return _Steps(raw=raw, size=size, rms=rms, max_abs=v["max_abs"], log_rms=log_rms, ref=ref, log_upd=log_upd,
-                  upd_ratio=upd_ratio,
+                  upd_ratio=upd_ratio, weight_norm=weight_norm,
                   ref_upd=ref_upd, sibling=sibling, base=base, flags=flags)
 
 
@@ -530,6 +537,7 @@ class _Track:
     rows: np.ndarray  # row indices (into steps) where the layer has a record
     runs: list[tuple[int, int, int]]  # (code, first position, last position) into ``rows``
     unconfirmed: tuple[int, int] | None  # (code, length) of a trailing slow run not yet confirmed
+    chain_from: int | None = None  # a position where the chain starts instead (a small tensor follows its layer)
 
     @property
     def code(self) -> int:
@@ -542,7 +550,7 @@ class _Track:
             return self.runs[k][1]
         while k > 0 and self.runs[k - 1][0] in FLAG_CODES:
             k -= 1
-        return self.runs[k][1]
+        return self.runs[k][1] if self.chain_from is None else self.chain_from
 
 
 def _runs(codes: np.ndarray) -> list[list[int]]:
@@ -584,6 +592,7 @@ def _confirm(runs: list[list[int]], need: int) -> tuple[int, int] | None:
         if r[0] == SKIPPED:
             leads_to_nan = k + 1 < len(runs) and runs[k + 1][0] == NONFINITE
             r[0] = NONFINITE if leads_to_nan or not short else HEALTHY
+
         elif r[0] in (VANISHING, DEAD) and short and not after_flag:
             if k == len(runs) - 1:
                 unconfirmed = (r[0], r[2] - r[1] + 1)
@@ -618,6 +627,24 @@ def _backdate(runs: list[list[int]], col: np.ndarray, t: Thresholds) -> None:
         runs[k][1], prev[2] = j, min(prev[2], j - 1)
 
 
+def _blown_up(runs: list[list[int]], weight: np.ndarray) -> None:
+    """An exploding run goes on over the healthy steps after it while the weight norm stays ``BLOWN_UP`` times its
+    norm before the run (or at its first step): the blow-up was not undone."""
+    for k in range(len(runs) - 1):
+        code, first, last = runs[k]
+        nxt = runs[k + 1]
+        if code != EXPLODING or nxt[0] != HEALTHY:
+            continue
+        before = weight[first - 1] if first > 0 else weight[first]
+        if not before > 0:
+            continue
+        j = last
+        while j + 1 <= nxt[2] and weight[j + 1] >= BLOWN_UP * before:
+            j += 1
+        if j > last:
+            runs[k][2], nxt[1] = j, j + 1
+
+
 def _track(ev: _Steps, i: int, t: Thresholds) -> _Track:
     """The layer's confirmed runs over the steps where it has a record."""
     rows = np.flatnonzero(ev.columns("present")[i])
@@ -625,6 +652,7 @@ def _track(ev: _Steps, i: int, t: Thresholds) -> _Track:
     unconfirmed = _confirm(runs, t.sustain_steps)
     runs = _merge_equal(runs)
     _backdate(runs, ev.columns("log_rms")[i, rows], t)
+    _blown_up(runs, ev.columns("weight_norm")[i, rows])
     runs = _merge_equal([r for r in runs if r[2] >= r[1]])
     return _Track(rows, [tuple(r) for r in runs], unconfirmed)
 
@@ -693,28 +721,25 @@ def diagnose_run(
 
 
 def _follow_siblings(tracks: list[_Track | None], ev: _Steps, layers: Sequence[str]) -> None:
-    """A tensor too small for a trend (a one-element bias) has an RMS of one or a few numbers, so its own exploding
-    onset is noise: when a larger variable of its layer has an exploding episode overlapping its own, it takes
-    that episode's onset."""
+    """A tensor too small for a trend (a one-element bias) has an RMS of one or a few numbers, so its own onset is
+    noise: when a larger variable of its layer has a flagged chain overlapping its current one, its chain starts
+    where theirs did."""
     small = ev.size.max(axis=0) < TREND_MIN_SIZE
     for cols in layer_groups(layers):
-        big = [int(c) for c in cols if not small[c] and tracks[c] is not None]
+        big = [tracks[int(c)] for c in cols if not small[c] and tracks[int(c)] is not None]
         for c in (int(c) for c in cols if small[c] and tracks[c] is not None):
             track = tracks[c]
-            for k in range(1, len(track.runs)):
-                code, first, last = track.runs[k]
-                prev = track.runs[k - 1]
-                if code != EXPLODING or prev[0] != HEALTHY:
-                    continue
-                a, z = track.rows[first], track.rows[last]
-                starts = [tracks[b].rows[r[1]] for b in big for r in tracks[b].runs
-                          if r[0] == EXPLODING and tracks[b].rows[r[1]] <= z and a <= tracks[b].rows[r[2]]]
-                if not starts:
-                    continue
-                j = int(np.searchsorted(track.rows, min(starts)))
-                j = max(j, prev[1] + 1)
-                track.runs[k - 1] = (prev[0], prev[1], j - 1)
-                track.runs[k] = (code, j, last)
+            if track.code not in FLAG_CODES:
+                continue
+            a, z = track.rows[track.chain_start()], track.rows[track.runs[-1][2]]
+            starts = []
+            for other in big:
+                if other.code in FLAG_CODES:
+                    oa = other.rows[other.chain_start()]
+                    if oa <= z and a <= other.rows[other.runs[-1][2]]:
+                        starts.append(oa)
+            if starts:
+                track.chain_from = min(int(np.searchsorted(track.rows, min(starts))), len(track.rows) - 1)
 
 
 def _layer_health(ev: _Steps, steps: np.ndarray, layers: Sequence[str], i: int, d: dict[str, np.ndarray],
@@ -727,7 +752,8 @@ def _layer_health(ev: _Steps, steps: np.ndarray, layers: Sequence[str], i: int, 
     s = int(track.rows[-1])
     last = track.runs[-1]
     chain = track.chain_start()
-    ctx = _Ctx(ev, steps, s, i, last[2] - last[1] + 1, int(steps[track.rows[last[1]]]), t)
+    ctx = _Ctx(ev, steps, s, i, last[2] - last[1] + 1, int(steps[track.rows[last[1]]]), t,
+               int(track.rows[last[1] - 1]) if last[1] > 0 else int(track.rows[0]))
     reasons, excess = _reasons(code, ctx, d, i)
     if track.unconfirmed is not None:
         reasons.append(_unconfirmed_note(track.unconfirmed, ctx, t.sustain_steps))
@@ -750,7 +776,8 @@ def _layer_health(ev: _Steps, steps: np.ndarray, layers: Sequence[str], i: int, 
     return LayerHealth(
         layer=name, index=i, status=STATUSES[code], severity=float(severity), reasons=reasons,
         first_step=int(steps[track.rows[chain]]) if flagged else None, step=int(steps[s]),
-        status_since=int(steps[track.rows[last[1]]]) if flagged else None, episodes=_episodes(track, steps),
+        status_since=int(steps[track.rows[max(last[1], chain)]]) if flagged else None,
+        episodes=_episodes(track, steps),
         **{k: float(d[k][i]) for k in ("norm", "rms", "max_abs", "mean", "zero_fraction", "grad_to_weight",
                                        "update_to_weight", "noise", "weight_norm")},
         nan=int(d["nan"][i]), inf=int(d["inf"][i]),
@@ -815,6 +842,7 @@ class _Ctx:
     run_len: int
     run_first_step: int
     t: Thresholds
+    before_row: int = 0  # row just before the current run (its first row when it starts the layer's history)
 
     def lasting(self) -> str:
         n = self.run_len
@@ -868,6 +896,11 @@ def _exploding_reasons(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], fl
         reasons.append(f"RMS grew {10.0 ** g:,.0f}x ({g:.1f} decades) within the last {t.growth_window} logged "
                        f"steps, from {_e(10.0 ** float(ev.base[s, i]))} to {_e(rms)} at step {int(c.steps[s])}")
         excess = max(excess, g - t.growth_decades)
+    if not reasons:  # the episode goes on because the weights it blew up were not brought back
+        w, w0 = float(ev.weight_norm[s, i]), float(ev.weight_norm[c.before_row, i])
+        reasons.append(f"its weight norm {_e(w)} is still {w / w0:,.0f}x what it was before this episode began at "
+                       f"step {c.run_first_step} ({_e(w0)}): the blow-up was not undone")
+        excess = math.log10(w / w0) - 1.0
     return reasons, excess
 
 

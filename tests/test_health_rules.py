@@ -243,3 +243,20 @@ def test_a_one_element_bias_takes_the_onset_of_its_layers_explosion():
     h = diagnose_run(names, np.arange(steps), recs).by_layer()
     assert h["out/kernel"].status == "exploding" and h["out/kernel"].first_step == 12
     assert h["out/bias"].status == "exploding" and h["out/bias"].first_step == 12
+
+
+def test_weights_blown_up_in_one_step_stay_exploding_until_undone():
+    # SGD(0.1) on a fresh ResNet: one update multiplies conv1's weights by ~200; its gradient then looks normal
+    # next to the (now huge) weights, but the blow-up is not undone.
+    names = _layers(4)
+    steps = 10
+    rms = np.full((steps, 8), 1e-2)
+    weight = np.full((steps, 8), 0.1)
+    update = np.full((steps, 8), 1e-4)
+    update[1, 0] = 20.0  # the blow-up: the update is 200x the weight ...
+    weight[2:, 0] = 20.0  # ... and the weight stays that large
+    h = diagnose_run(names, np.arange(steps), _run(rms, names, weight_rms=weight, update_rms=update)).by_layer()
+    lh = h["dense_00/kernel"]
+    assert lh.status == "exploding" and lh.first_step == 1 and lh.episodes == [
+        {"status": "exploding", "from": 1, "to": 9}]
+    assert h["dense_01/kernel"].status == "healthy"
