@@ -412,8 +412,23 @@ def _spec(t: Any) -> Any:
     return (tuple(t.shape), t.dtype)
 
 
+def _flat_arg(t: Any) -> Any:
+    """A dense tensor (or each side of a :class:`Delta`) as a vector: the statistics flatten first anyway."""
+    if t is None or isinstance(t, tf.IndexedSlices):
+        return t
+    if isinstance(t, Delta):
+        return Delta(_flat_arg(t.before), _flat_arg(t.after))
+    return tf.reshape(t, [-1])
+
+
 def layer_record_jit(g, w, u, size, hist_sample, layer, seed):
-    """One compiled function per distinct layer signature (each traced once: no retracing warnings)."""
+    """One compiled function per distinct layer signature (each traced once: no retracing warnings).
+
+    Dense tensors are passed flattened, so layers of equal size share one compiled function whatever their shape
+    (e.g. a 1x1 convolution's ``(1, 1, 64, 256)`` and ``(1, 1, 256, 64)`` kernels): fewer XLA compilations before
+    the first step, the same numbers.
+    """
+    g, w, u = _flat_arg(g), _flat_arg(w), _flat_arg(u)
     key = (_spec(g), _spec(w), _spec(u), size, hist_sample, seed is None)
     fn = _LAYER_FNS.get(key)
     if fn is None:
