@@ -27,7 +27,7 @@ re-tracing. Each step is synchronised by reading its loss.
 First step = the first train-function call (trace + compile + one step). Peak RSS and a second first-step figure
 come from a fresh subprocess per configuration (``--rss``, on by default): peak RSS in one process only grows, and
 a configuration compiled after another benefits from its warm caches, so both are measured where nothing else ran
-before. The child runs the first step and three more and reports ``ru_maxrss``.
+before. The child runs the first step and three more and reports its peak RSS (``VmHWM``).
 
 Timing figures from a shared machine (here: 2 CPU cores shared with other jobs) move with the load: read the
 spread. Run under ``flock /tmp/gradhealth-heavy.lock``.
@@ -217,8 +217,19 @@ def child(model_name: str, config: str) -> None:
         first = r.first()
         r.run(3)
         r.close()
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"first": first, "rss_mb": rss}))
+    print(json.dumps({"first": first, "rss_mb": _peak_rss_mb()}))
+
+
+def _peak_rss_mb() -> float:
+    """This process's peak RSS: ``VmHWM`` (``ru_maxrss`` would report the parent's peak, kept across fork+exec)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def run_child(model_name: str, config: str) -> dict:
