@@ -39,6 +39,11 @@ def _run(grad_rms: np.ndarray, names: list[str], *, weight_rms: np.ndarray | Non
     return out
 
 
+def _steady(steps: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Gradient, weight and update RMS of a steadily training network (``[steps, n]`` each), to be edited."""
+    return np.full((steps, n), 1e-2), np.full((steps, n), 0.1), np.full((steps, n), 1e-4)
+
+
 def _flagged(h) -> dict[str, str]:
     return {lh.layer: lh.status for lh in h.layers if lh.status in FLAGS}
 
@@ -129,9 +134,7 @@ def test_a_sparse_gradient_is_judged_on_the_rows_that_got_one():
 def test_update_larger_than_the_weight_is_exploding_before_the_gradient_grows():
     names = _layers(4)
     steps = 6
-    rms = np.full((steps, 8), 1e-2)
-    weight = np.full((steps, 8), 0.1)
-    update = np.full((steps, 8), 1e-4)
+    rms, weight, update = _steady(steps, 8)
     update[4:, 0] = 5.0  # SGD(0.1) on conv1: the update is 50x the weight
     h = diagnose_run(names, np.arange(steps), _run(rms, names, weight_rms=weight, update_rms=update))
     lh = h.by_layer()["dense_00/kernel"]
@@ -143,9 +146,7 @@ def test_update_larger_than_the_weight_is_exploding_before_the_gradient_grows():
 def test_overflow_steps_skipped_by_loss_scaling_are_not_a_disease():
     names = _layers(3)
     steps = 12
-    rms = np.full((steps, 6), 1e-2)
-    weight = np.full((steps, 6), 0.1)
-    update = np.full((steps, 6), 1e-4)
+    rms, weight, update = _steady(steps, 6)
     rms[0:3] = np.inf  # the first steps overflow float16 at the initial loss scale ...
     update[0:3] = 0.0  # ... and the optimizer skips them: nothing is applied
     recs = _run(rms, names, weight_rms=weight, update_rms=update)
@@ -250,9 +251,7 @@ def test_weights_blown_up_in_one_step_stay_exploding_until_undone():
     # next to the (now huge) weights, but the blow-up is not undone.
     names = _layers(4)
     steps = 10
-    rms = np.full((steps, 8), 1e-2)
-    weight = np.full((steps, 8), 0.1)
-    update = np.full((steps, 8), 1e-4)
+    rms, weight, update = _steady(steps, 8)
     update[1, 0] = 20.0  # the blow-up: the update is 200x the weight ...
     weight[2:, 0] = 20.0  # ... and the weight stays that large
     h = diagnose_run(names, np.arange(steps), _run(rms, names, weight_rms=weight, update_rms=update)).by_layer()
