@@ -922,7 +922,7 @@ def _vanishing_reasons(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], fl
     return reasons, excess
 
 
-def _inert_reason(c: _Ctx, layers_hint: str = "") -> str:
+def _inert_reason(c: _Ctx) -> str:
     ev, s, i = c.ev, c.s, c.i
     gap = float(ev.sibling[s, i] - ev.log_rms[s, i])
     return (f"only round-off reaches this variable: its RMS {_e(float(ev.rms[s, i]))} is {gap:.1f} decades below "
