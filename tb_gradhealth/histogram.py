@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from tb_gradhealth import record
 
-__all__ = ["histogram"]
+__all__ = ["histogram", "bin_index"]
 
 #: Lower / upper float32 edge of each histogram bin (bin b holds lo[b] <= |g| < hi[b]).
 _BIN_LO = np.concatenate([[0.0], record.HIST_EDGES]).astype(np.float32)
@@ -58,6 +58,15 @@ def _coprime_stride(n: int) -> int:
     return s
 
 
+def bin_index(a: tf.Tensor) -> tf.Tensor:
+    """The decade bin (int32) of each float32 magnitude ``a > 0`` (``+Inf``: the top bin), as
+    :func:`tb_gradhealth.record.hist_bin`: a log10 estimate corrected at the decade edges."""
+    e = tf.clip_by_value(tf.floor(tf.math.log(a) * np.float32(1 / np.log(10))), -38.0, 38.0)
+    b = tf.cast(e, tf.int32) + 38
+    b = tf.where(a < tf.gather(_BIN_LO, b), b - 1, b)  # correct log10 rounding at decade edges
+    return tf.where(a >= tf.gather(_BIN_HI, b), b + 1, b)
+
+
 def histogram(
     x: tf.Tensor, n_nonzero: tf.Tensor, hist_sample: int, layer: int, seed: Any, valid_len: tf.Tensor | None
 ) -> tuple[tf.Tensor, tf.Tensor]:
@@ -73,11 +82,7 @@ def histogram(
         v = tf.gather(x, _sample_positions(x, n, hist_sample, layer, seed, valid_len))
     av = tf.abs(v)
     ok = (av >= tf.constant(record.FLUSH_BELOW, dt)) & (av <= dt.max)
-    a = tf.where(ok, tf.cast(av, tf.float32), tf.ones_like(av, tf.float32))  # float64 beyond float32 -> inf: top bin
-    e = tf.clip_by_value(tf.floor(tf.math.log(a) * np.float32(1 / np.log(10))), -38.0, 38.0)
-    b = tf.cast(e, tf.int32) + 38
-    b = tf.where(a < tf.gather(_BIN_LO, b), b - 1, b)  # correct log10 rounding at decade edges
-    b = tf.where(a >= tf.gather(_BIN_HI, b), b + 1, b)
+    b = bin_index(tf.where(ok, tf.cast(av, tf.float32), tf.ones_like(av, tf.float32)))  # float64 beyond float32: inf
     w = tf.cast(ok, tf.float32)
     hist = tf.math.unsorted_segment_sum(w, b, record.HIST_BINS)
     kept = tf.reduce_sum(w)

@@ -1,7 +1,10 @@
-"""Device-side statistics of gradient-health records: TF ops, XLA-safe, static shapes.
+"""Device-side statistics of ONE layer's gradient-health record: TF ops, XLA-safe, static shapes.
 
-One layer's record (:func:`layer_record`) is ``(counts int32 [5], values float32 [89])``, the numbers of
-:func:`tb_gradhealth.record.compute` (the float64 reference) computed where the gradient lives:
+Records of whole models come from :mod:`tb_gradhealth.packed` (all layers from a fixed number of XLA loops); this
+module computes a layer on its own: with plain TF ops (``summary.compute(..., jit=False)``, or a TensorFlow without
+XLA's variadic reduce), and for ``IndexedSlices`` gradients. One layer's record (:func:`layer_record`) is
+``(counts int32 [5], values float32 [89])``, the numbers of :func:`tb_gradhealth.record.compute` (the float64
+reference) computed where the gradient lives:
 
 * under XLA, float32 statistics run in one blocked loop over the gradient (:func:`_reduce_rows`: one float32 sum
   and int32 reductions, the only kind XLA:CPU runs at memory speed): ``sum(g*g)``, the exact-zero count, and
@@ -55,6 +58,11 @@ class Delta(NamedTuple):
 @functools.cache
 def _has_variadic_reduce() -> bool:
     return compat.has_variadic_reduce()
+
+
+def fused_reductions_available() -> bool:
+    """Whether this TensorFlow has XLA's variadic reduce (then :mod:`tb_gradhealth.packed` computes records)."""
+    return _has_variadic_reduce()
 
 
 def fused_reductions() -> bool:
@@ -399,48 +407,6 @@ def layer_record(g, w, u, size, hist_sample, layer, seed):
     return c, tf.concat([head, opt, tail], 0)
 
 
-_LAYER_FNS: dict[tuple, Any] = {}
-
-
-def _spec(t: Any) -> Any:
-    if t is None:
-        return None
-    if isinstance(t, tf.IndexedSlices):
-        return ("slices", tuple(t.values.shape), t.values.dtype, tuple(t.indices.shape))
-    if isinstance(t, Delta):
-        return ("delta", _spec(t.before), _spec(t.after))
-    return (tuple(t.shape), t.dtype)
-
-
-def _flat_arg(t: Any) -> Any:
-    """A dense tensor (or each side of a :class:`Delta`) as a vector: the statistics flatten first anyway."""
-    if t is None or isinstance(t, tf.IndexedSlices):
-        return t
-    if isinstance(t, Delta):
-        return Delta(_flat_arg(t.before), _flat_arg(t.after))
-    return tf.reshape(t, [-1])
-
-
-def layer_record_jit(g, w, u, size, hist_sample, layer, seed):
-    """One compiled function per distinct layer signature (each traced once: no retracing warnings).
-
-    Dense tensors are passed flattened, so layers of equal size share one compiled function whatever their shape
-    (e.g. a 1x1 convolution's ``(1, 1, 64, 256)`` and ``(1, 1, 256, 64)`` kernels): fewer XLA compilations before
-    the first step, the same numbers.
-    """
-    g, w, u = _flat_arg(g), _flat_arg(w), _flat_arg(u)
-    key = (_spec(g), _spec(w), _spec(u), size, hist_sample, seed is None)
-    fn = _LAYER_FNS.get(key)
-    if fn is None:
-
-        def one(g, w, u, layer, seed):
-            return layer_record(g, w, u, size, hist_sample, layer, seed)
-
-        # One trace per signature, by design: no retracing warning.
-        fn = _LAYER_FNS[key] = compat.quiet_retracing(tf.function(one, jit_compile=True, autograph=False))
-    return fn(g, w, u, tf.constant(layer, tf.int32), seed)
-
-
 def compute_layers(grads, weights, updates, sizes, hist_sample, seed, layer_fn=None) -> DeviceRecord:
     """The :class:`DeviceRecord` of all layers, each by ``layer_fn`` (default: inline :func:`layer_record`)."""
     layer_fn = layer_fn or layer_record
@@ -464,7 +430,3 @@ def size_rows(g: tf.IndexedSlices, size: int) -> int:
     if dense is None:
         raise ValueError("IndexedSlices gradient needs a static dense_shape (or its variable)")
     return int(dense[0])
-
-
-#: All layers in one XLA cluster (``jit="cluster"``); retraced per model signature, by design.
-compute_jit = compat.quiet_retracing(tf.function(compute_layers, jit_compile=True, autograph=False))

@@ -1,16 +1,17 @@
 """The TensorFlow summary op: gradient-health records computed on the device and written as TF2 summaries.
 
 * :func:`compute` turns gradients into a :class:`DeviceRecord` ``(counts int32 [L, 5], values float32 [L, 89])``
-  with the numbers of :func:`tb_gradhealth.record.compute` (the float64 reference). Each layer's statistics run as
-  a small XLA cluster when called eagerly or in a plain ``tf.function`` (so they start as soon as that gradient
-  exists), and are inlined into the caller's cluster inside a ``jit_compile=True`` step.
+  with the numbers of :func:`tb_gradhealth.record.compute` (the float64 reference). All layers' statistics run in
+  one compiled XLA function (:mod:`tb_gradhealth.packed`: a fixed number of loops whatever the number of layers,
+  so a model of hundreds of variables compiles in seconds), inlined into the caller's cluster inside a
+  ``jit_compile=True`` step.
 * :func:`write` encodes a device record on the host (``tf.numpy_function`` calling :func:`record.to_disk`: one
   encoder) and writes it with ``tf.summary.write``.
 * :func:`gradients` = compute + write, for custom training loops (eager or ``tf.function``). Inside
   ``jit_compile=True`` nothing can be written: return ``compute(...)`` from the compiled step, ``write`` outside.
 
-Names come from :mod:`tb_gradhealth.naming`, the statistics from :mod:`tb_gradhealth.kernels`, the histogram from
-:mod:`tb_gradhealth.histogram`.
+Names come from :mod:`tb_gradhealth.naming`, the statistics from :mod:`tb_gradhealth.packed` (and the one-layer
+:mod:`tb_gradhealth.kernels`), the histogram bins from :mod:`tb_gradhealth.histogram`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tb_gradhealth import compat, kernels, metadata, record
+from tb_gradhealth import compat, kernels, metadata, packed, record
 from tb_gradhealth.kernels import Delta, DeviceRecord, size_rows
 from tb_gradhealth.naming import is_variable, layer_names, normalize, variable_names
 
@@ -74,9 +75,10 @@ def compute(
     ``weights=True`` (with pairs) or a list/dict of tensors adds the weight norms; ``updates`` (list/dict) the
     applied-update norms, each a tensor or a :class:`Delta` ``(before, after)`` (cheaper: the difference is
     fused into the update's loop, never written out). ``seed`` (int or scalar tensor, e.g. the step) seeds
-    histogram sampling; by default the seed comes from the data. ``jit=True`` runs each layer's statistics as a
-    small XLA cluster (fast; works eagerly and in ``tf.function``; inside ``jit_compile=True`` they are inlined
-    into the caller's cluster); ``jit="cluster"`` puts all layers in one cluster; ``jit=False`` uses plain TF ops.
+    histogram sampling; by default the seed comes from the data. ``jit=True`` (or ``"cluster"``) computes every
+    layer's statistics in one XLA function, compiled once per model signature (:mod:`tb_gradhealth.packed`; works
+    eagerly and in ``tf.function``; inside ``jit_compile=True`` it is inlined into the caller's cluster);
+    ``jit=False`` uses plain TF ops, layer by layer.
     """
     names, glist, wlist, variables = normalize(grads, weights)
     if isinstance(updates, Mapping):
@@ -97,11 +99,11 @@ def compute(
         int(hist_sample or 0),
         None if seed is None else tf.convert_to_tensor(seed),
     )
-    if not jit or compat.in_xla_context():  # inside a compiled function: inline into its cluster
+    if not jit or not kernels.fused_reductions_available():
         return kernels.compute_layers(*args)
-    if jit == "cluster":
-        return kernels.compute_jit(*args)
-    return kernels.compute_layers(*args, layer_fn=kernels.layer_record_jit)
+    if compat.in_xla_context():  # inside a compiled function: inline into its cluster
+        return packed.compute(*args)
+    return packed.compute_jit(*args)
 
 
 # --- host-side write ------------------------------------------------------------------------------------------

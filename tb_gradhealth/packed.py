@@ -1,0 +1,416 @@
+"""Records of all of a model's layers from a fixed number of XLA loops: small tensors packed, large ones in place.
+
+Why: a real model has 150-360 variables, most of them tiny (biases, batch-norm parameters). XLA:CPU spends about
+0.1 s compiling each reduction loop and about a second on each compiled function, so statistics made per layer
+(or per distinct layer size) cost tens of seconds before the first step, and a launch per layer every step. Here:
+
+* every tensor of at most :data:`IN_PLACE_MIN` elements (and every tensor whose histogram is exact) is copied
+  into ONE padded buffer of rows of :data:`PACK_ROW` values (a few MB for a ResNet), reduced row by row in one
+  variadic loop; a larger tensor is viewed as rows of :data:`ROW` values where it lies (a free reshape of its
+  prefix, no copy) and reduced in a loop of its own, its ragged tail going to the packed buffer;
+* the per-row results are folded into layers with segment reductions (sums, max, min of a few thousand rows);
+* one loop per tensor kind handles NaN/Inf and any magnitude: the finite values' squares are summed in float64
+  (no float32 square of a float32 value underflows or overflows there), NaN/+Inf/-Inf are counted, and the
+  extremes are int32 order keys (one float sum and int reductions: the shape XLA:CPU runs fast);
+* the histogram bins the exact layers' packed values and a gathered sample of each sampled layer in one pass.
+
+Only the mean of a layer holding NaN/Inf needs a second pass (a ``tf.cond``: on such steps only). The numbers are
+those of :func:`tb_gradhealth.record.compute`; docs/PERFORMANCE.md has the measured costs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from tb_gradhealth import compat, histogram, kernels, record
+from tb_gradhealth.kernels import Delta, DeviceRecord
+
+__all__ = ["compute", "compute_jit", "IN_PLACE_MIN"]
+
+#: Values per row of a large tensor's in-place view.
+ROW = 1024
+#: Values per row of the packed buffer (each piece pads to whole rows; as wide as ROW: measured faster than 256).
+PACK_ROW = 1024
+#: Tensors with more elements than this (and a sampled histogram) are reduced in place, without a copy.
+IN_PLACE_MIN = 1 << 18
+
+_EXP_BITS = 0x7F800000  # |x| bits of +Inf: below are finite values, above NaN
+_I32_MIN, _I32_MAX = np.iinfo(np.int32).min, np.iinfo(np.int32).max
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each layer's values are reduced: copied pieces of the packed buffer, or an in-place row view.
+
+    ``pieces`` are ``(layer, lo, hi)`` element ranges copied in order into the packed buffer, ``piece_rows`` the
+    rows each one fills; ``in_place`` are ``(layer, rows)`` views ``[rows, ROW]`` of a tensor's prefix;
+    ``row_layer`` gives the layer of every packed row, then of every in-place row, in that order.
+    """
+
+    pieces: tuple[tuple[int, int, int], ...]
+    piece_rows: tuple[int, ...]
+    in_place: tuple[tuple[int, int], ...]
+    row_layer: np.ndarray
+    row_valid: np.ndarray  # values in each packed row (the rest is zero padding)
+
+    @property
+    def packed_rows(self) -> int:
+        return int(sum(self.piece_rows))
+
+
+def layout(sizes: Sequence[int | None], in_place: Sequence[bool], first: Sequence[bool] | None = None) -> Layout:
+    """The layout of tensors of ``sizes`` (``None``: absent). Layers with ``first`` set come first in the buffer."""
+    first = first or [False] * len(sizes)
+    order = [i for i, n in enumerate(sizes) if n and first[i]] + [i for i, n in enumerate(sizes) if n and not first[i]]
+    pieces, views = [], []
+    for i in order:
+        n = sizes[i]
+        if in_place[i] and n >= ROW:
+            views.append((i, n // ROW))
+            if n % ROW:
+                pieces.append((i, n - n % ROW, n))
+        else:
+            pieces.append((i, 0, n))
+    rows = tuple(-(-(hi - lo) // PACK_ROW) for _, lo, hi in pieces)
+    row_layer = [np.full(r, i, np.int32) for (i, _, _), r in zip(pieces, rows, strict=True)]
+    valid = [
+        np.minimum(PACK_ROW, (hi - lo) - PACK_ROW * np.arange(r)).astype(np.int32)
+        for (_, lo, hi), r in zip(pieces, rows, strict=True)
+    ]
+    row_layer += [np.full(r, i, np.int32) for i, r in views]
+    return Layout(
+        tuple(pieces), rows, tuple(views),
+        np.concatenate(row_layer) if row_layer else np.zeros(0, np.int32),
+        np.concatenate(valid) if valid else np.zeros(0, np.int32),
+    )
+
+
+def _pack(flat: Sequence[Any], lay: Layout) -> tf.Tensor:
+    """The packed buffer ``[rows, PACK_ROW]`` float32: each piece, zero-padded to whole rows, one after another.
+
+    One concatenation of the tensors as they are (and zero constants): an op per piece (a pad, a cast, a
+    subtraction) would be a loop of its own for XLA to compile, hundreds of them. A :class:`Delta` is packed as its
+    two sides, subtracted once on the packed buffers; a cast happens once per dtype.
+    """
+    if not lay.pieces:
+        return tf.zeros([0, PACK_ROW], tf.float32)
+    if any(isinstance(flat[i], Delta) for i, _, _ in lay.pieces):
+        sides = [[t.before if isinstance(t, Delta) else t for t in flat],
+                 [t.after if isinstance(t, Delta) else tf.zeros_like(t) if t is not None else None for t in flat]]
+        b, a = (_pack(side, lay) for side in sides)
+        return b - a
+    parts, zeros = [], {}
+    for (i, lo, hi), r in zip(lay.pieces, lay.piece_rows, strict=True):
+        x = flat[i]
+        parts.append(x if (lo, hi) == (0, x.shape[0]) else x[lo:hi])
+        pad = r * PACK_ROW - (hi - lo)
+        for bit in range(PACK_ROW.bit_length()):  # padding from at most log2(PACK_ROW) shared zero blocks
+            if pad >> bit & 1:
+                key = (x.dtype, bit)
+                if key not in zeros:
+                    zeros[key] = tf.zeros([1 << bit], x.dtype)
+                parts.append(zeros[key])
+    if len({p.dtype for p in parts}) > 1:
+        parts = [tf.cast(p, tf.float32) for p in parts]
+    return tf.reshape(tf.cast(tf.concat(parts, 0), tf.float32), [-1, PACK_ROW])
+
+
+def _views(flat: Sequence[Any], lay: Layout) -> list[tf.Tensor]:
+    """Each in-place tensor's prefix as rows ``[rows, ROW]`` float32 (a free reshape; a cast or a
+    :class:`Delta`'s subtraction fuses into the loop that reads it)."""
+    out = []
+    for i, r in lay.in_place:
+        x = _as_float32(flat[i])
+        out.append(tf.reshape(x[: r * ROW] if r * ROW < x.shape[0] else x, [r, ROW]))
+    return out
+
+
+def _magnitude_bits(b: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    bits = tf.bitcast(b, tf.int32)
+    return bits, tf.bitwise.bitwise_and(bits, 0x7FFFFFFF)
+
+
+_FAST_KINDS = ("sum", "sum", "max", "min", "sum", "sum")
+_EXACT_KINDS = ("sum", "sum", "max", "min", "sum", "sum", "sum", "sum")
+
+
+def _flushed_square_sum_operand(b: tf.Tensor, keep: tf.Tensor) -> tf.Tensor:
+    return tf.cast(tf.where(keep, b, tf.zeros_like(b)), tf.float64)
+
+
+def _fast_gradient_rows(b: tf.Tensor, inside: tf.Tensor | None) -> list[tf.Tensor]:
+    """Per row, one loop: ``[sum of squares (f64), zeros, max key, min key, NaN/Inf count]``, and the plain sum.
+
+    Right when the row holds no NaN/Inf; a layer whose count is not 0 is redone by :func:`_exact_gradient_rows`.
+    """
+    bits, mag = _magnitude_bits(b)
+    small = tf.abs(b) < tf.constant(record.FLUSH_BELOW, tf.float32)  # flushed to zero
+    key = kernels._flip(bits)
+    kmax, kmin, zero = key, key, small
+    if inside is not None:  # padding: not a value
+        kmax, kmin, zero = tf.where(inside, key, _I32_MIN), tf.where(inside, key, _I32_MAX), small & inside
+    d = _flushed_square_sum_operand(b, ~small)
+    rows = kernels._variadic(
+        [d * d, tf.cast(zero, tf.int32), kmax, kmin, tf.cast(mag >= _EXP_BITS, tf.int32)], _FAST_KINDS[:5], 1
+    )
+    return rows + [tf.reduce_sum(b, 1)]  # float32: folded into layers in float64 (:func:`_per_layer`)
+
+
+def _exact_gradient_rows(b: tf.Tensor, inside: tf.Tensor | None) -> list[tf.Tensor]:
+    """Per row: ``[finite sum of squares, zeros, finite max key, min key, NaN, +Inf, -Inf, finite sum]``."""
+    bits, mag = _magnitude_bits(b)
+    finite = mag < _EXP_BITS
+    inf = tf.equal(mag, _EXP_BITS)
+    small = tf.abs(b) < tf.constant(record.FLUSH_BELOW, tf.float32)
+    use = finite if inside is None else finite & inside
+    zero = small if inside is None else small & inside
+    key = kernels._flip(bits)
+    d = _flushed_square_sum_operand(b, finite & ~small)
+    as_int = lambda m: tf.cast(m, tf.int32)  # noqa: E731
+    rows = kernels._variadic(
+        [d * d, as_int(zero), tf.where(use, key, _I32_MIN), tf.where(use, key, _I32_MAX),
+         as_int(mag > _EXP_BITS), as_int(inf & (bits > 0)), as_int(inf & (bits < 0))],
+        _EXACT_KINDS[:7],
+        1,
+    )
+    return rows + [tf.reduce_sum(_flushed_square_sum_operand(b, finite), 1)]
+
+
+def _fast_norm_rows(b: tf.Tensor, inside: Any = None) -> list[tf.Tensor]:
+    """Per row: ``[sum of squares (f64), max |x| bits]`` (bits at or above +Inf's: redo by the exact rows)."""
+    _, mag = _magnitude_bits(b)
+    keep = tf.abs(b) >= tf.constant(record.FLUSH_BELOW, tf.float32)
+    return kernels._variadic([tf.square(_flushed_square_sum_operand(b, keep)), mag], ("sum", "max"), 1)
+
+
+def _exact_norm_rows(b: tf.Tensor, inside: Any = None) -> list[tf.Tensor]:
+    """Per row: ``[sum of finite squares (f64), max |x| bits over finite values]``."""
+    _, mag = _magnitude_bits(b)
+    keep = (mag < _EXP_BITS) & (tf.abs(b) >= tf.constant(record.FLUSH_BELOW, tf.float32))
+    return kernels._variadic([tf.square(_flushed_square_sum_operand(b, keep)), tf.where(keep, mag, 0)],
+                             ("sum", "max"), 1)
+
+
+_SEGMENT = {"sum": tf.math.unsorted_segment_sum, "max": tf.math.unsorted_segment_max,
+            "min": tf.math.unsorted_segment_min}
+
+
+def _per_layer(row_results: list[list[tf.Tensor]], kinds: Sequence[str], lay: Layout, n_layers: int) -> list[tf.Tensor]:
+    """Fold per-row results (packed rows, then each view's rows) into ``[n_layers]`` per result."""
+    ids = tf.constant(lay.row_layer)
+    out = []
+    for j, kind in enumerate(kinds):
+        col = tf.concat([r[j] for r in row_results], 0) if len(row_results) > 1 else row_results[0][j]
+        if col.dtype == tf.float32:  # per-row float32 sums, added up in float64
+            col = tf.cast(col, tf.float64)
+        out.append(_SEGMENT[kind](col, ids, n_layers))
+    return out
+
+
+def _reduce_layers(flat: Sequence[Any], lay: Layout, n: int, rows_of: Any, kinds: Sequence[str],
+                   buf: tf.Tensor | None = None) -> list[tf.Tensor]:
+    """``[n]`` per result of ``rows_of``: the packed buffer's rows (``buf`` if already packed) and each view's."""
+    buf = _pack(flat, lay) if buf is None else buf
+    inside = tf.range(PACK_ROW)[None, :] < tf.constant(lay.row_valid)[:, None]
+    results = [rows_of(buf, inside)] + [rows_of(v, None) for v in _views(flat, lay)]
+    return _per_layer(results, kinds, lay, n)
+
+
+def _redo_where(bad: tf.Tensor, fast: list[tf.Tensor], exact: Any) -> list[tf.Tensor]:
+    """``fast``, with the layers flagged ``bad`` taken from ``exact()`` (computed only on steps that have one)."""
+    redo = tf.cond(tf.reduce_any(bad), exact, lambda: fast)
+    return [tf.where(bad, r, f) for r, f in zip(redo, fast, strict=True)]
+
+
+def _from_key(k: tf.Tensor, empty: float) -> tf.Tensor:
+    """A max/min key as float32, flushed to zero below float32's smallest normal (``empty`` where none)."""
+    x = kernels._from_order_key(k, empty)
+    return tf.where(tf.abs(x) < tf.constant(record.FLUSH_BELOW, tf.float32), tf.zeros_like(x), x)
+
+
+def _norm_fields(flat: Sequence[Any], n: int) -> tuple[tf.Tensor, tf.Tensor]:
+    """``(max|x|, sum((x / max|x|)^2))`` float32 ``[n]`` of weights or updates (``None``: absent, NaN)."""
+    sizes = [_length(t) for t in flat]
+    lay = layout(sizes, [z is not None and z > IN_PLACE_MIN for z in sizes])
+    q, m_bits = _reduce_layers(flat, lay, n, _fast_norm_rows, ("sum", "max"))
+    q, m_bits = _redo_where(
+        m_bits >= _EXP_BITS, [q, m_bits],
+        lambda: _reduce_layers(flat, layout(sizes, [False] * n), n, _exact_norm_rows, ("sum", "max")),
+    )
+    m = tf.cast(tf.bitcast(m_bits, tf.float32), tf.float64)
+    ssq = tf.where(m > 0, q / tf.where(m > 0, m * m, tf.ones_like(m)), tf.zeros_like(m))
+    present = tf.constant(np.array([z is not None for z in sizes], bool))
+    nan = tf.fill([n], np.float32(np.nan))
+    return tf.where(present, tf.cast(m, tf.float32), nan), tf.where(present, tf.cast(ssq, tf.float32), nan)
+
+
+def _flat(t: Any) -> Any:
+    """A tensor flattened, in its own dtype (a :class:`Delta`: both sides flattened)."""
+    if t is None:
+        return None
+    if isinstance(t, Delta):
+        before, after = _flat(t.before), _flat(t.after)
+        if before.dtype != after.dtype or before.dtype == tf.float64:
+            return kernels._delta_flat(t)  # float64: subtract before rounding to float32
+        return Delta(before, after)
+    return tf.reshape(tf.convert_to_tensor(t), [-1])
+
+
+def _as_float32(t: Any) -> tf.Tensor:
+    if isinstance(t, Delta):
+        return _as_float32(t.before) - _as_float32(t.after)
+    return t if t.dtype == tf.float32 else tf.cast(t, tf.float32)
+
+
+def _length(t: Any) -> int | None:
+    if t is None:
+        return None
+    return (t.before if isinstance(t, Delta) else t).shape[0]
+
+
+def _mix32(x: tf.Tensor) -> tf.Tensor:
+    """A 32-bit integer hash (lowbias32), in int32 with wrap-around: 31 uniform bits out."""
+    def shr(v: tf.Tensor, k: int) -> tf.Tensor:
+        return tf.bitwise.bitwise_and(tf.bitwise.right_shift(v, k), (1 << (32 - k)) - 1)
+
+    x = tf.bitwise.bitwise_xor(x, shr(x, 16)) * tf.constant(0x7FEB352D, tf.int32)
+    x = tf.bitwise.bitwise_xor(x, shr(x, 15)) * tf.constant(np.int32(0x846CA68B - (1 << 32)), tf.int32)
+    return tf.bitwise.bitwise_and(tf.bitwise.bitwise_xor(x, shr(x, 16)), 0x7FFFFFFF)
+
+
+def _offsets(layers: np.ndarray, seed: Any, s: tf.Tensor, q: tf.Tensor) -> tf.Tensor:
+    """int64 ``[k]`` uniform offsets in ``[0, 2^62)``, one per sampled layer: from ``seed`` and the layer index,
+    or (no seed) from the layer's sums, so that they change from step to step with the data."""
+    salt = tf.constant(layers.astype(np.int32) * 7919 + 1)
+    if seed is not None:
+        base = tf.fill(tf.shape(salt), tf.cast(seed, tf.int32))
+    else:
+        sb = tf.bitcast(tf.cast(tf.gather(s, layers), tf.float32), tf.int32)
+        qb = tf.bitcast(tf.cast(tf.gather(q, layers), tf.float32), tf.int32)
+        base = tf.bitwise.bitwise_xor(sb, qb * 31)
+    hi = _mix32(tf.bitwise.bitwise_xor(base, _mix32(salt)))
+    lo = _mix32(hi + salt)
+    return tf.cast(hi, tf.int64) * (1 << 31) + tf.cast(lo, tf.int64)
+
+
+def _repeat(layers: np.ndarray, k: int) -> tf.Tensor:
+    """Each layer index ``k`` times, flat (a broadcast, not a constant of that size in the compiled program)."""
+    return tf.reshape(tf.broadcast_to(tf.constant(layers.astype(np.int32))[:, None], [len(layers), k]), [-1])
+
+
+def _histograms(flat, sizes, lay, buf_rows, exact, sampled, hist_sample, seed, s, q, n_nonzero, n_layers):
+    """``(hist float32 [L, 77], kept float32 [L])``: exact layers from the packed buffer, others from a sample."""
+    bins = record.HIST_BINS
+    parts_v, parts_id = [], []
+    exact_rows = sum(r for (i, _, _), r in zip(lay.pieces, lay.piece_rows, strict=True) if exact[i])
+    if exact_rows:
+        v = buf_rows[:exact_rows]
+        inside = tf.range(PACK_ROW)[None, :] < tf.constant(lay.row_valid[:exact_rows])[:, None]
+        parts_v.append(tf.where(inside, v, tf.zeros_like(v)))
+        parts_id.append(_repeat(lay.row_layer[:exact_rows], PACK_ROW))
+    if len(sampled):
+        ns = np.array([sizes[i] for i in sampled], np.int64)
+        strides = np.array([record.sample_stride(int(n)) for n in ns], np.int64)
+        pos = (_offsets(sampled, seed, s, q)[:, None] + np.arange(hist_sample, dtype=np.int64)[None, :]
+               * strides[:, None]) % ns[:, None]
+        starts, start = {}, 0
+        for (i, lo, _), r in zip(lay.pieces, lay.piece_rows, strict=True):
+            if lo == 0:
+                starts[i] = start
+            start += r * PACK_ROW
+        base = np.array([starts.get(int(i), 0) for i in sampled], np.int64)
+        pos = tf.cast(pos + base[:, None], tf.int32)
+        in_packed = np.array([int(i) in starts for i in sampled])
+        if in_packed.any():  # one gather for every sampled layer of the packed buffer
+            parts_v.append(tf.gather(tf.reshape(buf_rows, [-1]), tf.gather(pos, np.flatnonzero(in_packed))))
+            parts_id.append(_repeat(sampled[in_packed], hist_sample))
+        for k in np.flatnonzero(~in_packed):  # in place: a gather from the layer's own buffer
+            parts_v.append(tf.gather(_as_float32(flat[sampled[k]]), pos[k]))
+            parts_id.append(_repeat(sampled[k : k + 1], hist_sample))
+    if not parts_v:
+        return tf.zeros([n_layers, bins], tf.float32), tf.zeros([n_layers], tf.float32)
+    v = tf.concat([tf.reshape(p, [-1]) for p in parts_v], 0)
+    ids = tf.concat(parts_id, 0)
+    av = tf.abs(v)
+    ok = (av >= tf.constant(record.FLUSH_BELOW, tf.float32)) & (av <= tf.float32.max)
+    b = histogram.bin_index(tf.where(ok, av, tf.ones_like(av)))
+    w = tf.cast(ok, tf.float32)
+    hist = tf.reshape(tf.math.unsorted_segment_sum(w, ids * bins + b, n_layers * bins), [n_layers, bins])
+    kept = tf.reduce_sum(hist, 1)
+    is_sampled = np.zeros(n_layers, bool)
+    is_sampled[sampled] = True
+    factor = tf.where(kept > 0, tf.cast(n_nonzero, tf.float32) / tf.maximum(kept, 1.0), 0.0)
+    factor = tf.where(tf.constant(is_sampled), factor, tf.ones_like(factor))
+    return hist * factor[:, None], kept
+
+
+def compute(grads, weights, updates, sizes, hist_sample, seed) -> DeviceRecord:
+    """The :class:`DeviceRecord` of all layers (dense or ``None`` gradients; see :mod:`tb_gradhealth.kernels` for
+    ``IndexedSlices``). Arguments as :func:`tb_gradhealth.kernels.compute_layers`. Must run under XLA."""
+    n = len(grads)
+    if not n:
+        return kernels.compute_layers(grads, weights, updates, sizes, hist_sample, seed)
+    sparse = [isinstance(g, tf.IndexedSlices) for g in grads]
+    g_flat = [None if (g is None or sp) else _flat(g) for g, sp in zip(grads, sparse, strict=True)]
+    for g in g_flat:
+        if g is not None and g.shape[0] is None:
+            raise ValueError("gradients need a static shape for the histogram (XLA-safe sampling)")
+    g_sizes = [None if g is None else int(g.shape[0]) for g in g_flat]
+    exact = [g is not None and (not hist_sample or sz <= hist_sample) for g, sz in zip(g_flat, g_sizes, strict=True)]
+    big = [sz is not None and sz > IN_PLACE_MIN for sz in g_sizes]
+    in_place = [b and not e for b, e in zip(big, exact, strict=True)]
+    lay = layout(g_sizes, in_place, first=exact)
+    buf = _pack(g_flat, lay)
+    q, zero, kmax, kmin, bad, s = _reduce_layers(g_flat, lay, n, _fast_gradient_rows, _FAST_KINDS, buf)
+    z = tf.zeros_like(zero)
+    q, zero, kmax, kmin, nan, posinf, neginf, s = _redo_where(
+        (bad > 0) | ~tf.math.is_finite(s), [q, zero, kmax, kmin, z, z, z, s],
+        lambda: _reduce_layers(g_flat, layout(g_sizes, [False] * n), n, _exact_gradient_rows, _EXACT_KINDS),
+    )
+    size = tf.constant(np.array([max(int(z if g is None else g), 0) for z, g in zip(sizes, g_sizes, strict=True)],
+                                np.int32))
+    nonfinite = nan + posinf + neginf
+    mx, mn = _from_key(kmax, -np.inf), _from_key(kmin, np.inf)
+    m = tf.cast(tf.maximum(tf.maximum(mx, -mn), 0.0), tf.float64)
+    nf = tf.cast(size - nonfinite, tf.float64)
+    mean = tf.where((m > 0) & (nf > 0), s / tf.maximum(nf, 1.0), tf.zeros_like(m))
+    ssq_rel = tf.where(m > 0, q / tf.where(m > 0, m * m, tf.ones_like(m)), tf.zeros_like(m))
+    n_nonzero = size - nonfinite - zero
+    sampled = np.array([i for i in range(n) if g_flat[i] is not None and not exact[i]], np.int64)
+    hist, kept = _histograms(g_flat, g_sizes, lay, buf, exact, sampled, hist_sample, seed, s, q, n_nonzero, n)
+    wm, wq = _norm_fields([_flat(w) for w in weights], n)
+    um, uq = _norm_fields([_flat(u) for u in updates], n)
+    missing = tf.constant(np.array([g is None for g in grads], np.float32))
+    nan_col = tf.fill([n], np.float32(np.nan))
+    counts = tf.stack([size, nan, posinf, neginf, zero], 1)
+    values = tf.concat([
+        tf.stack([mn, mx, tf.cast(mean, tf.float32), tf.cast(ssq_rel, tf.float32), wm, wq, um, uq, nan_col, nan_col,
+                  missing, kept], 1),
+        hist,
+    ], 1)
+    if any(sparse):
+        counts, values = _with_sparse_rows(counts, values, grads, weights, updates, sizes, hist_sample, seed, sparse)
+    return DeviceRecord(counts, values)
+
+
+def _with_sparse_rows(counts, values, grads, weights, updates, sizes, hist_sample, seed, sparse):
+    """Replace the rows of ``IndexedSlices`` gradients by the per-layer kernel's (sorted, deduplicated slices)."""
+    idx = [i for i, sp in enumerate(sparse) if sp]
+    rows = [kernels.layer_record(grads[i], weights[i], updates[i], sizes[i], hist_sample, i, seed) for i in idx]
+    at = tf.constant(np.array(idx, np.int32)[:, None])
+    counts = tf.tensor_scatter_nd_update(counts, at, tf.stack([c for c, _ in rows]))
+    values = tf.tensor_scatter_nd_update(values, at, tf.stack([v for _, v in rows]))
+    return counts, values
+
+
+def _compute_flat(grads, weights, updates, sizes, hist_sample, seed) -> DeviceRecord:
+    return compute(grads, weights, updates, sizes, hist_sample, seed)
+
+
+#: One compiled function per model signature (outside a user's ``jit_compile`` function).
+compute_jit = compat.quiet_retracing(tf.function(_compute_flat, jit_compile=True, autograph=False))

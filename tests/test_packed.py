@@ -1,0 +1,101 @@
+"""Records of whole models from a fixed number of XLA loops: every layer kind against the float64 reference, and
+a compiled program whose size does not grow with the number of layers."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from tests.test_summary import assert_matches_reference, to_mem
+
+TF_IMPORTS = {"packed": "tb_gradhealth.packed", "summary": "tb_gradhealth.summary", "record": "tb_gradhealth.record"}
+
+pytestmark = pytest.mark.tf
+
+
+def _model_like(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Layers as a real network has them: many tiny ones, a few large ones (ragged tails), and the sick kinds."""
+    g = {f"bn{i}/gamma": (rng.standard_normal(64) * 10.0 ** rng.integers(-8, 2)).astype(np.float32) for i in range(40)}
+    g["conv/kernel"] = rng.standard_normal((3, 3, 64, 64)).astype(np.float32) * 1e-3  # 36,864: packed, sampled
+    g["big/kernel"] = rng.standard_normal(300_007).astype(np.float32)  # in place, ragged tail
+    g["big/kernel"][-3:] = [-9.0, 0.0, 1e-40]  # extremes and a flushed value in the tail
+    g["big_nan/kernel"] = rng.standard_normal(2 * packed.IN_PLACE_MIN).astype(np.float32)
+    g["big_nan/kernel"][[5, 77, 1000]] = [np.nan, np.inf, -np.inf]
+    g["tiny/bias"] = np.array([3e-39, -2e-38, 5e-37, 0.0], np.float32)  # below and near float32's smallest normal
+    g["huge/bias"] = np.array([3e38, -2e38, 1e38], np.float32)  # squares overflow float32, sum overflows too
+    g["dead/kernel"] = np.zeros((16, 16), np.float32)
+    g["half/kernel"] = (rng.standard_normal(300) * 50).astype(np.float16)
+    g["empty/bias"] = np.zeros(0, np.float32)
+    return g
+
+
+def test_every_layer_kind_matches_the_reference_with_weights_and_updates():
+    rng = np.random.default_rng(3)
+    grads = _model_like(rng)
+    weights = {n: rng.standard_normal(np.shape(g)).astype(np.float32) for n, g in grads.items()}
+    after = {n: (w - 0.01 * np.nan_to_num(grads[n].astype(np.float32), posinf=1, neginf=-1)).astype(np.float32)
+             for n, w in weights.items()}
+    weights["big_nan/kernel"][9] = np.inf  # a non-finite weight: the norm covers the finite values
+    names = list(grads)
+    tg = [tf.constant(grads[n]) for n in names]
+    tw = [tf.constant(weights[n]) for n in names]
+    tu = [summary.Delta(tf.constant(weights[n]), tf.constant(after[n])) for n in names]
+    for path, rec in {
+        "function": summary.compute(tg, tw, tu),
+        "jit_compile": tf.function(lambda: summary.compute(tg, tw, tu), jit_compile=True)(),
+    }.items():
+        mem = to_mem(rec)
+        for i, n in enumerate(names):
+            try:
+                assert_matches_reference(mem[i], grads[n], record.DEFAULT_HIST_SAMPLE, w=weights[n])
+                ref = record.compute(grads[n], weights[n], weights[n] - after[n], hist_sample=None)
+                for f in ("weight_max_abs", "weight_ssq_rel", "update_max_abs", "update_ssq_rel"):
+                    np.testing.assert_allclose(mem[i, record.INDEX[f]], ref[record.INDEX[f]], rtol=1e-5, err_msg=f)
+            except AssertionError as e:
+                raise AssertionError(f"{path} / {n}: {e}") from e
+
+
+def test_missing_and_sparse_gradients_beside_packed_ones():
+    rng = np.random.default_rng(4)
+    table = tf.Variable(rng.standard_normal((50, 8)).astype(np.float32))
+    dense = rng.standard_normal(100).astype(np.float32)
+    slices = tf.IndexedSlices(tf.constant(rng.standard_normal((3, 8)).astype(np.float32)), tf.constant([4, 4, 9]),
+                              tf.constant([50, 8]))
+    unused = tf.Variable(np.ones(7, np.float32))
+    rec = to_mem(summary.compute([(tf.constant(dense), tf.Variable(dense)), (slices, table), (None, unused)],
+                                 weights=True))
+    assert_matches_reference(rec[0], dense, record.DEFAULT_HIST_SAMPLE, w=dense)
+    want = np.zeros((50, 8), np.float32)
+    np.add.at(want, slices.indices.numpy(), slices.values.numpy())
+    assert_matches_reference(rec[1], want, record.DEFAULT_HIST_SAMPLE, w=table.numpy())
+    assert rec[2, record.INDEX["missing"]] == 1 and rec[2, record.INDEX["size"]] == 7
+    np.testing.assert_allclose(record.derived(rec[2:3])["weight_norm"], [np.sqrt(7)], rtol=1e-6)
+
+
+def test_layout_rows_cover_each_piece_once():
+    lay = packed.layout([10, None, 300, 2 * packed.IN_PLACE_MIN + 5, 0], [False, False, False, True, False],
+                        first=[True, False, False, False, False])
+    assert [p[0] for p in lay.pieces] == [0, 2, 3]  # absent and empty layers take no row; tails after the rest
+    assert lay.pieces[-1] == (3, 2 * packed.IN_PLACE_MIN, 2 * packed.IN_PLACE_MIN + 5)
+    assert lay.in_place == ((3, 2 * packed.IN_PLACE_MIN // packed.ROW),)
+    per_layer = np.bincount(lay.row_layer[: lay.packed_rows], weights=lay.row_valid, minlength=5)
+    np.testing.assert_array_equal(per_layer, [10, 0, 300, 5, 0])
+    assert len(lay.row_layer) == lay.packed_rows + 2 * packed.IN_PLACE_MIN // packed.ROW
+
+
+def _fusions(n_layers: int) -> int:
+    """Loops in the optimised XLA program of ``n_layers`` distinct small layers' records with weights."""
+    shapes = [(64 + i,) for i in range(n_layers)]
+    args = ([tf.ones(s) for s in shapes], [tf.ones(s) for s in shapes])
+    fn = tf.function(lambda g, w: summary.compute(g, w), jit_compile=True)
+    hlo = fn.experimental_get_compiler_ir(*args)(stage="optimized_hlo")
+    return len(re.findall(r"\bfusion\(", hlo))
+
+
+def test_compiled_program_does_not_grow_with_the_number_of_layers():
+    """One compiled loop per layer (the cost that made models of hundreds of variables compile for a minute) would
+    make 200 layers' program ten times 20 layers'."""
+    few, many = _fusions(20), _fusions(200)
+    assert many <= few + 4, (few, many)
