@@ -8,9 +8,10 @@ import re
 import numpy as np
 import pytest
 
-from tests.test_summary import assert_matches_reference, to_mem
+tf = pytest.importorskip("tensorflow")
 
-TF_IMPORTS = {"packed": "tb_gradhealth.packed", "summary": "tb_gradhealth.summary", "record": "tb_gradhealth.record"}
+from tb_gradhealth import packed, record, summary  # noqa: E402
+from tests.test_summary import assert_matches_reference, to_mem  # noqa: E402
 
 pytestmark = pytest.mark.tf
 
