@@ -93,7 +93,7 @@ class Capture:
             self.count = tf.Variable(tf.constant(0, tf.int64), name="gh_count", **kw)
             self.remaining = tf.Variable(tf.constant(0, tf.int32), name="gh_remaining", **kw)
             #: 1 until the statistics have run once: the first capturing call computes them even on an unlogged
-            #: step (and stores nothing), so that without jit_compile their per-layer XLA clusters compile at
+            #: step (and stores nothing), so that without jit_compile their compiled XLA function compiles at
             #: the start of fit with the rest, not at the first logged step.
             self.warm = tf.Variable(tf.constant(1, tf.int32), name="gh_warm", **kw)
 

@@ -140,7 +140,8 @@ _EXACT_KINDS = ("sum", "sum", "max", "min", "sum", "sum", "sum", "sum")
 
 
 def _flushed_square_sum_operand(b: tf.Tensor, keep: tf.Tensor) -> tf.Tensor:
-    return tf.cast(tf.where(keep, b, tf.zeros_like(b)), tf.float64)
+    # A scalar zero, not zeros_like: XLA's bridge would fold that into a constant the size of the data.
+    return tf.cast(tf.where(keep, b, tf.zeros([], b.dtype)), tf.float64)
 
 
 def _fast_gradient_rows(b: tf.Tensor, inside: tf.Tensor | None) -> list[tf.Tensor]:
@@ -172,13 +173,15 @@ def _exact_gradient_rows(b: tf.Tensor, inside: tf.Tensor | None) -> list[tf.Tens
     key = kernels._flip(bits)
     d = _flushed_square_sum_operand(b, finite & ~small)
     as_int = lambda m: tf.cast(m, tf.int32)  # noqa: E731
-    rows = kernels._variadic(
-        [d * d, as_int(zero), tf.where(use, key, _I32_MIN), tf.where(use, key, _I32_MAX),
-         as_int(mag > _EXP_BITS), as_int(inf & (bits > 0)), as_int(inf & (bits < 0))],
-        _EXACT_KINDS[:7],
+    # Two float64 sums in one loop run slower than one (a scalar loop), but this runs only on steps with NaN/Inf,
+    # and a separate sum of a float64 operand would be written out whole first.
+    q, s, *counts = kernels._variadic(
+        [d * d, _flushed_square_sum_operand(b, finite), as_int(zero), tf.where(use, key, _I32_MIN),
+         tf.where(use, key, _I32_MAX), as_int(mag > _EXP_BITS), as_int(inf & (bits > 0)), as_int(inf & (bits < 0))],
+        ("sum", "sum") + _EXACT_KINDS[1:7],
         1,
     )
-    return rows + [tf.reduce_sum(_flushed_square_sum_operand(b, finite), 1)]
+    return [q, *counts, s]
 
 
 def _fast_norm_rows(b: tf.Tensor, inside: Any = None) -> list[tf.Tensor]:
@@ -222,7 +225,12 @@ def _reduce_layers(flat: Sequence[Any], lay: Layout, n: int, rows_of: Any, kinds
 
 
 def _redo_where(bad: tf.Tensor, fast: list[tf.Tensor], exact: Any) -> list[tf.Tensor]:
-    """``fast``, with the layers flagged ``bad`` taken from ``exact()`` (computed only on steps that have one)."""
+    """``fast``, with the layers flagged ``bad`` taken from ``exact()`` (computed only on steps that have one).
+
+    ``exact`` reads the same layout as the fast pass (the packed buffer and the in-place views): packing every
+    tensor there instead compiles a little faster but makes XLA reserve a copy of the whole model (290 MB of
+    temporary buffer on ResNet50) for a branch that healthy steps never run.
+    """
     redo = tf.cond(tf.reduce_any(bad), exact, lambda: fast)
     return [tf.where(bad, r, f) for r, f in zip(redo, fast, strict=True)]
 
@@ -237,10 +245,10 @@ def _norm_fields(flat: Sequence[Any], n: int) -> tuple[tf.Tensor, tf.Tensor]:
     """``(max|x|, sum((x / max|x|)^2))`` float32 ``[n]`` of weights or updates (``None``: absent, NaN)."""
     sizes = [_length(t) for t in flat]
     lay = layout(sizes, [z is not None and z > IN_PLACE_MIN for z in sizes])
-    q, m_bits = _reduce_layers(flat, lay, n, _fast_norm_rows, ("sum", "max"))
+    buf = _pack(flat, lay)
+    q, m_bits = _reduce_layers(flat, lay, n, _fast_norm_rows, ("sum", "max"), buf)
     q, m_bits = _redo_where(
-        m_bits >= _EXP_BITS, [q, m_bits],
-        lambda: _reduce_layers(flat, layout(sizes, [False] * n), n, _exact_norm_rows, ("sum", "max")),
+        m_bits >= _EXP_BITS, [q, m_bits], lambda: _reduce_layers(flat, lay, n, _exact_norm_rows, ("sum", "max"), buf)
     )
     m = tf.cast(tf.bitcast(m_bits, tf.float32), tf.float64)
     ssq = tf.where(m > 0, q / tf.where(m > 0, m * m, tf.ones_like(m)), tf.zeros_like(m))
@@ -311,7 +319,7 @@ def _histograms(flat, sizes, lay, buf_rows, exact, sampled, hist_sample, seed, s
     if exact_rows:
         v = buf_rows[:exact_rows]
         inside = tf.range(PACK_ROW)[None, :] < tf.constant(lay.row_valid[:exact_rows])[:, None]
-        parts_v.append(tf.where(inside, v, tf.zeros_like(v)))
+        parts_v.append(tf.where(inside, v, 0.0))
         parts_id.append(_repeat(lay.row_layer[:exact_rows], PACK_ROW))
     if len(sampled):
         ns = np.array([sizes[i] for i in sampled], np.int64)
@@ -338,7 +346,7 @@ def _histograms(flat, sizes, lay, buf_rows, exact, sampled, hist_sample, seed, s
     ids = tf.concat(parts_id, 0)
     av = tf.abs(v)
     ok = (av >= tf.constant(record.FLUSH_BELOW, tf.float32)) & (av <= tf.float32.max)
-    b = histogram.bin_index(tf.where(ok, av, tf.ones_like(av)))
+    b = histogram.bin_index(tf.where(ok, av, 1.0))
     w = tf.cast(ok, tf.float32)
     hist = tf.reshape(tf.math.unsorted_segment_sum(w, ids * bins + b, n_layers * bins), [n_layers, bins])
     kept = tf.reduce_sum(hist, 1)
@@ -370,7 +378,7 @@ def compute(grads, weights, updates, sizes, hist_sample, seed) -> DeviceRecord:
     z = tf.zeros_like(zero)
     q, zero, kmax, kmin, nan, posinf, neginf, s = _redo_where(
         (bad > 0) | ~tf.math.is_finite(s), [q, zero, kmax, kmin, z, z, z, s],
-        lambda: _reduce_layers(g_flat, layout(g_sizes, [False] * n), n, _exact_gradient_rows, _EXACT_KINDS),
+        lambda: _reduce_layers(g_flat, lay, n, _exact_gradient_rows, _EXACT_KINDS, buf),
     )
     size = tf.constant(np.array([max(int(z if g is None else g), 0) for z, g in zip(sizes, g_sizes, strict=True)],
                                 np.int32))
