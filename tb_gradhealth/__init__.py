@@ -15,7 +15,8 @@ __version__ = "0.1.0"
 
 #: Submodules that import TensorFlow (loaded only when used).
 _TF_MODULES = (
-    "summary", "packed", "kernels", "histogram", "compat", "keras", "capture", "tpu", "distribute", "shards", "accumulate"
+    "summary", "packed", "kernels", "histogram", "compat", "keras", "capture", "tpu", "distribute", "shards",
+    "accumulate",
 )
 #: TensorFlow-free submodules.
 _PLAIN_MODULES = (
