@@ -56,18 +56,14 @@ class Delta(NamedTuple):
 
 
 @functools.cache
-def _has_variadic_reduce() -> bool:
-    return compat.has_variadic_reduce()
-
-
 def fused_reductions_available() -> bool:
     """Whether this TensorFlow has XLA's variadic reduce (then :mod:`tb_gradhealth.packed` computes records)."""
-    return _has_variadic_reduce()
+    return compat.has_variadic_reduce()
 
 
 def fused_reductions() -> bool:
     """Whether to reduce in XLA variadic loops: under XLA, when this TensorFlow has them (else plain TF ops)."""
-    return compat.in_xla_context() and _has_variadic_reduce()
+    return compat.in_xla_context() and fused_reductions_available()
 
 
 def _flat(t: Any, keep_float64: bool = False) -> tf.Tensor:
@@ -407,12 +403,11 @@ def layer_record(g, w, u, size, hist_sample, layer, seed):
     return c, tf.concat([head, opt, tail], 0)
 
 
-def compute_layers(grads, weights, updates, sizes, hist_sample, seed, layer_fn=None) -> DeviceRecord:
-    """The :class:`DeviceRecord` of all layers, each by ``layer_fn`` (default: inline :func:`layer_record`)."""
-    layer_fn = layer_fn or layer_record
+def compute_layers(grads, weights, updates, sizes, hist_sample, seed) -> DeviceRecord:
+    """The :class:`DeviceRecord` of all layers, each by :func:`layer_record`."""
     counts, values = [], []
     for i, (g, w, u, size) in enumerate(zip(grads, weights, updates, sizes, strict=True)):
-        c, v = layer_fn(g, w, u, size, hist_sample, i, seed)
+        c, v = layer_record(g, w, u, size, hist_sample, i, seed)
         counts.append(c)
         values.append(v)
     if not counts:

@@ -9,13 +9,13 @@ Why: a real model has 150-360 variables, most of them tiny (biases, batch-norm p
   variadic loop; a larger tensor is viewed as rows of :data:`ROW` values where it lies (a free reshape of its
   prefix, no copy) and reduced in a loop of its own, its ragged tail going to the packed buffer;
 * the per-row results are folded into layers with segment reductions (sums, max, min of a few thousand rows);
-* one loop per tensor kind handles NaN/Inf and any magnitude: the finite values' squares are summed in float64
-  (no float32 square of a float32 value underflows or overflows there), NaN/+Inf/-Inf are counted, and the
-  extremes are int32 order keys (one float sum and int reductions: the shape XLA:CPU runs fast);
+* one loop per tensor kind: squares summed in float64 (no square of a float32 value under- or overflows there, so
+  any magnitude is right without a scaled second pass), the extremes as int32 order keys, and a NaN/Inf count (one
+  float sum and int reductions: the shape XLA:CPU runs fast);
+* layers whose count is not 0 are redone over their finite values in a ``tf.cond`` branch (on such steps only);
 * the histogram bins the exact layers' packed values and a gathered sample of each sampled layer in one pass.
 
-Only the mean of a layer holding NaN/Inf needs a second pass (a ``tf.cond``: on such steps only). The numbers are
-those of :func:`tb_gradhealth.record.compute`; docs/PERFORMANCE.md has the measured costs.
+The numbers are those of :func:`tb_gradhealth.record.compute`; docs/PERFORMANCE.md has the measured costs.
 """
 
 from __future__ import annotations
@@ -62,6 +62,11 @@ class Layout:
     def packed_rows(self) -> int:
         return int(sum(self.piece_rows))
 
+    def whole_piece_starts(self) -> dict[int, int]:
+        """Where each layer packed whole starts in the flattened packed buffer (its first value's index)."""
+        starts = np.concatenate([[0], np.cumsum(self.piece_rows)[:-1]]) * PACK_ROW if self.pieces else []
+        return {i: int(at) for (i, lo, _), at in zip(self.pieces, starts, strict=True) if lo == 0}
+
 
 def layout(sizes: Sequence[int | None], in_place: Sequence[bool], first: Sequence[bool] | None = None) -> Layout:
     """The layout of tensors of ``sizes`` (``None``: absent). Layers with ``first`` set come first in the buffer."""
@@ -99,11 +104,12 @@ def _pack(flat: Sequence[Any], lay: Layout) -> tf.Tensor:
     """
     if not lay.pieces:
         return tf.zeros([0, PACK_ROW], tf.float32)
-    if any(isinstance(flat[i], Delta) for i, _, _ in lay.pieces):
-        sides = [[t.before if isinstance(t, Delta) else t for t in flat],
-                 [t.after if isinstance(t, Delta) else tf.zeros_like(t) if t is not None else None for t in flat]]
-        b, a = (_pack(side, lay) for side in sides)
-        return b - a
+    deltas = [isinstance(flat[i], Delta) for i, _, _ in lay.pieces]
+    if all(deltas):
+        before, after = ([getattr(t, side, None) for t in flat] for side in ("before", "after"))
+        return _pack(before, lay) - _pack(after, lay)
+    if any(deltas):  # some updates given as tensors: subtract the others layer by layer
+        return _pack([t if t is None else _as_float32(t) for t in flat], lay)
     parts, zeros = [], {}
     for (i, lo, hi), r in zip(lay.pieces, lay.piece_rows, strict=True):
         x = flat[i]
@@ -135,6 +141,7 @@ def _magnitude_bits(b: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     return bits, tf.bitwise.bitwise_and(bits, 0x7FFFFFFF)
 
 
+#: Per-layer results of the gradient's rows: the fast loop's (then the plain sum), and the exact branch's.
 _FAST_KINDS = ("sum", "sum", "max", "min", "sum", "sum")
 _EXACT_KINDS = ("sum", "sum", "max", "min", "sum", "sum", "sum", "sum")
 
@@ -175,13 +182,14 @@ def _exact_gradient_rows(b: tf.Tensor, inside: tf.Tensor | None) -> list[tf.Tens
     as_int = lambda m: tf.cast(m, tf.int32)  # noqa: E731
     # Two float64 sums in one loop run slower than one (a scalar loop), but this runs only on steps with NaN/Inf,
     # and a separate sum of a float64 operand would be written out whole first.
-    q, s, *counts = kernels._variadic(
-        [d * d, _flushed_square_sum_operand(b, finite), as_int(zero), tf.where(use, key, _I32_MIN),
-         tf.where(use, key, _I32_MAX), as_int(mag > _EXP_BITS), as_int(inf & (bits > 0)), as_int(inf & (bits < 0))],
-        ("sum", "sum") + _EXACT_KINDS[1:7],
+    q, zeros, kmax, kmin, nan, posinf, neginf, s = kernels._variadic(
+        [d * d, as_int(zero), tf.where(use, key, _I32_MIN), tf.where(use, key, _I32_MAX),
+         as_int(mag > _EXP_BITS), as_int(inf & (bits > 0)), as_int(inf & (bits < 0)),
+         _flushed_square_sum_operand(b, finite)],
+        _EXACT_KINDS,
         1,
     )
-    return [q, *counts, s]
+    return [q, zeros, kmax, kmin, nan, posinf, neginf, s]
 
 
 def _fast_norm_rows(b: tf.Tensor, inside: Any = None) -> list[tf.Tensor]:
@@ -326,11 +334,7 @@ def _histograms(flat, sizes, lay, buf_rows, exact, sampled, hist_sample, seed, s
         strides = np.array([record.sample_stride(int(n)) for n in ns], np.int64)
         pos = (_offsets(sampled, seed, s, q)[:, None] + np.arange(hist_sample, dtype=np.int64)[None, :]
                * strides[:, None]) % ns[:, None]
-        starts, start = {}, 0
-        for (i, lo, _), r in zip(lay.pieces, lay.piece_rows, strict=True):
-            if lo == 0:
-                starts[i] = start
-            start += r * PACK_ROW
+        starts = lay.whole_piece_starts()
         base = np.array([starts.get(int(i), 0) for i in sampled], np.int64)
         pos = tf.cast(pos + base[:, None], tf.int32)
         in_packed = np.array([int(i) in starts for i in sampled])
@@ -416,9 +420,5 @@ def _with_sparse_rows(counts, values, grads, weights, updates, sizes, hist_sampl
     return counts, values
 
 
-def _compute_flat(grads, weights, updates, sizes, hist_sample, seed) -> DeviceRecord:
-    return compute(grads, weights, updates, sizes, hist_sample, seed)
-
-
 #: One compiled function per model signature (outside a user's ``jit_compile`` function).
-compute_jit = compat.quiet_retracing(tf.function(_compute_flat, jit_compile=True, autograph=False))
+compute_jit = compat.quiet_retracing(tf.function(compute, jit_compile=True, autograph=False))
