@@ -25,20 +25,24 @@ COL = {name: i for i, name in enumerate(record.VALUE_FIELDS)}
 class Backend(NamedTuple):
     xp: Any
     f32: Callable[[Any], Any]
-    #: ``(abs values float32 [k], weights float32 [k]) -> hist float32 [HIST_BINS]`` (float32 edge comparison).
+    #: ``(abs values float32 [k], weights [k]) -> hist [HIST_BINS]`` of the weights' dtype (float32 edges).
     histogram: Callable[[Any, Any], Any]
     #: ``(numpy array, like) -> array`` on ``like``'s device (``like`` may be ``None``: the default device).
     const: Callable[[np.ndarray, Any], Any]
     #: ``(x, m) -> x / m`` for a scalar ``m > 0`` up to 3.4e38 (XLA needs care: ``tb_gradhealth.jax._divide``).
     divide: Callable[[Any, Any], Any]
-
-
+    #: ``(pred, true_fn, false_fn, operands) -> true_fn(*operands) if pred else false_fn(*operands)``, with a
+    #: traced ``pred`` (``torch.cond`` / ``lax.cond``): only the branch taken runs.
+    cond: Callable[[Any, Callable, Callable, tuple], Any]
+    #: Sum of a flat float32 array, accurate to float32's rounding of the result (``xp.sum`` when it is already).
+    fsum: Callable[[Any], Any] | None = None
 
 
 def _sums(be: Backend, xk: Any, m: Any) -> tuple[Any, Any]:
     """``(sum((x/m)^2), sum(x/m))``: exact in relative terms at any magnitude (``m`` known first)."""
     y = be.divide(xk, be.xp.where(m > 0, m, 1.0))
-    return be.xp.sum(y * y), be.xp.sum(y)
+    fsum = be.fsum or be.xp.sum
+    return fsum(y * y), fsum(y)
 
 
 def grad_stats(be: Backend, x: Any, extra_zeros: int, hist_sample: int, sample: Callable[[Any], Any] | None):
@@ -46,6 +50,9 @@ def grad_stats(be: Backend, x: Any, extra_zeros: int, hist_sample: int, sample: 
 
     ``extra_zeros``: implicit zeros beyond ``x`` (a sparse gradient's untouched rows). ``sample``: ``None`` for the
     exact histogram, else a function returning ``hist_sample`` elements of ``x`` at the sampling rule's positions.
+    The histogram is exact (``hist_sample`` = the finite nonzero count) when that count is at most ``hist_sample``
+    or the sample kept fewer than :data:`record.SAMPLE_MIN_KEPT` finite nonzero values (a very sparse tensor whose
+    sample missed its few nonzeros), so the bins always add up to the finite nonzero count.
     """
     xp = be.xp
     n = math.prod(x.shape)
@@ -68,16 +75,26 @@ def grad_stats(be: Backend, x: Any, extra_zeros: int, hist_sample: int, sample: 
     ssq, s = _sums(be, xk, m)
     nf = nfin + extra_zeros
     mean = xp.where(nf > 0, s / xp.where(nf > 0, nf, 1) * m, 0.0)
-    v = x if sample is None else sample(x)
-    av = xp.abs(v)
-    w = be.f32((av >= record.FLUSH_BELOW) & (av <= F32_MAX))
-    hist = be.histogram(av, w)
-    kept = xp.sum(w)
-    if sample is not None:  # scaled to the exact finite nonzero count
-        hist = hist * xp.where(kept > 0, be.f32(nonzero) / xp.where(kept > 0, kept, 1.0), 0.0)
+    if sample is None:
+        kept_hist = _kept_hist(be, x)
+    else:  # the scaled sample, unless the exact histogram is due (the rule of record.SAMPLE_MIN_KEPT)
+        kept_hist = _kept_hist(be, sample(x))
+        kept = kept_hist[0]
+        scaled = xp.concatenate([xp.reshape(kept, (1,)), kept_hist[1:] * xp.where(
+            kept > 0, be.f32(nonzero) / xp.where(kept > 0, kept, 1.0), 0.0)])
+        exact = (nonzero <= hist_sample) | (kept < record.SAMPLE_MIN_KEPT)
+        kept_hist = be.cond(exact, lambda x, s: _kept_hist(be, x), lambda x, s: s * 1.0, (x, scaled))
     counts = xp.stack([nan * 0 + n + extra_zeros, nan, posinf, neginf, nfin - nonzero + extra_zeros])
     head = be.f32(xp.stack([mn, mx, mean, ssq]))
-    return counts, xp.concatenate([head, xp.reshape(kept, (1,)), hist])
+    return counts, xp.concatenate([head, kept_hist])
+
+
+def _kept_hist(be: Backend, v: Any) -> Any:
+    """``[finite nonzero count, *histogram]`` float32 of the values ``v`` (all of them binned; integer counts, so
+    exact up to float32's own rounding of the result)."""
+    av = be.xp.abs(v)
+    keep = (av >= record.FLUSH_BELOW) & (av <= F32_MAX)
+    return be.xp.concatenate([be.f32(be.xp.reshape(be.xp.sum(keep), (1,))), be.f32(be.histogram(av, keep * 1))])
 
 
 def norm_stats(be: Backend, x: Any) -> Any:

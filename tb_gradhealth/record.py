@@ -82,6 +82,8 @@ DISK_HIST_START: int = DISK_HIST_LO + 1
 FLUSH_BELOW: float = float(np.finfo(np.float32).tiny)
 #: Default number of elements the histogram samples from a larger tensor (the exact fields stay exact).
 DEFAULT_HIST_SAMPLE: int = 4096
+#: A sample that kept fewer finite nonzero draws than this gives way to the exact histogram (sparse tensors).
+SAMPLE_MIN_KEPT: int = 64
 #: Device counts are int32: one tensor part may hold at most this many elements.
 MAX_ELEMENTS_PER_PART: int = 2**31 - 1
 

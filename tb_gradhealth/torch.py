@@ -19,7 +19,9 @@ histogram are equal; ``ssq_rel``/``mean`` (float32 accumulation) to about 1e-6 r
 holds them (float64 beyond its range is +-Inf; below its smallest normal number, zero), as on every other path.
 The histogram of a tensor larger than
 ``hist_sample`` is built from ``hist_sample`` positions ``(offset + i * stride) % n`` (the TF path's rule; the
-offset comes from ``seed`` and the layer index, or from the data), scaled to the finite nonzero count.
+offset comes from ``seed`` and the layer index, or from the data), scaled to the finite nonzero count, unless
+the exact histogram is due (at most ``hist_sample`` finite nonzero values, or fewer than ``record.SAMPLE_MIN_KEPT``
+of them in the sample).
 """
 
 from __future__ import annotations
@@ -122,14 +124,21 @@ def _seed_offset(seed: int, layer: int) -> int:
 
 def _histogram(av: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     b = torch.bucketize(av.float(), _edges(av.device), right=True)
-    return torch.zeros(record.HIST_BINS, device=av.device, dtype=torch.float32).index_add_(0, b, w)
+    return torch.zeros(record.HIST_BINS, device=av.device, dtype=w.dtype).index_add_(0, b, w)
 
 
 def _const(a: np.ndarray, like: Any) -> torch.Tensor:
     return torch.from_numpy(a).to(like.device) if isinstance(like, torch.Tensor) else torch.from_numpy(a)
 
 
-_BE = devicestats.Backend(torch, lambda t: t.float(), _histogram, _const, torch.div)
+def _cond(pred: torch.Tensor, true_fn: Callable, false_fn: Callable, operands: tuple) -> Any:
+    """``torch.cond`` while traced (only the branch taken runs, no graph break); eagerly, a Python branch."""
+    if torch.compiler.is_compiling():
+        return torch.cond(pred, true_fn, false_fn, operands)
+    return true_fn(*operands) if bool(pred) else false_fn(*operands)
+
+
+_BE = devicestats.Backend(torch, lambda t: t.float(), _histogram, _const, torch.div, _cond)
 
 
 def _sampler(n: int, hist_sample: int, offset: Any) -> Any:
