@@ -198,10 +198,12 @@ class GradientTransformation(NamedTuple):
 
 
 def recording(
-    inner: Any, *, every: int = 1, weights: bool = True, hist_sample: int = record.DEFAULT_HIST_SAMPLE
+    inner: Any, *, every: int = 100, first: int = 10, weights: bool = True,
+    hist_sample: int = record.DEFAULT_HIST_SAMPLE,
 ) -> GradientTransformation:
     """Wrap an optax-style transformation so that its state records the gradients it receives and the update it
-    returns (``update_max_abs``/``update_ssq_rel``: the update the optimizer applies) every ``every`` steps.
+    returns (``update_max_abs``/``update_ssq_rel``: the update the optimizer applies) on the ``first`` steps and
+    every ``every``-th (by default the Keras callback's cadence, 100, after the first 10 steps).
 
     Use it as the last (outermost) transformation so the recorded update is the applied one, e.g.
     ``recording(optax.adamw(1e-3))``. Between logged steps ``lax.cond`` skips the statistics. Write with
@@ -220,7 +222,8 @@ def recording(
             w = params if weights else None
             return compute(grads, w, new_updates, hist_sample=hist_sample, seed=state.count), state.count
 
-        r, at = lax.cond(state.count % every == 0, rec, lambda: (state.record, state.recorded_at))
+        logged = (state.count % every == 0) | (state.count < first)
+        r, at = lax.cond(logged, rec, lambda: (state.record, state.recorded_at))
         return new_updates, RecordingState(new_inner, state.count + 1, r, at)
 
     return GradientTransformation(init, update)

@@ -331,7 +331,8 @@ class StepRecorder:
     """Records the gradient the optimizer applies (after ``GradScaler`` unscaling) and the update it makes.
 
     Replace ``opt.step()`` (or ``scaler.step(opt); scaler.update()``) with ``recorder.step(step)``. On a logged
-    step (``step % every == 0``) it unscales the gradients (unless you already called ``scaler.unscale_``),
+    step (one of the ``first`` steps, where onsets often lie, or ``step % every == 0``; by default the Keras
+    callback's cadence, 100) it unscales the gradients (unless you already called ``scaler.unscale_``),
     computes their records on the device, snapshots the weights, runs the optimizer step, and records the update
     ``before - after``; one host copy writes it all. With a scaler it also writes the scalars ``amp/loss_scale``
     (the scale this step used) and ``amp/step_skipped`` (1 when the scaler skipped the step because a gradient
@@ -346,7 +347,8 @@ class StepRecorder:
         optimizer: torch.optim.Optimizer,
         *,
         scaler: Any = None,
-        every: int = 1,
+        every: int = 100,
+        first: int = 10,
         updates: bool = True,
         sharded: bool = False,
         group: Any = None,
@@ -354,7 +356,8 @@ class StepRecorder:
     ) -> None:
         self.writer, self.optimizer, self.scaler = writer, optimizer, scaler
         self.params = list(model.named_parameters() if isinstance(model, torch.nn.Module) else model)
-        self.every, self.updates, self.sharded, self.group, self.name = every, updates, sharded, group, name
+        self.every, self.first, self.updates = every, first, updates
+        self.sharded, self.group, self.name = sharded, group, name
 
     def _optimizer_step(self) -> bool:
         if self.scaler is None:
@@ -365,8 +368,12 @@ class StepRecorder:
         self.scaler.update()
         return not self.scaler.get_scale() < before  # the scaler backs off exactly when it skips a step
 
+    def logs(self, step: int) -> bool:
+        """Whether ``step`` is logged: one of the ``first`` steps, or a multiple of ``every``."""
+        return step < self.first or step % self.every == 0
+
     def step(self, step: int) -> bool:
-        if step % self.every:
+        if not self.logs(step):
             return self._optimizer_step()
         if self.scaler is not None:
             try:

@@ -175,3 +175,15 @@ def test_sharded_on_four_simulated_devices(tmp_path):
                           timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
     assert proc.stdout.startswith("OK")
+
+
+def test_recording_default_cadence_logs_the_first_steps_then_every_hundredth():
+    params = {"w": jnp.ones(3)}
+    opt = jgh.recording(_sgd(0.1), hist_sample=0)
+    update = jax.jit(opt.update)
+    state, seen = opt.init(params), []
+    for _ in range(202):
+        _, state = update(params, state, params)
+        seen.append(int(state.recorded_at))
+    assert sorted(set(seen)) == [*range(10), 100, 200]
+    assert seen[15] == 9 and seen[150] == 100
