@@ -37,6 +37,10 @@ TF_REQUIREMENTS = ["tensorflow>=2.16,<2.22", "keras>=3.0,<3.16"]
 
 TEST = ["pytest", "playwright", "ruff", "hypothesis", "fsspec", "gcsfs", "s3fs", "moto[server]", "gcp-storage-emulator"]
 
+#: Test-only libraries of the torch and jax tiers: the loops the integrations plug into, the peers the overhead
+#: benchmark compares with.
+INTEGRATIONS = ["lightning>=2.2", "transformers>=4.46", "accelerate", "optax", "flax"]
+
 #: Files of frontend/ that the browser may load; anything else there (notes, tests) stays out of the package.
 STATIC_PATTERNS = [f"**/*.{ext}" for ext in ("js", "mjs", "css", "html", "svg", "png", "json")]
 
@@ -64,9 +68,13 @@ setup(
         # Device-side records for PyTorch (tb_gradhealth.torch) and JAX (tb_gradhealth.jax); imported lazily.
         "torch": ["torch>=2.3"],
         "jax": ["jax>=0.4.30"],
+        # The training-loop integrations (tb_gradhealth.lightning, tb_gradhealth.transformers) and the optax/flax
+        # tests; each imported only by its own module.
+        "lightning": ["lightning>=2.2"],
+        "transformers": ["transformers>=4.46", "accelerate"],
         # The object-storage tests run real servers: moto's S3 server and a GCS emulator. "test" adds PyTorch and
         # JAX; "test-tf" leaves them out (the oldest-TensorFlow tier of .ci/run: its numpy<2 pins exclude new JAX).
-        "test": [*TEST, "torch>=2.3", "jax>=0.4.30"],
+        "test": [*TEST, "torch>=2.3", "jax>=0.4.30", *INTEGRATIONS],
         "test-tf": TEST,
     },
     entry_points={

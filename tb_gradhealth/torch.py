@@ -39,6 +39,8 @@ __all__ = [
     "Delta",
     "StepRecorder",
     "add_gradients",
+    "after_step",
+    "before_step",
     "compute",
     "layer_names",
     "merge",
@@ -341,6 +343,31 @@ def add_gradients(
     return rows
 
 
+def before_step(params: Sequence[tuple[str, torch.nn.Parameter]], step: int, hist_sample: int,
+                updates: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+    """Just before an optimizer step: the gradients' and weights' packed records and (``updates``) a snapshot of
+    the weights, for :func:`after_step`. Shared by :class:`StepRecorder` and the Lightning / Hugging Face
+    callbacks."""
+    packed = compute(params, True, hist_sample=hist_sample, seed=step)
+    return packed, ({n: p.detach().clone() for n, p in params} if updates else None)
+
+
+def after_step(pending: tuple[torch.Tensor, dict[str, torch.Tensor] | None],
+               params: Sequence[tuple[str, torch.nn.Parameter]], sharded: bool = False,
+               group: Any = None) -> np.ndarray | None:
+    """Just after the step: the applied update ``before - after`` joins the records, shards are merged
+    (``sharded``), and the memory-form rows are returned on rank 0 (``None`` on the others)."""
+    packed, before = pending
+    if before is not None:
+        updates = {n: Delta(before[n], p.detach()) for n, p in params}
+        u = compute({n: None for n, _ in params}, updates=updates, hist_sample=0)
+        cols = [_VI["update_max_abs"], _VI["update_ssq_rel"]]
+        packed[:, cols] = u[:, cols]
+    if sharded:
+        packed = merge(packed, group)
+    return to_memory(packed) if _rank(group) == 0 else None
+
+
 class StepRecorder:
     """Records the gradient the optimizer applies (after ``GradScaler`` unscaling) and the update it makes.
 
@@ -398,21 +425,13 @@ class StepRecorder:
             return self._optimizer_step()
         scale = self.scaler.get_scale() if self.scaler is not None else None
         hs = self.writer.hist_sample if self.writer is not None else record.DEFAULT_HIST_SAMPLE
-        grads = compute(self.params, True, hist_sample=hs, seed=step)
-        before = {n: p.detach().clone() for n, p in self.params} if self.updates else None
+        pending = before_step(self.params, step, hs, self.updates)
         applied = self._optimizer_step()
-        if before is not None:
-            updates = {n: Delta(before[n], p.detach()) for n, p in self.params}
-            u = compute({n: None for n, _ in self.params}, updates=updates, hist_sample=0)
-            cols = [_VI["update_max_abs"], _VI["update_ssq_rel"]]
-            grads[:, cols] = u[:, cols]
-        if self.sharded:
-            grads = merge(grads, self.group)
-            if _rank(self.group) != 0:
-                return applied
-        rows = to_memory(grads)
+        grads = after_step(pending, self.params, self.sharded, self.group)
+        if grads is None:
+            return applied
         if self.writer is not None:
-            self.writer.add_records(step, [n for n, _ in self.params], rows, name=self.name)
+            self.writer.add_records(step, [n for n, _ in self.params], grads, name=self.name)
             if scale is not None:
                 self.writer.add_scalars(step, {"amp/loss_scale": scale, "amp/step_skipped": float(not applied)})
         return applied
