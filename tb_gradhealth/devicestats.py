@@ -1,10 +1,17 @@
 """The record's statistics and shard merge written once for array libraries with a numpy-like namespace (torch,
 jax.numpy): :mod:`tb_gradhealth.torch` and :mod:`tb_gradhealth.jax` call these with their own namespace, so the
-two device paths compute the same numbers the same way. Branch-free (``where`` instead of ``if``): they trace
-under ``torch.compile`` and ``jax.jit``. Imports numpy only.
+two device paths compute the same numbers the same way. No data-dependent Python branch: the choices are the
+backend's ``cond`` (``torch.cond`` / ``lax.cond`` when traced), so they trace under ``torch.compile`` and
+``jax.jit``. Imports numpy only.
 
-A backend is a :class:`Backend`: the namespace ``xp`` (``torch`` or ``jax.numpy``), a float32 cast, and the
-histogram of float32 magnitudes (``torch.bucketize`` + ``index_add`` / ``jnp.searchsorted`` + ``.at[].add``).
+A tensor whose values are all finite with max|x| in ``[SAFE_LO, SAFE_HI]`` (a healthy gradient) costs one pass
+for its extremes, then one each for the count of normal values, the plain sum of squares and the sum; any other
+takes the scaled passes (NaN/Inf counted apart, sums of ``x / max|x|``). The histogram bins a sample, or every
+value when the sample would not describe the tensor (:func:`grad_stats`).
+
+A backend is a :class:`Backend`: the namespace ``xp`` (``torch`` or ``jax.numpy``), a float32 cast, the histogram
+of float32 magnitudes (``torch.bucketize`` + ``index_add`` / ``jnp.searchsorted`` + ``.at[].add``), the division,
+the conditional, and optional one-pass reductions where the namespace has faster ones than the generic forms.
 """
 
 from __future__ import annotations

@@ -5,8 +5,10 @@ without TensorFlow.
   the tensor's own device and stacks the records into one small float32 tensor ``[L, NUM_FIELDS]`` (the *packed*
   form: the 5 counts as int32 bit patterns, then the value fields and the 77 histogram bins, 376 bytes a layer).
   No gradient is copied to the host; :func:`to_memory` copies only the packed tensor.
-* It is branch-free (no ``.item()``, no data-dependent Python control flow), so it runs under ``torch.compile``
-  inside a compiled training step, and ``compile=True`` compiles it on its own (one fused loop a layer).
+* Traced, it has no data-dependent Python control flow (its two choices per layer, the one-pass or scaled
+  statistics and the sampled or exact histogram, are ``torch.cond``), so it runs under ``torch.compile`` inside a
+  compiled training step, and ``compile=True`` compiles it on its own; eagerly, those choices are Python branches
+  on a device scalar (a host sync each: free on a CPU).
 * :func:`merge` merges the records of gradient shards (FSDP, ZeRO, tensor parallel) with two collectives
   (``all_reduce`` MAX, then SUM), giving the record of the full gradient: counts and histograms add, min/max
   combine, relative sums of squares are rescaled to the global max|g| first.
@@ -98,7 +100,7 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).float()
 
 
-# --- the statistics (torch ops, branch-free) ----------------------------------------------------------------
+# --- the statistics (torch ops, torch.cond when traced) --------------------------------------------------
 
 
 def _edges(device: torch.device) -> torch.Tensor:
