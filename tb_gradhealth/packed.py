@@ -13,7 +13,8 @@ Why: a real model has 150-360 variables, most of them tiny (biases, batch-norm p
   any magnitude is right without a scaled second pass), the extremes as int32 order keys, and a NaN/Inf count (one
   float sum and int reductions: the shape XLA:CPU runs fast);
 * layers whose count is not 0 are redone over their finite values in a ``tf.cond`` branch (on such steps only);
-* the histogram bins the exact layers' packed values and a gathered sample of each sampled layer in one pass.
+* the histogram bins the exact layers' packed values and a gathered sample of each sampled layer in one pass; a
+  layer whose sample is not enough (a sparse tensor) is binned whole in a ``tf.cond`` branch (on such steps only).
 
 The numbers are those of :func:`tb_gradhealth.record.compute`; docs/PERFORMANCE.md has the measured costs.
 """
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import tensorflow as tf
@@ -302,7 +303,7 @@ def _mix32(x: tf.Tensor) -> tf.Tensor:
 def _offsets(layers: np.ndarray, seed: Any, s: tf.Tensor, q: tf.Tensor) -> tf.Tensor:
     """int64 ``[k]`` uniform offsets in ``[0, 2^62)``, one per sampled layer: from ``seed`` and the layer index,
     or (no seed) from the layer's sums, so that they change from step to step with the data."""
-    salt = tf.constant(layers.astype(np.int32) * 7919 + 1)
+    salt = tf.constant(record.sample_salt(layers.astype(np.int32)))
     if seed is not None:
         base = tf.fill(tf.shape(salt), tf.cast(seed, tf.int32))
     else:
@@ -319,46 +320,104 @@ def _repeat(layers: np.ndarray, k: int) -> tf.Tensor:
     return tf.reshape(tf.broadcast_to(tf.constant(layers.astype(np.int32))[:, None], [len(layers), k]), [-1])
 
 
-def _histograms(flat, sizes, lay, buf_rows, exact, sampled, hist_sample, seed, s, q, n_nonzero, n_layers):
-    """``(hist float32 [L, 77], kept float32 [L])``: exact layers from the packed buffer, others from a sample."""
+class _Sampling(NamedTuple):
+    """The layers whose histogram is sampled, and what their sample and its check need from the fast pass."""
+
+    layers: np.ndarray  # indices of the sampled layers
+    hist_sample: int
+    seed: Any
+    s: tf.Tensor  # per-layer sums and sums of squares: a data-dependent seed when none is given
+    q: tf.Tensor
+    n_nonzero: tf.Tensor  # int32 [L]: finite nonzero values of each layer
+
+
+def _bin_into(hist: tf.Tensor | None, v: tf.Tensor, ids: tf.Tensor | int, n_layers: int) -> tf.Tensor:
+    """``hist`` (flat ``[n_layers * bins]``, or None) plus the decade bins of the finite nonzero values ``v``,
+    each counted in the layer ``ids`` gives (one int: all of them; zeros, padding and NaN/Inf are left out).
+
+    One layer's ids are a scalar offset, never a tensor of ``v``'s size: XLA's bridge would fold that into a
+    constant as large as the data while lowering.
+    """
     bins = record.HIST_BINS
-    parts_v, parts_id = [], []
-    exact_rows = sum(r for (i, _, _), r in zip(lay.pieces, lay.piece_rows, strict=True) if exact[i])
-    if exact_rows:
-        v = buf_rows[:exact_rows]
-        inside = tf.range(PACK_ROW)[None, :] < tf.constant(lay.row_valid[:exact_rows])[:, None]
-        parts_v.append(tf.where(inside, v, 0.0))
-        parts_id.append(_repeat(lay.row_layer[:exact_rows], PACK_ROW))
-    if len(sampled):
-        ns = np.array([sizes[i] for i in sampled], np.int64)
-        strides = np.array([record.sample_stride(int(n)) for n in ns], np.int64)
-        pos = (_offsets(sampled, seed, s, q)[:, None] + np.arange(hist_sample, dtype=np.int64)[None, :]
-               * strides[:, None]) % ns[:, None]
-        starts = lay.whole_piece_starts()
-        base = np.array([starts.get(int(i), 0) for i in sampled], np.int64)
-        pos = tf.cast(pos + base[:, None], tf.int32)
-        in_packed = np.array([int(i) in starts for i in sampled])
-        if in_packed.any():  # one gather for every sampled layer of the packed buffer
-            parts_v.append(tf.gather(tf.reshape(buf_rows, [-1]), tf.gather(pos, np.flatnonzero(in_packed))))
-            parts_id.append(_repeat(sampled[in_packed], hist_sample))
-        for k in np.flatnonzero(~in_packed):  # in place: a gather from the layer's own buffer
-            parts_v.append(tf.gather(_as_float32(flat[sampled[k]]), pos[k]))
-            parts_id.append(_repeat(sampled[k : k + 1], hist_sample))
-    if not parts_v:
-        return tf.zeros([n_layers, bins], tf.float32), tf.zeros([n_layers], tf.float32)
-    v = tf.concat([tf.reshape(p, [-1]) for p in parts_v], 0)
-    ids = tf.concat(parts_id, 0)
+    v = tf.reshape(v, [-1])
     av = tf.abs(v)
     ok = (av >= tf.constant(record.FLUSH_BELOW, tf.float32)) & (av <= tf.float32.max)
     b = histogram.bin_index(tf.where(ok, av, 1.0))
-    w = tf.cast(ok, tf.float32)
-    hist = tf.reshape(tf.math.unsorted_segment_sum(w, ids * bins + b, n_layers * bins), [n_layers, bins])
+    out = tf.math.unsorted_segment_sum(tf.cast(ok, tf.float32), ids * bins + b, n_layers * bins)
+    return out if hist is None else hist + out
+
+
+def _packed_rows_binned(hist: tf.Tensor | None, buf_rows: tf.Tensor, lay: Layout, lo: int, hi: int,
+                        n_layers: int) -> tf.Tensor | None:
+    """:func:`_bin_into` of the packed buffer's rows ``[lo, hi)`` (each row in its layer, padding left out)."""
+    if hi <= lo:
+        return hist
+    inside = tf.range(PACK_ROW)[None, :] < tf.constant(lay.row_valid[lo:hi])[:, None]
+    v = tf.where(inside, buf_rows[lo:hi], 0.0)
+    return _bin_into(hist, v, _repeat(lay.row_layer[lo:hi], PACK_ROW), n_layers)
+
+
+def _sampled_whole(flat: Sequence[Any], lay: Layout, buf_rows: tf.Tensor, exact_rows: int, n_layers: int
+                   ) -> tf.Tensor:
+    """Exact histograms ``[n_layers, bins]`` of every sampled layer: its packed rows and its in-place view, binned
+    whole (the branch a step runs only when some layer's sample is not enough)."""
+    hist = _packed_rows_binned(None, buf_rows, lay, exact_rows, lay.packed_rows, n_layers)
+    for (i, _), view in zip(lay.in_place, _views(flat, lay), strict=True):
+        hist = _bin_into(hist, view, i, n_layers)
+    if hist is None:
+        return tf.zeros([n_layers, record.HIST_BINS], tf.float32)
+    return tf.reshape(hist, [n_layers, record.HIST_BINS])
+
+
+def _sample_values(flat: Sequence[Any], sizes: Sequence[int | None], lay: Layout, buf_rows: tf.Tensor,
+                   sampling: _Sampling) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
+    """``hist_sample`` values gathered from each sampled layer (a Weyl sequence of positions from a per-layer
+    random offset), and their layer ids: one gather from the packed buffer, one per in-place layer."""
+    layers, k = sampling.layers, sampling.hist_sample
+    ns = np.array([sizes[i] for i in layers], np.int64)
+    strides = np.array([record.sample_stride(int(n)) for n in ns], np.int64)
+    offsets = _offsets(layers, sampling.seed, sampling.s, sampling.q)
+    pos = (offsets[:, None] + np.arange(k, dtype=np.int64)[None, :] * strides[:, None]) % ns[:, None]
+    starts = lay.whole_piece_starts()
+    base = np.array([starts.get(int(i), 0) for i in layers], np.int64)
+    pos = tf.cast(pos + base[:, None], tf.int32)
+    in_packed = np.array([int(i) in starts for i in layers])
+    values, ids = [], []
+    if in_packed.any():
+        values.append(tf.gather(tf.reshape(buf_rows, [-1]), tf.gather(pos, np.flatnonzero(in_packed))))
+        ids.append(_repeat(layers[in_packed], k))
+    for j in np.flatnonzero(~in_packed):  # in place: a gather from the layer's own buffer
+        values.append(tf.gather(_as_float32(flat[layers[j]]), pos[j]))
+        ids.append(_repeat(layers[j : j + 1], k))
+    return values, ids
+
+
+def _histograms(flat: Sequence[Any], sizes: Sequence[int | None], lay: Layout, buf_rows: tf.Tensor,
+                exact: Sequence[bool], sampling: _Sampling, n_layers: int) -> tuple[tf.Tensor, tf.Tensor]:
+    """``(hist float32 [L, 77], kept float32 [L])``: exact layers from the packed buffer, others from a sample, or
+    binned whole where the sample is not enough (:func:`tb_gradhealth.record.sample_is_enough`)."""
+    bins = record.HIST_BINS
+    exact_rows = sum(r for (i, _, _), r in zip(lay.pieces, lay.piece_rows, strict=True) if exact[i])
+    hist = _packed_rows_binned(None, buf_rows, lay, 0, exact_rows, n_layers)
+    if len(sampling.layers):
+        for v, ids in zip(*_sample_values(flat, sizes, lay, buf_rows, sampling), strict=True):
+            hist = _bin_into(hist, v, ids, n_layers)
+    if hist is None:
+        return tf.zeros([n_layers, bins], tf.float32), tf.zeros([n_layers], tf.float32)
+    hist = tf.reshape(hist, [n_layers, bins])
     kept = tf.reduce_sum(hist, 1)
+    if not len(sampling.layers):
+        return hist, kept
     is_sampled = np.zeros(n_layers, bool)
-    is_sampled[sampled] = True
-    factor = tf.where(kept > 0, tf.cast(n_nonzero, tf.float32) / tf.maximum(kept, 1.0), 0.0)
-    factor = tf.where(tf.constant(is_sampled), factor, tf.ones_like(factor))
-    return hist * factor[:, None], kept
+    is_sampled[sampling.layers] = True
+    nz = tf.cast(sampling.n_nonzero, tf.float32)
+    enough = (nz > sampling.hist_sample) & (kept >= record.sample_min_kept(sampling.hist_sample))
+    scaled = hist * tf.where(enough, nz / tf.maximum(kept, 1.0), 1.0)[:, None]
+    whole = is_sampled & ~enough
+    redo = tf.cond(tf.reduce_any(whole), lambda: _sampled_whole(flat, lay, buf_rows, exact_rows, n_layers),
+                   lambda: tf.zeros([n_layers, bins], tf.float32))
+    hist = tf.where(whole[:, None], redo, tf.where(is_sampled[:, None], scaled, hist))
+    return hist, tf.where(whole, tf.reduce_sum(redo, 1), kept)
 
 
 def compute(grads, weights, updates, sizes, hist_sample, seed) -> DeviceRecord:
@@ -394,7 +453,8 @@ def compute(grads, weights, updates, sizes, hist_sample, seed) -> DeviceRecord:
     ssq_rel = tf.where(m > 0, q / tf.where(m > 0, m * m, tf.ones_like(m)), tf.zeros_like(m))
     n_nonzero = size - nonfinite - zero
     sampled = np.array([i for i in range(n) if g_flat[i] is not None and not exact[i]], np.int64)
-    hist, kept = _histograms(g_flat, g_sizes, lay, buf, exact, sampled, hist_sample, seed, s, q, n_nonzero, n)
+    hist, kept = _histograms(g_flat, g_sizes, lay, buf, exact, _Sampling(sampled, hist_sample, seed, s, q, n_nonzero),
+                             n)
     wm, wq = _norm_fields([_flat(w) for w in weights], n)
     um, uq = _norm_fields([_flat(u) for u in updates], n)
     missing = tf.constant(np.array([g is None for g in grads], np.float32))

@@ -121,6 +121,34 @@ def hist_bin(abs_values: np.ndarray) -> np.ndarray:
     return np.searchsorted(HIST_EDGES, a, side="right")
 
 
+#: A device path's sampled histogram gives way to the exact one (every finite nonzero value binned, as
+#: :func:`compute` does) when the sample kept fewer finite nonzero draws than this (or than half its draws, for a
+#: ``hist_sample`` below twice this): a sparse tensor's sample may hold none of its few nonzero values, and an
+#: empty histogram could not sum to their count.
+SAMPLE_MIN_KEPT: int = 64
+
+
+def sample_min_kept(hist_sample: int) -> int:
+    """The fewest finite nonzero draws a device path's sample of ``hist_sample`` positions must keep."""
+    return min(SAMPLE_MIN_KEPT, max(1, hist_sample // 2))
+
+
+def sample_is_enough(n_nonzero: int, kept: int, hist_sample: int) -> bool:
+    """Whether a device path may keep its histogram from a sample of ``hist_sample`` positions that kept ``kept``
+    finite nonzero draws, for a tensor of ``n_nonzero`` finite nonzero values (the float64 statement of the rule
+    that the TF, PyTorch and JAX paths apply on the device; its tests read it from here).
+
+    Not when the tensor has at most ``hist_sample`` finite nonzero values: then the exact histogram is what
+    :func:`compute` gives too; nor when the sample kept fewer than :func:`sample_min_kept` of them.
+    """
+    return n_nonzero > hist_sample and kept >= sample_min_kept(hist_sample)
+
+
+def sample_salt(layer: int | np.ndarray) -> int | np.ndarray:
+    """The per-layer salt of the device paths' histogram sampling (so layers of one step sample differently)."""
+    return layer * 7919 + 1
+
+
 def sample_stride(n: int) -> int:
     """Stride of the device paths' histogram sample: the integer nearest ``n / golden ratio`` coprime with ``n``.
 
