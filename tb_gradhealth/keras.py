@@ -29,6 +29,7 @@ import tensorflow as tf
 
 from tb_gradhealth import compat, record, summary
 from tb_gradhealth.capture import CUSTOM_LOOP_ADVICE, Capture, CaptureError
+from tb_gradhealth.failsafe import Failsafe
 from tb_gradhealth.writer import Writer
 
 __all__ = ["GradientHealthCallback", "CaptureError", "StopEvent"]
@@ -242,6 +243,15 @@ class GradientHealthCallback(keras.callbacks.Callback):
         self._writer: Writer | None = None
         self._probe: _Probe | None = None
         self._stop_watch = _StopWatch(self.stop_on, thresholds) if self.stop_on else None
+        self._failsafe = Failsafe()
+        self._writer_dropped = 0
+
+    @property
+    def dropped_records(self) -> int:
+        """Logged steps whose records were not written: the logdir could not be written for longer than the
+        writer's queue holds, or the host-side work failed (each failure is logged once; training went on)."""
+        writer = self._writer.dropped_records if self._writer is not None else 0
+        return self._writer_dropped + writer + self._failsafe.dropped_records
 
     @property
     def train_dir(self) -> str:
@@ -266,6 +276,8 @@ class GradientHealthCallback(keras.callbacks.Callback):
         self._checked_capture = False
         self._arm = False  # the next train-function call must run the capturing variant (epoch mode)
         self._last_mode = "plain"
+        self._capture_failed = False  # the capturing step raised once: plain steps only, until the next fit
+        self._capture_ran = False  # the capturing step has run once (so it was built)
         self._epoch_batch_end = -1
         if self.update_freq is not None:
             self._start_capture(model)
@@ -311,10 +323,37 @@ class GradientHealthCallback(keras.callbacks.Callback):
         mode = "capture" if first or self._call_logs() else "plain"
         if self._writer is None:  # a fit that ended by an exception left this dispatcher in place: stay inert
             mode = "plain"
+        if self._capture_failed:
+            mode = "plain"
         self._arm = False
         self._capture.mode = mode  # read when the call traces (on its first use), in this thread or replicas'
         self._last_mode = mode
-        return self._functions[mode](iterator)
+        if mode == "plain":
+            return self._functions[mode](iterator)
+        try:
+            out = self._functions[mode](iterator)
+        except Exception as e:  # noqa: BLE001 - sorted out by _is_ours
+            if not self._is_ours(e):
+                raise
+            self._capture_failed = True
+            self._capture.mode = self._last_mode = "plain"
+            _log.warning("tb_gradhealth: the step that records gradient health failed (%s: %s); training goes on "
+                         "with the plain step and records nothing more in this fit", type(e).__name__, e,
+                         exc_info=True)
+            return self._functions["plain"](iterator)
+        self._capture_ran = True
+        return out
+
+    def _is_ours(self, error: Exception) -> bool:
+        """Whether an exception of the capturing step may come from the statistics (then ``fit`` goes on with the
+        plain step): any error while it is built (traced, compiled: its first run), and later a Python error or
+        running out of memory; never the end of the data (Keras ends the epoch on it) nor an op's error at run time
+        (the user's model raises it in the plain step too)."""
+        if isinstance(error, (StopIteration, tf.errors.OutOfRangeError)):
+            return False
+        if not self._capture_ran:
+            return True
+        return not isinstance(error, tf.errors.OpError) or isinstance(error, tf.errors.ResourceExhaustedError)
 
     def on_epoch_begin(self, epoch: int, logs: Mapping[str, Any] | None = None) -> None:
         self._epoch_batch_end = -1
@@ -343,7 +382,7 @@ class GradientHealthCallback(keras.callbacks.Callback):
         self._epoch_batch_end = batch
         if not self._checked_capture:
             self._checked_capture = True
-            if not cap.traced:
+            if not cap.traced and not self._capture_failed:
                 self._teardown()
                 raise CaptureError(
                     "GradientHealthCallback captured no gradient: the train step never called the model "
@@ -364,8 +403,8 @@ class GradientHealthCallback(keras.callbacks.Callback):
     def on_epoch_end(self, epoch: int, logs: Mapping[str, Any] | None = None) -> None:
         if self._capture is not None:
             self._flush_captures(latest_only=self.update_freq == "epoch")
-        if self.probe_data is not None:
-            self._write_probe()
+        if self.probe_data is not None and self._writer is not None:
+            self._failsafe.run("recording the probe batch's gradient", self._write_probe, records=1)
         if self._writer is not None:
             self._writer.flush()
 
@@ -380,7 +419,8 @@ class GradientHealthCallback(keras.callbacks.Callback):
             # Drop the traced functions that hold the hooks: later fit() calls without this callback pay nothing.
             compat.set_train_function(self.model, None)
         if self._writer is not None:
-            self._writer.close()
+            self._failsafe.run("closing the gradient-health writer", self._writer.close)
+            self._writer_dropped += self._writer.dropped_records
             self._writer = None
 
     # --- host-side writing ----------------------------------------------------------------------------------
@@ -390,15 +430,19 @@ class GradientHealthCallback(keras.callbacks.Callback):
         if cap is None or self._writer is None:
             return
         self._pending = 0
-        self._read_upto, new, lost = cap.read_new(self._read_upto)
+        read = self._failsafe.run("reading the recorded gradients back from the device", cap.read_new, self._read_upto)
+        if read is None:
+            return
+        self._read_upto, new, lost = read
         if lost:
             _log.warning("tb_gradhealth: %d logged steps were overwritten before the host read them", lost)
         if latest_only and new:
             new = new[-1:]
         for step, rows in new:
-            self._writer.add_records(step, cap.layers, rows, name=self.name, kind="gradients")
+            self._failsafe.run("writing a gradient-health record", self._writer.add_records, step, cap.layers, rows,
+                               name=self.name, kind="gradients", records=1)
             if self._stop_watch is not None and self.stop_event is None:
-                self.stop_event = self._stop_watch.check(cap.layers, step, rows)
+                self.stop_event = self._failsafe.run("checking stop_on", self._stop_watch.check, cap.layers, step, rows)
                 if self.stop_event is not None:
                     _log.warning("%s; stopping training", self.stop_event.message())
                     self.model.stop_training = True
