@@ -357,15 +357,23 @@ def _packed_rows_binned(hist: tf.Tensor | None, buf_rows: tf.Tensor, lay: Layout
     return _bin_into(hist, v, _repeat(lay.row_layer[lo:hi], PACK_ROW), n_layers)
 
 
-def _sampled_whole(flat: Sequence[Any], lay: Layout, buf_rows: tf.Tensor, exact_rows: int, n_layers: int
-                   ) -> tf.Tensor:
-    """Exact histograms ``[n_layers, bins]`` of every sampled layer: its packed rows and its in-place view, binned
-    whole (the branch a step runs only when some layer's sample is not enough)."""
-    hist = _packed_rows_binned(None, buf_rows, lay, exact_rows, lay.packed_rows, n_layers)
+def _sampled_whole(flat: Sequence[Any], lay: Layout, buf_rows: tf.Tensor, exact_rows: int, whole: tf.Tensor,
+                   n_layers: int) -> tf.Tensor:
+    """Exact histograms ``[n_layers, bins]`` of the sampled layers flagged ``whole`` (others: zeros), each binned
+    from its packed rows and its in-place view: the branch a step runs only when some layer's sample is not enough.
+
+    Each in-place view is binned under a condition of its own and the packed rows under one for all of them, so a
+    step pays for the tensors that need it, not for the whole model.
+    """
+    size = n_layers * record.HIST_BINS
+    zeros = lambda: tf.zeros([size], tf.float32)  # noqa: E731
+    packed = np.unique(lay.row_layer[exact_rows : lay.packed_rows])
+    hist = zeros()
+    if len(packed):
+        hist += tf.cond(tf.reduce_any(tf.gather(whole, packed)),
+                        lambda: _packed_rows_binned(None, buf_rows, lay, exact_rows, lay.packed_rows, n_layers), zeros)
     for (i, _), view in zip(lay.in_place, _views(flat, lay), strict=True):
-        hist = _bin_into(hist, view, i, n_layers)
-    if hist is None:
-        return tf.zeros([n_layers, record.HIST_BINS], tf.float32)
+        hist += tf.cond(whole[i], lambda view=view, i=i: _bin_into(None, view, i, n_layers), zeros)
     return tf.reshape(hist, [n_layers, record.HIST_BINS])
 
 
@@ -392,58 +400,98 @@ def _sample_values(flat: Sequence[Any], sizes: Sequence[int | None], lay: Layout
     return values, ids
 
 
-def _histograms(flat: Sequence[Any], sizes: Sequence[int | None], lay: Layout, buf_rows: tf.Tensor,
-                exact: Sequence[bool], sampling: _Sampling, n_layers: int) -> tuple[tf.Tensor, tf.Tensor]:
-    """``(hist float32 [L, 77], kept float32 [L])``: exact layers from the packed buffer, others from a sample, or
-    binned whole where the sample is not enough (:func:`tb_gradhealth.record.sample_is_enough`)."""
+class _Plan(NamedTuple):
+    """Where each gradient's values are reduced and how its histogram is made (static: from shapes alone)."""
+
+    flat: list[Any]  # flattened gradients (``None``: absent, or an ``IndexedSlices`` done by the one-layer kernel)
+    sizes: list[int | None]
+    exact: list[bool]  # histogram of every value (at most hist_sample of them)
+    layout: Layout
+    sampled: np.ndarray  # layers whose histogram comes from a sample
+
+    @property
+    def exact_rows(self) -> int:
+        """Packed rows of the exact layers (they come first in the buffer)."""
+        lay = self.layout
+        return sum(r for (i, _, _), r in zip(lay.pieces, lay.piece_rows, strict=True) if self.exact[i])
+
+
+def _plan(grads: Sequence[Any], hist_sample: int) -> _Plan:
+    flat = [None if (g is None or isinstance(g, tf.IndexedSlices)) else _flat(g) for g in grads]
+    for g in flat:
+        if g is not None and g.shape[0] is None:
+            raise ValueError("gradients need a static shape for the histogram (XLA-safe sampling)")
+    sizes = [None if g is None else int(g.shape[0]) for g in flat]
+    exact = [g is not None and (not hist_sample or sz <= hist_sample) for g, sz in zip(flat, sizes, strict=True)]
+    in_place = [sz is not None and sz > IN_PLACE_MIN and not e for sz, e in zip(sizes, exact, strict=True)]
+    sampled = np.array([i for i, g in enumerate(flat) if g is not None and not exact[i]], np.int64)
+    return _Plan(flat, sizes, exact, layout(sizes, in_place, first=exact), sampled)
+
+
+def _histograms(plan: _Plan, buf_rows: tf.Tensor, sampling: _Sampling, n_layers: int
+                ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor | None]:
+    """``(hist float32 [L, 77], kept float32 [L], whole bool [L] or None)``: exact layers from the packed buffer,
+    sampled layers from their sample; ``whole`` flags the sampled layers whose sample is not enough
+    (:func:`tb_gradhealth.record.sample_is_enough`): their histogram is to be binned whole (:func:`_with_whole`)."""
     bins = record.HIST_BINS
-    exact_rows = sum(r for (i, _, _), r in zip(lay.pieces, lay.piece_rows, strict=True) if exact[i])
-    hist = _packed_rows_binned(None, buf_rows, lay, 0, exact_rows, n_layers)
+    hist = _packed_rows_binned(None, buf_rows, plan.layout, 0, plan.exact_rows, n_layers)
     if len(sampling.layers):
-        for v, ids in zip(*_sample_values(flat, sizes, lay, buf_rows, sampling), strict=True):
+        for v, ids in zip(*_sample_values(plan.flat, plan.sizes, plan.layout, buf_rows, sampling), strict=True):
             hist = _bin_into(hist, v, ids, n_layers)
     if hist is None:
-        return tf.zeros([n_layers, bins], tf.float32), tf.zeros([n_layers], tf.float32)
+        return tf.zeros([n_layers, bins], tf.float32), tf.zeros([n_layers], tf.float32), None
     hist = tf.reshape(hist, [n_layers, bins])
     kept = tf.reduce_sum(hist, 1)
     if not len(sampling.layers):
-        return hist, kept
+        return hist, kept, None
     is_sampled = np.zeros(n_layers, bool)
     is_sampled[sampling.layers] = True
     nz = tf.cast(sampling.n_nonzero, tf.float32)
     enough = (nz > sampling.hist_sample) & (kept >= record.sample_min_kept(sampling.hist_sample))
-    scaled = hist * tf.where(enough, nz / tf.maximum(kept, 1.0), 1.0)[:, None]
-    whole = is_sampled & ~enough
-    redo = tf.cond(tf.reduce_any(whole), lambda: _sampled_whole(flat, lay, buf_rows, exact_rows, n_layers),
-                   lambda: tf.zeros([n_layers, bins], tf.float32))
-    hist = tf.where(whole[:, None], redo, tf.where(is_sampled[:, None], scaled, hist))
-    return hist, tf.where(whole, tf.reduce_sum(redo, 1), kept)
+    scaled = hist * tf.where(enough & is_sampled, nz / tf.maximum(kept, 1.0), 1.0)[:, None]
+    return scaled, kept, is_sampled & ~enough
 
 
-def compute(grads, weights, updates, sizes, hist_sample, seed) -> DeviceRecord:
+_KEPT = record.VALUE_FIELDS.index("hist_sample")
+
+
+def _with_whole(values: tf.Tensor, whole: tf.Tensor, plan: _Plan, buf_rows: tf.Tensor) -> tf.Tensor:
+    """``values`` with the histogram and ``hist_sample`` of the layers flagged ``whole`` binned whole."""
+    n = len(plan.flat)
+    hist = _sampled_whole(plan.flat, plan.layout, buf_rows, plan.exact_rows, whole, n)
+    kept = tf.reduce_sum(hist, 1, keepdims=True)
+    binned = tf.concat([values[:, :_KEPT], kept, values[:, _KEPT + 1 : record.NUM_VALUES], hist], 1)
+    return tf.where(whole[:, None], binned, values)
+
+
+def whole_histograms(grads: Sequence[Any], hist_sample: int, values: tf.Tensor, whole: tf.Tensor) -> tf.Tensor:
+    """``values`` of :func:`compute` (``deferred=True``) with the flagged layers' histograms binned whole: compiled
+    on its own, so a model whose samples are always enough never compiles it."""
+    plan = _plan(grads, hist_sample)
+    return _with_whole(values, whole, plan, _pack(plan.flat, plan.layout))
+
+
+def compute(grads, weights, updates, sizes, hist_sample, seed, deferred: bool = False):
     """The :class:`DeviceRecord` of all layers (dense or ``None`` gradients; see :mod:`tb_gradhealth.kernels` for
-    ``IndexedSlices``). Arguments as :func:`tb_gradhealth.kernels.compute_layers`. Must run under XLA."""
+    ``IndexedSlices``). Arguments as :func:`tb_gradhealth.kernels.compute_layers`. Must run under XLA.
+
+    A layer whose sample is not enough is binned whole in a ``tf.cond`` branch; ``deferred=True`` leaves that to
+    the caller instead (:func:`compute_deferring`) and returns ``(record, whole flags or None)``.
+    """
     n = len(grads)
     if not n:
-        return kernels.compute_layers(grads, weights, updates, sizes, hist_sample, seed)
-    sparse = [isinstance(g, tf.IndexedSlices) for g in grads]
-    g_flat = [None if (g is None or sp) else _flat(g) for g, sp in zip(grads, sparse, strict=True)]
-    for g in g_flat:
-        if g is not None and g.shape[0] is None:
-            raise ValueError("gradients need a static shape for the histogram (XLA-safe sampling)")
-    g_sizes = [None if g is None else int(g.shape[0]) for g in g_flat]
-    exact = [g is not None and (not hist_sample or sz <= hist_sample) for g, sz in zip(g_flat, g_sizes, strict=True)]
-    big = [sz is not None and sz > IN_PLACE_MIN for sz in g_sizes]
-    in_place = [b and not e for b, e in zip(big, exact, strict=True)]
-    lay = layout(g_sizes, in_place, first=exact)
-    buf = _pack(g_flat, lay)
-    q, zero, kmax, kmin, bad, s = _reduce_layers(g_flat, lay, n, _fast_gradient_rows, _FAST_KINDS, buf)
+        rec = kernels.compute_layers(grads, weights, updates, sizes, hist_sample, seed)
+        return (rec, None) if deferred else rec
+    plan = _plan(grads, hist_sample)
+    lay = plan.layout
+    buf = _pack(plan.flat, lay)
+    q, zero, kmax, kmin, bad, s = _reduce_layers(plan.flat, lay, n, _fast_gradient_rows, _FAST_KINDS, buf)
     z = tf.zeros_like(zero)
     q, zero, kmax, kmin, nan, posinf, neginf, s = _redo_where(
         (bad > 0) | ~tf.math.is_finite(s), [q, zero, kmax, kmin, z, z, z, s],
-        lambda: _reduce_layers(g_flat, lay, n, _exact_gradient_rows, _EXACT_KINDS, buf),
+        lambda: _reduce_layers(plan.flat, lay, n, _exact_gradient_rows, _EXACT_KINDS, buf),
     )
-    size = tf.constant(np.array([max(int(z if g is None else g), 0) for z, g in zip(sizes, g_sizes, strict=True)],
+    size = tf.constant(np.array([max(int(z if g is None else g), 0) for z, g in zip(sizes, plan.sizes, strict=True)],
                                 np.int32))
     nonfinite = nan + posinf + neginf
     mx, mn = _from_key(kmax, -np.inf), _from_key(kmin, np.inf)
@@ -451,28 +499,30 @@ def compute(grads, weights, updates, sizes, hist_sample, seed) -> DeviceRecord:
     nf = tf.cast(size - nonfinite, tf.float64)
     mean = tf.where((m > 0) & (nf > 0), s / tf.maximum(nf, 1.0), tf.zeros_like(m))
     ssq_rel = tf.where(m > 0, q / tf.where(m > 0, m * m, tf.ones_like(m)), tf.zeros_like(m))
-    n_nonzero = size - nonfinite - zero
-    sampled = np.array([i for i in range(n) if g_flat[i] is not None and not exact[i]], np.int64)
-    hist, kept = _histograms(g_flat, g_sizes, lay, buf, exact, _Sampling(sampled, hist_sample, seed, s, q, n_nonzero),
-                             n)
+    sampling = _Sampling(plan.sampled, hist_sample, seed, s, q, size - nonfinite - zero)
+    hist, kept, whole = _histograms(plan, buf, sampling, n)
     wm, wq = _norm_fields([_flat(w) for w in weights], n)
     um, uq = _norm_fields([_flat(u) for u in updates], n)
-    missing = tf.constant(np.array([g is None for g in grads], np.float32))
     nan_col = tf.fill([n], np.float32(np.nan))
+    fields = {
+        "min": mn, "max": mx, "mean": tf.cast(mean, tf.float32), "ssq_rel": tf.cast(ssq_rel, tf.float32),
+        "weight_max_abs": wm, "weight_ssq_rel": wq, "update_max_abs": um, "update_ssq_rel": uq,
+        "micro_batches": nan_col, "noise_ssq_rel": nan_col,
+        "missing": tf.constant(np.array([g is None for g in grads], np.float32)), "hist_sample": kept,
+    }
     counts = tf.stack([size, nan, posinf, neginf, zero], 1)
-    values = tf.concat([
-        tf.stack([mn, mx, tf.cast(mean, tf.float32), tf.cast(ssq_rel, tf.float32), wm, wq, um, uq, nan_col, nan_col,
-                  missing, kept], 1),
-        hist,
-    ], 1)
-    if any(sparse):
-        counts, values = _with_sparse_rows(counts, values, grads, weights, updates, sizes, hist_sample, seed, sparse)
-    return DeviceRecord(counts, values)
+    values = tf.concat([tf.stack([fields[name] for name in record.VALUE_FIELDS], 1), hist], 1)
+    if whole is not None and not deferred:
+        values = tf.cond(tf.reduce_any(whole), lambda: _with_whole(values, whole, plan, buf), lambda: values)
+    if any(isinstance(g, tf.IndexedSlices) for g in grads):
+        counts, values = _with_sparse_rows(counts, values, grads, weights, updates, sizes, hist_sample, seed)
+    rec = DeviceRecord(counts, values)
+    return (rec, whole) if deferred else rec
 
 
-def _with_sparse_rows(counts, values, grads, weights, updates, sizes, hist_sample, seed, sparse):
+def _with_sparse_rows(counts, values, grads, weights, updates, sizes, hist_sample, seed):
     """Replace the rows of ``IndexedSlices`` gradients by the per-layer kernel's (sorted, deduplicated slices)."""
-    idx = [i for i, sp in enumerate(sparse) if sp]
+    idx = [i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
     rows = [kernels.layer_record(grads[i], weights[i], updates[i], sizes[i], hist_sample, i, seed) for i in idx]
     at = tf.constant(np.array(idx, np.int32)[:, None])
     counts = tf.tensor_scatter_nd_update(counts, at, tf.stack([c for c, _ in rows]))
@@ -482,3 +532,16 @@ def _with_sparse_rows(counts, values, grads, weights, updates, sizes, hist_sampl
 
 #: One compiled function per model signature (outside a user's ``jit_compile`` function).
 compute_jit = compat.quiet_retracing(tf.function(compute, jit_compile=True, autograph=False))
+#: Compiled the first time a step has a layer whose sample is not enough (:func:`whole_histograms`).
+whole_histograms_jit = compat.quiet_retracing(tf.function(whole_histograms, jit_compile=True, autograph=False))
+
+
+def compute_deferring(grads, weights, updates, sizes, hist_sample, seed) -> DeviceRecord:
+    """:func:`compute`, compiled, with the whole binning of sparse layers in a function of its own that compiles
+    only when a step first needs it (outside a user's ``jit_compile`` step, where everything compiles at once)."""
+    rec, whole = compute_jit(grads, weights, updates, sizes, hist_sample, seed, deferred=True)
+    if whole is None:
+        return rec
+    values = tf.cond(tf.reduce_any(whole), lambda: whole_histograms_jit(grads, hist_sample, rec.values, whole),
+                     lambda: rec.values)
+    return DeviceRecord(rec.counts, values)

@@ -103,7 +103,7 @@ def compute(
         return kernels.compute_layers(*args)
     if compat.in_xla_context():  # inside a compiled function: inline into its cluster
         return packed.compute(*args)
-    return packed.compute_jit(*args)
+    return packed.compute_deferring(*args)
 
 
 # --- host-side write ------------------------------------------------------------------------------------------

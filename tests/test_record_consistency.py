@@ -4,7 +4,8 @@ Hypothesis draws gradients around the sizes where the statistics change strategy
 the packed / in-place boundary, and far above it in the slow tier), with sparsity from none to all-but-one
 nonzero value, NaN/±Inf patterns, subnormals and values near float32's and float16's limits, in float16, bfloat16,
 float32 and float64, plus empty and scalar tensors. Each path (per-layer plain TF ops eagerly, per-layer under
-XLA, the packed whole-model function, and that function inlined into a user's ``jit_compile`` step) is compared
+XLA, the packed whole-model function eagerly, called from a ``tf.function`` (its whole binning then compiles on
+first need) and inlined into a user's ``jit_compile`` step) is compared
 field by field with :func:`tb_gradhealth.record.compute` and must pass the checks every writer and reader apply
 (:func:`tb_gradhealth.record.check_disk`): above all, the histogram sums to the exact finite nonzero count, which
 the merge rules rely on. A tensor's values are built by numpy from a few drawn parameters (hypothesis draws the
@@ -90,11 +91,13 @@ def _paths() -> dict:
 
     per_layer_xla = tf.function(lambda g: summary.compute([g], jit=False, hist_sample=HIST_SAMPLE), jit_compile=True)
     packed_inlined = tf.function(lambda g: summary.compute([g], jit=True, hist_sample=HIST_SAMPLE), jit_compile=True)
+    packed_in_graph = tf.function(lambda g: summary.compute([g], jit=True, hist_sample=HIST_SAMPLE))
     return {
         "eager": lambda g: row(summary.compute([g], jit=False, hist_sample=HIST_SAMPLE)),
         "xla_per_layer": lambda g: row(per_layer_xla(g)),
         "packed": lambda g: row(summary.compute([g], jit=True, hist_sample=HIST_SAMPLE)),
         "packed_in_user_jit": lambda g: row(packed_inlined(g)),
+        "packed_in_tf_function": lambda g: row(packed_in_graph(g)),
     }
 
 
