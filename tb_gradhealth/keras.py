@@ -17,7 +17,6 @@ written at step ``s``, next to ``batch_loss`` of the same batch; it describes th
 from __future__ import annotations
 
 import logging
-import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 from tb_gradhealth import compat, record, summary
+from tb_gradhealth._stepbook import StepBook, ring_plan
 from tb_gradhealth.capture import CUSTOM_LOOP_ADVICE, Capture, CaptureError
 from tb_gradhealth.failsafe import Failsafe
 from tb_gradhealth.writer import Writer
@@ -37,13 +37,6 @@ __all__ = ["GradientHealthCallback", "CaptureError", "StopEvent"]
 _log = logging.getLogger("tb_gradhealth")
 
 _STOP_CHOICES = ("nonfinite", "exploding")
-#: The host reads the ring buffer once per this many capturing calls (at most), so that logging every step does
-#: not pay a device read, a decode and an event write per step.
-_MAX_CALLS_PER_READ = 16
-#: ... as long as the ring buffer stays below this size (it is rewritten, whole, by each store).
-_MAX_BUFFER_BYTES = 1 << 20
-
-
 @dataclass(frozen=True)
 class StopEvent:
     """Why ``stop_on`` stopped training: the first logged step at which a watched status appeared.
@@ -87,23 +80,6 @@ def _check_options(update_freq: Any, probe_data: Any, stop_on: Any) -> tuple[Any
     if probe_data is not None and not (isinstance(probe_data, (tuple, list)) and len(probe_data) in (2, 3)):
         raise ValueError("probe_data must be (x, y) or (x, y, sample_weight)")
     return update_freq, stop_on
-
-
-def _ring_plan(update_freq: Any, spe: int, n_variables: int, read_every_call: bool) -> tuple[int, int, int]:
-    """``(period, slots, calls_per_read)``: the capture period (0: epoch mode), ring buffer size, read batching.
-
-    Reads are batched only when every call logs (period <= steps per call), where the host's step prediction
-    picks nothing; ``read_every_call`` (``stop_on``) reads after every call, to stop at the very step.
-    """
-    if update_freq == "epoch":
-        return 0, spe + 1, 1
-    period = int(update_freq)
-    per_call = math.ceil(spe / period)  # logged steps one call may hold
-    row_bytes = n_variables * (record.NUM_FIELDS - 1) * 4
-    calls_per_read = 1
-    if period <= spe and not read_every_call:
-        calls_per_read = max(1, min(_MAX_CALLS_PER_READ, _MAX_BUFFER_BYTES // (per_call * row_bytes)))
-    return period, per_call * calls_per_read + 2, calls_per_read
 
 
 class _StopWatch:
@@ -270,24 +246,16 @@ class GradientHealthCallback(keras.callbacks.Callback):
         self._capture = None
         self._writer = Writer(self.train_dir, hist_sample=self.hist_sample, seed=self.seed,
                               filename_suffix=".gradhealth")
-        self._spe = max(1, int(getattr(model, "steps_per_execution", 1) or 1))
-        self._steps = self.params.get("steps") if self.params else None
         self._read_upto = 0  # captures already written
-        self._checked_capture = False
-        self._arm = False  # the next train-function call must run the capturing variant (epoch mode)
-        self._last_mode = "plain"
-        self._capture_failed = False  # the capturing step raised once: plain steps only, until the next fit
-        self._capture_ran = False  # the capturing step has run once (so it was built)
-        self._epoch_batch_end = -1
+        self._book: StepBook | None = None
         if self.update_freq is not None:
             self._start_capture(model)
 
     def _start_capture(self, model: Any) -> None:
         """Install the hooks and two fresh train functions; ``fit`` then calls :meth:`_dispatch` for each step."""
-        self._pending = 0  # capturing calls since the host last read the ring buffer
-        period, slots, self._calls_per_read = _ring_plan(
-            self.update_freq, self._spe, len(model.trainable_variables), bool(self.stop_on)
-        )
+        spe = max(1, int(getattr(model, "steps_per_execution", 1) or 1))
+        row_bytes = len(model.trainable_variables) * (record.NUM_FIELDS - 1) * 4
+        period, slots, calls_per_read = ring_plan(self.update_freq, spe, row_bytes, bool(self.stop_on))
         cap = self._capture = Capture(
             model,
             _innermost_optimizer(model.optimizer),
@@ -298,8 +266,9 @@ class GradientHealthCallback(keras.callbacks.Callback):
             seed=self.seed,
         )
         cap.install()
-        #: The optimizer step as the host predicts it (no device read per batch); a later fit continues the count.
-        self._host_step = int(cap.steps.numpy())
+        # The optimizer step as the host predicts it (no device read per batch); a later fit continues the count.
+        epoch_steps = self.params.get("steps") if self.params else None
+        self._book = StepBook(period, spe, epoch_steps, calls_per_read, host_step=int(cap.steps.numpy()))
         # fit() made (and may have traced) its train function before this call. Two fresh ones trace with the
         # hooks in place: "capture" computes and stores the statistics on logged steps; "plain" is the ordinary
         # step. Calls that contain no logged step run "plain", so they cost nothing, even under XLA where a
@@ -307,27 +276,10 @@ class GradientHealthCallback(keras.callbacks.Callback):
         self._functions = compat.train_functions(model, ("plain", "capture"))
         compat.set_train_function(model, self._dispatch)
 
-    def _call_logs(self) -> bool:
-        """Whether the next train-function call (up to ``steps_per_execution`` steps) may contain a logged step."""
-        if self._arm:
-            return True
-        period = self._capture.period
-        return period > 0 and (self._host_step + self._spe) // period > self._host_step // period
-
     def _dispatch(self, iterator: Any) -> Any:
-        # The first call always runs (so traces and compiles) the capture variant: its one-time cost lands at the
-        # start of fit with the usual first-step compile, not at the first logged step (on an unlogged first step
-        # the statistics still run once, storing nothing: `warm`), and a step that cannot be captured is reported
-        # after the first batch.
-        first = not self._checked_capture
-        mode = "capture" if first or self._call_logs() else "plain"
-        if self._writer is None:  # a fit that ended by an exception left this dispatcher in place: stay inert
-            mode = "plain"
-        if self._capture_failed:
-            mode = "plain"
-        self._arm = False
-        self._capture.mode = mode  # read when the call traces (on its first use), in this thread or replicas'
-        self._last_mode = mode
+        book = self._book
+        # a fit that ended by an exception left this dispatcher in place (no writer): stay inert
+        mode = self._capture.mode = book.next_mode(inert=self._writer is None)  # read when the call traces
         if mode == "plain":
             return self._functions[mode](iterator)
         try:
@@ -335,13 +287,13 @@ class GradientHealthCallback(keras.callbacks.Callback):
         except Exception as e:  # noqa: BLE001 - sorted out by _is_ours
             if not self._is_ours(e):
                 raise
-            self._capture_failed = True
-            self._capture.mode = self._last_mode = "plain"
+            book.capture_failed = True
+            self._capture.mode = book.last_mode = "plain"
             _log.warning("tb_gradhealth: the step that records gradient health failed (%s: %s); training goes on "
                          "with the plain step and records nothing more in this fit", type(e).__name__, e,
                          exc_info=True)
             return self._functions["plain"](iterator)
-        self._capture_ran = True
+        book.capture_ran = True
         return out
 
     def _is_ours(self, error: Exception) -> bool:
@@ -351,54 +303,45 @@ class GradientHealthCallback(keras.callbacks.Callback):
         (the user's model raises it in the plain step too)."""
         if isinstance(error, (StopIteration, tf.errors.OutOfRangeError)):
             return False
-        if not self._capture_ran:
+        if not self._book.capture_ran:
             return True
         return not isinstance(error, tf.errors.OpError) or isinstance(error, tf.errors.ResourceExhaustedError)
 
     def on_epoch_begin(self, epoch: int, logs: Mapping[str, Any] | None = None) -> None:
-        self._epoch_batch_end = -1
-        self._epoch_armed = False
         if self._capture is None:
             return
         # One device read per epoch keeps the host's step count exact: Keras can run a step the callbacks never
         # hear of (the call that finds a dataset of unknown length exhausted still advances the optimizer).
-        self._host_step = int(self._capture.steps.numpy())
-        if self.update_freq == "epoch" and not self._steps:
-            self._capture.remaining.assign(1)  # unknown epoch length: record the first step of the epoch
-            self._arm = True
+        remaining = self._book.epoch_begin(int(self._capture.steps.numpy()))
+        if remaining is not None:  # unknown epoch length: record the first step of the epoch
+            self._capture.remaining.assign(remaining)
 
     def on_train_batch_begin(self, batch: int, logs: Mapping[str, Any] | None = None) -> None:
-        if self._capture is None or self.update_freq != "epoch" or not self._steps or self._epoch_armed:
+        if self._capture is None:
             return
-        if batch + self._spe >= self._steps:  # this call runs the epoch's last step: record its steps
-            self._capture.remaining.assign(self._steps - batch)
-            self._arm = self._epoch_armed = True
+        remaining = self._book.batch_begin(batch)
+        if remaining is not None:  # this call runs the epoch's last step: record its steps
+            self._capture.remaining.assign(remaining)
 
     def on_train_batch_end(self, batch: int, logs: Mapping[str, Any] | None = None) -> None:
         cap = self._capture
         if cap is None:
             return
-        self._host_step += batch - self._epoch_batch_end
-        self._epoch_batch_end = batch
-        if not self._checked_capture:
-            self._checked_capture = True
-            if not cap.traced and not self._capture_failed:
-                self._teardown()
-                raise CaptureError(
-                    "GradientHealthCallback captured no gradient: the train step never called the model "
-                    "optimizer's apply()/apply_gradients() (a custom train_step or a non-Keras optimizer?). "
-                    + CUSTOM_LOOP_ADVICE
-                )
-        if self._last_mode == "capture" and cap.period > 0:
-            self._pending += 1
-            if self._pending < self._calls_per_read:
-                return  # read later: the ring buffer holds the records of `_calls_per_read` calls
-            before, pending = self._read_upto, self._pending
+        first, read = self._book.batch_end(batch)
+        if first and not cap.traced and not self._book.capture_failed:
+            self._teardown()
+            raise CaptureError(
+                "GradientHealthCallback captured no gradient: the train step never called the model "
+                "optimizer's apply()/apply_gradients() (a custom train_step or a non-Keras optimizer?). "
+                + CUSTOM_LOOP_ADVICE
+            )
+        if read:  # else later: the ring buffer holds the records of several calls
+            before, pending = self._read_upto, self._book.pending
             self._flush_captures()
-            if self._read_upto - before < pending:
+            if StepBook.lags(self._read_upto - before, pending):
                 # Predicted a logged step in every call but fewer ran: the device's step count lags the host's
                 # (e.g. steps skipped by LossScaleOptimizer, or the first call). Re-read it: one device read.
-                self._host_step = int(cap.steps.numpy())
+                self._book.host_step = int(cap.steps.numpy())
 
     def on_epoch_end(self, epoch: int, logs: Mapping[str, Any] | None = None) -> None:
         if self._capture is not None:
@@ -429,7 +372,7 @@ class GradientHealthCallback(keras.callbacks.Callback):
         cap = self._capture
         if cap is None or self._writer is None:
             return
-        self._pending = 0
+        self._book.take_pending()
         read = self._failsafe.run("reading the recorded gradients back from the device", cap.read_new, self._read_upto)
         if read is None:
             return
