@@ -503,15 +503,14 @@ def compute(grads, weights, updates, sizes, hist_sample, seed, deferred: bool = 
     hist, kept, whole = _histograms(plan, buf, sampling, n)
     wm, wq = _norm_fields([_flat(w) for w in weights], n)
     um, uq = _norm_fields([_flat(u) for u in updates], n)
-    nan_col = tf.fill([n], np.float32(np.nan))
     fields = {
         "min": mn, "max": mx, "mean": tf.cast(mean, tf.float32), "ssq_rel": tf.cast(ssq_rel, tf.float32),
         "weight_max_abs": wm, "weight_ssq_rel": wq, "update_max_abs": um, "update_ssq_rel": uq,
-        "micro_batches": nan_col, "noise_ssq_rel": nan_col,
         "missing": tf.constant(np.array([g is None for g in grads], np.float32)), "hist_sample": kept,
     }
-    counts = tf.stack([size, nan, posinf, neginf, zero], 1)
-    values = tf.concat([tf.stack([fields[name] for name in record.VALUE_FIELDS], 1), hist], 1)
+    count_fields = {"size": size, "nan": nan, "posinf": posinf, "neginf": neginf, "zero": zero}
+    counts = tf.stack([count_fields[name] for name in record.COUNT_FIELDS], 1)
+    values = tf.concat([kernels.stack_values(fields, [n]), hist], 1)
     if whole is not None and not deferred:
         values = tf.cond(tf.reduce_any(whole), lambda: _with_whole(values, whole, plan, buf), lambda: values)
     if any(isinstance(g, tf.IndexedSlices) for g in grads):

@@ -99,6 +99,14 @@ def empty(shape: tuple[int, ...] = ()) -> np.ndarray:
     return rec
 
 
+def value_defaults() -> dict[str, float]:
+    """Each value field as :func:`empty` has it: what a writer that does not compute a field stores there (NaN for
+    the optional fields, the extremes' identities for min/max, 0 otherwise). Writers stack their values by name
+    from :data:`VALUE_FIELDS`, taking this for any field they do not know, so a new field needs no edit there."""
+    row = empty()
+    return {name: float(row[INDEX[name]]) for name in VALUE_FIELDS}
+
+
 def missing() -> np.ndarray:
     """The record of a variable that received no gradient (``None``)."""
     rec = empty()
