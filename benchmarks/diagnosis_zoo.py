@@ -488,6 +488,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="where each case's logdir is kept (default: benchmarks/.zoo-cache)")
     ap.add_argument("--refresh", action="store_true", help="retrain the selected cases even when cached")
     ap.add_argument("--only", default="", help="comma-separated case names")
+    ap.add_argument("--half", choices=("heldout", "design", "both"), default="both",
+                    help="the held-out half (benchmarks/zoo_heldout.py, never tuned on), the design half "
+                         "(benchmarks/zoo_cases.py, the cases the rules were designed on) or both, scored apart")
     ap.add_argument("--light", action="store_true",
                     help="leave out the keras.applications cases (minutes of CPU each), for quick iterations")
     ap.add_argument("--list", action="store_true", help="list the cases and their labelling rules, then exit")
@@ -497,20 +500,49 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def _registries(half: str) -> list[tuple[str, dict[str, Any], Callable[[str, Path], Any]]]:
+    from benchmarks import zoo_cases, zoo_heldout  # noqa: PLC0415 - TensorFlow only when training
+
+    out = []
+    if half in ("heldout", "both"):
+        out.append(("held-out half (never tuned on)", zoo_heldout.CASES, zoo_heldout.train))
+    if half in ("design", "both"):
+        out.append(("design half (the rules were designed on it)", zoo_cases.CASES, zoo_cases.train))
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    from benchmarks import zoo_cases  # noqa: PLC0415 - TensorFlow only when training
-
-    names = [n for n in args.only.split(",") if n] or [n for n, c in zoo_cases.CASES.items()
-                                                       if not (args.light and c.heavy)]
-    unknown = [n for n in names if n not in zoo_cases.CASES]
+    only = [n for n in args.only.split(",") if n]
+    halves = _registries(args.half)
+    known = {n for _, cases, _ in halves for n in cases}
+    unknown = [n for n in only if n not in known]
     if unknown:
-        print(f"unknown case(s): {', '.join(unknown)}; known: {', '.join(zoo_cases.CASES)}", file=sys.stderr)
+        print(f"unknown case(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}", file=sys.stderr)
         return 2
-    if args.list:
-        for n in names:
-            print(f"{n:24s} {zoo_cases.CASES[n].rule}")
-        return 0
+    figures_out = {}
+    for title, cases, train in halves:
+        names = [n for n in (only or list(cases)) if n in cases and not (args.light and cases[n].heavy)]
+        if not names:
+            continue
+        if args.list:
+            for n in names:
+                print(f"{n:24s} {cases[n].rule}")
+            continue
+        runs = _train_and_score(args, names, train)
+        print(f"\n######## {title}: {len(runs)} cases ########")
+        print(table(["case", "sick", "logged steps", "layers", "training s (wall)", "training s (CPU)"],
+                    [[r.case, r.sick, r.n_steps, r.n_layers, _secs(r.train_s), _secs(r.train_cpu_s)] for r in runs],
+                    args.markdown))
+        print(report(runs, args.markdown))
+        figures_out[title] = figures(runs)
+    if args.json:
+        args.json.write_text(json.dumps(figures_out, indent=1, default=str))
+    return 0
+
+
+def _train_and_score(args: argparse.Namespace, names: Sequence[str], train: Callable[[str, Path], Any]
+                     ) -> list[RunScore]:
     times: dict[str, float] = {}
     start = time.perf_counter()
     if not args.score_only:
@@ -519,7 +551,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if (case_dir / "labels.json").exists() and not args.refresh:
                 continue
             t0 = time.perf_counter()
-            zoo_cases.train(n, case_dir)
+            train(n, case_dir)
             times[n] = time.perf_counter() - t0
             cpu = json.loads((case_dir / "labels.json").read_text()).get("train_cpu_s")
             print(f"[zoo] trained {n} in {times[n]:.1f} s ({cpu} CPU s)", flush=True)
@@ -527,18 +559,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"[zoo] trained {len(times)} case(s) in {time.perf_counter() - start:.1f} s wall "
                   f"(import and set-up included; load average {os.getloadavg()[0]:.1f})", flush=True)
     dirs = [args.cache / n for n in names if (args.cache / n / "labels.json").exists()]
-    runs = score_cases(dirs, times)
-    print(table(["case", "sick", "logged steps", "layers", "training s (wall)", "training s (CPU)"],
-                [[r.case, r.sick, r.n_steps, r.n_layers, _secs(r.train_s), _secs(r.train_cpu_s)] for r in runs],
-                args.markdown))
-    print(f"training time of these {len(runs)} cases (when trained): {sum(r.train_s or 0.0 for r in runs):.1f} s "
-          f"wall, {sum(r.train_cpu_s or 0.0 for r in runs):.1f} s CPU")
-    print(report(runs, args.markdown))
-    if args.json:
-        args.json.write_text(json.dumps(figures(runs), indent=1, default=str))
-    return 0
-
-
+    return score_cases(dirs, times)
 
 if __name__ == "__main__":
     sys.exit(main())
