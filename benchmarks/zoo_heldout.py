@@ -343,13 +343,14 @@ case("two_layer_starved", TWO_LAYER_RULE)(_inject("relu_0", 1, 1e-6, "vanishing"
 ORIGINAL_RULE = "healthy original of the mutations: He/ReLU MLP, SGD(0.02); the loss falls (checked)"
 
 
-def _original_run(log_dir: str, lr: float, kernel_initializer: str = "he_normal") -> dict[str, Any]:
+def _original_run(log_dir: str, lr: float, kernel_initializer: str = "he_normal", optimizer: Any = None,
+                  depth: int = 5) -> dict[str, Any]:
     import keras
 
     keras.utils.set_random_seed(61)
-    model, _ = relu_mlp(5, kernel_initializer=kernel_initializer)
+    model, _ = relu_mlp(depth, kernel_initializer=kernel_initializer)
     x, y = teacher_data(40 * 64, 61)
-    return train_loop(log_dir, model, keras.optimizers.SGD(lr), x, y, steps=40, batch=64)
+    return train_loop(log_dir, model, optimizer or keras.optimizers.SGD(lr), x, y, steps=40, batch=64)
 
 
 @case("original_relu_sgd", ORIGINAL_RULE)
@@ -362,13 +363,24 @@ LR_RULE = ("mutation lr x100 of original_relu_sgd: onset = first step whose loss
            "measured; culprits: any variable (a global cause)")
 
 
-@case("mutant_lr_x100", LR_RULE)
-def mutant_lr_x100(log_dir: str) -> dict[str, Any]:
+def _lr_mutant(clipnorm: float | None) -> Callable[[str], dict[str, Any]]:
+    def run(log_dir: str) -> dict[str, Any]:
+        import keras
+
+        return _lr_mutant_run(log_dir, keras.optimizers.SGD(2.0, clipnorm=clipnorm))
+
+    return run
+
+
+case("mutant_lr_x100", LR_RULE)(_lr_mutant(None))
+
+
+def _lr_mutant_run(log_dir: str, optimizer: Any) -> dict[str, Any]:
     import tempfile
 
     with tempfile.TemporaryDirectory() as twin_dir:  # the original, trained again beside it (not logged here)
         twin = _original_run(twin_dir, 0.02)
-    r = _original_run(log_dir, 2.0)
+    r = _original_run(log_dir, 2.0, optimizer=optimizer)
     loss, ref = np.array(r["loss"]), np.array(twin["loss"])
     worse = ~(loss <= 4.0 * ref)  # NaN counts as worse
     onset = next((s + 1 for s in range(loss.size) if worse[s:].all()), None)
@@ -379,6 +391,36 @@ def mutant_lr_x100(log_dir: str) -> dict[str, Any]:
     labels["diverges"] = True
     labels["evidence"]["twin_loss"] = [float(v) for v in ref]
     return labels
+
+
+GLOBAL_CLIP_RULE = ORIGINAL_RULE + " (SGD(0.02) with global_clipnorm=0.05)"
+
+
+@case("original_global_clip", GLOBAL_CLIP_RULE)
+def original_global_clip(log_dir: str) -> dict[str, Any]:
+    import keras
+
+    return healthy_labels(_original_run(log_dir, 0.02, optimizer=keras.optimizers.SGD(0.02, global_clipnorm=0.05)),
+                          GLOBAL_CLIP_RULE)
+
+
+LAMB_RULE = ORIGINAL_RULE.replace("SGD(0.02)", "LAMB(1e-3), a layer-wise adaptive optimizer")
+
+
+@case("original_lamb", LAMB_RULE)
+def original_lamb(log_dir: str) -> dict[str, Any]:
+    import keras
+
+    return healthy_labels(_original_run(log_dir, 0.02, optimizer=keras.optimizers.Lamb(1e-3)), LAMB_RULE)
+
+
+ONE_LAYER_RULE = "healthy: a one-layer softmax regression (one Dense layer), SGD(0.1); the loss falls (checked)"
+
+
+@case("one_layer", ONE_LAYER_RULE)
+def one_layer(log_dir: str) -> dict[str, Any]:
+
+    return healthy_labels(_original_run(log_dir, 0.1, depth=0), ONE_LAYER_RULE)
 
 
 ZERO_RULE = ("mutation zero init of original_relu_sgd: every gradient is measured per step; exact zeros are dead "
