@@ -1,7 +1,7 @@
 """Diagnosis tests: the rules on synthetic record arrays, then on small networks trained here with TensorFlow.
 
 Records are built with ``record.compute`` from numpy arrays (for the trained networks: from the numpy values of
-the TF gradients, weights and SGD updates), so these tests depend only on record.py and health.py.
+the TF gradients, weights and SGD updates), so these tests depend only on record.py and the health package.
 """
 
 from __future__ import annotations
