@@ -129,7 +129,7 @@ def injection_labels(run: dict[str, Any], reached: Sequence[str], status: str, f
         layers[n] = _measured_chain(steps, [st[i] for st in run["states"]],
                                     lambda s, hit=hit: status if hit and s >= from_step else "healthy")
     sick = [n for n, e in layers.items() if e["status"] != "healthy"]
-    nan = [e["onset"] for e in layers.values() for ep in e.get("episodes", []) if ep["status"] == "nonfinite"]
+    nan = [ep["from"] for e in layers.values() for ep in e.get("episodes", []) if ep["status"] == "nonfinite"]
     return {"sick": bool(sick), "layers": layers, "culprits": [n for n in names if n.split("/")[-2] == culprit_layer],
             "onset": min((e["onset"] for e in layers.values() if e["status"] != "healthy"), default=None),
             "first_nan": min(nan) if nan else None, "diverges": False, "rule": rule,

@@ -8,7 +8,7 @@ import numpy as np
 
 from tb_gradhealth import record
 from tb_gradhealth.health.episodes import _follow_siblings, _nonfinite_origin, _onset, _timeline, _track
-from tb_gradhealth.health.reasons import _first_bad, _layer_health
+from tb_gradhealth.health.reasons import _first_bad, _layer_health, cause_first
 from tb_gradhealth.health.result import _BASE, LayerHealth, RunHealth
 from tb_gradhealth.health.rules import _evaluate
 from tb_gradhealth.health.thresholds import MISSING, Thresholds
@@ -65,5 +65,5 @@ def diagnose_run(
     tracks = [_track(ev, i, t) if ev.columns("present")[i].any() else None for i in range(len(layers))]
     _follow_siblings(tracks, ev, layers)
     out = [_layer_health(ev, steps, layers, i, d, origin, t, tracks[i]) for i in range(len(layers))]
-    ranked = sorted(out, key=lambda lh: (-lh.severity, lh.index))
-    return RunHealth(int(steps[-1]), t, ranked, _first_bad(ranked), _onset(out), _timeline(out))
+    ranked, cause = cause_first(sorted(out, key=lambda lh: (-lh.severity, lh.index)))
+    return RunHealth(int(steps[-1]), t, ranked, _first_bad(ranked), _onset(out), _timeline(out), cause)

@@ -38,6 +38,7 @@ class _Track:
     runs: list[tuple[int, int, int]]  # (code, first position, last position) into ``rows``
     unconfirmed: tuple[int, int] | None  # (code, length) of a trailing slow run not yet confirmed
     chain_from: int | None = None  # a position where the chain starts instead (a small tensor follows its layer)
+    need: int = 1  # logged steps a slow status had to last to be confirmed (shorter on a short run)
 
     @property
     def code(self) -> int:
@@ -77,21 +78,24 @@ def _merge_equal(runs: list[list[int]]) -> list[list[int]]:
 CHAIN_GAP = 2
 
 
-def _confirm(runs: list[list[int]], need: int) -> tuple[int, int] | None:
+def _confirm(runs: list[list[int]], need: int, skip_need: int, dead_need: int) -> tuple[int, int] | None:
     """Relabel in place the runs that need confirmation; returns the trailing unconfirmed slow run, if any.
 
-    A vanishing or dead run shorter than ``need`` logged steps is healthy, unless it directly follows a flagged
-    run: a layer that is already sick needs no confirmation (a saturating layer collapsing to zero inside a
-    divergence). Skipped NaN/Inf steps are nonfinite when they last ``need`` steps or NaN follows them. A healthy
+    A vanishing (dead) run shorter than ``need`` (``dead_need``) logged steps is healthy, unless it directly follows
+    a flagged run: a layer that is already sick needs no confirmation (a saturating layer collapsing to zero inside a
+    divergence). ``dead_need`` is at least two logged steps even on a short run, since a zero-initialised
+    multiplier (ReZero, a zero-initialised residual branch) cuts its branch's gradient at the first step by design.
+    Skipped NaN/Inf steps are nonfinite when they last ``skip_need`` steps (``sustain_steps`` whatever
+    the run's length: dynamic loss scaling skips the first steps of every run) or NaN follows them. A healthy
     stretch of at most ``CHAIN_GAP`` steps between two flagged runs continues the first.
     """
     unconfirmed = None
     for k, r in enumerate(runs):
-        short = r[2] - r[1] + 1 < need
+        short = r[2] - r[1] + 1 < (dead_need if r[0] == DEAD else need)
         after_flag = k > 0 and runs[k - 1][0] in FLAG_CODES
         if r[0] == SKIPPED:
             leads_to_nan = k + 1 < len(runs) and runs[k + 1][0] == NONFINITE
-            r[0] = NONFINITE if leads_to_nan or not short else HEALTHY
+            r[0] = NONFINITE if leads_to_nan or r[2] - r[1] + 1 >= skip_need else HEALTHY
 
         elif r[0] in (VANISHING, DEAD) and short and not after_flag:
             if k == len(runs) - 1:
@@ -127,16 +131,17 @@ def _backdate(runs: list[list[int]], col: np.ndarray, t: Thresholds) -> None:
         runs[k][1], prev[2] = j, min(prev[2], j - 1)
 
 
-def _blown_up(runs: list[list[int]], weight: np.ndarray) -> None:
+def _blown_up(runs: list[list[int]], weight: np.ndarray, small: np.ndarray) -> None:
     """An exploding run goes on over the healthy steps after it while the weight norm stays ``BLOWN_UP`` times its
-    norm before the run (or at its first step): the blow-up was not undone."""
+    norm before the run (or at its first step): the blow-up was not undone. Not for weights that were small by
+    design before the run (``small``: a LayerScale or zero-initialised parameter is meant to grow)."""
     for k in range(len(runs) - 1):
         code, first, last = runs[k]
         nxt = runs[k + 1]
         if code != EXPLODING or nxt[0] != HEALTHY:
             continue
         before = weight[first - 1] if first > 0 else weight[first]
-        if not before > 0:
+        if not before > 0 or small[first - 1 if first > 0 else first]:
             continue
         j = last
         while j + 1 <= nxt[2] and weight[j + 1] >= BLOWN_UP * before:
@@ -145,16 +150,23 @@ def _blown_up(runs: list[list[int]], weight: np.ndarray) -> None:
             runs[k][2], nxt[1] = j, j + 1
 
 
+def sustain_needed(logged: int, sustain_steps: int) -> int:
+    """Logged steps a slow status must last: ``sustain_steps``, or half the layer's logged steps (at least one) on a
+    run too short for it, so a run with 1-4 records can still show vanishing or dead (with less certainty)."""
+    return max(1, min(sustain_steps, (logged + 1) // 2))
+
+
 def _track(ev: _Steps, i: int, t: Thresholds) -> _Track:
     """The layer's confirmed runs over the steps where it has a record."""
     rows = np.flatnonzero(ev.columns("present")[i])
     runs = _runs(ev.columns("raw")[i, rows].astype(np.int64))
-    unconfirmed = _confirm(runs, t.sustain_steps)
+    need = sustain_needed(len(rows), t.sustain_steps)
+    unconfirmed = _confirm(runs, need, t.sustain_steps, min(t.sustain_steps, max(2, need)))
     runs = _merge_equal(runs)
     _backdate(runs, ev.columns("log_rms")[i, rows], t)
-    _blown_up(runs, ev.columns("weight_norm")[i, rows])
+    _blown_up(runs, ev.columns("weight_norm")[i, rows], ev.columns("small")[i, rows])
     runs = _merge_equal([r for r in runs if r[2] >= r[1]])
-    return _Track(rows, [tuple(r) for r in runs], unconfirmed)
+    return _Track(rows, [tuple(r) for r in runs], unconfirmed, need=need)
 
 
 def _episodes(track: _Track, steps: np.ndarray) -> list[dict[str, Any]]:

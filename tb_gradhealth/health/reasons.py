@@ -12,7 +12,7 @@ import numpy as np
 from tb_gradhealth import record
 from tb_gradhealth.health.episodes import _episodes, _Track
 from tb_gradhealth.health.result import _BASE, _SPAN, LayerHealth
-from tb_gradhealth.health.rules import _Steps
+from tb_gradhealth.health.rules import ROUNDOFF, _Steps
 from tb_gradhealth.health.thresholds import (
     DEAD,
     EXPLODING,
@@ -42,7 +42,11 @@ def _layer_health(ev: _Steps, steps: np.ndarray, layers: Sequence[str], i: int, 
                int(track.rows[last[1] - 1]) if last[1] > 0 else int(track.rows[0]))
     reasons, excess = _reasons(code, ctx, d, i)
     if track.unconfirmed is not None:
-        reasons.append(_unconfirmed_note(track.unconfirmed, ctx, t.sustain_steps))
+        need = max(2, track.need) if track.unconfirmed[0] == DEAD else track.need
+        reasons.append(_unconfirmed_note(track.unconfirmed, ctx, min(need, t.sustain_steps)))
+    if code in (VANISHING, DEAD) and track.need < t.sustain_steps:
+        reasons.append(f"note: a short run ({len(track.rows)} logged step(s)): confirmed over {track.need} logged "
+                       f"step(s) instead of {t.sustain_steps}, so less certain; more logged steps would confirm it")
     ever_nonfinite = ev.nonfinite[:, i]
     if code != NONFINITE and ever_nonfinite.any():
         reasons.append(_past_nonfinite_note(ever_nonfinite, ev.skipped[:, i], steps))
@@ -68,6 +72,24 @@ def _layer_health(ev: _Steps, steps: np.ndarray, layers: Sequence[str], i: int, 
                                        "update_to_weight", "noise", "weight_norm")},
         nan=int(d["nan"][i]), inf=int(d["inf"][i]),
     )
+
+
+def cause_first(ranked: list[LayerHealth]) -> tuple[list[LayerHealth], dict[str, Any] | None]:
+    """The ranking with the cause first, and the cause: among the layers with the most severe current status, the
+    one whose chain of episodes began first (ties to the deepest layer: backprop reaches it first). A learning rate
+    that explodes every layer at step 1 and kills their ReLUs by step 3 is told as "exploding from step 1 -> dead
+    from 3", not as "dead since 1"."""
+    if not ranked or ranked[0].status not in FLAGS:
+        return ranked, None
+    worst = ranked[0].status
+    top = min((lh for lh in ranked if lh.status == worst and lh.first_step is not None),
+              key=lambda lh: (lh.first_step, -lh.index), default=ranked[0])
+    chain = [e for e in top.episodes if top.first_step is not None and e["from"] >= top.first_step]
+    first = chain[0] if chain else {"status": top.status, "from": top.first_step}
+    story = " -> ".join(f"{e['status']} from step {e['from']}" for e in chain) or f"{top.status}"
+    cause = {"layer": top.layer, "status": first["status"], "step": first["from"], "now": top.status,
+             "since": top.status_since, "story": story}
+    return [top] + [lh for lh in ranked if lh is not top], cause
 
 
 def _first_bad(ranked: list[LayerHealth]) -> dict[str, Any] | None:
@@ -136,6 +158,12 @@ def _exploding_reasons(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], fl
         reasons.append(f"the applied update is {r:,.3g}x the weight's norm: the weights are blowing up (learning "
                        f"rate too high for this layer)")
         excess = max(excess, math.log10(r / t.explode_update_ratio))
+    if ev.exp_feedback[s, i]:
+        r = 10.0 ** float(ev.log_upd[s, i])
+        reasons.append(f"each update moves the weights by {r:.2g}x their RMS and the gradient and the update have "
+                       f"both grown at every one of the last logged steps: the step feeds the next gradient (a "
+                       f"learning rate too high for this layer)")
+        excess = max(excess, math.log10(r / t.update_ratio_above))
     if ev.exp_trend[s, i]:
         g = float(ev.log_rms[s, i] - ev.base[s, i])
         reasons.append(f"RMS grew {10.0 ** g:,.0f}x ({g:.1f} decades) within the last {t.growth_window} logged "
@@ -199,6 +227,9 @@ def _reasons(code: int, c: _Ctx, d: dict[str, np.ndarray], i: int) -> tuple[list
     if c.ev.learns[c.s, i] and dec <= -c.t.vanish_decades:
         return [f"note: {_rms_text(c, d)} is {-dec:.1f} decades below {c.ref_text()}, but its updates keep pace "
                 f"with theirs (an adaptive optimizer rescales it): it still learns"], 0.0
+    if c.ev.converged[c.s, i]:
+        return ["note: the layers nearest the loss receive only round-off next to their weights (below "
+                f"{ROUNDOFF:.1e} of their RMS): the model has converged, so vanishing is not judged"], 0.0
     if c.ev.calm[c.s, i] and dec >= c.t.explode_decades:
         return [f"note: {_rms_text(c, d)} is {dec:.1f} decades above {c.ref_text()}, but it learns at their pace "
                 f"(an adaptive optimizer rescales it; early convolutions sum over many positions)"], 0.0

@@ -14,7 +14,9 @@ _SPAN = 1000.0
 _BASE = {code: (len(STATUSES) - 1 - code) * _SPAN for code in range(len(STATUSES))}
 _ORDER = (
     "layers worst first: severity descending (nonfinite > exploding > vanishing > dead > missing > inert > "
-    "healthy), ties by network index; first_bad is the layer ranked first when it is flagged, with the onset of "
+    "healthy), ties by network index, except that the cause comes first: among the layers with the most severe "
+    "status, the one whose chain of episodes began first (ties to the deepest layer); first_bad is the layer "
+    "ranked first when it is flagged, with the onset of "
     "its episode chain; onset is the first step any layer was flagged, ties to the deepest layer (backprop "
     "computes the deepest layer first)"
 )
@@ -81,6 +83,9 @@ class RunHealth:
     first_bad: dict[str, Any] | None = None
     onset: dict[str, Any] | None = None
     timeline: list[dict[str, Any]] = field(default_factory=list)
+    #: the episode that started the chain the worst layers are in: layer, its first status and step, its status
+    #: now, and the story ("exploding from step 1 -> dead from 3")
+    cause: dict[str, Any] | None = None
 
     @property
     def counts(self) -> dict[str, int]:
@@ -104,7 +109,7 @@ class RunHealth:
             "step": self.step,
             "thresholds": self.thresholds.to_dict(),
             "threshold_spec": Thresholds.spec(),
-            "summary": {"counts": self.counts, "first_bad": self.first_bad, "onset": self.onset,
+            "summary": {"counts": self.counts, "first_bad": self.first_bad, "cause": self.cause, "onset": self.onset,
                         "timeline": [dict(e) for e in self.timeline], "order": _ORDER},
             "layers": [lh.to_json() for lh in self.layers],
         }

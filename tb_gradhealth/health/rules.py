@@ -30,6 +30,12 @@ REFERENCE_MIN = 3
 #: Trend and update rules skip tensors smaller than this: a one-element bias crossing zero has an RMS that dips by
 #: decades and comes back, which says nothing about the network.
 TREND_MIN_SIZE = 16
+#: Round-off: a gradient RMS below this fraction of its layer's weight RMS (a hundred float32 epsilons) changes the
+#: weights by less than float32 resolves at any learning rate up to 1e-2: a converged model, not a disease.
+ROUNDOFF = 100 * float(np.finfo(np.float32).eps)
+#: A variable whose weight RMS is this many decades below the median of the run's variables started near zero on
+#: purpose (LayerScale at 1e-6, ReZero at 0, a zero-initialised bias); its relative growth is by design.
+SMALL_WEIGHT_DECADES = 2.0
 
 
 def _log10(x: np.ndarray) -> np.ndarray:
@@ -123,6 +129,52 @@ def _layer_weight_scale(weight_norm: np.ndarray, size: np.ndarray, groups: list[
     return np.where(np.isfinite(out), out, np.nan)
 
 
+#: Logged steps over which the positive-feedback signature of a divergence must hold.
+FEEDBACK_STEPS = 2
+
+
+def _feedback(log_rms: np.ndarray, log_upd: np.ndarray, t: Thresholds) -> np.ndarray:
+    """``[S, L]``: the signature of a learning-rate divergence, free of the gradient's scale: each update moves the
+    layer's weights by more than ``update_ratio_above`` of their RMS (``log_upd``: update RMS over the layer's weight
+    RMS), and the gradient and the update both grew by more than minibatch noise (the trend's own per-step slope,
+    ``2 * growth_decades / growth_window``) at each of the last ``FEEDBACK_STEPS`` logged steps: the step makes the
+    next gradient larger. An adaptive optimizer's update does not grow with the gradient, so it never shows this."""
+    rise = 2.0 * t.growth_decades / t.growth_window
+
+    def up(x: np.ndarray) -> np.ndarray:
+        out = np.zeros(x.shape, dtype=bool)
+        with np.errstate(invalid="ignore"):
+            out[1:] = x[1:] - x[:-1] >= rise
+        return out
+
+    with np.errstate(invalid="ignore"):
+        step = (log_upd > np.log10(t.update_ratio_above)) & up(log_rms) & up(log_upd)
+    out = step.copy()
+    for j in range(1, FEEDBACK_STEPS):
+        out[j:] &= step[:-j]
+        out[:j] = False
+    return out
+
+
+def _in_layer(mask: np.ndarray, groups: list[np.ndarray]) -> np.ndarray:
+    """``[S, L]``: some *other* variable of the same layer has ``mask`` at that step."""
+    out = np.zeros(mask.shape, dtype=bool)
+    for cols in groups:
+        count = mask[:, cols].sum(axis=1, keepdims=True)
+        out[:, cols] = (count - mask[:, cols]) > 0
+    return out
+
+
+def _small_weights(weight_norm: np.ndarray, size: np.ndarray) -> np.ndarray:
+    """``[S, L]``: the variable's weight RMS is at least ``SMALL_WEIGHT_DECADES`` below the median weight RMS of the
+    run's variables at that step (a parameter initialised near zero), False where weights are not recorded."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        w = _log10(weight_norm / np.sqrt(np.where(size > 0, size, np.nan)))
+        zero = weight_norm == 0
+        typical = _median_where(w, np.isfinite(w))
+        return zero | (w < typical[:, None] - SMALL_WEIGHT_DECADES)
+
+
 def _reference(log_values: np.ndarray, signal: np.ndarray) -> np.ndarray:
     """``[S]``: median of ``log_values`` over the reference layers: the last ``REFERENCE_FRACTION`` (at least
     ``REFERENCE_MIN``) of the layers with ``signal`` at each step, i.e. those nearest the loss."""
@@ -152,8 +204,8 @@ def _window_stats(log_rms: np.ndarray, window: int) -> tuple[np.ndarray, np.ndar
 
 #: Logged steps evaluated together: keeps the temporaries of one block in cache.
 _BLOCK = 64
-_FLAG_NAMES = ("present", "nonfinite", "exp_rel", "exp_rms", "exp_max", "exp_trend", "exp_update", "van_rel",
-               "van_abs", "learns", "inert")
+_FLAG_NAMES = ("present", "nonfinite", "exp_rel", "exp_rms", "exp_max", "exp_trend", "exp_update", "exp_feedback",
+               "van_rel", "van_abs", "learns", "inert", "small", "converged")
 
 
 @dataclass
@@ -238,23 +290,46 @@ def _evaluate(records: np.ndarray, layers: Sequence[str], t: Thresholds) -> _Ste
     base, typical = _window_stats(log_sig, t.growth_window)
     ref_growth = ref - _window_stats(ref[:, None], t.growth_window)[0][:, 0]
     big = size >= TREND_MIN_SIZE
+    wscale = _layer_weight_scale(weight_norm, size, groups)
     with np.errstate(invalid="ignore"):
+        # A gradient within ROUNDOFF of its layer's weights is round-off (a converged model): never exploding.
+        above_roundoff = ~(log_rms < wscale + np.log10(ROUNDOFF))
+        # A parameter that started near zero on purpose (LayerScale, ReZero, a zero bias) grows by decades: its
+        # update/weight ratio and a weight norm that stays larger say nothing about a blow-up while it is small.
+        small = _small_weights(weight_norm, size)
+        # When the layers nearest the loss get only round-off, the model has converged: nothing is vanishing.
+        rel_w = log_rms - wscale
+        converged = (_reference(np.where(signal, rel_w, np.nan), signal & np.isfinite(rel_w))
+                     < np.log10(ROUNDOFF))[:, None]
+        # A gradient rising out of the vanishing zone (a branch whose scale is growing) is recovering.
+        out_of_zone = ~(typical - _window_stats(ref[:, None], t.growth_window)[1] <= -t.vanish_decades)
         flags = {
             "present": v["present"], "nonfinite": v["nonfinite"], "skipped": skipped, "inert": inert,
             "learns": learns, "calm": calm,
-            "exp_rel": signal & (dec >= t.explode_decades) & ~calm,
+            "exp_rel": signal & (dec >= t.explode_decades) & ~calm & above_roundoff,
             # The absolute bounds judge a layer the reference cannot (the whole network is huge); a layer far above
             # the reference is judged by the relative rule and its learning rate (a fresh first convolution on raw
             # pixels under Adam exceeds the bounds for a step and is healthy).
             "exp_rms": live & (rms > t.explode_rms_above) & ~(dec >= t.explode_decades),
             "exp_max": live & (v["max_abs"] > t.explode_max_abs_above) & ~(dec >= t.explode_decades),
-            "exp_update": live & big & (upd_ratio > t.explode_update_ratio),
-            "exp_trend": signal & big & (log_sig - base >= t.growth_decades)
-            & (log_sig - typical >= t.growth_decades / 2) & ((dec >= -1.0) | (ref_growth >= t.growth_decades)[:, None]),
-            "van_rel": signal & (dec <= -t.vanish_decades) & ~learns,
-            "van_abs": signal & (rms < t.vanish_rms_below) & ~learns,
+            "exp_update": live & big & (upd_ratio > t.explode_update_ratio) & ~small,
+            "exp_feedback": live & big & ~small & _feedback(log_rms, log_upd, t),
+            "exp_trend": signal & (log_sig - base >= t.growth_decades)
+            & (log_sig - typical >= t.growth_decades / 2) & ((dec >= -1.0) | (ref_growth >= t.growth_decades)[:, None])
+            & above_roundoff & out_of_zone,
+            "small": small,
+            "van_rel": signal & (dec <= -t.vanish_decades) & ~learns & ~converged,
+            "van_abs": signal & (rms < t.vanish_rms_below) & ~learns & ~converged,
+            "converged": np.broadcast_to(converged, live.shape),
         }
-    exploding = flags["exp_rel"] | flags["exp_rms"] | flags["exp_max"] | flags["exp_update"] | flags["exp_trend"]
+    # A tensor too small for a trend of its own (a one-element bias) grows with its layer: its trend counts while a
+    # larger variable of the layer grows by the trend rule too.
+    flags["exp_trend"] &= big | _in_layer(flags["exp_trend"] & big, groups)
+    exploding = (flags["exp_rel"] | flags["exp_rms"] | flags["exp_max"] | flags["exp_update"] | flags["exp_trend"]
+                 | flags["exp_feedback"])
+    # A variable far quieter than an exploding sibling is not receiving round-off: its layer's inputs are huge.
+    inert &= ~_in_layer(exploding, groups)
+    flags["inert"] = inert
     raw = np.full(live.shape, HEALTHY, dtype=np.int8)
     raw[inert] = INERT
     raw[flags["van_rel"] | flags["van_abs"]] = VANISHING

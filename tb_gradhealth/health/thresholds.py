@@ -58,10 +58,13 @@ class Thresholds:
         1e-8, 0.0, 1.0, 1e-9, "Vanishing backstop: RMS below this absolute value (0 turns it off). A decade below "
         "Adam's epsilon (1e-7 in Keras), where Adam stops rescaling and updates shrink with the gradient.", log=True)
     explode_rms_above: float = _meta(
-        1e2, 1e-30, 1e38, 1.0, "Exploding backstop: RMS above this absolute value.", log=True)
+        1e19, 1e-30, 1e38, 1.0, "Exploding backstop: RMS above this absolute value. The default is where float32 "
+        "arithmetic breaks: the square of the value overflows (3.4e38), so a norm or sum of squares computed in "
+        "float32 (clipping, Adam's second moment) is Inf. Any lower absolute bound depends on the loss's scale "
+        "(its reduction, the targets' units, loss scaling).", log=True)
     explode_max_abs_above: float = _meta(
-        1e4, 1e-30, 1e38, 1.0, "Exploding backstop: max |g| above this absolute value (float16 overflows at 6.5e4).",
-        log=True)
+        1e19, 1e-30, 1e38, 1.0, "Exploding backstop: max |g| above this absolute value (default: where its float32 "
+        "square overflows; 6.5e4 is float16's own overflow, for float16 gradients).", log=True)
     growth_decades: float = _meta(
         2.0, 0.1, 30.0, 0.1, "Exploding by trend: RMS grew by at least this many decades above its lowest value of "
         "the previous growth_window logged steps, and half as many above their mean (catches a divergence "
