@@ -129,6 +129,8 @@ def format_run(body: dict[str, Any], series: reader.RunSeries, top: int = 0) -> 
     if fb:  # one story: the cause first, then what followed
         story = f": {_text(cause['story'])}" if cause and cause.get("story") else ""
         lines.append(f"  first bad: {_text(fb['layer'])} ({fb['status']}) since step {fb['step']}{story}")
+        if cause and cause.get("fixes"):
+            lines.append(f"  what to do: {_text(cause['fixes'][0])}")
     if body["summary"].get("timeline"):
         lines.append("  timeline: " + timeline_text(body["summary"]["timeline"]))
     for p in series.problems:

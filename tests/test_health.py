@@ -330,7 +330,7 @@ def test_json_shape_matches_the_contract():
     assert set(h["summary"]) == {"counts", "first_bad", "cause", "onset", "timeline", "order"}
     assert set(h["summary"]["counts"]) == set(STATUSES) and sum(h["summary"]["counts"].values()) == 6
     assert set(h["layers"][0]) == {
-        "layer", "index", "status", "severity", "reasons", "first_step", "status_since", "episodes", "step",
+        "layer", "index", "status", "severity", "reasons", "fixes", "first_step", "status_since", "episodes", "step",
         "norm", "rms", "max_abs", "mean",
         "nan", "inf", "zero_fraction", "grad_to_weight", "update_to_weight", "noise", "weight_norm"}
     assert h["layers"][0]["grad_to_weight"] is None  # not recorded: NaN -> null

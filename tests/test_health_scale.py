@@ -130,3 +130,20 @@ def test_cause_comes_first_exploding_then_dead():
     assert h.cause["status"] == "exploding" and h.cause["now"] == "dead" and h.cause["step"] <= 3
     assert h.layers[0].layer == h.cause["layer"] == h.first_bad["layer"] == NAMES[-1]
     assert h.cause["story"].startswith(f"exploding from step {h.cause['step']} -> dead from step")
+
+
+def test_fixes_follow_the_evidence_cause_first():
+    # The chain exploding -> dead (a learning rate too high) is fixed at its cause: the learning rate comes first.
+    steps = 12
+    grad, weight, _ = _sgd_run(steps, lr=5.0)
+    grad[2:5] *= 10.0 ** np.arange(1, 4)[:, None]
+    weight[3:] *= 100.0
+    grad[5:] = 0.0
+    h = diagnose_run(NAMES, np.arange(1, steps + 1), _records(grad, weight, 5.0 * grad))
+    assert "learning rate" in h.layers[0].fixes[0] and "LeakyReLU" in " ".join(h.layers[0].fixes)
+    assert h.cause["fixes"] == h.layers[0].fixes
+    # A starved layer under SGD: an activation/initialisation fix and the optimizer's part.
+    grad, weight, update = _sgd_run(starve_from=1)
+    h = diagnose_run(NAMES, np.arange(1, 17), _records(grad, weight, update)).by_layer()
+    assert "ReLU/GELU with He" in h["dense_00/kernel"].fixes[0] and "Adam" in h["dense_00/kernel"].fixes[1]
+    assert h["dense_05/kernel"].fixes == []  # healthy

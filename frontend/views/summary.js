@@ -54,7 +54,10 @@ export function summaryLine(health) {
       attrs: { 'data-testid': 'onset', 'data-step': String(cause ? cause.step : firstBad.step) } },
     'First went wrong: ', el('span', { class: 'mono', text: firstBad.layer }), ' ',
     story ? el('b', { text: story }) : badge(firstBad.status),
-    story ? [' (now ', badge(firstBad.status), ')'] : (known(firstBad.step) ? ` — in trouble since step ${firstBad.step}` : ''));
+    story ? [' (now ', badge(firstBad.status), ')'] : (known(firstBad.step) ? ` — in trouble since step ${firstBad.step}` : ''),
+    cause && cause.fixes && cause.fixes.length
+      ? el('span', { class: 'cause-fix', attrs: { 'data-testid': 'cause-fix' }, text: ` What to do: ${cause.fixes[0]}.` })
+      : null);
   } else {
     const inert = counts.inert ? ` (${counts.inert} inert)` : '';
     verdict = el('span', { class: 'first-bad ok', text: `No layer flagged at step ${health.step}${inert}.` });

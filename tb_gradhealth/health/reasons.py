@@ -11,6 +11,7 @@ import numpy as np
 
 from tb_gradhealth import record
 from tb_gradhealth.health.episodes import _episodes, _Track
+from tb_gradhealth.health.fixes import fixes
 from tb_gradhealth.health.result import _BASE, _SPAN, LayerHealth
 from tb_gradhealth.health.rules import ROUNDOFF, _Steps
 from tb_gradhealth.health.thresholds import (
@@ -63,8 +64,10 @@ def _layer_health(ev: _Steps, steps: np.ndarray, layers: Sequence[str], i: int, 
         # The layer where NaN/Inf started ranks first while it is flagged, whatever it turned into since (a layer
         # whose weights became NaN often has an all-zero gradient afterwards).
         severity = _BASE[NONFINITE] + _SPAN - 1.0
+    nan_here = origin is not None and origin[1] == i
     return LayerHealth(
         layer=name, index=i, status=STATUSES[code], severity=float(severity), reasons=reasons,
+        fixes=fixes(code, ev, track, i, nan_here) if code not in (HEALTHY,) else [],
         first_step=int(steps[track.rows[chain]]) if flagged else None, step=int(steps[s]),
         status_since=int(steps[track.rows[max(last[1], chain)]]) if flagged else None,
         episodes=_episodes(track, steps),
@@ -88,7 +91,7 @@ def cause_first(ranked: list[LayerHealth]) -> tuple[list[LayerHealth], dict[str,
     first = chain[0] if chain else {"status": top.status, "from": top.first_step}
     story = " -> ".join(f"{e['status']} from step {e['from']}" for e in chain) or f"{top.status}"
     cause = {"layer": top.layer, "status": first["status"], "step": first["from"], "now": top.status,
-             "since": top.status_since, "story": story}
+             "since": top.status_since, "story": story, "fixes": list(top.fixes)}
     return [top] + [lh for lh in ranked if lh is not top], cause
 
 

@@ -53,6 +53,8 @@ class LayerHealth:
     update_to_weight: float = math.nan
     noise: float = math.nan
     weight_norm: float = math.nan
+    #: what to do about the status, cause first (empty when healthy)
+    fixes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -61,6 +63,7 @@ class LayerHealth:
             "status": self.status,
             "severity": _json_float(self.severity),
             "reasons": list(self.reasons),
+            "fixes": list(self.fixes),
             "first_step": self.first_step,
             "status_since": self.status_since,
             "episodes": [dict(e) for e in self.episodes],
