@@ -116,16 +116,20 @@ def test_a_learning_rate_that_feeds_the_gradient_is_caught_before_nan_at_any_sca
         assert flagged[0] >= 6  # not before the rise began
 
 
-def test_cause_comes_first_exploding_then_dead():
-    # A learning rate 100x too high: every layer explodes from step 3, and from step 6 every ReLU is dead (exact
-    # zeros). The first row and the cause: the explosion that began it, on the deepest layer, then dead.
+def _lr_kills_relus():
+    """A learning rate 100x too high: every layer explodes from step 3, and from step 6 every ReLU is dead (exact
+    zeros)."""
     steps = 12
     grad, weight, _ = _sgd_run(steps, lr=5.0)
     grad[2:5] *= 10.0 ** np.arange(1, 4)[:, None]
     weight[3:] *= 100.0
     grad[5:] = 0.0
-    recs = _records(grad, weight, 5.0 * grad)
-    h = diagnose_run(NAMES, np.arange(1, steps + 1), recs)
+    return diagnose_run(NAMES, np.arange(1, steps + 1), _records(grad, weight, 5.0 * grad))
+
+
+def test_cause_comes_first_exploding_then_dead():
+    # The first row and the cause: the explosion that began it, on the deepest layer, then dead.
+    h = _lr_kills_relus()
     assert set(h.statuses()) == {"dead"}
     assert h.cause["status"] == "exploding" and h.cause["now"] == "dead" and h.cause["step"] <= 3
     assert h.layers[0].layer == h.cause["layer"] == h.first_bad["layer"] == NAMES[-1]
@@ -134,12 +138,7 @@ def test_cause_comes_first_exploding_then_dead():
 
 def test_fixes_follow_the_evidence_cause_first():
     # The chain exploding -> dead (a learning rate too high) is fixed at its cause: the learning rate comes first.
-    steps = 12
-    grad, weight, _ = _sgd_run(steps, lr=5.0)
-    grad[2:5] *= 10.0 ** np.arange(1, 4)[:, None]
-    weight[3:] *= 100.0
-    grad[5:] = 0.0
-    h = diagnose_run(NAMES, np.arange(1, steps + 1), _records(grad, weight, 5.0 * grad))
+    h = _lr_kills_relus()
     assert "learning rate" in h.layers[0].fixes[0] and "LeakyReLU" in " ".join(h.layers[0].fixes)
     assert h.cause["fixes"] == h.layers[0].fixes
     # A starved layer under SGD: an activation/initialisation fix and the optimizer's part.
