@@ -82,10 +82,12 @@ def test_parameters_initialised_near_zero_grow_by_design():
 
 
 def test_a_converged_network_at_round_off_is_not_flagged():
-    # Every gradient at ~1e-9 of weights of ~1 (a loss near 1e-16), wandering over three decades from step to step.
+    # Training brings every gradient from ~1e-2 down by seven decades in 10 steps (the loss by fourteen, to
+    # float32 round-off); from then on it wanders over three decades from step to step.
     steps = 30
     rng = np.random.default_rng(5)
     grad = 1e-9 * 10.0 ** rng.uniform(-1.5, 1.5, (steps, len(NAMES)))
+    grad[:10] = 1e-2 * 10.0 ** -np.linspace(0, 7, 10)[:, None]
     weight = np.ones_like(grad)
     recs = _records(grad, weight, 0.05 * grad)
     for at in range(1, steps + 1):

@@ -231,8 +231,8 @@ def _reasons(code: int, c: _Ctx, d: dict[str, np.ndarray], i: int) -> tuple[list
         return [f"note: {_rms_text(c, d)} is {-dec:.1f} decades below {c.ref_text()}, but its updates keep pace "
                 f"with theirs (an adaptive optimizer rescales it): it still learns"], 0.0
     if c.ev.converged[c.s, i]:
-        return ["note: the layers nearest the loss receive only round-off next to their weights (below "
-                f"{ROUNDOFF:.1e} of their RMS): the model has converged, so vanishing is not judged"], 0.0
+        return ["note: the layers nearest the loss receive only round-off (their RMS is below "
+                f"{ROUNDOFF:.1e} of the largest it has been): the model has converged, so vanishing is not judged"], 0.0
     if c.ev.calm[c.s, i] and dec >= c.t.explode_decades:
         return [f"note: {_rms_text(c, d)} is {dec:.1f} decades above {c.ref_text()}, but it learns at their pace "
                 f"(an adaptive optimizer rescales it; early convolutions sum over many positions)"], 0.0

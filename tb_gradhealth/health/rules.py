@@ -30,8 +30,9 @@ REFERENCE_MIN = 3
 #: Trend and update rules skip tensors smaller than this: a one-element bias crossing zero has an RMS that dips by
 #: decades and comes back, which says nothing about the network.
 TREND_MIN_SIZE = 16
-#: Round-off: a gradient RMS below this fraction of its layer's weight RMS (a hundred float32 epsilons) changes the
-#: weights by less than float32 resolves at any learning rate up to 1e-2: a converged model, not a disease.
+#: Round-off: a gradient RMS below this fraction of the largest it has been in the run (a hundred float32 epsilons)
+#: is what float32 arithmetic leaves of a gradient that is zero in exact arithmetic: a converged model, not a
+#: disease. Relative to the run's own history, so it does not depend on the loss's scale.
 ROUNDOFF = 100 * float(np.finfo(np.float32).eps)
 #: A variable whose weight RMS is this many decades below the median of the run's variables started near zero on
 #: purpose (LayerScale at 1e-6, ReZero at 0, a zero-initialised bias); its relative growth is by design.
@@ -290,17 +291,16 @@ def _evaluate(records: np.ndarray, layers: Sequence[str], t: Thresholds) -> _Ste
     base, typical = _window_stats(log_sig, t.growth_window)
     ref_growth = ref - _window_stats(ref[:, None], t.growth_window)[0][:, 0]
     big = size >= TREND_MIN_SIZE
-    wscale = _layer_weight_scale(weight_norm, size, groups)
     with np.errstate(invalid="ignore"):
-        # A gradient within ROUNDOFF of its layer's weights is round-off (a converged model): never exploding.
-        above_roundoff = ~(log_rms < wscale + np.log10(ROUNDOFF))
+        # A gradient ROUNDOFF below its own peak so far is round-off (a converged model): never exploding.
+        peak = np.fmax.accumulate(np.where(np.isnan(log_rms), -np.inf, log_rms), axis=0)
+        above_roundoff = ~(log_rms < peak + np.log10(ROUNDOFF))
         # A parameter that started near zero on purpose (LayerScale, ReZero, a zero bias) grows by decades: its
         # update/weight ratio and a weight norm that stays larger say nothing about a blow-up while it is small.
         small = _small_weights(weight_norm, size)
         # When the layers nearest the loss get only round-off, the model has converged: nothing is vanishing.
-        rel_w = log_rms - wscale
-        converged = (_reference(np.where(signal, rel_w, np.nan), signal & np.isfinite(rel_w))
-                     < np.log10(ROUNDOFF))[:, None]
+        ref_peak = np.fmax.accumulate(np.where(np.isnan(ref), -np.inf, ref))
+        converged = (ref < ref_peak + np.log10(ROUNDOFF))[:, None]
         # A gradient rising out of the vanishing zone (a branch whose scale is growing) is recovering.
         out_of_zone = ~(typical - _window_stats(ref[:, None], t.growth_window)[1] <= -t.vanish_decades)
         flags = {
