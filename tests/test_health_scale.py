@@ -148,3 +148,28 @@ def test_fixes_follow_the_evidence_cause_first():
     h = diagnose_run(NAMES, np.arange(1, 17), _records(grad, weight, update)).by_layer()
     assert "ReLU/GELU with He" in h["dense_00/kernel"].fixes[0] and "Adam" in h["dense_00/kernel"].fixes[1]
     assert h["dense_05/kernel"].fixes == []  # healthy
+
+
+def test_clipping_and_layerwise_adaptive_updates_are_stated():
+    # Per-variable clipping to norm 0.05: the recorded gradient of a layer whose raw gradient is larger sits at the
+    # clip at every step; under LAMB every update is lr x ||w|| (here 1e-3 of the weights), whatever the gradient.
+    steps = 8
+    grad, weight, _ = _sgd_run(steps)
+    rng = np.random.default_rng(9)
+    recs = np.empty((steps, len(NAMES), record.NUM_FIELDS))
+    for s in range(steps):
+        for i in range(len(NAMES)):
+            g = rng.standard_normal(64) * grad[s, i]
+            if i == 0:
+                g *= 0.05 / np.linalg.norm(g)  # clipped
+            w = rng.standard_normal(64) * 0.1 * 3.0 ** (i // 2)  # weight scales differ by layer
+            u = rng.standard_normal(64)
+            u *= 1e-3 * np.linalg.norm(w) / np.linalg.norm(u)
+            recs[s, i] = record.compute(g, w, u, hist_sample=None)
+    h = diagnose_run(NAMES, np.arange(1, steps + 1), recs).by_layer()
+    assert any("clipped" in r for r in h["dense_00/kernel"].reasons)
+    assert not any("clipped" in r for r in h["dense_03/kernel"].reasons)
+    assert all(any("layer-wise adaptive" in r for r in lh.reasons) for lh in h.values())
+    # SGD's updates (lr x gradient) are not one fraction of the weights: no such note.
+    plain = diagnose_run(NAMES, np.arange(1, steps + 1), _records(*_sgd_run(steps))).by_layer()
+    assert not any("layer-wise" in r or "clipped" in r for lh in plain.values() for r in lh.reasons)

@@ -12,6 +12,7 @@ import numpy as np
 from tb_gradhealth import record
 from tb_gradhealth.health.episodes import _episodes, _Track
 from tb_gradhealth.health.fixes import fixes
+from tb_gradhealth.health.optimizer import optimizer_notes
 from tb_gradhealth.health.result import _BASE, _SPAN, LayerHealth
 from tb_gradhealth.health.rules import ROUNDOFF, _Steps
 from tb_gradhealth.health.thresholds import (
@@ -55,6 +56,7 @@ def _layer_health(ev: _Steps, steps: np.ndarray, layers: Sequence[str], i: int, 
         reasons.append(_origin_note(origin, i, layers, steps))
     if code in (EXPLODING, VANISHING, HEALTHY):  # a dead, NaN or missing gradient makes the ratios moot
         reasons.extend(_ratio_notes(d, i, t))
+        reasons.extend(optimizer_notes(ev, s, i))
     flagged = code not in (HEALTHY, INERT)
     persistence = last[2] - chain + 1
     severity = 0.0 if not flagged else _BASE[code] + min(_SPAN - 2.0, (1.0 + excess) * persistence)
