@@ -173,3 +173,16 @@ def test_clipping_and_layerwise_adaptive_updates_are_stated():
     # SGD's updates (lr x gradient) are not one fraction of the weights: no such note.
     plain = diagnose_run(NAMES, np.arange(1, steps + 1), _records(*_sgd_run(steps))).by_layer()
     assert not any("layer-wise" in r or "clipped" in r for lh in plain.values() for r in lh.reasons)
+
+
+def test_sick_layers_next_to_the_loss_do_not_make_the_body_exploding():
+    # The last two layers' gradient is starved by 1e-6 (an injected factor after dense_03, read from the loss side:
+    # dense_04 and dense_05 get it), SGD: they barely move. The body (dense_00..dense_03) is untouched: healthy.
+    grad, weight, _ = _sgd_run()
+    grad[:, 8:] *= 1e-6
+    h = diagnose_run(NAMES, np.arange(1, 17), _records(grad, weight, 0.1 * grad))
+    assert h.statuses() == ["healthy"] * 8 + ["vanishing"] * 4
+    # Without the updates the records cannot tell this from a body that explodes through depth: it says nothing
+    # about the head and reads the body against it, as before.
+    no_updates = _records(grad, weight, np.full_like(grad, np.nan))
+    assert "vanishing" not in diagnose_run(NAMES, np.arange(1, 17), no_updates).statuses()

@@ -157,6 +157,20 @@ def _feedback(log_rms: np.ndarray, log_upd: np.ndarray, t: Thresholds) -> np.nda
     return out
 
 
+def _stalled_reference(ref: np.ndarray, ref_upd: np.ndarray, log_rms: np.ndarray, log_upd: np.ndarray,
+                       signal: np.ndarray, t: Thresholds) -> np.ndarray:
+    """``[S]``: the layers nearest the loss are sick themselves, so they cannot be the reference: where updates are
+    recorded, they barely learn (update RMS below ``update_ratio_below`` of their weights' RMS) while the network's
+    median layer learns ``update_decades`` faster and its gradient is ``vanish_decades`` above theirs."""
+    if not t.update_ratio_below > 0:
+        return np.zeros(ref.shape, dtype=bool)
+    with np.errstate(invalid="ignore"):
+        all_rms = _median_where(log_rms, signal)
+        all_upd = _median_where(log_upd, signal & np.isfinite(log_upd))
+        return ((ref_upd < np.log10(t.update_ratio_below)) & (all_upd - ref_upd >= t.update_decades)
+                & (all_rms - ref >= t.vanish_decades))
+
+
 def _in_layer(mask: np.ndarray, groups: list[np.ndarray]) -> np.ndarray:
     """``[S, L]``: some *other* variable of the same layer has ``mask`` at that step."""
     out = np.zeros(mask.shape, dtype=bool)
@@ -283,6 +297,11 @@ def _evaluate(records: np.ndarray, layers: Sequence[str], t: Thresholds) -> _Ste
     groups = layer_groups(layers)
     log_upd = _log10(upd_rms) - _layer_weight_scale(weight_norm, size, groups)
     ref_upd = _reference(np.where(signal, log_upd, np.nan), signal & np.isfinite(log_upd))
+    stalled = _stalled_reference(ref, ref_upd, log_rms, log_upd, signal, t)
+    if stalled.any():  # the layers nearest the loss are sick themselves: the network's median is the reference
+        ref = np.where(stalled, _median_where(log_rms, signal), ref)
+        ref_upd = np.where(stalled, _median_where(log_upd, signal & np.isfinite(log_upd)), ref_upd)
+        dec = log_rms - ref[:, None]
     with np.errstate(invalid="ignore"):
         speed = log_upd - ref_upd[:, None]  # NaN where updates are not recorded: the gradient rules alone decide
         learns = (t.update_decades > 0) & (speed > -t.update_decades)
