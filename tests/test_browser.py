@@ -400,6 +400,9 @@ def test_layer_detail_draws_charts(tensorboard: str, gh: Page, logdir: tuple[str
     drawer.locator(".heatmap-canvas").wait_for(timeout=30000)
     assert drawer.locator(".detail-layer").inner_text() == layer
     assert "nonfinite" in drawer.locator(".badge").first.inner_text()
+    body = api_json(tensorboard, "health", run="exploding")
+    fixes = next(lj["fixes"] for lj in body["layers"] if lj["layer"] == layer)
+    assert fixes and drawer.locator("[data-testid=fixes] li").all_inner_texts() == fixes  # what to do, shown
     titles = drawer.locator(".chart-title").all_inner_texts()
     assert any("magnitude" in t for t in titles) and any("NaN" in t for t in titles), titles
     canvases = drawer.locator("canvas")
