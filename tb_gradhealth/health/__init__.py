@@ -11,8 +11,9 @@ steps); a layer's status is that of its last record, and ``first_step`` is the o
 episodes. ``layers`` are in network (forward) order: backprop computes gradients deepest layer first.
 
 The package's modules follow that design: ``thresholds`` (status words, knobs), ``rules`` (per-step rules), ``episodes``
-(runs of one status, onset, timeline), ``reasons`` (text, severity, first_bad), ``result`` (the public result),
-``diagnose`` (``diagnose_run``) and ``profile`` (one step).
+(runs of one status, onset, timeline), ``reasons`` (text, severity, the cause, first_bad), ``fixes`` (what to do),
+``optimizer`` (clipping and layer-wise updates read from the records), ``result`` (the public result), ``diagnose``
+(``diagnose_run``) and ``profile`` (one step).
 """
 
 from __future__ import annotations
