@@ -463,6 +463,11 @@ def report(runs: Sequence[RunScore], markdown: bool = False) -> str:
                      r.run_onset_label, r.run_onset_diag, r.run_onset_error])
     out.append(table(["run", "sick layers", "recalled", "first_step err max/missing", "first flag err max/missing",
                       "run onset label", "run onset diag", "err"], rows, markdown))
+    latency = sorted(x["err_first_flag"] for r in runs if r.sick for x in r.layer_onsets
+                     if x["err_first_flag"] is not None)
+    if latency:
+        out.append(f"detection latency (logged steps from a labelled sick layer's onset to the first diagnosis that "
+                   f"flags it): median {latency[len(latency) // 2]}, max {latency[-1]}, over {len(latency)} layers")
     out.append(h("(e) stop_on=('nonfinite', 'exploding') simulation"))
     out.append(table(["run", "kind", "halt at", "labelled onset", "first NaN", "lead (logged steps)"],
                      [[r.case, "divergence" if r.diverges else ("sick" if r.sick else "healthy"), r.halt,
