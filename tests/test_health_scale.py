@@ -56,6 +56,17 @@ def test_the_same_training_with_the_loss_times_a_constant_reads_the_same(factor)
     assert base[-1] == ["vanishing"] * 6 + ["healthy"] * 6
 
 
+@pytest.mark.parametrize("factor", [1e-3, 1e3])
+def test_under_adam_the_loss_times_a_constant_reads_the_same(factor):
+    # Adam divides the constant out: the same updates (lr-sized) whatever the gradient's scale.
+    grad, weight, _ = _sgd_run(starve_from=5)
+    update = np.full_like(grad, 1e-3)
+    base = [_statuses(_records(grad, weight, update), at) for at in range(1, 17)]
+    assert [_statuses(_records(grad * factor, weight, update), at) for at in range(1, 17)] == base
+    # The layers the injection does not reach are healthy at every step.
+    assert all(st[6:] == ["healthy"] * 6 for st in base)
+
+
 def test_a_healthy_network_on_unnormalised_targets_is_healthy():
     # Regression on targets in units of ~300: every gradient ~100x the unit-target run's, Adam-sized updates.
     grad, weight, _ = _sgd_run()
