@@ -48,7 +48,7 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    packages=["tb_gradhealth", "tb_gradhealth.static"],
+    packages=["tb_gradhealth", "tb_gradhealth.health", "tb_gradhealth.static"],
     package_dir={"tb_gradhealth": "tb_gradhealth", "tb_gradhealth.static": "frontend"},
     package_data={"tb_gradhealth.static": STATIC_PATTERNS},
     include_package_data=False,

@@ -125,11 +125,12 @@ def format_run(body: dict[str, Any], series: reader.RunSeries, top: int = 0) -> 
         f"({series.num_steps} logged), diagnosed at step {body['step']}",
         "  " + ", ".join(f"{counts[s]} {s}" for s in health.STATUSES if counts.get(s)),
     ]
-    fb, onset = body["summary"]["first_bad"], body["summary"].get("onset")
-    if fb:
-        lines.append(f"  first bad: {_text(fb['layer'])} ({fb['status']}) since step {fb['step']}")
-    if onset:
-        lines.append(f"  first went wrong: step {onset['step']}, {_text(onset['layer'])} ({onset['status']})")
+    fb, cause = body["summary"]["first_bad"], body["summary"].get("cause")
+    if fb:  # one story: the cause first, then what followed
+        story = f": {_text(cause['story'])}" if cause and cause.get("story") else ""
+        lines.append(f"  first bad: {_text(fb['layer'])} ({fb['status']}) since step {fb['step']}{story}")
+        if cause and cause.get("fixes"):
+            lines.append(f"  what to do: {_text(cause['fixes'][0])}")
     if body["summary"].get("timeline"):
         lines.append("  timeline: " + timeline_text(body["summary"]["timeline"]))
     for p in series.problems:

@@ -38,6 +38,7 @@ from tb_gradhealth.payloads import (
     histograms_payload,
     parse_step,
     parse_thresholds,
+    profile_index,
     profile_payload,
     runs_payload,
     series_payload,
@@ -277,7 +278,7 @@ class GradHealthPlugin(base_plugin.TBPlugin):
         step = _step(request.args)
         t = _thresholds(request.args, ("run", "step"))
         series = self._series(request, run)
-        h, _ = self._diagnosis(request, series, t, int(series.steps[at_index(series, step)]))
+        h, _ = self._diagnosis(request, series, t, int(series.steps[profile_index(series, step)]))
         return profile_payload(series, t, step, h)
 
     @wrappers.Request.application

@@ -400,6 +400,9 @@ def test_layer_detail_draws_charts(tensorboard: str, gh: Page, logdir: tuple[str
     drawer.locator(".heatmap-canvas").wait_for(timeout=30000)
     assert drawer.locator(".detail-layer").inner_text() == layer
     assert "nonfinite" in drawer.locator(".badge").first.inner_text()
+    body = api_json(tensorboard, "health", run="exploding")
+    fixes = next(lj["fixes"] for lj in body["layers"] if lj["layer"] == layer)
+    assert fixes and drawer.locator("[data-testid=fixes] li").all_inner_texts() == fixes  # what to do, shown
     titles = drawer.locator(".chart-title").all_inner_texts()
     assert any("magnitude" in t for t in titles) and any("NaN" in t for t in titles), titles
     canvases = drawer.locator("canvas")
@@ -641,9 +644,11 @@ def test_since_column_is_the_onset_and_the_summary_tells_the_story(
     # gradients grow x2 per step from step 10 and turn NaN at nan_step: the chain starts before the NaN
     assert top["first_step"] < facts["exploding"].nan_step <= top["status_since"]
     assert [ep["status"] for ep in top["episodes"]][-1] == "nonfinite"
-    onset = body["summary"]["onset"]
+    # One story, cause first: the layer whose chain began first, its first status and step, then what followed.
+    cause = body["summary"]["cause"]
     story = p.locator("[data-testid=onset]").inner_text()
-    assert f"step {onset['step']}" in story and onset["layer"] in story
+    assert f"{cause['status']} from step {cause['step']}" in story and cause["layer"] in story
+    assert cause["layer"] == body["layers"][0]["layer"]  # the table's first row
     timeline = [t for t in body["summary"]["timeline"] if t["status"] not in ("inert", "healthy")]
     marks = p.locator("[data-testid=timeline] .status-mark").all_inner_texts()
     assert len(marks) == len(timeline) >= 2

@@ -66,6 +66,10 @@ export function detailDrawer(model) {
       entry && entry.reasons && entry.reasons.length
         ? el('ul', { class: 'reasons-list' }, entry.reasons.map((r) => el('li', { text: r })))
         : el('p', { class: 'hint', text: entry && entry.status === 'healthy' ? 'No rule fired: this layer looks healthy.' : '' }),
+      entry && entry.fixes && entry.fixes.length
+        ? el('div', { class: 'fixes', attrs: { 'data-testid': 'fixes' } }, el('b', { text: 'What to do' }),
+          el('ul', { class: 'fixes-list' }, entry.fixes.map((f) => el('li', { text: f }))))
+        : null,
       episodeList(entry),
       entry ? el('dl', { class: 'stat-grid' }, STATS.filter(([k]) => entry[k] !== undefined).map(([k, label]) => [
         el('dt', { text: label }), el('dd', { class: 'mono', text: k.endsWith('step') || k === 'index'
