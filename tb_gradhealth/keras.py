@@ -164,8 +164,8 @@ class GradientHealthCallback(keras.callbacks.Callback):
             step of each epoch (the first step of each epoch when the number of steps is unknown); ``"batch"``
             means 1, as in Keras; ``None`` records no training gradients (then ``probe_data`` is required).
             Unlogged steps cost a comparison; a logged step costs the statistics of the gradients, weights and
-            updates (see docs/KERAS.md for measured figures). The default, 100, keeps the average cost within 2%
-            of a step (Keras' TensorBoard defaults to ``"epoch"``, too coarse to see a gradient blow up).
+            updates (docs/KERAS.md has the measured cost of the default, 100, and of every step). Keras'
+            TensorBoard defaults to ``"epoch"``, too coarse to see a gradient blow up.
         name: tag name of the records (``gradhealth/<name>/...``).
         record_updates: also record the applied update ``w_before - w_after`` (so the dashboard can show
             update/weight ratios whatever the optimizer). Costs a transient copy of the weights on logged steps;

@@ -1,8 +1,9 @@
 """Records of all of a model's layers from a fixed number of XLA loops: small tensors packed, large ones in place.
 
-Why: a real model has 150-360 variables, most of them tiny (biases, batch-norm parameters). XLA:CPU spends about
-0.1 s compiling each reduction loop and about a second on each compiled function, so statistics made per layer
-(or per distinct layer size) cost tens of seconds before the first step, and a launch per layer every step. Here:
+Why: a real model has hundreds of variables, most of them tiny (biases, batch-norm parameters), and XLA:CPU pays a
+compile time for each reduction loop and each compiled function, so statistics made per layer (or per distinct
+layer size) cost much of the first step, and a launch per layer every step (docs/PERFORMANCE.md, *Real
+architectures*, has the figures). Here:
 
 * every tensor of at most :data:`IN_PLACE_MIN` elements (and every tensor whose histogram is exact) is copied
   into ONE padded buffer of rows of :data:`PACK_ROW` values (a few MB for a ResNet), reduced row by row in one
@@ -237,8 +238,8 @@ def _redo_where(bad: tf.Tensor, fast: list[tf.Tensor], exact: Any) -> list[tf.Te
     """``fast``, with the layers flagged ``bad`` taken from ``exact()`` (computed only on steps that have one).
 
     ``exact`` reads the same layout as the fast pass (the packed buffer and the in-place views): packing every
-    tensor there instead compiles a little faster but makes XLA reserve a copy of the whole model (290 MB of
-    temporary buffer on ResNet50) for a branch that healthy steps never run.
+    tensor there instead compiles a little faster but makes XLA reserve a copy of the whole model as temporary
+    buffer (docs/PERFORMANCE.md) for a branch that healthy steps never run.
     """
     redo = tf.cond(tf.reduce_any(bad), exact, lambda: fast)
     return [tf.where(bad, r, f) for r, f in zip(redo, fast, strict=True)]
