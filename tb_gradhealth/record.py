@@ -200,14 +200,18 @@ def compute(
             rec[INDEX["size"]] = size
         elif weight is not None:
             rec[INDEX["size"]] = np.size(weight)
-        _set_optional(rec, "weight", weight)
-        _set_optional(rec, "update", update)
-        return rec
-    g = flush_to_zero(np.asarray(grad)).reshape(-1)
-    rec = empty()
-    nan = np.isnan(g)
-    posinf = np.isposinf(g)
-    neginf = np.isneginf(g)
+    else:
+        rec = empty()
+        finite = _set_counts_and_moments(rec, flush_to_zero(np.asarray(grad)).reshape(-1))
+        _set_histogram(rec, np.abs(finite[finite != 0]), hist_sample, rng)
+    _set_optional(rec, "weight", weight)
+    _set_optional(rec, "update", update)
+    return rec
+
+
+def _set_counts_and_moments(rec: np.ndarray, g: np.ndarray) -> np.ndarray:
+    """Fill the counts, extremes, mean and ``ssq_rel`` of the flat values ``g``; returns their finite values."""
+    nan, posinf, neginf = np.isnan(g), np.isposinf(g), np.isneginf(g)
     finite = g[~(nan | posinf | neginf)]
     rec[INDEX["size"]] = g.size
     rec[INDEX["nan"]] = int(nan.sum())
@@ -221,7 +225,13 @@ def compute(
         m, ssq = _max_abs_and_ssq_rel(finite)
         rec[INDEX["mean"]] = float(np.mean(f64 / m)) * m if m > 0 else 0.0
         rec[INDEX["ssq_rel"]] = ssq
-    nonzero = np.abs(finite[finite != 0])
+    return finite
+
+
+def _set_histogram(rec: np.ndarray, nonzero: np.ndarray, hist_sample: int | None,
+                   rng: np.random.Generator | None) -> None:
+    """Fill the histogram of the finite nonzero magnitudes: exact, or from ``hist_sample`` draws with replacement
+    scaled to their count (the rule every path shares, docs/FORMAT.md)."""
     n_nonzero = nonzero.size
     if hist_sample and n_nonzero > hist_sample:
         rng = rng if rng is not None else np.random.default_rng()
@@ -232,9 +242,6 @@ def compute(
     else:
         rec[HIST_START:] = np.bincount(hist_bin(nonzero), minlength=HIST_BINS)
         rec[INDEX["hist_sample"]] = n_nonzero
-    _set_optional(rec, "weight", weight)
-    _set_optional(rec, "update", update)
-    return rec
 
 
 def _set_optional(rec: np.ndarray, prefix: str, values: np.ndarray | None) -> None:
