@@ -16,11 +16,11 @@ __version__ = "0.1.0"
 #: Submodules that import TensorFlow (loaded only when used).
 _TF_MODULES = (
     "summary", "packed", "kernels", "histogram", "compat", "keras", "capture", "tpu", "distribute", "shards",
-    "accumulate",
+    "accumulate", "tf_origin",
 )
 #: TensorFlow-free submodules.
 _PLAIN_MODULES = (
-    "record", "metadata", "naming", "eventfile", "writer", "health", "reader", "payloads", "plugin", "cli"
+    "record", "metadata", "naming", "eventfile", "writer", "health", "reader", "payloads", "plugin", "cli", "origin"
 )
 #: Submodules for other frameworks (optional extras ``torch`` and ``jax``; imported only when used).
 _FRAMEWORK_MODULES = ("torch", "jax")

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from tb_gradhealth import __version__, health, reader, storage
+from tb_gradhealth import __version__, health, origin, reader, storage
 from tb_gradhealth.payloads import RequestError, health_payload, parse_step, parse_thresholds
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_UNREADABLE = 0, 1, 2, 3
@@ -132,6 +132,8 @@ def format_run(body: dict[str, Any], series: reader.RunSeries, top: int = 0) -> 
         lines.append(f"  first went wrong: step {onset['step']}, {_text(onset['layer'])} ({onset['status']})")
     if body["summary"].get("timeline"):
         lines.append("  timeline: " + timeline_text(body["summary"]["timeline"]))
+    if body.get("nan_origin"):
+        lines.append(f"  {_text(body['nan_origin']['message'])}")
     for p in series.problems:
         lines.append(f"  problem: {_text(p)}")
     for p in series.notes:
@@ -207,6 +209,9 @@ def report(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     thresholds = _thresholds(args)
     bodies, unreadable, problems = _diagnose(_read(args, err), thresholds, step, err)
     failed = sorted({x["status"] for _, b in bodies for x in b["layers"]} & fail_on)
+    origins = origin.read_logdir(args.logdir, [s.run for s, _ in bodies])  # where the first NaN/Inf was made
+    for series, body in bodies:
+        body["nan_origin"] = origins[series.run].to_json() if series.run in origins else None
     if args.json:
         text = json.dumps({"runs": [b for _, b in bodies], "problems": problems}, allow_nan=False)
     else:

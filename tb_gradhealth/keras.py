@@ -16,6 +16,8 @@ written at step ``s``, next to ``batch_loss`` of the same batch; it describes th
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -55,10 +57,13 @@ class StopEvent:
     layer: str
     status: str
     layers: tuple[str, ...]
+    #: Where the first NaN/Inf was made (a :class:`tb_gradhealth.origin.NanOrigin`), when it was looked for.
+    origin: Any = None
 
     def message(self) -> str:
         others = f" (bad layers at that step: {', '.join(self.layers)})" if len(self.layers) > 1 else ""
-        return f"tb_gradhealth: {self.status} gradient in layer {self.layer!r} at step {self.step}{others}"
+        made = f"; {self.origin.message()}" if self.origin is not None else ""
+        return f"tb_gradhealth: {self.status} gradient in layer {self.layer!r} at step {self.step}{others}{made}"
 
 
 def _innermost_optimizer(optimizer: Any) -> Any:
@@ -204,6 +209,9 @@ class GradientHealthCallback(keras.callbacks.Callback):
             Inf in a gradient) and/or ``"exploding"`` (as diagnosed by :mod:`tb_gradhealth.health` with
             ``thresholds``, the dashboard's rule). The layer and step are logged and kept in :attr:`stop_event`.
         thresholds: a :class:`tb_gradhealth.health.Thresholds` or a mapping of its fields (for ``"exploding"``).
+        nan_origin: at the first recorded step whose gradient holds a NaN/Inf, put the weights of that step back,
+            replay it op by op and store where the first NaN/Inf was made (op, layer, forward or backward, line of
+            user code) in :attr:`origin`, the log and the run (docs/NAN_ORIGIN.md). Free until then.
     """
 
     def __init__(
@@ -218,6 +226,7 @@ class GradientHealthCallback(keras.callbacks.Callback):
         probe_data: Sequence[Any] | None = None,
         stop_on: Sequence[str] = (),
         thresholds: Any = None,
+        nan_origin: bool = True,
     ) -> None:
         super().__init__()
         if keras.backend.backend() != "tensorflow":  # pragma: no cover - the module imports TensorFlow
@@ -242,6 +251,10 @@ class GradientHealthCallback(keras.callbacks.Callback):
         self._writer: Writer | None = None
         self._probe: _Probe | None = None
         self._stop_watch = _StopWatch(self.stop_on, thresholds) if self.stop_on else None
+        self.nan_origin = bool(nan_origin)
+        #: Where the first NaN/Inf was made (:class:`tb_gradhealth.origin.NanOrigin`), once one was recorded.
+        self.origin: Any = None
+        self._origin: Any = None
 
     @property
     def train_dir(self) -> str:
@@ -255,6 +268,7 @@ class GradientHealthCallback(keras.callbacks.Callback):
         if getattr(model, "optimizer", None) is None:
             raise CaptureError("GradientHealthCallback needs a compiled model with an optimizer (call compile()).")
         self.stop_event = None
+        self.origin = None
         if self._stop_watch is not None:
             self._stop_watch = _StopWatch(self.stop_on, self._thresholds)
         self._capture = None
@@ -286,13 +300,15 @@ class GradientHealthCallback(keras.callbacks.Callback):
             seed=self.seed,
         )
         cap.install()
+        self._origin = self._start_origin(model, cap)
         #: The optimizer step as the host predicts it (no device read per batch); a later fit continues the count.
         self._host_step = int(cap.steps.numpy())
         # fit() made (and may have traced) its train function before this call. Two fresh ones trace with the
         # hooks in place: "capture" computes and stores the statistics on logged steps; "plain" is the ordinary
         # step. Calls that contain no logged step run "plain", so they cost nothing, even under XLA where a
         # conditional on the gradients would keep them from fusing into the update.
-        self._functions = compat.train_functions(model, ("plain", "capture"))
+        with self._origin.returning_batches() if self._origin is not None else contextlib.nullcontext():
+            self._functions = compat.train_functions(model, ("plain", "capture"))
         compat.set_train_function(model, self._dispatch)
 
     def _call_logs(self) -> bool:
@@ -314,7 +330,10 @@ class GradientHealthCallback(keras.callbacks.Callback):
         self._arm = False
         self._capture.mode = mode  # read when the call traces (on its first use), in this thread or replicas'
         self._last_mode = mode
-        return self._functions[mode](iterator)
+        logs = self._functions[mode](iterator)
+        if self._origin is not None:
+            logs = self._origin.take_batch(logs, self._host_step + self._spe, keep=mode == "capture")
+        return logs
 
     def on_epoch_begin(self, epoch: int, logs: Mapping[str, Any] | None = None) -> None:
         self._epoch_batch_end = -1
@@ -397,11 +416,26 @@ class GradientHealthCallback(keras.callbacks.Callback):
             new = new[-1:]
         for step, rows in new:
             self._writer.add_records(step, cap.layers, rows, name=self.name, kind="gradients")
+            if self._origin is not None and self.origin is None:
+                self.origin = self._origin.check(step, rows)
             if self._stop_watch is not None and self.stop_event is None:
                 self.stop_event = self._stop_watch.check(cap.layers, step, rows)
+                if self.stop_event is not None and self.origin is not None:
+                    self.stop_event = dataclasses.replace(self.stop_event, origin=self.origin)
                 if self.stop_event is not None:
                     _log.warning("%s; stopping training", self.stop_event.message())
                     self.model.stop_training = True
+
+    def _start_origin(self, model: Any, cap: Capture) -> Any:
+        """The NaN-origin search of this fit (:mod:`tb_gradhealth._fit_origin`), or None when switched off."""
+        if not self.nan_origin:
+            return None
+        from tb_gradhealth._fit_origin import FitOrigin
+
+        found = FitOrigin(model, self.train_dir, self.name, stop_after="nonfinite" in self.stop_on,
+                          restores=self.record_updates)
+        cap.guard = found.guard
+        return found
 
     def _write_probe(self) -> None:
         if self._probe is None:
