@@ -8,42 +8,17 @@ file that holds it (the line ending in its ``# fault: <case>`` marker). The faul
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import keras
-import numpy as np
 import tensorflow as tf
 
-BATCH = 8
-STEPS = 4
-FAULT_BATCH = 2
-FAULT_STEP = FAULT_BATCH + 1
-FAULT_ROWS = slice(FAULT_BATCH * BATCH, FAULT_BATCH * BATCH + 2)  # two samples of that batch
-NAN_SAMPLE = 1  # the sample (within the faulty batch) that holds a NaN in the input-data case
+from tests import nan_faults
+from tests.nan_faults import BATCH, FAULT_BATCH, FAULT_ROWS, FAULT_STEP, NAN_SAMPLE, STEPS, Case  # noqa: F401
 
-
-def fault_line(case: str) -> int:
-    """The line number of this file that carries the ``# fault: <case>`` marker."""
-    for i, text in enumerate(Path(__file__).read_text().splitlines(), 1):
-        if text.rstrip().endswith(f"# fault: {case}"):
-            return i
-    raise LookupError(case)
-
-
-@dataclass
-class Case:
-    name: str
-    op: str
-    layer: str | None
-    direction: str
-    model: keras.Model
-    loss: Callable[[Any, Any], Any]
-    x: np.ndarray
-    y: np.ndarray
-    input_nan: bool = False
+fault_line = functools.partial(nan_faults.fault_line, path=__file__)
 
 
 class L2Norm(keras.layers.Layer):
@@ -79,13 +54,6 @@ def log_loss(y_true: Any, y_pred: Any) -> Any:
     return tf.reduce_mean(tf.math.log(tf.abs(y_pred)) * y_true + tf.square(y_pred - y_true))  # fault: log
 
 
-def _data(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    x = rng.uniform(0.5, 1.5, (BATCH * STEPS, 4)).astype("float32")
-    y = rng.uniform(0.5, 1.5, (BATCH * STEPS, 1)).astype("float32")
-    return x, y
-
-
 def _model(middle: list[Any], out_units: int = 1, name: str = "net") -> keras.Model:
     keras.utils.set_random_seed(0)
     inp = keras.Input((4,))
@@ -97,7 +65,7 @@ def _model(middle: list[Any], out_units: int = 1, name: str = "net") -> keras.Mo
 
 
 def log0() -> Case:
-    x, y = _data()
+    x, y = nan_faults.data()
     x[FAULT_ROWS] = 0.0  # prediction = bias = 0 at the start ...
     keras.utils.set_random_seed(0)
     inp = keras.Input((4,))
@@ -106,7 +74,7 @@ def log0() -> Case:
 
 
 def exp_overflow() -> Case:
-    x, y = _data()
+    x, y = nan_faults.data()
     x[FAULT_ROWS] = 100.0
     keras.utils.set_random_seed(0)
     inp = keras.Input((4,))
@@ -117,20 +85,20 @@ def exp_overflow() -> Case:
 
 
 def sqrt_at_zero() -> Case:
-    x, y = _data()
+    x, y = nan_faults.data()
     x[FAULT_ROWS] = 0.0
     return Case("sqrt", "Sqrt", "l2norm", "backward", _model([L2Norm(name="l2norm")]), mse, x, y)
 
 
 def zero_variance() -> Case:
-    x, y = _data()
+    x, y = nan_faults.data()
     x[FAULT_ROWS] = 0.0
     return Case("div", "RealDiv", "norm", "forward", _model([HandNorm(name="norm")]), mse, x, y)
 
 
 def nan_sample() -> Case:
-    x, y = _data()
-    x[FAULT_BATCH * BATCH + NAN_SAMPLE, 2] = np.nan
+    x, y = nan_faults.data()
+    x = nan_faults.with_nan_sample(x)
     return Case("input", "MatMul", "dense_in", "forward", _model([]), mse, x, y, input_nan=True)
 
 

@@ -122,7 +122,7 @@ def test_mixed_precision_overflow_is_not_an_origin(tmp_path):
     lowers the scale; no non-finite gradient is ever applied, so none is recorded and no origin is looked for."""
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
-        x, y = cases._data()
+        x, y = cases.nan_faults.data()
         model = cases._model([])
         y = y * 1e3  # a squared error of ~1e6, times the loss scale: far above float16's 65504
         model.compile(optimizer=keras.optimizers.SGD(1e-9), loss="mse", jit_compile=False)
