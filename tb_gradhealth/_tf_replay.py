@@ -59,10 +59,12 @@ def _layer_path(frame: Any, root: Any) -> str | None:
     if layer_cls is None:
         return None
     names: list[str] = []
+    skip = (root, getattr(root, "_functional", None))  # a Sequential runs an inner Functional model of its own
     while frame is not None:
         if frame.f_code.co_name == "call":
             owner = frame.f_locals.get("self")
-            if isinstance(owner, layer_cls) and owner is not root and (not names or names[-1] != owner.name):
+            if isinstance(owner, layer_cls) and all(owner is not s for s in skip) and \
+                    (not names or names[-1] != owner.name):
                 names.append(owner.name)
         frame = frame.f_back
     return "/".join(reversed(names)) or None

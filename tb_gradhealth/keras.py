@@ -307,8 +307,9 @@ class GradientHealthCallback(keras.callbacks.Callback):
         # hooks in place: "capture" computes and stores the statistics on logged steps; "plain" is the ordinary
         # step. Calls that contain no logged step run "plain", so they cost nothing, even under XLA where a
         # conditional on the gradients would keep them from fusing into the update.
+        self._functions = compat.train_functions(model, ("plain",))
         with self._origin.returning_batches() if self._origin is not None else contextlib.nullcontext():
-            self._functions = compat.train_functions(model, ("plain", "capture"))
+            self._functions.update(compat.train_functions(model, ("capture",)))  # it alone returns its batch
         compat.set_train_function(model, self._dispatch)
 
     def _call_logs(self) -> bool:
