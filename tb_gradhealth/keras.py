@@ -435,7 +435,8 @@ class GradientHealthCallback(keras.callbacks.Callback):
 
         found = FitOrigin(model, self.train_dir, self.name, stop_after="nonfinite" in self.stop_on,
                           restores=self.record_updates)
-        cap.guard = found.guard
+        if found.keeps_batches:  # without the batch there is nothing to replay: leave the weights to the optimizer
+            cap.guard = found.guard
         return found
 
     def _write_probe(self) -> None:

@@ -37,9 +37,9 @@ def check(found: origin.NanOrigin, case: cases.Case, line: int) -> None:
         assert found.input_nonfinite == ()
 
 
-def fit(case: cases.Case, log_dir: str, **kw) -> GradientHealthCallback:
+def fit(case: cases.Case, log_dir: str, record_updates: bool = True, **kw) -> GradientHealthCallback:
     case.model.compile(optimizer=keras.optimizers.SGD(0.01), loss=case.loss, **kw)
-    cb = GradientHealthCallback(log_dir, update_freq=1, stop_on="nonfinite")
+    cb = GradientHealthCallback(log_dir, update_freq=1, stop_on="nonfinite", record_updates=record_updates)
     how = dict(batch_size=cases.BATCH, epochs=1, shuffle=False, verbose=0)
     case.model.fit(case.x, case.y, callbacks=[cb], **how)  # fault: fit
     return cb
@@ -64,6 +64,17 @@ def test_keras_fit_under_xla_names_the_origin(tmp_path):
     case = cases.CASES["sqrt"]()
     cb = fit(case, str(tmp_path), jit_compile=True)
     check(cb.origin, case, cases.fault_line("sqrt"))
+
+
+@pytest.mark.parametrize("setup", [dict(steps_per_execution=2), dict(record_updates=False)], ids=["spe2", "no-copy"])
+def test_keras_fit_says_plainly_when_it_cannot_replay(setup, tmp_path):
+    """Two steps a call (only the last one's batch could be returned), or no copy of the weights to put back."""
+    case = cases.CASES["sqrt"]()
+    cb = fit(case, str(tmp_path), jit_compile=False, **setup)
+    assert cb.origin is not None and not cb.origin.found and cb.origin.step == cases.FAULT_STEP
+    assert cb.origin.reason and cb.origin.message() in cb.stop_event.message()
+    stored = origin.read_event_files(sorted(str(p) for p in (tmp_path / "train").glob("events.out.tfevents.*")))
+    assert [o.to_json() for o in stored] == [cb.origin.to_json()]
 
 
 def test_report_shows_the_origin(tmp_path, capsys):
