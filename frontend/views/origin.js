@@ -41,3 +41,20 @@ export function originBox(run) {
     },
   };
 }
+
+/** Whether the layer detail of `layer` should show the run's origin: its variable belongs to the origin's layer, or
+ * its own gradient went non-finite (the NaN it shows was made there). */
+function concerns(origin, layer, entry) {
+  if (origin.layer && (layer === origin.layer || layer.startsWith(`${origin.layer}/`))) return true;
+  const episodes = (entry && entry.episodes) || [];
+  return Boolean(entry && (entry.status === 'nonfinite' || episodes.some((ep) => ep.status === 'nonfinite')));
+}
+
+/** For the layer detail: an element (filled when the answer arrives) with the run's origin if it concerns `layer`. */
+export function originNote(run, layer, entry) {
+  const slot = el('div', { class: 'origin-note' });
+  api('nan_origin', { run }).then((body) => {
+    if (body.origin && concerns(body.origin, layer, entry)) replace(slot, originLine(body.origin));
+  }).catch(() => {});
+  return slot;
+}
