@@ -14,6 +14,8 @@ ratio to the callback or recorder without the feature, and the mean step's):
 
 * Keras ``fit``: no callback; ``GradientHealthCallback(update_freq=1 | 100)`` with ``nan_origin=False`` and ``True``;
   Debugger V2 (``tf.debugging.experimental.enable_dump_debug_info``) with ``NO_TENSOR`` and ``FULL_HEALTH``;
+* a custom TF loop (``tf.function``, and ``jit_compile=True``) that returns its record and reads it on the host each
+  step, without and with ``apply_if_finite`` and ``OriginFinder.check``;
 * PyTorch: a plain step; ``StepRecorder`` (every step) without and with ``origin=``; the plain step under
   ``torch.autograd.detect_anomaly()``.
 
@@ -123,7 +125,67 @@ def tf_part(args: argparse.Namespace) -> dict:
                         tf.debugging.experimental.disable_dump_debug_info()
         out["per_step"] = _summary(times)
         out["answer"] = _tf_answers(args, tmp)
+        out["loop"] = _tf_loop(args, tmp)
     return out
+
+
+def _tf_loop(args: argparse.Namespace, tmp: str) -> dict:
+    """A custom loop that returns its record and reads it on the host every step (as writing it does), with and
+    without ``apply_if_finite`` + ``OriginFinder.check``; with and without XLA."""
+    import keras
+    import tensorflow as tf
+
+    from tb_gradhealth import summary
+    from tb_gradhealth.tf_origin import OriginFinder, apply_if_finite
+
+    x, y = _data(args.steps + WARM, None)
+    batches = [(tf.constant(x[i * BATCH:(i + 1) * BATCH]), tf.constant(y[i * BATCH:(i + 1) * BATCH]))
+               for i in range(args.steps + WARM)]
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def make(jit: bool, origin: bool):
+        model = _keras_model()
+        variables = model.trainable_variables
+        opt = keras.optimizers.SGD(1e-3)
+        opt.build(variables)
+
+        def loss_fn(a, b):
+            return loss(b, model(a, training=True))
+
+        @tf.function(jit_compile=jit)
+        def step(a, b):
+            with tf.GradientTape() as tape:
+                value = loss_fn(a, b)
+            grads = tape.gradient(value, variables)
+            pairs = list(zip(grads, variables, strict=True))
+            rec = summary.compute(pairs)
+            if origin:
+                apply_if_finite(opt, pairs, rec)
+            else:
+                opt.apply_gradients(pairs)
+            return rec
+
+        finder = OriginFinder(loss_fn, variables, None, root=model) if origin else None
+
+        def run() -> np.ndarray:
+            ends = [time.perf_counter()]
+            for i, (a, b) in enumerate(batches, 1):
+                rec = step(a, b)
+                rec.counts.numpy(), rec.values.numpy()  # the host read that writing the record does
+                if finder is not None:
+                    finder.check(i, rec, a, b)
+                ends.append(time.perf_counter())
+            return np.diff(ends[WARM:])
+
+        return run
+
+    configs = {f"custom loop{' (XLA)' if jit else ''}{' + origin' if on else ''}": (jit, on)
+               for jit in (False, True) for on in (False, True)}
+    times: dict[str, list[np.ndarray]] = {k: [] for k in configs}
+    for r in range(args.rounds):
+        for name in _order(list(configs), r):
+            times[name].append(make(*configs[name])())
+    return _summary(times)
 
 
 def _tf_answers(args: argparse.Namespace, tmp: str) -> dict:
@@ -255,6 +317,8 @@ def _print(framework: str, result: dict, base: str) -> None:
     width = max(map(len, per_step)) + 2
     for name, (median, mean) in per_step.items():
         print(f"  {name:<{width}} {median:8.3f} ms   {median / per_step[base][0]:5.2f}x   mean {mean:8.3f} ms")
+    if not result["answer"]:
+        return
     print(f"{framework}: time from the NaN to the answer")
     for name, (secs, what) in result["answer"].items():
         print(f"  {name:<{width}} {secs * 1e3:8.1f} ms   {what}")
@@ -274,14 +338,18 @@ def main() -> None:
                    str(args.rounds), "--fault-step", str(args.fault_step)]
             env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
-            _print("TensorFlow / Keras fit" if part == "tf" else "PyTorch", json.loads(proc.stdout.splitlines()[-1]),
-                   base)
+            result = json.loads(proc.stdout.splitlines()[-1])
+            _print("TensorFlow / Keras fit" if part == "tf" else "PyTorch", result, base)
+            if "loop" in result:
+                _print("TensorFlow custom loop", {"per_step": result["loop"], "answer": {}}, "custom loop")
         return
     result = tf_part(args) if args.part == "tf" else torch_part(args)
     if args.json:
         print(json.dumps(result, default=str))
     else:
         _print(args.part, result, "callback, every step" if args.part == "tf" else "StepRecorder")
+        if "loop" in result:
+            _print("custom loop", {"per_step": result["loop"], "answer": {}}, "custom loop")
 
 
 if __name__ == "__main__":
