@@ -28,6 +28,8 @@ PLUGIN_NAME = "gradhealth_origin"
 #: Tags are ``gradhealth_origin/<name>``: outside the ``gradhealth/`` prefix that record readers claim.
 TAG_PREFIX = PLUGIN_NAME + "/"
 FORMAT_VERSION = 1
+#: The end of the name of the event files that hold origins (see :func:`write`).
+FILE_SUFFIX = ".nanorigin"
 DIRECTIONS = ("forward", "backward")
 
 
@@ -141,7 +143,7 @@ def write(logdir: str, origin: NanOrigin, name: str = "gradients") -> str:
     value = event.summary.value.add(tag=tag, tensor=tensor_util.make_tensor_proto(np.array(encode(origin),
                                                                                            dtype=object)))
     value.metadata.CopyFrom(_metadata())
-    out = EventFile(logdir, filename_suffix=".nanorigin")
+    out = EventFile(logdir, filename_suffix=FILE_SUFFIX)
     try:
         out.add_event(event)
     finally:
@@ -206,7 +208,9 @@ def _run_filter(run: str, tags: Iterable[str] | None = None) -> Any:
 
 def read_logdir(logdir: str, runs: Iterable[str] | None = None, problems: list[str] | None = None,
                 storage_options: Mapping[str, Any] | None = None) -> dict[str, NanOrigin]:
-    """The earliest origin of each run directory of ``logdir`` that holds one (only ``runs`` when given)."""
+    """The earliest origin of each run directory of ``logdir`` that holds one (only ``runs`` when given). Only the
+    event files :func:`write` makes (``*.nanorigin``, with a sequence number on object storage) are read, so a
+    report does not read a run's records twice."""
     from tb_gradhealth import reader
 
     wanted = None if runs is None else set(runs)
@@ -214,7 +218,8 @@ def read_logdir(logdir: str, runs: Iterable[str] | None = None, problems: list[s
     for run, paths in reader.find_runs(logdir, storage_options).items():
         if wanted is not None and run not in wanted:
             continue
-        found = first(read_event_files(paths, problems, storage_options))
+        ours = [p for p in paths if FILE_SUFFIX in os.path.basename(p)]
+        found = first(read_event_files(ours, problems, storage_options))
         if found is not None:
             out[run] = found
     return out
