@@ -23,7 +23,7 @@ _PLAIN_MODULES = (
     "record", "metadata", "naming", "eventfile", "writer", "health", "reader", "payloads", "plugin", "cli", "origin"
 )
 #: Submodules for other frameworks (optional extras ``torch`` and ``jax``; imported only when used).
-_FRAMEWORK_MODULES = ("torch", "jax", "torch_origin")
+_FRAMEWORK_MODULES = ("torch", "jax", "torch_origin", "jax_origin")
 _LAZY_MODULES = _TF_MODULES + _PLAIN_MODULES + _FRAMEWORK_MODULES
 _LAZY_ATTRS = {"Writer": "writer", "Thresholds": "health"}
 

@@ -20,7 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from tb_gradhealth import _frames, compat
-from tb_gradhealth.origin import NanOrigin
+from tb_gradhealth.origin import NanOrigin, nonfinite_samples
 
 
 @dataclass
@@ -102,15 +102,6 @@ def _named_inputs(batch: Mapping[str, Any]) -> list[tuple[str, Any]]:
             if t is not None and tf.is_tensor(t) or isinstance(t, np.ndarray):
                 out.append((name if len(flat) == 1 else f"{name}[{i}]", tf.convert_to_tensor(t)))
     return out
-
-
-def _nonfinite_rows(name: str, t: Any) -> str:
-    arr = np.asarray(t)
-    if arr.ndim == 0:
-        return name
-    bad = np.flatnonzero(~np.all(np.isfinite(arr.reshape(arr.shape[0], -1)), axis=1))
-    shown = ", ".join(str(int(i)) for i in bad[:8]) + (", ..." if bad.size > 8 else "")
-    return f"{name} (sample{'s' if bad.size > 1 else ''} {shown})"
 
 
 def _vjp(op: _Op, out_grads: Sequence[Any]) -> tuple[list[Any], str]:
@@ -212,7 +203,7 @@ def replay(
         return not_found(f"the weights already hold NaN/Inf ({', '.join(map(str, bad_weights[:3]))}): they were made "
                          "at an earlier step, whose update was applied before it was recorded")
     inputs = _named_inputs(batch or {})
-    bad_inputs = [_nonfinite_rows(n, t) for n, t in inputs if _nonfinite(t)]
+    bad_inputs = [nonfinite_samples(n, t) for n, t in inputs if _nonfinite(t)]
     rec = _Recorder(root)
     eager_before = tf.config.functions_run_eagerly()
     tf.config.run_functions_eagerly(True)

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tb_gradhealth import origin, record
-from tb_gradhealth.origin import NanOrigin
+from tb_gradhealth.origin import NanOrigin, nonfinite_samples
 
 __all__ = ["OriginFinder", "replay", "NanOrigin"]
 
@@ -84,10 +84,9 @@ def _run(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], out: list[_Eqn]
     """Evaluate ``jaxpr`` primitive by primitive, inlining calls; record each primitive in ``out`` (when given) and
     add ``eps[k]`` to the k-th primitive's float outputs (when given, for cotangents of intermediates)."""
     env: dict[Any, Any] = {}
-    counter = [0] if eps is None or not hasattr(eps, "counter") else eps.counter
 
     def read(v: Any) -> Any:
-        return v.val if hasattr(v, "val") and not hasattr(v, "count") else env[v]
+        return v.val if type(v).__name__ == "Literal" else env[v]
 
     for v, c in zip(jaxpr.constvars, consts, strict=True):
         env[v] = c
@@ -112,7 +111,6 @@ def _run(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], out: list[_Eqn]
                                 _user_frame(eqn)))
         for v, val in zip(eqn.outvars, outvals, strict=True):
             env[v] = val
-    del counter
     return [read(v) for v in jaxpr.outvars]
 
 
@@ -185,10 +183,11 @@ def replay(loss_fn: Callable[..., Any], params: Any, *batch: Any, step: int) -> 
     if any(_nonfinite(p) for p in leaves):
         return not_found("the weights already hold NaN/Inf: they were made at an earlier step, whose update was "
                          "applied before it was recorded")
-    bad_inputs = [f"batch[{i}]" for i, b in enumerate(batch) if any(_nonfinite(x) for x in jax.tree_util.tree_leaves(b))]
+    named = [(f"batch[{i}]" + (f"[{j}]" if len(leaves_i) > 1 else ""), x)
+             for i, leaves_i in enumerate(jax.tree_util.tree_leaves(b) for b in batch) for j, x in enumerate(leaves_i)]
+    bad_inputs = [nonfinite_samples(n, x) for n, x in named if _nonfinite(x)]
     try:
-        with jax.disable_jit(False):
-            closed = jax.make_jaxpr(loss_fn)(params, *batch)
+        closed = jax.make_jaxpr(loss_fn)(params, *batch)
         flat = jax.tree_util.tree_leaves((params, *batch))
         eqns: list[_Eqn] = []
         loss = _run(closed.jaxpr, closed.consts, flat, eqns)[0]

@@ -107,6 +107,16 @@ class NanOrigin:
         return cls(**kw)
 
 
+def nonfinite_samples(name: str, values: Any) -> str:
+    """``"x (samples 3, 17)"``: which samples (rows of the first axis) of a batch input hold a NaN/Inf."""
+    arr = np.asarray(values)
+    if arr.ndim == 0:
+        return name
+    bad = np.flatnonzero(~np.all(np.isfinite(arr.reshape(arr.shape[0], -1)), axis=1))
+    shown = ", ".join(str(int(i)) for i in bad[:8]) + (", ..." if bad.size > 8 else "")
+    return f"{name} (sample{'s' if bad.size > 1 else ''} {shown})"
+
+
 def _metadata() -> summary_pb2.SummaryMetadata:
     return summary_pb2.SummaryMetadata(
         plugin_data=summary_pb2.SummaryMetadata.PluginData(

@@ -30,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from tb_gradhealth import _frames, origin, record
-from tb_gradhealth.origin import NanOrigin
+from tb_gradhealth.origin import NanOrigin, nonfinite_samples
 
 __all__ = ["OriginFinder", "replay", "NanOrigin"]
 
@@ -165,14 +165,6 @@ def _batch_names(batch: Sequence[Any]) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def _rows(name: str, t: torch.Tensor) -> str:
-    if t.dim() == 0:
-        return name
-    bad = np.flatnonzero(~torch.isfinite(t.detach().reshape(t.shape[0], -1)).all(dim=1).cpu().numpy())
-    shown = ", ".join(str(int(i)) for i in bad[:8]) + (", ..." if bad.size > 8 else "")
-    return f"{name} (sample{'s' if bad.size > 1 else ''} {shown})"
-
-
 def replay(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor], batch: Sequence[Any], *,
            step: int) -> NanOrigin:
     """Replay ``loss_fn(*batch)`` (with ``model``'s current weights) and name the first op that made a NaN/Inf.
@@ -187,7 +179,8 @@ def replay(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor], batch: 
     if bad_weights:
         return not_found(f"the weights already hold NaN/Inf ({', '.join(bad_weights[:3])}): they were made at an "
                          "earlier step, whose update was applied before it was recorded")
-    bad_inputs = [_rows(n, t) for n, t in _batch_names(batch) if _nonfinite(t)]
+    bad_inputs = [nonfinite_samples(n, t.detach().cpu().numpy()) for n, t in _batch_names(batch)
+                  if _nonfinite(t)]
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
     found: NanOrigin | None = None

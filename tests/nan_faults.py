@@ -7,12 +7,15 @@ non-finite gradient appears at step ``FAULT_STEP``. A case's source line is the 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from tb_gradhealth import origin
 
 BATCH = 8
 STEPS = 4
@@ -55,3 +58,20 @@ def data(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 def with_nan_sample(x: np.ndarray) -> np.ndarray:
     x[FAULT_BATCH * BATCH + NAN_SAMPLE, 2] = np.nan
     return x
+
+
+def assert_names_the_fault(found: origin.NanOrigin | None, case: Case, file: str, line: int) -> None:
+    """``found`` names the case's op, layer, direction, the line ``file:line``, and the faulty step."""
+    assert found is not None and found.found, found
+    assert found.step == FAULT_STEP, found
+    assert (found.op, found.layer, found.direction) == (case.op, case.layer, case.direction), found
+    assert (os.path.basename(found.file), found.line) == (os.path.basename(file), line), found
+    if case.input_nan:
+        assert len(found.input_nonfinite) == 1 and f"(sample {NAN_SAMPLE})" in found.input_nonfinite[0], found
+    else:
+        assert found.input_nonfinite == (), found
+
+
+def stored(run_dir: Path) -> list[origin.NanOrigin]:
+    """The origins stored in a run directory's event files."""
+    return origin.read_event_files(sorted(str(p) for p in run_dir.glob("events.out.tfevents.*")))

@@ -9,7 +9,6 @@ itself: no origin is reported and the weights stay finite.
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import pytest
@@ -26,15 +25,8 @@ from tests import nan_cases_tf as cases  # noqa: E402
 
 
 def check(found: origin.NanOrigin, case: cases.Case, line: int) -> None:
-    assert found.found, found.reason
-    assert found.step == cases.FAULT_STEP
-    assert (found.op, found.layer, found.direction) == (case.op, case.layer, case.direction), found
-    assert (os.path.basename(found.file), found.line) == ("nan_cases_tf.py" if not case.input_nan
-                                                          else os.path.basename(__file__), line), found
-    if case.input_nan:
-        assert len(found.input_nonfinite) == 1 and f"(sample {cases.NAN_SAMPLE})" in found.input_nonfinite[0]
-    else:
-        assert found.input_nonfinite == ()
+    where = __file__ if case.input_nan else cases.__file__
+    cases.nan_faults.assert_names_the_fault(found, case, where, line)
 
 
 def fit(case: cases.Case, log_dir: str, record_updates: bool = True, **kw) -> GradientHealthCallback:
@@ -56,8 +48,7 @@ def test_keras_fit_names_the_origin(name, tmp_path):
     assert cb.stop_event.origin is cb.origin and cb.origin.message() in cb.stop_event.message()
     # the non-finite step's update was undone: the weights are finite and training stopped there
     assert all(np.isfinite(w).all() for w in case.model.get_weights())
-    stored = origin.read_event_files(sorted(str(p) for p in (tmp_path / "train").glob("events.out.tfevents.*")))
-    assert [o.to_json() for o in stored] == [cb.origin.to_json()]
+    assert [o.to_json() for o in cases.nan_faults.stored(tmp_path / "train")] == [cb.origin.to_json()]
 
 
 def test_keras_fit_under_xla_names_the_origin(tmp_path):
@@ -73,8 +64,7 @@ def test_keras_fit_says_plainly_when_it_cannot_replay(setup, tmp_path):
     cb = fit(case, str(tmp_path), jit_compile=False, **setup)
     assert cb.origin is not None and not cb.origin.found and cb.origin.step == cases.FAULT_STEP
     assert cb.origin.reason and cb.origin.message() in cb.stop_event.message()
-    stored = origin.read_event_files(sorted(str(p) for p in (tmp_path / "train").glob("events.out.tfevents.*")))
-    assert [o.to_json() for o in stored] == [cb.origin.to_json()]
+    assert [o.to_json() for o in cases.nan_faults.stored(tmp_path / "train")] == [cb.origin.to_json()]
 
 
 def test_report_shows_the_origin(tmp_path, capsys):
@@ -124,8 +114,7 @@ def test_custom_loop_names_the_origin(name, jit, tmp_path):
                       if t.endswith("# fault: loop-forward")))
     check(finder.origin, case, line)
     assert all(np.isfinite(v.numpy()).all() for v in case.model.trainable_variables)
-    stored = origin.read_event_files(sorted(str(p) for p in tmp_path.glob("events.out.tfevents.*")))
-    assert [o.step for o in stored] == [cases.FAULT_STEP]
+    assert [o.step for o in cases.nan_faults.stored(tmp_path)] == [cases.FAULT_STEP]
 
 
 def test_mixed_precision_overflow_is_not_an_origin(tmp_path):
@@ -144,5 +133,5 @@ def test_mixed_precision_overflow_is_not_an_origin(tmp_path):
     finally:
         keras.mixed_precision.set_global_policy("float32")
     assert cb.origin is None and cb.stop_event is None
-    assert origin.read_event_files(sorted(str(p) for p in (tmp_path / "train").glob("events.out.tfevents.*"))) == []
+    assert cases.nan_faults.stored(tmp_path / "train") == []
     assert all(np.isfinite(w).all() for w in model.get_weights())

@@ -7,8 +7,6 @@ Under ``torch.autocast`` with a ``GradScaler`` a float16 overflow is the scaler'
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
@@ -16,7 +14,6 @@ pytestmark = [pytest.mark.torch]
 
 torch = pytest.importorskip("torch")
 
-from tb_gradhealth import origin  # noqa: E402
 from tb_gradhealth.torch import StepRecorder  # noqa: E402
 from tb_gradhealth.torch_origin import OriginFinder  # noqa: E402
 from tb_gradhealth.writer import Writer  # noqa: E402
@@ -46,16 +43,10 @@ def train(case: cases.Case, log_dir: str) -> OriginFinder:
 def test_step_recorder_names_the_origin(name, tmp_path):
     case = cases.CASES[name]()
     found = train(case, str(tmp_path)).origin
-    assert found is not None and found.found, found
-    assert found.step == cases.FAULT_STEP
-    assert (found.op, found.layer, found.direction) == (case.op, case.layer, case.direction), found
     # the input case: the first line of user code is the model's forward that calls the first layer
-    assert (os.path.basename(found.file), found.line) == (os.path.basename(cases.__file__), cases.fault_line(name))
-    if case.input_nan:
-        assert len(found.input_nonfinite) == 1 and f"(sample {cases.NAN_SAMPLE})" in found.input_nonfinite[0]
+    cases.nan_faults.assert_names_the_fault(found, case, cases.__file__, cases.fault_line(name))
     assert all(torch.isfinite(p).all() for p in case.model.parameters())  # the update was undone
-    stored = origin.read_event_files(sorted(str(p) for p in tmp_path.glob("events.out.tfevents.*")))
-    assert [o.to_json() for o in stored] == [found.to_json()]
+    assert [o.to_json() for o in cases.nan_faults.stored(tmp_path)] == [found.to_json()]
 
 
 def test_grad_scaler_overflow_is_not_an_origin(tmp_path):
@@ -77,5 +68,5 @@ def test_grad_scaler_overflow_is_not_an_origin(tmp_path):
         applied = recorder.step(1, batch=(xb, yb))
     assert not applied and scaler.get_scale() < 2.0**16  # the overflow happened and was skipped
     assert finder.origin is None
-    assert origin.read_event_files(sorted(str(p) for p in tmp_path.glob("events.out.tfevents.*"))) == []
+    assert cases.nan_faults.stored(tmp_path) == []
     assert all(np.isfinite(p.detach().numpy()).all() for p in model.parameters())
