@@ -37,10 +37,11 @@ def fit(case: cases.Case, log_dir: str, record_updates: bool = True, **kw) -> Gr
     return cb
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["graph", "xla"])
 @pytest.mark.parametrize("name", list(cases.CASES))
-def test_keras_fit_names_the_origin(name, tmp_path):
+def test_keras_fit_names_the_origin(name, jit, tmp_path):
     case = cases.CASES[name]()
-    cb = fit(case, str(tmp_path), jit_compile=False)
+    cb = fit(case, str(tmp_path), jit_compile=jit)
     line = (cases.fault_line(name) if not case.input_nan
             else next(i for i, t in enumerate(open(__file__).read().splitlines(), 1) if t.endswith("# fault: fit")))
     check(cb.origin, case, line)
@@ -49,12 +50,6 @@ def test_keras_fit_names_the_origin(name, tmp_path):
     # the non-finite step's update was undone: the weights are finite and training stopped there
     assert all(np.isfinite(w).all() for w in case.model.get_weights())
     assert [o.to_json() for o in cases.nan_faults.stored(tmp_path / "train")] == [cb.origin.to_json()]
-
-
-def test_keras_fit_under_xla_names_the_origin(tmp_path):
-    case = cases.CASES["sqrt"]()
-    cb = fit(case, str(tmp_path), jit_compile=True)
-    check(cb.origin, case, cases.fault_line("sqrt"))
 
 
 @pytest.mark.parametrize("setup", [dict(steps_per_execution=2), dict(record_updates=False)], ids=["spe2", "no-copy"])
