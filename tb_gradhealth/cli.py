@@ -2,7 +2,8 @@
 
 Reads event files directly (:func:`tb_gradhealth.reader.read_logdir`, no TensorBoard server, no TensorFlow) and
 diagnoses with :mod:`tb_gradhealth.health`, so it agrees with the dashboard. The JSON is the ``health`` route's
-answer per run (docs/API.md) plus the run's read problems.
+answer per run (docs/API.md) plus the run's read problems and ``nan_origin``: where its first NaN/Inf was made, when
+a writer replayed it (:mod:`tb_gradhealth.origin`; the ``nan_origin`` route's ``origin``).
 
 Exit status: 1 when a reported layer has a status named in ``--fail-on`` (default ``nonfinite``; ``none`` never
 fails); else 3 when a run holds gradient-health data but none of it is readable (each such run and why is on stderr
