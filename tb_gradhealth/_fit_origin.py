@@ -1,6 +1,6 @@
 """The NaN-origin search of ``GradientHealthCallback``: keep the batch, keep the weights, replay the step.
 
-* Batch: the callback's train functions return the step's batch beside the logs (a reference to a tensor that
+* Batch: the model's train step returns its batch beside the logs (a reference to a tensor that
   already exists, so no copy and no extra device work outside XLA); the callback's dispatcher takes it back out
   before ``fit`` sees the logs and keeps those of the calls not yet read (at most the calls of one ring-buffer read).
   Only with ``steps_per_execution == 1`` and no distribution strategy, where a call is one step of one batch.
@@ -13,9 +13,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import keras
@@ -50,24 +48,26 @@ class FitOrigin:
             #: 1 from a step with a NaN/Inf gradient until the host has replayed it: captured updates are undone.
             self.frozen = tf.Variable(tf.constant(0, tf.int32), trainable=False, name="gh_frozen")
 
-    @contextlib.contextmanager
-    def returning_batches(self) -> Iterator[None]:
-        """While the callback makes its train functions: ``train_step`` also returns its batch."""
+    def install(self) -> None:
+        """Make ``model.train_step`` also return its batch (an instance attribute, read when ``fit``'s train
+        functions trace; :meth:`uninstall` removes it). A wrapper left by a ``fit`` that ended by an exception is
+        replaced, not wrapped again."""
         if not self.keeps_batches:
-            yield
             return
         model = self.model
-        original = model.train_step
+        stale = model.__dict__.get("train_step")
+        original = stale.__wrapped__ if getattr(stale, "__wrapped__", None) is not None else model.train_step
 
         def train_step(data: Any) -> Any:
             logs = original(data)
             return {**logs, BATCH_KEY: data} if isinstance(logs, dict) else logs
 
+        train_step.__wrapped__ = original
         model.train_step = train_step
-        try:
-            yield
-        finally:
-            del model.train_step
+
+    def uninstall(self) -> None:
+        if getattr(self.model.__dict__.get("train_step"), "__wrapped__", None) is not None:
+            del self.model.train_step
 
     def take_batch(self, logs: Any, step: int, keep: bool) -> Any:
         """``logs`` without the batch; the batch of ``step`` kept when ``keep`` (a captured call)."""

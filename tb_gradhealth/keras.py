@@ -16,7 +16,6 @@ written at step ``s``, next to ``batch_loss`` of the same batch; it describes th
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
@@ -307,9 +306,7 @@ class GradientHealthCallback(keras.callbacks.Callback):
         # hooks in place: "capture" computes and stores the statistics on logged steps; "plain" is the ordinary
         # step. Calls that contain no logged step run "plain", so they cost nothing, even under XLA where a
         # conditional on the gradients would keep them from fusing into the update.
-        self._functions = compat.train_functions(model, ("plain",))
-        with self._origin.returning_batches() if self._origin is not None else contextlib.nullcontext():
-            self._functions.update(compat.train_functions(model, ("capture",)))  # it alone returns its batch
+        self._functions = compat.train_functions(model, ("plain", "capture"))
         compat.set_train_function(model, self._dispatch)
 
     def _call_logs(self) -> bool:
@@ -395,6 +392,8 @@ class GradientHealthCallback(keras.callbacks.Callback):
         self._teardown()
 
     def _teardown(self) -> None:
+        if self._origin is not None:
+            self._origin.uninstall()
         if self._capture is not None:
             self._capture.uninstall()
             # Drop the traced functions that hold the hooks: later fit() calls without this callback pay nothing.
@@ -435,6 +434,7 @@ class GradientHealthCallback(keras.callbacks.Callback):
 
         found = FitOrigin(model, self.train_dir, self.name, stop_after="nonfinite" in self.stop_on,
                           restores=self.record_updates)
+        found.install()  # the train step returns its batch, for the replay
         if found.keeps_batches:  # without the batch there is nothing to replay: leave the weights to the optimizer
             cap.guard = found.guard
         return found

@@ -50,6 +50,7 @@ def test_keras_fit_names_the_origin(name, jit, tmp_path):
     # the non-finite step's update was undone: the weights are finite and training stopped there
     assert all(np.isfinite(w).all() for w in case.model.get_weights())
     assert [o.to_json() for o in cases.nan_faults.stored(tmp_path / "train")] == [cb.origin.to_json()]
+    assert "train_step" not in vars(case.model)  # the train step that returned its batch is gone after fit
 
 
 @pytest.mark.parametrize("setup", [dict(steps_per_execution=2), dict(record_updates=False)], ids=["spe2", "no-copy"])
