@@ -3,7 +3,7 @@
 * Batch: the model's train step returns its batch beside the logs (a reference to a tensor that
   already exists, so no copy and no extra device work outside XLA); the callback's dispatcher takes it back out
   before ``fit`` sees the logs and keeps those of the calls not yet read (at most the calls of one ring-buffer read).
-  Only with ``steps_per_execution == 1`` and no distribution strategy, where a call is one step of one batch.
+  Only with ``steps_per_execution == 1``, no distribution strategy and not ``run_eagerly``: one step, one batch.
 * Weights: on a captured step whose record shows a NaN/Inf gradient, the capture hook puts back the weights it
   already copied for the update statistics (``record_updates``) and freezes them until the host has replayed that
   step, as dynamic loss scaling skips a non-finite step. The optimizer's own state (moments) is not put back.
@@ -110,7 +110,11 @@ class FitOrigin:
                               reason="the step's update was applied (record_updates=False keeps no copy of the "
                               "weights to put back)")
         else:
-            found = self._replay(step, batch)
+            try:
+                found = self._replay(step, batch)
+            except Exception as e:  # noqa: BLE001 - never raise from inside fit because of the data
+                found = NanOrigin(step=step, found=False, framework="tensorflow",
+                                  reason=f"the replay failed: {type(e).__name__}: {e}")
         self.origin = found
         try:
             origin.write(self.log_dir, found, self.name)
