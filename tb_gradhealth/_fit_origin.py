@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import keras
 import numpy as np
 import tensorflow as tf
 
@@ -28,6 +27,15 @@ _log = logging.getLogger("tb_gradhealth")
 #: The key under which the train functions return their batch (taken out again before ``fit`` sees the logs).
 BATCH_KEY = "_tb_gradhealth_batch"
 _NONFINITE = [record.INDEX[k] for k in ("nan", "posinf", "neginf")]
+
+
+def _unpack(data: Any) -> tuple[Any, Any, Any]:
+    """``(x, y, sample_weight)`` of a batch, as ``train_step`` unpacks it (a tuple of 1 to 3, else ``x`` alone)."""
+    if isinstance(data, list):
+        data = tuple(data)
+    if isinstance(data, tuple) and 1 <= len(data) <= 3:
+        return (*data, *([None] * (3 - len(data))))
+    return data, None, None
 
 
 class FitOrigin:
@@ -127,7 +135,7 @@ class FitOrigin:
 
     def _replay(self, step: int, batch: Any) -> NanOrigin:
         model = self.model
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
+        x, y, sample_weight = _unpack(batch)
         state = [(v, tf.identity(v)) for v in model.non_trainable_variables]
 
         def loss() -> Any:
