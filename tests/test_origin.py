@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 from tensorboard.plugins import base_plugin
@@ -75,3 +76,15 @@ def test_route_answers_the_origin_through_the_data_server(tmp_path):
     other = json.loads(client.get("/nan_origin?run=healthy").get_data(as_text=True))
     assert other == {"run": "healthy", "origin": None, "problems": []}
     assert client.get("/nan_origin").status_code == 400
+
+
+@pytest.mark.unit
+def test_the_documented_answer_has_the_fields_of_the_stored_form():
+    text = (Path(__file__).resolve().parent.parent / "docs" / "API.md").read_text()
+    section = text[text.index("## GET nan_origin"):]
+    start = section.index("```json") + len("```json")
+    body = json.loads(section[start:section.index("```", start)])
+    assert set(body) == {"run", "origin", "problems"}
+    assert set(body["origin"]) == set(FOUND.to_json())
+    assert origin.decode(json.dumps({"v": origin.FORMAT_VERSION, **body["origin"]})).message() == \
+        body["origin"]["message"]
