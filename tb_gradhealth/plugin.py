@@ -29,7 +29,7 @@ from tensorboard.backend import http_util
 from tensorboard.plugins import base_plugin
 from werkzeug import wrappers
 
-from tb_gradhealth import health, metadata
+from tb_gradhealth import health, metadata, origin
 from tb_gradhealth.payloads import (
     RequestError,
     at_index,
@@ -175,6 +175,7 @@ class GradHealthPlugin(base_plugin.TBPlugin):
             "/series": self._serve_series,
             "/histograms": self._serve_histograms,
             "/profile": self._serve_profile,
+            "/nan_origin": self._serve_nan_origin,
             "/*": self._serve_static,
         }
         return {route: _read_only(app) for route, app in apps.items()}
@@ -280,6 +281,21 @@ class GradHealthPlugin(base_plugin.TBPlugin):
         series = self._series(request, run)
         h, _ = self._diagnosis(request, series, t, int(series.steps[profile_index(series, step)]))
         return profile_payload(series, t, step, h)
+
+    @_json_route
+    def _serve_nan_origin(self, request: Any) -> dict[str, Any]:
+        """Where the run's first NaN/Inf was made (:mod:`tb_gradhealth.origin`): ``{"run", "origin", "problems"}``,
+        ``origin`` null when none was stored."""
+        _no_extra(request.args, ("run",))
+        run = _required(request.args, "run")
+        directory = run.split(" [", 1)[0]  # a run's other streams ("run [probe_gradients]") share its directory
+        problems: list[str] = []
+        try:
+            found = origin.first(origin.read_provider(self._context.data_provider, plugin_util.context(request.environ),
+                                                      plugin_util.experiment_id(request.environ), directory, problems))
+        except Exception as e:  # noqa: BLE001 - the data provider's own failure: the tab shows no origin
+            return {"run": run, "origin": None, "problems": [f"origin unreadable: {e}"]}
+        return {"run": run, "origin": found.to_json() if found else None, "problems": problems}
 
     @wrappers.Request.application
     def _serve_static(self, request: Any) -> wrappers.Response:

@@ -328,6 +328,10 @@ class StepRecorder:
     (the scale this step used) and ``amp/step_skipped`` (1 when the scaler skipped the step because a gradient
     was NaN/Inf: the record then shows those NaN/Inf counts and a zero update). Returns whether the optimizer
     step was applied.
+
+    ``origin``: a :class:`tb_gradhealth.torch_origin.OriginFinder`; with ``step(step, batch=(x, y))`` the first
+    recorded NaN/Inf gradient (without a scaler) has its update undone and its step replayed to find where it was
+    made (docs/NAN_ORIGIN.md).
     """
 
     def __init__(
@@ -342,8 +346,10 @@ class StepRecorder:
         sharded: bool = False,
         group: Any = None,
         name: str = "gradients",
+        origin: Any = None,
     ) -> None:
         self.writer, self.optimizer, self.scaler = writer, optimizer, scaler
+        self.origin = origin
         self.params = list(model.named_parameters() if isinstance(model, torch.nn.Module) else model)
         self.every, self.updates, self.sharded, self.group, self.name = every, updates, sharded, group, name
 
@@ -356,7 +362,7 @@ class StepRecorder:
         self.scaler.update()
         return not self.scaler.get_scale() < before  # the scaler backs off exactly when it skips a step
 
-    def step(self, step: int) -> bool:
+    def step(self, step: int, batch: Sequence[Any] | None = None) -> bool:
         if step % self.every:
             return self._optimizer_step()
         if self.scaler is not None:
@@ -381,6 +387,10 @@ class StepRecorder:
             if _rank(self.group) != 0:
                 return applied
         rows = to_memory(grads)
+        if self.origin is not None and self.scaler is None:  # where the first NaN/Inf was made (torch_origin)
+            found = self.origin.after_step(step, rows, self.params, before, batch,
+                                           self.writer.logdir if self.writer is not None else None)
+            applied = applied and (found is None or before is None)  # the update was undone
         if self.writer is not None:
             self.writer.add_records(step, [n for n, _ in self.params], rows, name=self.name)
             if scale is not None:

@@ -340,6 +340,7 @@ def test_cli_json_is_the_health_route(client, demo, capsys):
         served = get_json(client, f"/health?run={run}")
         served.pop("run")
         assert body.pop("problems") == [] and body.pop("notes") == []
+        assert body.pop("nan_origin") == get_json(client, f"/nan_origin?run={run}")["origin"]  # none stored here
         assert body == served
         statuses = {x["layer"]: x["status"] for x in body["layers"]}
         if run == "vanishing":
