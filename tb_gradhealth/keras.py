@@ -2,7 +2,7 @@
 
 Why a hook and not a probe: recomputing gradients on one fixed batch at epoch end costs a whole extra
 forward/backward pass and is not the gradient that training applied. The callback installs optimizer hooks
-(:mod:`tb_gradhealth.capture`) and traces the train function twice: a "plain" variant (the ordinary step) and a
+(:mod:`tb_gradhealth._tf.capture`) and traces the train function twice: a "plain" variant (the ordinary step) and a
 "capture" variant that stores the record of the applied gradient on logged steps. The host, which counts steps,
 calls the capture variant only for calls that contain a logged step, so other steps cost nothing, even under XLA.
 The host reads the records back in batches and writes them with the TF-free :class:`tb_gradhealth.writer.Writer`
@@ -27,9 +27,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tb_gradhealth import compat, record, summary
+from tb_gradhealth import record, summary
 from tb_gradhealth._stepbook import StepBook, ring_plan
-from tb_gradhealth.capture import CUSTOM_LOOP_ADVICE, Capture, CaptureError
+from tb_gradhealth._tf import compat
+from tb_gradhealth._tf.capture import CUSTOM_LOOP_ADVICE, Capture, CaptureError
 from tb_gradhealth.failsafe import Failsafe
 from tb_gradhealth.writer import Writer
 
@@ -420,10 +421,10 @@ class GradientHealthCallback(keras.callbacks.Callback):
                     self.model.stop_training = True
 
     def _start_origin(self, model: Any, cap: Capture) -> Any:
-        """The NaN-origin search of this fit (:mod:`tb_gradhealth._fit_origin`), or None when switched off."""
+        """The NaN-origin search of this fit (:mod:`tb_gradhealth._tf.fit_origin`), or None when switched off."""
         if not self.nan_origin:
             return None
-        from tb_gradhealth._fit_origin import FitOrigin
+        from tb_gradhealth._tf.fit_origin import FitOrigin
 
         found = FitOrigin(model, self.train_dir, self.name, stop_after="nonfinite" in self.stop_on,
                           restores=self.record_updates)

@@ -33,7 +33,8 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tb_gradhealth import _tf_replay, origin, record
+from tb_gradhealth import origin, record
+from tb_gradhealth._tf import replay
 from tb_gradhealth.origin import NanOrigin
 
 __all__ = ["OriginFinder", "apply_if_finite", "NanOrigin"]
@@ -86,7 +87,7 @@ class OriginFinder:
         if not counts[:, _NONFINITE].any():
             return None
         names = {f"batch[{i}]" if len(batch) > 1 else "batch": b for i, b in enumerate(batch)}
-        found = _tf_replay.replay(lambda: self.loss_fn(*batch), self.variables, step=int(step), batch=names,
+        found = replay.replay(lambda: self.loss_fn(*batch), self.variables, step=int(step), batch=names,
                                   root=self.root)
         self.origin = found
         if self.log_dir is not None:

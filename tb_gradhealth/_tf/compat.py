@@ -170,7 +170,7 @@ def set_train_function(model: Any, fn: Callable[..., Any] | None) -> None:
         model.train_function = fn
 
 
-# --- NaN origin replay (tb_gradhealth._tf_replay) ---------------------------------------------------------------
+# --- NaN origin replay (tb_gradhealth._tf.replay) ---------------------------------------------------------------
 
 
 def add_op_callback(callback: Callable[..., Any]) -> None:

@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tb_gradhealth import _frames, compat
+from tb_gradhealth import _frames
+from tb_gradhealth._tf import compat
 from tb_gradhealth.origin import NanOrigin, nonfinite_samples
 
 

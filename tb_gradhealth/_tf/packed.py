@@ -29,8 +29,9 @@ from typing import Any, NamedTuple
 import numpy as np
 import tensorflow as tf
 
-from tb_gradhealth import compat, histogram, kernels, record
-from tb_gradhealth.kernels import Delta, DeviceRecord
+from tb_gradhealth import record
+from tb_gradhealth._tf import compat, histogram, kernels
+from tb_gradhealth._tf.kernels import Delta, DeviceRecord
 
 __all__ = ["compute", "compute_jit", "IN_PLACE_MIN"]
 
@@ -473,8 +474,8 @@ def whole_histograms(grads: Sequence[Any], hist_sample: int, values: tf.Tensor, 
 
 
 def compute(grads, weights, updates, sizes, hist_sample, seed, deferred: bool = False):
-    """The :class:`DeviceRecord` of all layers (dense or ``None`` gradients; see :mod:`tb_gradhealth.kernels` for
-    ``IndexedSlices``). Arguments as :func:`tb_gradhealth.kernels.compute_layers`. Must run under XLA.
+    """The :class:`DeviceRecord` of all layers (dense or ``None`` gradients; see :mod:`tb_gradhealth._tf.kernels` for
+    ``IndexedSlices``). Arguments as :func:`tb_gradhealth._tf.kernels.compute_layers`. Must run under XLA.
 
     A layer whose sample is not enough is binned whole in a ``tf.cond`` branch; ``deferred=True`` leaves that to
     the caller instead (:func:`compute_deferring`) and returns ``(record, whole flags or None)``.

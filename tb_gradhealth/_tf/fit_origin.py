@@ -7,7 +7,7 @@
 * Weights: on a captured step whose record shows a NaN/Inf gradient, the capture hook puts back the weights it
   already copied for the update statistics (``record_updates``) and freezes them until the host has replayed that
   step, as dynamic loss scaling skips a non-finite step. The optimizer's own state (moments) is not put back.
-* Replay: :func:`tb_gradhealth._tf_replay.replay` of ``model(x, training=True)`` and ``model.compute_loss`` on the
+* Replay: :func:`tb_gradhealth._tf.replay.replay` of ``model(x, training=True)`` and ``model.compute_loss`` on the
   kept batch, with the model's non-trainable state (batch-norm statistics) restored after it.
 """
 
@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tb_gradhealth import _tf_replay, compat, origin, record
+from tb_gradhealth import origin, record
+from tb_gradhealth._tf import compat, replay
 from tb_gradhealth.origin import NanOrigin
 
 _log = logging.getLogger("tb_gradhealth")
@@ -143,7 +144,7 @@ class FitOrigin:
             return compat.compute_loss_for_inference(model, x, y, y_pred, sample_weight)
 
         try:
-            return _tf_replay.replay(loss, model.trainable_variables, step=step, root=model,
+            return replay.replay(loss, model.trainable_variables, step=step, root=model,
                                      batch={"x": x, "y": y, "sample_weight": sample_weight})
         finally:
             for v, value in state:
