@@ -101,6 +101,17 @@ def timed(url: str) -> tuple[float, int, bytes]:
     return time.perf_counter() - t, code, body
 
 
+def own_rss_mb(pid: int) -> float:
+    """RSS of the process itself (without its children)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
 def rss_mb(pid: int) -> float:
     """RSS of a process and all its descendants (TensorBoard's data server is a child process)."""
     children: dict[int, list[int]] = {}
@@ -221,17 +232,21 @@ def du_mb(path: Path) -> float:
 
 
 class PeakRss:
-    """Samples the RSS of a process tree (TensorBoard and its data server) every ``interval`` s; ``peak`` in MB."""
+    """Samples the RSS of a process tree (TensorBoard and its data server) every ``interval`` s; ``peak`` in MB,
+    ``peak_own`` of the TensorBoard process alone and ``peak_children`` of its data server."""
 
     def __init__(self, pid: int, interval: float = 0.25):
-        self.peak = 0.0
+        self.peak = self.peak_own = self.peak_children = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(pid, interval), daemon=True)
         self._thread.start()
 
     def _run(self, pid: int, interval: float) -> None:
         while not self._stop.wait(interval):
-            self.peak = max(self.peak, rss_mb(pid))
+            total, own = rss_mb(pid), own_rss_mb(pid)
+            self.peak = max(self.peak, total)
+            self.peak_own = max(self.peak_own, own)
+            self.peak_children = max(self.peak_children, total - own)
 
     def stop(self) -> float:
         self._stop.set()
@@ -288,6 +303,8 @@ def bench_gradhealth(logdir: Path, layers: int, steps: int, limit: float, sample
         return out
     finally:
         out["peak_rss_mb"] = round(peak.stop())
+        out["peak_rss_tensorboard_mb"] = round(peak.peak_own)
+        out["peak_rss_data_server_mb"] = round(peak.peak_children)
         stop(proc)
 
 

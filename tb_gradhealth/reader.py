@@ -696,6 +696,41 @@ def is_event_file(name: str) -> bool:
     return "tfevents" in name
 
 
+def add_event(payload: bytes, tags: dict[str, TagData], orphans: dict[str, int]) -> bool:
+    """Add the gradient-health values of one serialized event to ``tags`` (False: it does not parse).
+
+    A tag's metadata comes with its first value; records of a ``gradhealth/`` tag seen before it are counted in
+    ``orphans`` (the event carrying the metadata is lost). A tensor that does not decode becomes a string, which
+    :func:`assemble` reports."""
+    try:
+        event = event_pb2.Event.FromString(payload)
+    except DecodeError:
+        return False
+    if not event.HasField("summary"):
+        return True
+    for value in event.summary.value:
+        td = tags.get(value.tag)
+        if td is None:
+            if value.metadata.plugin_data.plugin_name != metadata.PLUGIN_NAME:
+                if value.tag.startswith(metadata.TAG_PREFIX) and not value.metadata.plugin_data.plugin_name:
+                    orphans[value.tag] = orphans.get(value.tag, 0) + 1
+                continue
+            td = tags[value.tag] = TagData(value.tag, value.metadata.plugin_data.content)
+        if not value.HasField("tensor"):
+            continue
+        try:
+            arr = tensor_util.make_ndarray(value.tensor)
+        except (ValueError, TypeError) as e:
+            arr = f"undecodable tensor proto: {e}"  # reported by assemble's validation
+        td.points.append((event.step, event.wall_time, arr))
+    return True
+
+
+def orphan_problems(orphans: Mapping[str, int]) -> list[str]:
+    return [f"tag {tag}: {n} record(s) without the tag's metadata skipped (the event that carried it is damaged or "
+            f"missing)" for tag, n in sorted(orphans.items())]
+
+
 def read_run_dir(paths: Sequence[str], problems: list[str],
                  storage_options: Mapping[str, Any] | None = None) -> list[TagData]:
     """Gradient-health tags of one run from its event files (in name order = creation order).
@@ -708,35 +743,13 @@ def read_run_dir(paths: Sequence[str], problems: list[str],
     for path in paths:
         bad_events, first_bad = 0, None
         for offset, payload in iter_framed(path, problems, storage_options):
-            try:
-                event = event_pb2.Event.FromString(payload)
-            except DecodeError:
+            if not add_event(payload, tags, orphans):
                 bad_events += 1
                 first_bad = first_bad if first_bad is not None else offset
-                continue
-            if not event.HasField("summary"):
-                continue
-            for value in event.summary.value:
-                td = tags.get(value.tag)
-                if td is None:
-                    if value.metadata.plugin_data.plugin_name != metadata.PLUGIN_NAME:
-                        if value.tag.startswith(metadata.TAG_PREFIX) and not value.metadata.plugin_data.plugin_name:
-                            orphans[value.tag] = orphans.get(value.tag, 0) + 1
-                        continue
-                    td = tags[value.tag] = TagData(value.tag, value.metadata.plugin_data.content)
-                if not value.HasField("tensor"):
-                    continue
-                try:
-                    arr = tensor_util.make_ndarray(value.tensor)
-                except (ValueError, TypeError) as e:
-                    arr = f"undecodable tensor proto: {e}"  # reported by assemble's validation
-                td.points.append((event.step, event.wall_time, arr))
         if bad_events:
             problems.append(f"{path}: {bad_events} corrupt event(s) skipped (they do not parse), first at byte "
                             f"{first_bad}")
-    for tag, n in sorted(orphans.items()):
-        problems.append(f"tag {tag}: {n} record(s) without the tag's metadata skipped (the event that carried it is "
-                        f"damaged or missing)")
+    problems.extend(orphan_problems(orphans))
     return list(tags.values())
 
 

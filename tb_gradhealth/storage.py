@@ -140,6 +140,25 @@ def read_bytes(path: str, storage_options: Mapping[str, Any] | None = None) -> b
     return _ask(path, "read", lambda: fs.cat_file(inner))
 
 
+def size(path: str, storage_options: Mapping[str, Any] | None = None) -> int:
+    """Bytes in the file or object (an object store answers from a fresh listing, never a cache)."""
+    if not is_url(path):
+        return os.path.getsize(path)
+    fs, inner = filesystem(path, storage_options)
+    fs.invalidate_cache(inner)
+    return int(_ask(path, "list", lambda: fs.size(inner)))
+
+
+def read_range(path: str, start: int, length: int, storage_options: Mapping[str, Any] | None = None) -> bytes:
+    """At most ``length`` bytes of the file or object from byte ``start`` (fewer at its end)."""
+    if not is_url(path):
+        with open(path, "rb") as f:
+            f.seek(start)
+            return f.read(length)
+    fs, inner = filesystem(path, storage_options)
+    return _ask(path, "read", lambda: fs.cat_file(inner, start=start, end=start + length))
+
+
 def write_object(path: str, data: bytes, storage_options: Mapping[str, Any] | None = None) -> None:
     """Write ``data`` as one whole object (object stores make it visible all at once, or not at all)."""
     fs, inner = filesystem(path, storage_options)
