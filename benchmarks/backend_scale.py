@@ -35,7 +35,9 @@ from importlib import metadata as importlib_metadata
 from pathlib import Path
 from typing import Any
 
-from tb_gradhealth import testing
+import numpy as np
+
+from tb_gradhealth import eventfile, metadata, testing
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -227,6 +229,46 @@ def bench_many(logdir: Path, n_runs: int, layers: int, steps: int, limit: float)
         stop(proc)
 
 
+def append_steps(path: Path, layers: list[str], first: int, count: int = 1) -> None:
+    """Append ``count`` steps from ``first`` to an event file in the ``Writer``'s layout (step-block tags, the
+    metadata on a new block's first event), as a training job does."""
+    rms = 10.0 ** np.linspace(-6.0, -2.0, len(layers))
+    with open(path, "ab") as f:
+        for step in range(first, first + count):
+            tag = metadata.tag_for(layers, step=step)
+            new_block = tag != metadata.tag_for(layers, step=step - 1)
+            records = testing.synthetic_records(rms)
+            f.write(eventfile.frame(testing.record_event(step, tag, records, layers=layers if new_block else None)))
+
+
+#: Steps appended to the run while it is served.
+APPENDED = 10
+
+
+def appended_while_serving(base: str, run_dir: Path, layers: list[str], steps: int, deadline: float) -> dict:
+    """Append :data:`APPENDED` steps to the served run and time the first ``health`` (then ``series``) answer that
+    includes them; the file is cut back to its size afterwards (the logdir is cached for the next benchmark)."""
+    (path,) = run_dir.iterdir()
+    size = path.stat().st_size
+    out: dict = {}
+    try:
+        t = time.monotonic()
+        append_steps(path, layers, steps, APPENDED)
+        got = wait_until(json_when(f"{base}/health?run=scale", lambda h: h["step"] == steps + APPENDED - 1),
+                         deadline, 0.05)
+        out["appended_health_s"] = round(time.monotonic() - t, 3) if got else None
+        t = time.monotonic()
+        append_steps(path, layers, steps + APPENDED, 1)
+        q = urllib.parse.quote(layers[len(layers) // 2])
+        got = wait_until(json_when(f"{base}/series?run=scale&layer={q}",
+                                   lambda b: b["window_last"][-1] == steps + APPENDED), deadline, 0.05)
+        out["appended_series_s"] = round(time.monotonic() - t, 3) if got else None
+    finally:
+        with open(path, "r+b") as f:
+            f.truncate(size)
+    return out
+
+
 def du_mb(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 1e6
 
@@ -299,6 +341,7 @@ def bench_gradhealth(logdir: Path, layers: int, steps: int, limit: float, sample
         out["series_fresh_listing_s"] = round(statistics.median(slow_s), 4)
         other = timed(f"{base}/health?run=scale&vanish_decades=2.5")[0]
         out["health_new_thresholds_s"] = round(other, 3)
+        out.update(appended_while_serving(base, logdir / "scale", names, steps, deadline + limit))
         out["rss_mb"] = round(rss_mb(proc.pid))
         return out
     finally:

@@ -30,19 +30,10 @@ import time
 from pathlib import Path
 
 import backend_scale as bs  # this script's directory is on sys.path when it runs
-import numpy as np
 
-from tb_gradhealth import eventfile, metadata, testing
+from tb_gradhealth import testing
 
 THRESHOLD_VARIANTS = [f"vanish_decades={v}" for v in (2, 2.5, 3, 3.5, 4, 4.5, 5, 5.5, 6, 6.5)]
-
-
-def own_rss_mb(pid: int) -> float:
-    """RSS of the process itself (without its children)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 class RssSampler:
@@ -55,7 +46,7 @@ class RssSampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, own_rss_mb(self.pid))
+            self.peak = max(self.peak, bs.own_rss_mb(self.pid))
             self.peak_total = max(self.peak_total, bs.rss_mb(self.pid))
             time.sleep(0.02)
 
@@ -66,15 +57,6 @@ class RssSampler:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-
-
-def append_step(path: Path, layers: list[str], step: int) -> None:
-    rms = 10.0 ** np.linspace(-6.0, -2.0, len(layers))
-    tag = metadata.tag_for(layers, step=step)  # the Writer's step-block tags; a new block's first event has metadata
-    first = tag != metadata.tag_for(layers, step=step - 1)
-    event = testing.record_event(step, tag, testing.synthetic_records(rms), layers=layers if first else None)
-    with open(path, "ab") as f:
-        f.write(eventfile.frame(event))
 
 
 def fire(urls: list[str]) -> tuple[list[float], list[dict]]:
@@ -99,9 +81,9 @@ def fire(urls: list[str]) -> tuple[list[float], list[dict]]:
 
 
 def scenario(base: str, proc_pid: int, path: Path, layers: list[str], step: int, urls: list[str]) -> dict:
-    append_step(path, layers, step)
+    bs.append_steps(path, layers, step)
     time.sleep(12)  # TensorBoard reloads every 5 s; the plugin's listing lives 1 s
-    rss0 = own_rss_mb(proc_pid)
+    rss0 = bs.own_rss_mb(proc_pid)
     with RssSampler(proc_pid) as rss:
         t0 = time.perf_counter()
         lat, bodies = fire([base + u for u in urls])
@@ -132,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     # The generator's layer names (make_scale_logdir).
     layers = [f"block_{i // 2:04d}/{'kernel' if i % 2 == 0 else 'bias'}" for i in range(args.layers)]
     port = testing.free_port()
-    proc = bs.start_tensorboard(str(work / "logs"), port, "gradhealth=0")
+    proc = bs.start_tensorboard(str(work / "logs"), port, None)  # as users start it
     base = f"http://127.0.0.1:{port}/data/plugin/gradhealth"
     try:
         bs.wait_until(bs.json_when(f"{base}/runs", lambda b: any(r["num_steps"] == args.steps for r in b["runs"])),

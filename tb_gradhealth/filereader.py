@@ -12,6 +12,7 @@ the CLI reads it (:func:`reader.assemble` over :func:`reader.read_run_dir`), so 
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import OrderedDict
@@ -38,8 +39,8 @@ from tb_gradhealth.reader import (
 #: Bytes of an event file read and decoded at a time: the most disk-form data held besides the records.
 CHUNK_BYTES = 32 << 20
 #: Decoded runs kept (bytes of their records); beyond it the least recently used run is dropped and read again
-#: when asked for.
-CACHE_BYTES = 2 << 30
+#: when asked for (the run last read is always kept, whatever its size).
+CACHE_BYTES = 1 << 30
 #: A run still being written grows in place into this much room beyond its steps (untouched room costs no memory).
 HEADROOM = 1.25
 #: What a file still being written ends in; the next read resumes there, so it is not a problem.
@@ -128,6 +129,9 @@ class FileReader:
         self._runs: OrderedDict[str, _Run] = OrderedDict()
         self._summaries: dict[str, tuple[tuple, list[dict[str, Any]]]] = {}
         self._names: dict[str, str] = {}  # series name -> run directory
+        #: A series read again after eviction, from the same bytes, keeps its generation (the plugin's cached
+        #: diagnoses key on it). Small: one number per series and file sizes.
+        self._generations: dict[str, tuple[tuple, int]] = {}
         self._listing: tuple[float, dict[str, list[str]]] | None = None
         self._lock = threading.Lock()
         self._listing_lock = threading.Lock()
@@ -205,11 +209,22 @@ class FileReader:
                 except NotAnAppend:
                     self._read_whole(run_dir, state, paths)
                 state.sizes = sizes
+                self._keep_generations(state, sizes)
             series = dict(state.series)
         with self._lock:
             self._names.update({name: run_dir for name in series})
             self._evict()
         return series
+
+    def _keep_generations(self, state: _Run, sizes: tuple) -> None:
+        """A series read again from the same bytes (after eviction) takes the generation it had."""
+        with self._lock:
+            for name, s in state.series.items():
+                known = self._generations.get(name)
+                first = known[1] if known is not None and known[0] == sizes else s.generation
+                self._generations[name] = (sizes, first)
+                if first != s.generation:
+                    state.series[name] = dataclasses.replace(s, generation=first)
 
     def _read_whole(self, run_dir: str, state: _Run, paths: Sequence[str]) -> None:
         """The CLI's reading of a run (:func:`reader.read_run_dir`, :func:`reader.assemble`), without the problem
