@@ -96,11 +96,17 @@ def _ask(path: str, what: str, call: Any) -> Any:
         raise StorageError(f"{path}: cannot {what}: {type(e).__name__}: {e}") from e
 
 
+def _uncached(path: str, storage_options: Mapping[str, Any] | None) -> tuple[Any, str]:
+    """:func:`filesystem` with its listing cache of ``path`` dropped, so new objects show up."""
+    fs, inner = filesystem(path, storage_options)
+    fs.invalidate_cache(inner)
+    return fs, inner
+
+
 def isdir(path: str, storage_options: Mapping[str, Any] | None = None) -> bool:
     if not is_url(path):
         return os.path.isdir(path)
-    fs, inner = filesystem(path, storage_options)
-    fs.invalidate_cache(inner)
+    fs, inner = _uncached(path, storage_options)
     return bool(_ask(path, "list", lambda: fs.isdir(inner)))
 
 
@@ -117,8 +123,7 @@ def walk(top: str, storage_options: Mapping[str, Any] | None = None) -> Iterator
     if not is_url(top):
         yield from os.walk(top)
         return
-    fs, inner = filesystem(top, storage_options)
-    fs.invalidate_cache(inner)
+    fs, inner = _uncached(top, storage_options)
     base = inner.rstrip("/")
     for dirpath, dirnames, filenames in _ask(top, "list", lambda: list(fs.walk(base, topdown=True))):
         yield (top.rstrip("/") + dirpath[len(base):]), dirnames, filenames
@@ -144,8 +149,7 @@ def size(path: str, storage_options: Mapping[str, Any] | None = None) -> int:
     """Bytes in the file or object (an object store answers from a fresh listing, never a cache)."""
     if not is_url(path):
         return os.path.getsize(path)
-    fs, inner = filesystem(path, storage_options)
-    fs.invalidate_cache(inner)
+    fs, inner = _uncached(path, storage_options)
     return int(_ask(path, "list", lambda: fs.size(inner)))
 
 
