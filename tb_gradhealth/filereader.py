@@ -13,10 +13,11 @@ the CLI reads it (:func:`reader.assemble` over :func:`reader.read_run_dir`), so 
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,21 +67,30 @@ class _Store:
     def new(cls, layers: tuple[str, ...], capacity: int) -> _Store:
         return cls(layers, np.zeros((record.NUM_FIELDS, capacity, len(layers))), np.zeros(capacity, np.int64))
 
-    def append(self, part: RunSeries, more_steps: int) -> None:
-        """Copy ``part`` (later steps, same layers) after the final rows; ``more_steps``: room to leave beyond."""
+    def rows_for(self, more_steps: int) -> Callable[[int, int], np.ndarray]:
+        """:func:`reader.assemble`'s ``records_for``: the rows after the final ones (grown when needed, with room
+        for ``more_steps`` beyond), so a chunk is decoded straight into place."""
+
+        def rows(n_steps: int, n_layers: int) -> np.ndarray:
+            if n_layers != len(self.layers):
+                raise NotAnAppend("other layers")
+            end = self.n + n_steps
+            if end > self.steps.size:
+                self._grow(int((end + more_steps) * HEADROOM) + 64)
+            return self.buf[:, self.n : end, :].transpose(1, 2, 0)
+
+        return rows
+
+    def commit(self, part: RunSeries) -> None:
+        """Make the rows ``part`` was decoded into (:meth:`rows_for`) final: later steps of the same layers."""
         if part.layers != self.layers:
             raise NotAnAppend("other layers")
         if self.n and part.steps[0] <= self.steps[self.n - 1]:
             raise NotAnAppend("steps went back")
         end = self.n + part.num_steps
-        if end > self.steps.size:
-            self._grow(int((end + more_steps) * HEADROOM) + 64)
-        planes = part.records.transpose(2, 0, 1)  # [F, s, L], the part's own field-by-field layout
-        for f in range(record.NUM_FIELDS):
-            # Only planes the part wrote (histogram bins no record uses stay unallocated, as in new_records).
-            if self.touched[f] or np.any(planes[f] != 0):
-                self.buf[f, self.n : end] = planes[f]
-                self.touched[f] = True
+        planes = self.buf[:, self.n : end, :]
+        for f in np.flatnonzero(~self.touched):  # histogram bins no record used so far: written now?
+            self.touched[f] = f < record.HIST_START or bool(np.any(planes[f] != 0))
         self.steps[self.n : end] = part.steps
         self.n = end
 
@@ -245,6 +255,7 @@ class FileReader:
         if set(state.offsets) - {p for p, _ in sizes}:
             raise NotAnAppend("a file went away")
         total = sum(size for _, size in sizes)
+        done = sum(state.offsets.values())
         for path, size in sizes:
             offset = state.offsets.get(path, 0)
             if size < offset:
@@ -268,13 +279,16 @@ class FileReader:
                         break
                     length *= 2
                     continue
-                read_so_far = where.end - offset
+                chunk = where.end - offset
                 offset, length = where.end, self._chunk
                 state.offsets[path] = offset
-                self._add_chunk(run_dir, state, tags, int((total - offset) / max(1, read_so_far)))
+                done += chunk
+                self._add_chunk(run_dir, state, tags, (total - done) / chunk)
             state.offsets[path] = offset
 
-    def _add_chunk(self, run_dir: str, state: _Run, tags: dict[str, TagData], chunks_left: int) -> None:
+    def _add_chunk(self, run_dir: str, state: _Run, tags: dict[str, TagData], chunks_left: float) -> None:
+        """Append a chunk's records to the run's store; ``chunks_left``: about how many more chunks the files hold
+        now (the store is made with room for them)."""
         state.known.update({tag: td.content for tag, td in tags.items()})
         if not state.known:  # nothing of this plugin yet (the file's version event, other summaries)
             return
@@ -290,13 +304,16 @@ class FileReader:
         with_points = [td for td in tags.values() if td.points]
         if not with_points:
             return
-        part = assemble(run_dir, with_points, consume=True)
+        points = sum(len(td.points) for td in with_points)
+        if state.store is None:
+            (layers,) = layer_lists
+            state.store = _Store.new(tuple(layers), int(points * (1 + chunks_left) * HEADROOM) + 64)
+        store = state.store
+        part = assemble(run_dir, with_points, consume=True, records_for=store.rows_for(math.ceil(points * chunks_left)))
         if part.problems or part.notes or part.num_steps == 0:
             raise NotAnAppend("damaged records or a restart")
-        if state.store is None:
-            state.store = _Store.new(part.layers, int((part.num_steps * (1 + chunks_left)) * HEADROOM) + 64)
-        state.store.append(part, part.num_steps * chunks_left)
-        state.series = {run_dir: state.store.series(run_dir, tuple(sorted(state.known)))}
+        store.commit(part)
+        state.series = {run_dir: store.series(run_dir, tuple(sorted(state.known)))}
 
     def _evict(self) -> None:
         """Drop the least recently used runs beyond ``cache_bytes`` (always keeping the last one read)."""
