@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -307,14 +307,11 @@ def assemble(
     sample_limit: int | None = None,
     problems: Sequence[str] = (),
     consume: bool = False,
-    records_for: Callable[[int, int], np.ndarray] = new_records,
 ) -> RunSeries:
     """Merge the tags of one run by layer name into a :class:`RunSeries`.
 
     ``consume``: empty the tags' point lists and let each disk tensor go once it is decoded, so that a large run
     never holds both all its disk tensors and all its decoded records (the readers pass True for data they read).
-    ``records_for(steps, layers)``: the zeroed array to decode into (default :func:`new_records`), so that a reader
-    that grows a run in place decodes straight into it.
 
     A tag whose metadata is unreadable or of a future version is skipped with a problem; a tensor that does not
     decode, or a damaged row of one, is skipped with a problem (one line per tag, counting them) and the rest of the
@@ -333,7 +330,7 @@ def assemble(
         for td in [*tags, *(td for td, _ in good)]:
             td.points.clear()
     steps = np.unique(np.array([v.step for v in valid], dtype=np.int64))
-    records, bins = _decode(valid, records_for(steps.size, len(layers)), steps)
+    records, bins = _decode(valid, steps, len(layers))
     return RunSeries(
         run=run,
         layers=tuple(layers),
@@ -393,11 +390,12 @@ def _checked_points(good: list[tuple[TagData, tuple[str, ...]]], layers: list[st
     return valid, downsampled
 
 
-def _decode(valid: list[_Point], records: np.ndarray, steps: np.ndarray) -> tuple[np.ndarray, tuple[int, int]]:
-    """Pass 2: the zeroed ``records [S, L, F]`` filled (all-NaN where a layer has none), and the union of the
-    histogram windows written. Decoded in write order (wall time, then read order) so the last written record of a
-    step wins; taken from the end of ``valid`` (emptied), so that each tensor can go as soon as it is decoded."""
-    filled = np.zeros(records.shape[:2], dtype=bool)
+def _decode(valid: list[_Point], steps: np.ndarray, n_layers: int) -> tuple[np.ndarray, tuple[int, int]]:
+    """Pass 2: the records (:func:`new_records`, all-NaN where a layer has none) and the union of the histogram
+    windows written. Decoded in write order (wall time, then read order) so the last written record of a step wins;
+    taken from the end of ``valid`` (emptied), so that each tensor can go as soon as it is decoded."""
+    records = new_records(steps.size, n_layers)
+    filled = np.zeros((steps.size, n_layers), dtype=bool)
     valid.sort(key=lambda v: (v.wall_time, v.order), reverse=True)
     bins = (record.HIST_BINS, 0)
     while valid:
