@@ -4,8 +4,8 @@ TensorBoard's data server keeps every record it serves in memory (about the logd
 one more copy, so at 10^7-10^8 layer-steps those copies are most of the plugin's memory. When TensorBoard serves one
 logdir, the plugin's loader asks the data server to keep one record per tag (enough to list the tab) and the plugin
 reads the event files through this module: each file from the byte where the last read stopped, in chunks of
-:data:`CHUNK_BYTES`, each chunk decoded straight into the run's records, which grow in place (rows already read are
-never written again, so a series handed out earlier stays valid). A run whose new data is not a plain append of
+:data:`CHUNK_BYTES`, each chunk decoded and appended to the run's records, which grow in place (rows already read
+are never written again, so a series handed out earlier stays valid). A run whose new data is not a plain append of
 later steps of one layer list (a restart, new layers, several streams, a damaged record) is read whole again, as
 the CLI reads it (:func:`reader.assemble` over :func:`reader.read_run_dir`), so both give the same answers.
 """

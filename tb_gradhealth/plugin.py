@@ -185,10 +185,11 @@ class GradHealthPlugin(base_plugin.TBPlugin):
 
     def is_active(self) -> bool:
         """Cheap: TensorBoard's plugin listing already asks the data provider which plugins have data
-        (``list_plugins``, one call for all plugins), so this is only a fallback for hosts that skip that."""
-        if self._context.data_provider is None and not isinstance(self._reader, FileReader):
-            return False
-        return self._reader.has_data(tb_context.RequestContext(), "")
+        (``list_plugins``, one call for all plugins), so this is only a fallback for hosts that skip that. The data
+        provider answers it even when the plugin reads the files (its data server keeps one record per tag)."""
+        if self._context.data_provider is not None:
+            return ProviderReader(self._context.data_provider).has_data(tb_context.RequestContext(), "")
+        return isinstance(self._reader, FileReader) and self._reader.has_data()
 
     def frontend_metadata(self) -> base_plugin.FrontendMetadata:
         return base_plugin.FrontendMetadata(es_module_path="/index.js", tab_name="Gradient Health")
