@@ -139,7 +139,6 @@ class FileReader:
         self._lock = threading.Lock()
         self._listing_lock = threading.Lock()
 
-    # the reader interface --------------------------------------------------------------------------------------
 
     def has_data(self, ctx: Any = None, experiment_id: str = "") -> bool:
         return any(self.summaries(ctx, experiment_id))
@@ -186,7 +185,6 @@ class FileReader:
                 self._listing = (now, find_runs(self.logdir, self._options))
             return self._listing[1]
 
-    # reading ---------------------------------------------------------------------------------------------------
 
     def _dirs_for(self, name: str, listing: Mapping[str, list[str]]) -> list[str]:
         with self._lock:
