@@ -139,7 +139,6 @@ class FileReader:
         self._lock = threading.Lock()
         self._listing_lock = threading.Lock()
 
-
     def has_data(self, ctx: Any = None, experiment_id: str = "") -> bool:
         return any(self.summaries(ctx, experiment_id))
 
