@@ -22,7 +22,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from google.protobuf.message import DecodeError
@@ -320,7 +320,34 @@ def assemble(
     """
     problems = list(problems)
     notes: list[str] = []
-    good: list[tuple[TagData, tuple[str, ...]]] = []
+    good = _readable_tags(tags, problems)
+    tag_names = tuple(td.tag for td, _ in good)
+    good = _join_blocks(good)
+    # The tag with the most layers is the backbone of the order; the others' new layers go in around it.
+    layers = _merge_order([lay for _, lay in sorted(good, key=lambda g: (-len(g[1]), g[0].tag))])
+    valid, downsampled = _checked_points(good, layers, problems, notes, sample_limit)
+    if consume:  # from here on only ``valid`` holds the tensors
+        for td in [*tags, *(td for td, _ in good)]:
+            td.points.clear()
+    steps = np.unique(np.array([v.step for v in valid], dtype=np.int64))
+    records, bins = _decode(valid, steps, len(layers))
+    return RunSeries(
+        run=run,
+        layers=tuple(layers),
+        steps=steps,
+        records=records,
+        problems=tuple(problems),
+        notes=tuple(notes),
+        tags=tag_names,
+        sample_limit=sample_limit,
+        maybe_downsampled=downsampled,
+        resident_bytes=(record.HIST_START + max(0, bins[1] - bins[0])) * steps.size * len(layers) * 8,
+    )
+
+
+def _readable_tags(tags: Sequence[TagData], problems: list[str]) -> list[tuple[TagData, tuple[str, ...]]]:
+    """``(tag, its layers)`` of each tag whose metadata decodes, by name; the others are problems."""
+    good = []
     for td in sorted(tags, key=lambda t: t.tag):
         try:
             content = metadata.decode_content(td.content)
@@ -328,14 +355,26 @@ def assemble(
             problems.append(f"tag {td.tag}: skipped: {e}")
             continue
         good.append((td, content.layers))
-    tag_names = tuple(td.tag for td, _ in good)
-    good = _join_blocks(good)
-    # The tag with the most layers is the backbone of the order; the others' new layers go in around it.
-    layers = _merge_order([lay for _, lay in sorted(good, key=lambda g: (-len(g[1]), g[0].tag))])
-    col = {name: i for i, name in enumerate(layers)}
+    return good
 
-    # Pass 1: check every tensor, row by row, and collect the steps that will hold data.
-    valid: list[tuple[float, int, int, np.ndarray, np.ndarray, np.ndarray]] = []  # wall_time, order, step, cols, t, ok
+
+class _Point(NamedTuple):
+    """A checked record tensor of a tag, not yet decoded."""
+
+    wall_time: float
+    order: int  # read order: the tie-break between equal wall times
+    step: int
+    cols: np.ndarray  # the run's column of each of the tag's layers
+    tensor: np.ndarray
+    ok: np.ndarray  # [rows] bool: rows that passed the checks
+
+
+def _checked_points(good: list[tuple[TagData, tuple[str, ...]]], layers: list[str], problems: list[str],
+                    notes: list[str], sample_limit: int | None) -> tuple[list[_Point], bool]:
+    """Pass 1: every tensor checked row by row, after the restart rule; and whether a tag reached the loader's
+    sample limit (older steps may have been dropped)."""
+    col = {name: i for i, name in enumerate(layers)}
+    valid: list[_Point] = []
     downsampled = False
     for td, tag_layers in good:
         cols = np.array([col[name] for name in tag_layers], dtype=np.int64)
@@ -345,19 +384,20 @@ def assemble(
                          f"{restarts[0]}: the earlier records from that step on are replaced, as TensorBoard does")
         for wall_time, step, t, ok in _check_points(TagData(td.tag, td.content, points), len(tag_layers), problems):
             if ok.any():
-                valid.append((wall_time, len(valid), step, cols, t, ok))
+                valid.append(_Point(wall_time, len(valid), step, cols, t, ok))
         if sample_limit is not None and len(td.points) >= sample_limit:
             downsampled = True
-    if consume:  # from here on only ``valid`` holds the tensors
-        for td in [*tags, *(td for td, _ in good)]:
-            td.points.clear()
-    steps = np.unique(np.array([v[2] for v in valid], dtype=np.int64))
-    records = new_records(steps.size, len(layers))
-    filled = np.zeros((steps.size, len(layers)), dtype=bool)
-    # Pass 2: decode in write order (wall time, then read order) so the last written record of a step wins; taken
-    # from the end of the list, so that each tensor can go as soon as it is decoded.
-    valid.sort(key=lambda v: (v[0], v[1]), reverse=True)
-    bins = (record.HIST_BINS, 0)  # the union of the histogram windows written
+    return valid, downsampled
+
+
+def _decode(valid: list[_Point], steps: np.ndarray, n_layers: int) -> tuple[np.ndarray, tuple[int, int]]:
+    """Pass 2: the records (:func:`new_records`, all-NaN where a layer has none) and the union of the histogram
+    windows written. Decoded in write order (wall time, then read order) so the last written record of a step wins;
+    taken from the end of ``valid`` (emptied), so that each tensor can go as soon as it is decoded."""
+    records = new_records(steps.size, n_layers)
+    filled = np.zeros((steps.size, n_layers), dtype=bool)
+    valid.sort(key=lambda v: (v.wall_time, v.order), reverse=True)
+    bins = (record.HIST_BINS, 0)
     while valid:
         _, _, step, cols, t, ok = valid.pop()
         s = int(np.searchsorted(steps, step))
@@ -374,18 +414,7 @@ def assemble(
             bins = (min(bins[0], lo), max(bins[1], lo + t.shape[1] - record.DISK_HIST_START))
     if not filled.all():
         records[~filled] = np.nan
-    return RunSeries(
-        run=run,
-        layers=tuple(layers),
-        steps=steps,
-        records=records,
-        problems=tuple(problems),
-        notes=tuple(notes),
-        tags=tag_names,
-        sample_limit=sample_limit,
-        maybe_downsampled=downsampled,
-        resident_bytes=(record.HIST_START + max(0, bins[1] - bins[0])) * steps.size * len(layers) * 8,
-    )
+    return records, bins
 
 
 # --- source 1: a TensorBoard data provider (the plugin) -----------------------------------------------------------
@@ -696,6 +725,41 @@ def is_event_file(name: str) -> bool:
     return "tfevents" in name
 
 
+def add_event(payload: bytes, tags: dict[str, TagData], orphans: dict[str, int]) -> bool:
+    """Add the gradient-health values of one serialized event to ``tags`` (False: it does not parse).
+
+    A tag's metadata comes with its first value; records of a ``gradhealth/`` tag seen before it are counted in
+    ``orphans`` (the event carrying the metadata is lost). A tensor that does not decode becomes a string, which
+    :func:`assemble` reports."""
+    try:
+        event = event_pb2.Event.FromString(payload)
+    except DecodeError:
+        return False
+    if not event.HasField("summary"):
+        return True
+    for value in event.summary.value:
+        td = tags.get(value.tag)
+        if td is None:
+            if value.metadata.plugin_data.plugin_name != metadata.PLUGIN_NAME:
+                if value.tag.startswith(metadata.TAG_PREFIX) and not value.metadata.plugin_data.plugin_name:
+                    orphans[value.tag] = orphans.get(value.tag, 0) + 1
+                continue
+            td = tags[value.tag] = TagData(value.tag, value.metadata.plugin_data.content)
+        if not value.HasField("tensor"):
+            continue
+        try:
+            arr = tensor_util.make_ndarray(value.tensor)
+        except (ValueError, TypeError) as e:
+            arr = f"undecodable tensor proto: {e}"  # reported by assemble's validation
+        td.points.append((event.step, event.wall_time, arr))
+    return True
+
+
+def orphan_problems(orphans: Mapping[str, int]) -> list[str]:
+    return [f"tag {tag}: {n} record(s) without the tag's metadata skipped (the event that carried it is damaged or "
+            f"missing)" for tag, n in sorted(orphans.items())]
+
+
 def read_run_dir(paths: Sequence[str], problems: list[str],
                  storage_options: Mapping[str, Any] | None = None) -> list[TagData]:
     """Gradient-health tags of one run from its event files (in name order = creation order).
@@ -708,35 +772,13 @@ def read_run_dir(paths: Sequence[str], problems: list[str],
     for path in paths:
         bad_events, first_bad = 0, None
         for offset, payload in iter_framed(path, problems, storage_options):
-            try:
-                event = event_pb2.Event.FromString(payload)
-            except DecodeError:
+            if not add_event(payload, tags, orphans):
                 bad_events += 1
                 first_bad = first_bad if first_bad is not None else offset
-                continue
-            if not event.HasField("summary"):
-                continue
-            for value in event.summary.value:
-                td = tags.get(value.tag)
-                if td is None:
-                    if value.metadata.plugin_data.plugin_name != metadata.PLUGIN_NAME:
-                        if value.tag.startswith(metadata.TAG_PREFIX) and not value.metadata.plugin_data.plugin_name:
-                            orphans[value.tag] = orphans.get(value.tag, 0) + 1
-                        continue
-                    td = tags[value.tag] = TagData(value.tag, value.metadata.plugin_data.content)
-                if not value.HasField("tensor"):
-                    continue
-                try:
-                    arr = tensor_util.make_ndarray(value.tensor)
-                except (ValueError, TypeError) as e:
-                    arr = f"undecodable tensor proto: {e}"  # reported by assemble's validation
-                td.points.append((event.step, event.wall_time, arr))
         if bad_events:
             problems.append(f"{path}: {bad_events} corrupt event(s) skipped (they do not parse), first at byte "
                             f"{first_bad}")
-    for tag, n in sorted(orphans.items()):
-        problems.append(f"tag {tag}: {n} record(s) without the tag's metadata skipped (the event that carried it is "
-                        f"damaged or missing)")
+    problems.extend(orphan_problems(orphans))
     return list(tags.values())
 
 
