@@ -25,6 +25,7 @@ from typing import Any
 from tensorboard.compat.proto import event_pb2
 
 from tb_gradhealth import storage
+from tb_gradhealth.problems import Kind, Problem
 
 try:  # C implementation (a dependency; the fallback keeps a broken install readable)
     import google_crc32c
@@ -96,18 +97,19 @@ def scan_framed(data: bytes, base: int, path: str, problems: list[str], where: S
         pos = end
         where.end = base + end
         if masked_crc32c(payload) != data_crc:
-            problems.append(f"{path}: record at byte {base + end - 16 - length} fails its data checksum (damaged); "
-                            f"skipped")
+            problems.append(Problem(Kind.FILE, f"{path}: record at byte {base + end - 16 - length} fails its data "
+                                             f"checksum (damaged); skipped"))
         else:
             yield base + end - 16 - length, payload
 
 
-def stop_problem(path: str, where: ScanEnd) -> str | None:
+def stop_problem(path: str, where: ScanEnd) -> Problem | None:
     """The problem line for where a scan stopped early (None when it read to a record boundary)."""
     if where.stop == "partial":
-        return f"{path}: ends in a partial record at byte {where.end} (truncated, or still being written)"
+        return Problem(Kind.PARTIAL, f"{path}: ends in a partial record at byte {where.end} (truncated, or still "
+                                     f"being written)")
     if where.stop == "corrupt":
-        return f"{path}: corrupt record header at byte {where.end}; the rest of the file is skipped"
+        return Problem(Kind.FILE, f"{path}: corrupt record header at byte {where.end}; the rest of the file is skipped")
     return None
 
 
@@ -123,7 +125,7 @@ def iter_framed(path: str, problems: list[str], storage_options: Mapping[str, An
     try:
         data = storage.read_bytes(path, storage_options)
     except OSError as e:
-        problems.append(f"{path}: unreadable: {e}")
+        problems.append(Problem(Kind.FILE, f"{path}: unreadable: {e}"))
         return
     where = ScanEnd()
     yield from scan_framed(data, 0, path, problems, where)

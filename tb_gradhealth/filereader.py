@@ -25,6 +25,7 @@ import numpy as np
 
 from tb_gradhealth import metadata, record, storage
 from tb_gradhealth.eventfile import ScanEnd, scan_framed
+from tb_gradhealth.problems import Kind, any_of_kind
 from tb_gradhealth.reader import (
     LISTING_TTL_S,
     ProviderError,
@@ -44,8 +45,6 @@ CHUNK_BYTES = 32 << 20
 CACHE_BYTES = 1 << 30
 #: A run still being written grows in place into this much room beyond its steps (untouched room costs no memory).
 HEADROOM = 1.25
-#: What a file still being written ends in; the next read resumes there, so it is not a problem.
-_STILL_WRITTEN = "ends in a partial record"
 
 
 class NotAnAppend(Exception):
@@ -231,11 +230,11 @@ class FileReader:
         of a file that ends in a partial record: the next read resumes there."""
         problems: list[str] = []
         tags = {td.tag: td for td in read_run_dir(paths, problems, self._options)}
-        problems = [p for p in problems if _STILL_WRITTEN not in p]
+        problems = [p for p in problems if getattr(p, "kind", None) is not Kind.PARTIAL]  # the next read resumes there
         state.whole, state.store, state.offsets, state.known = True, None, {}, {}
         if not tags:
-            state.series = {run_dir: assemble(run_dir, [], problems=problems)} if any(
-                p.startswith("tag ") for p in problems) else {}
+            state.series = {run_dir: assemble(run_dir, [], problems=problems)} if any_of_kind(
+                problems, Kind.RECORDS) else {}
             return
         state.series = {name: assemble(name, [tags[t] for t in stream_tags], problems=problems, consume=True)
                         for name, stream_tags in split_streams(run_dir, tags).items()}

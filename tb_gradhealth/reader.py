@@ -33,6 +33,7 @@ from tensorboard.util import tensor_util
 
 from tb_gradhealth import metadata, record, storage
 from tb_gradhealth.eventfile import iter_framed
+from tb_gradhealth.problems import Kind, Problem, any_of_kind
 
 #: ``downsample`` meaning "every sample the loader kept": TensorBoard's hint 0 means all, but a data provider
 #: passed ``downsample=0`` returns nothing, so 0 must become a large number.
@@ -249,7 +250,8 @@ def _check_points(td: TagData, n_layers: int, problems: list[str]
             continue
         out.append((float(wall_time), int(step), t, np.ones(n_layers, dtype=bool)))
     if bad_tensors:
-        problems.append(f"tag {td.tag}: {bad_tensors} unreadable record tensor(s) skipped, first at {first_tensor}")
+        problems.append(Problem(Kind.RECORDS, f"tag {td.tag}: {bad_tensors} unreadable record tensor(s) skipped, "
+                                              f"first at {first_tensor}"))
     # Row checks, stacked per histogram width (events of one width share a column layout).
     by_width: dict[int, list[int]] = {}
     for i, (_, _, t, _) in enumerate(out):
@@ -265,8 +267,8 @@ def _check_points(td: TagData, n_layers: int, problems: list[str]
         out[i][3][row] = False
     if damaged:
         i, row, why = min(damaged)
-        problems.append(f"tag {td.tag}: {len(damaged)} damaged record row(s) skipped, first at step {out[i][1]} row "
-                        f"{row}: {why}")
+        problems.append(Problem(Kind.RECORDS, f"tag {td.tag}: {len(damaged)} damaged record row(s) skipped, first "
+                                              f"at step {out[i][1]} row {row}: {why}"))
     return out
 
 
@@ -352,7 +354,7 @@ def _readable_tags(tags: Sequence[TagData], problems: list[str]) -> list[tuple[T
         try:
             content = metadata.decode_content(td.content)
         except ValueError as e:  # including metadata.UnsupportedVersion (a future format version)
-            problems.append(f"tag {td.tag}: skipped: {e}")
+            problems.append(Problem(Kind.RECORDS, f"tag {td.tag}: skipped: {e}"))
             continue
         good.append((td, content.layers))
     return good
@@ -617,7 +619,7 @@ class ProviderReader:
                 if series is None:
                     continue
                 hit = (fp, series.summary())
-                if not any(p.startswith("data provider could not read") for p in series.problems):
+                if not any_of_kind(series.problems, Kind.PROVIDER):
                     with self._lock:
                         self._summaries[key] = hit
             out.append(hit[1])
@@ -669,8 +671,8 @@ class ProviderReader:
                 continue
             except PROVIDER_ERRORS as e:
                 if not _too_large(e) or (len(group) == 1 and downsample <= 1):
-                    return assemble(name, [], sample_limit=self.sample_limit,
-                                    problems=[f"data provider could not read this run: {e}"]), False
+                    unread = Problem(Kind.PROVIDER, f"data provider could not read this run: {e}")
+                    return assemble(name, [], sample_limit=self.sample_limit, problems=[unread]), False
                 if len(group) > 1:  # the estimate was wrong (an unexpected tag size): one tag at a time
                     todo[:0] = [([tag], downsample) for tag in group]
                     continue
@@ -756,8 +758,8 @@ def add_event(payload: bytes, tags: dict[str, TagData], orphans: dict[str, int])
 
 
 def orphan_problems(orphans: Mapping[str, int]) -> list[str]:
-    return [f"tag {tag}: {n} record(s) without the tag's metadata skipped (the event that carried it is damaged or "
-            f"missing)" for tag, n in sorted(orphans.items())]
+    return [Problem(Kind.RECORDS, f"tag {tag}: {n} record(s) without the tag's metadata skipped (the event that "
+                                  f"carried it is damaged or missing)") for tag, n in sorted(orphans.items())]
 
 
 def read_run_dir(paths: Sequence[str], problems: list[str],
@@ -776,8 +778,8 @@ def read_run_dir(paths: Sequence[str], problems: list[str],
                 bad_events += 1
                 first_bad = first_bad if first_bad is not None else offset
         if bad_events:
-            problems.append(f"{path}: {bad_events} corrupt event(s) skipped (they do not parse), first at byte "
-                            f"{first_bad}")
+            problems.append(Problem(Kind.FILE, f"{path}: {bad_events} corrupt event(s) skipped (they do not parse), "
+                                               f"first at byte {first_bad}"))
     problems.extend(orphan_problems(orphans))
     return list(tags.values())
 
@@ -816,7 +818,7 @@ def read_logdir(logdir: str, runs: Sequence[str] | None = None,
         run_problems: list[str] = []
         tags = {td.tag: td for td in read_run_dir(paths, run_problems, storage_options)}
         if not tags:
-            if any(p.startswith("tag ") for p in run_problems):  # gradhealth records, but none readable
+            if any_of_kind(run_problems, Kind.RECORDS):  # gradhealth records, but none readable
                 out.append(assemble(run, [], problems=run_problems))
             else:
                 problems.extend(run_problems)
