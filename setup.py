@@ -32,7 +32,7 @@ def read_long_description() -> str:
 
 
 #: The TensorFlow / Keras range the TF writers support: CI runs their tests on the oldest (tensorflow 2.16.2, keras
-#: 3.0.5) and the newest of it; the private TF/Keras internals they use are listed in tb_gradhealth/compat.py.
+#: 3.0.5) and the newest of it; the private TF/Keras internals they use are listed in tb_gradhealth/_tf/compat.py.
 TF_REQUIREMENTS = ["tensorflow>=2.16,<2.22", "keras>=3.0,<3.16"]
 
 TEST = ["pytest", "playwright", "ruff", "hypothesis", "fsspec", "gcsfs", "s3fs", "moto[server]", "gcp-storage-emulator"]
@@ -52,7 +52,7 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    packages=["tb_gradhealth", "tb_gradhealth.static"],
+    packages=["tb_gradhealth", "tb_gradhealth._tf", "tb_gradhealth.health", "tb_gradhealth.static"],
     package_dir={"tb_gradhealth": "tb_gradhealth", "tb_gradhealth.static": "frontend"},
     package_data={"tb_gradhealth.static": STATIC_PATTERNS},
     include_package_data=False,

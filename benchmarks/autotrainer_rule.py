@@ -13,7 +13,10 @@ the accuracy, so progress is approximated here: a run progresses when the mean l
 steps is at least 10% below that of its first quarter. The same rule is also printed without the progress gate.
 
 The records carry every number these rules read (exact norms and zero counts), so the baseline is computed from
-the same event files the diagnosis reads. Its answer is one word per model, at the last logged step.
+the same event files the diagnosis reads. ``verdict`` answers one word per model at the last logged step, as this
+baseline first did; ``verdict_every_check`` is the fairer reading: AutoTrainer checks at every monitored batch and
+accumulates its symptoms, and also stops on a NaN loss (or a loss of ``LOSS_HUGE`` or more) and on NaN weights, so
+there the symptom seen at any logged step counts (the first one, NaN first), gated by progress as above.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from tb_gradhealth import eventfile, reader, record
 BETA_1, BETA_2, BETA_3, GAMMA = 1e-3, 1e-4, 70.0, 0.7
 #: Loss improvement (first quarter -> last quarter of the logged steps) that counts as progress.
 PROGRESS = 0.10
+#: AutoTrainer's loss check: a NaN loss, or a loss at least this large, is an explosion.
+LOSS_HUGE = 1e5
 
 
 def symptom(layers: Sequence[str], rows: np.ndarray) -> str | None:
@@ -83,3 +88,19 @@ def verdict(layers: Sequence[str], records: np.ndarray, loss: np.ndarray) -> tup
     if raw in (None, "nonfinite"):
         return raw, raw
     return (None if progresses(loss) else raw), raw
+
+
+def verdict_every_check(layers: Sequence[str], records: np.ndarray, loss: np.ndarray) -> str | None:
+    """AutoTrainer at every logged step: NaN/Inf gradients, weights or loss (or a loss >= ``LOSS_HUGE``) at any
+    step answer at once; otherwise the first gradient symptom of any step, reported unless training progresses."""
+    weight_bad = ~np.isfinite(records[..., record.INDEX["weight_max_abs"]])
+    weight_bad &= ~np.isnan(records[..., record.INDEX["weight_ssq_rel"]])  # NaN there: weights not recorded
+    if (~np.isfinite(loss)).any() or weight_bad.any():
+        return "nonfinite"
+    if (loss >= LOSS_HUGE).any():
+        return "exploding"
+    seen = [symptom(layers, rows) for rows in records]
+    if "nonfinite" in seen:
+        return "nonfinite"
+    first = next((s for s in seen if s is not None), None)
+    return None if first is None or progresses(loss) else first

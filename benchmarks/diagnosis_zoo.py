@@ -165,6 +165,7 @@ class RunScore:
     rank1_status: str | None = None
     first_bad: str | None = None
     first_bad_status: str | None = None
+    culprits: list[str] = field(default_factory=list)
     rank1_ok: bool | None = None
     first_bad_ok: bool | None = None
     same: bool | None = None
@@ -184,6 +185,12 @@ class RunScore:
     #: the per-model baseline (benchmarks/autotrainer_rule.py): with and without its training-progress gate
     autotrainer: str | None = None
     autotrainer_ungated: str | None = None
+    #: AutoTrainer with every check of the run (symptom at any logged step, NaN/huge loss, NaN weights)
+    autotrainer_fair: str | None = None
+    #: SageMaker Debugger's VanishingGradient and ExplodingTensor rules, per tensor, any step
+    sagemaker: str | None = None
+    #: per gradient scale factor: (layer, logged step) pairs whose status differs from the unscaled records'
+    scale_changes: dict[str, int] = field(default_factory=dict)
     labelled_kinds: list[str] = field(default_factory=list)
     n_layers: int = 0
     n_steps: int = 0
@@ -217,6 +224,7 @@ def score_run(labels: Mapping[str, Any], d: Diagnosed) -> RunScore:
                           and not lab_layers.get(n, {}).get("doubtful")]
     r.flagged_any = [n for n in d.layers if any_flag[n]]
     culprits = set(labels.get("culprits") or [])
+    r.culprits = sorted(culprits)
     r.rank1, r.rank1_status = d.rank1, d.rank1_status
     r.first_bad, r.first_bad_status = d.first_bad, d.first_bad_status
     if r.sick:
@@ -271,6 +279,45 @@ def _layer_onsets(labels: Mapping[str, Any], d: Diagnosed) -> list[dict[str, Any
                     "recalled": diag_last == last_status if applicable else not is_flag(diag_last),
                     "first_step": fs, "first_step_applicable": applicable, "err_first_step": err_first_step,
                     "err_first_flag": err_first_flag})
+    return out
+
+
+#: Gradient scale factors of the sweep: the loss (or the targets' units) times a constant, with SGD's learning rate
+#: divided by it (the same weights at every step), or under Adam, which divides the constant out.
+SCALES = (1e-3, 1e-2, 1e-1, 1e1, 1e2, 1e3)
+
+
+def scaled_gradients(records: np.ndarray, factor: float) -> np.ndarray:
+    """The records of the same training whose gradient is ``factor`` (a power of ten) times larger: min, max and
+    mean scale, the histogram shifts by whole decades, the weights and the updates are unchanged."""
+    from tb_gradhealth import record
+
+    k = round(math.log10(factor))
+    if not math.isclose(10.0**k, factor):
+        raise ValueError(f"scale factor {factor} is not a power of ten")
+    out = records.copy()
+    for name in ("min", "max", "mean"):
+        out[..., record.INDEX[name]] *= factor
+    hist = records[..., record.HIST_START:]
+    shifted = np.zeros_like(hist)
+    if k >= 0:
+        shifted[..., k:] = hist[..., :hist.shape[-1] - k]
+        shifted[..., -1] += np.nansum(hist[..., hist.shape[-1] - k:], axis=-1)
+    else:
+        shifted[..., :k] = hist[..., -k:]
+        shifted[..., 0] += np.nansum(hist[..., :-k], axis=-1)
+    out[..., record.HIST_START:] = np.where(np.isnan(hist[..., :1]), np.nan, shifted)
+    return out
+
+
+def scale_sweep(layers: Sequence[str], steps: np.ndarray, records: np.ndarray, base: Diagnosed
+                ) -> dict[str, int]:
+    """Per factor of ``SCALES``: the (layer, logged step) pairs whose status changes from ``base``."""
+    out = {}
+    for factor in SCALES:
+        d = diagnose_steps(layers, steps, scaled_gradients(records, factor))
+        out[f"{factor:g}"] = sum(d.status[i].get(n) != base.status[i].get(n)
+                                 for i in range(len(steps)) for n in layers)
     return out
 
 
@@ -330,6 +377,23 @@ def goals(runs: Sequence[RunScore]) -> list[dict[str, Any]]:
     add("stop_on never halts a healthy run", not halted,
         f"{len(halted)} of {len(healthy)} healthy runs halted"
         + (f" ({', '.join(f'{r.case} at {r.halt}' for r in halted)})" if halted else ""))
+    flags = sum(c["tp"] + c["fp"] for r in sick for c in r.pairs.values())
+    right = sum(c["tp"] for r in sick for c in r.pairs.values())
+    precision = right / flags if flags else None
+    add("precision >= 95% over flagged (layer, logged step) pairs of the sick runs",
+        precision is not None and precision >= 0.95,
+        f"{right} of {flags} flagged pairs carry the labelled status" + (f" ({100 * precision:.1f}%)"
+                                                                         if precision is not None else ""))
+    single = [r for r in sick if len(r.culprits) <= 2 and r.culprits]
+    ok = [r for r in single if r.rank1_ok]
+    add("rank #1 is the culprit where the label names one layer", len(ok) == len(single),
+        f"{len(ok)} of {len(single)} single-culprit runs"
+        + (f" (missed: {', '.join(r.case for r in single if not r.rank1_ok)})" if len(ok) < len(single) else ""))
+    swept = [r for r in runs if r.scale_changes]
+    changed = [r for r in swept if any(r.scale_changes.values())]
+    add("identical verdicts across the gradient-scale sweep (x1e-3 ... x1e3)", not changed,
+        f"{len(changed)} of {len(swept)} runs change"
+        + (f" ({', '.join(f'{r.case}: {sum(r.scale_changes.values())} pairs' for r in changed)})" if changed else ""))
     return out
 
 
@@ -399,21 +463,34 @@ def report(runs: Sequence[RunScore], markdown: bool = False) -> str:
                      r.run_onset_label, r.run_onset_diag, r.run_onset_error])
     out.append(table(["run", "sick layers", "recalled", "first_step err max/missing", "first flag err max/missing",
                       "run onset label", "run onset diag", "err"], rows, markdown))
+    latency = sorted(x["err_first_flag"] for r in runs if r.sick for x in r.layer_onsets
+                     if x["err_first_flag"] is not None)
+    if latency:
+        out.append(f"detection latency (logged steps from a labelled sick layer's onset to the first diagnosis that "
+                   f"flags it): median {latency[len(latency) // 2]}, max {latency[-1]}, over {len(latency)} layers")
     out.append(h("(e) stop_on=('nonfinite', 'exploding') simulation"))
     out.append(table(["run", "kind", "halt at", "labelled onset", "first NaN", "lead (logged steps)"],
                      [[r.case, "divergence" if r.diverges else ("sick" if r.sick else "healthy"), r.halt,
                        r.run_onset_label, r.first_nan, _lead_text(r) if r.diverges else "-"] for r in runs],
                      markdown))
-    out.append(h("(g) per model: AutoTrainer's gradient rules on the same records, against ours"))
-    out.append(table(["run", "labelled", "AutoTrainer", "without its progress gate", "ours (first_bad)"],
+    out.append(h("(g) per model: baselines on the same records, against ours"))
+    out.append(table(["run", "labelled", "AutoTrainer (last step)", "ungated", "AutoTrainer (every check)",
+                      "SageMaker rules", "ours (first_bad)"],
                      [[r.case, ", ".join(r.labelled_kinds) or "healthy", r.autotrainer or "-",
-                       r.autotrainer_ungated or "-", r.first_bad_status or "-"] for r in runs], markdown))
-    for name, verdicts in (("AutoTrainer", [r.autotrainer for r in runs]),
+                       r.autotrainer_ungated or "-", r.autotrainer_fair or "-", r.sagemaker or "-",
+                       r.first_bad_status or "-"] for r in runs], markdown))
+    for name, verdicts in (("AutoTrainer (last step, loss gate)", [r.autotrainer for r in runs]),
                            ("AutoTrainer without its progress gate", [r.autotrainer_ungated for r in runs]),
+                           ("AutoTrainer, every check + NaN loss/weights", [r.autotrainer_fair for r in runs]),
+                           ("SageMaker VanishingGradient + ExplodingTensor", [r.sagemaker for r in runs]),
                            ("ours", [r.first_bad_status for r in runs])):
         right, alarms = model_level(runs, verdicts)
         out.append(f"{name}: {right} of {sum(r.sick for r in runs)} sick runs named with a labelled status; "
                    f"{alarms} of {sum(not r.sick for r in runs)} healthy runs flagged")
+    if any(r.scale_changes for r in runs):
+        out.append(h("(h) gradient-scale sweep: (layer, logged step) pairs whose status changes (goal 0)"))
+        out.append(table(["run"] + [f"x{f:g}" for f in SCALES],
+                         [[r.case] + [r.scale_changes.get(f"{f:g}", "-") for f in SCALES] for r in runs], markdown))
     out.append(h("(f) GOALS"))
     out.append(table(["goal", "result", "measured"],
                      [[g["goal"], "PASS" if g["pass"] else "FAIL", g["figure"]] for g in goals(runs)], markdown))
@@ -460,8 +537,9 @@ def load_case(case_dir: Path) -> tuple[dict[str, Any], Any]:
     return labels, runs[0]
 
 
-def score_cases(case_dirs: Sequence[Path], times: Mapping[str, float] | None = None) -> list[RunScore]:
-    from benchmarks import autotrainer_rule  # noqa: PLC0415 - reads event files with tensorboard's protos
+def score_cases(case_dirs: Sequence[Path], times: Mapping[str, float] | None = None, sweep: bool = False
+                ) -> list[RunScore]:
+    from benchmarks import autotrainer_rule, sagemaker_rules  # noqa: PLC0415 - tensorboard's protos
 
     out = []
     for case_dir in case_dirs:
@@ -470,6 +548,10 @@ def score_cases(case_dirs: Sequence[Path], times: Mapping[str, float] | None = N
         r = score_run(labels, d)
         loss = autotrainer_rule.losses(str(case_dir / run.run))
         r.autotrainer, r.autotrainer_ungated = autotrainer_rule.verdict(run.layers, run.records, loss)
+        r.autotrainer_fair = autotrainer_rule.verdict_every_check(run.layers, run.records, loss)
+        r.sagemaker = sagemaker_rules.verdict(run.records)
+        if sweep:
+            r.scale_changes = scale_sweep(run.layers, run.steps, run.records, d)
         r.labelled_kinds = sorted({e["status"] for e in labels["layers"].values() if e["status"] in SICK_STATUSES}
                                   | {st for e in labels["layers"].values() for st, _ in episodes(e)
                                      if st in SICK_STATUSES})
@@ -488,6 +570,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="where each case's logdir is kept (default: benchmarks/.zoo-cache)")
     ap.add_argument("--refresh", action="store_true", help="retrain the selected cases even when cached")
     ap.add_argument("--only", default="", help="comma-separated case names")
+    ap.add_argument("--half", choices=("heldout", "design", "both"), default="both",
+                    help="the held-out half (benchmarks/zoo_heldout.py, never tuned on), the design half "
+                         "(benchmarks/zoo_cases.py, the cases the rules were designed on) or both, scored apart")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also diagnose every run with its gradients scaled by 1e-3 ... 1e3 (the same training with "
+                         "the loss times a constant) and count the verdicts that change")
     ap.add_argument("--light", action="store_true",
                     help="leave out the keras.applications cases (minutes of CPU each), for quick iterations")
     ap.add_argument("--list", action="store_true", help="list the cases and their labelling rules, then exit")
@@ -497,20 +585,49 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def _registries(half: str) -> list[tuple[str, dict[str, Any], Callable[[str, Path], Any]]]:
+    from benchmarks import zoo_cases, zoo_heldout  # noqa: PLC0415 - TensorFlow only when training
+
+    out = []
+    if half in ("heldout", "both"):
+        out.append(("held-out half (never tuned on)", zoo_heldout.CASES, zoo_heldout.train))
+    if half in ("design", "both"):
+        out.append(("design half (the rules were designed on it)", zoo_cases.CASES, zoo_cases.train))
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    from benchmarks import zoo_cases  # noqa: PLC0415 - TensorFlow only when training
-
-    names = [n for n in args.only.split(",") if n] or [n for n, c in zoo_cases.CASES.items()
-                                                       if not (args.light and c.heavy)]
-    unknown = [n for n in names if n not in zoo_cases.CASES]
+    only = [n for n in args.only.split(",") if n]
+    halves = _registries(args.half)
+    known = {n for _, cases, _ in halves for n in cases}
+    unknown = [n for n in only if n not in known]
     if unknown:
-        print(f"unknown case(s): {', '.join(unknown)}; known: {', '.join(zoo_cases.CASES)}", file=sys.stderr)
+        print(f"unknown case(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}", file=sys.stderr)
         return 2
-    if args.list:
-        for n in names:
-            print(f"{n:24s} {zoo_cases.CASES[n].rule}")
-        return 0
+    figures_out = {}
+    for title, cases, train in halves:
+        names = [n for n in (only or list(cases)) if n in cases and not (args.light and cases[n].heavy)]
+        if not names:
+            continue
+        if args.list:
+            for n in names:
+                print(f"{n:24s} {cases[n].rule}")
+            continue
+        runs = _train_and_score(args, names, train)
+        print(f"\n######## {title}: {len(runs)} cases ########")
+        print(table(["case", "sick", "logged steps", "layers", "training s (wall)", "training s (CPU)"],
+                    [[r.case, r.sick, r.n_steps, r.n_layers, _secs(r.train_s), _secs(r.train_cpu_s)] for r in runs],
+                    args.markdown))
+        print(report(runs, args.markdown))
+        figures_out[title] = figures(runs)
+    if args.json:
+        args.json.write_text(json.dumps(figures_out, indent=1, default=str))
+    return 0
+
+
+def _train_and_score(args: argparse.Namespace, names: Sequence[str], train: Callable[[str, Path], Any]
+                     ) -> list[RunScore]:
     times: dict[str, float] = {}
     start = time.perf_counter()
     if not args.score_only:
@@ -519,7 +636,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if (case_dir / "labels.json").exists() and not args.refresh:
                 continue
             t0 = time.perf_counter()
-            zoo_cases.train(n, case_dir)
+            train(n, case_dir)
             times[n] = time.perf_counter() - t0
             cpu = json.loads((case_dir / "labels.json").read_text()).get("train_cpu_s")
             print(f"[zoo] trained {n} in {times[n]:.1f} s ({cpu} CPU s)", flush=True)
@@ -527,18 +644,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"[zoo] trained {len(times)} case(s) in {time.perf_counter() - start:.1f} s wall "
                   f"(import and set-up included; load average {os.getloadavg()[0]:.1f})", flush=True)
     dirs = [args.cache / n for n in names if (args.cache / n / "labels.json").exists()]
-    runs = score_cases(dirs, times)
-    print(table(["case", "sick", "logged steps", "layers", "training s (wall)", "training s (CPU)"],
-                [[r.case, r.sick, r.n_steps, r.n_layers, _secs(r.train_s), _secs(r.train_cpu_s)] for r in runs],
-                args.markdown))
-    print(f"training time of these {len(runs)} cases (when trained): {sum(r.train_s or 0.0 for r in runs):.1f} s "
-          f"wall, {sum(r.train_cpu_s or 0.0 for r in runs):.1f} s CPU")
-    print(report(runs, args.markdown))
-    if args.json:
-        args.json.write_text(json.dumps(figures(runs), indent=1, default=str))
-    return 0
-
-
+    return score_cases(dirs, times, sweep=args.sweep)
 
 if __name__ == "__main__":
     sys.exit(main())

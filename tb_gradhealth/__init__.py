@@ -9,32 +9,27 @@ the numpy :class:`Writer` work on a machine without TensorFlow.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
 
 __version__ = "0.1.0"
 
-#: Submodules that import TensorFlow (loaded only when used).
-_TF_MODULES = (
-    "summary", "packed", "kernels", "histogram", "compat", "keras", "capture", "tpu", "distribute", "shards",
-    "accumulate",
+#: What users import: the writers, the diagnosis, the readers, the plugin and the CLI. Every other submodule loads
+#: on first access too (``tb_gradhealth.testing``, ...): any name that is a submodule of the package is one.
+_ENTRY_POINTS = (
+    "summary", "keras", "tpu", "distribute", "accumulate", "torch", "jax", "writer", "health", "reader", "testing",
+    "plugin", "cli", "origin", "tf_origin", "torch_origin", "jax_origin",
 )
-#: TensorFlow-free submodules.
-_PLAIN_MODULES = (
-    "record", "metadata", "naming", "eventfile", "writer", "health", "reader", "payloads", "plugin", "cli"
-)
-#: Submodules for other frameworks (optional extras ``torch`` and ``jax``; imported only when used).
-_FRAMEWORK_MODULES = ("torch", "jax")
-_LAZY_MODULES = _TF_MODULES + _PLAIN_MODULES + _FRAMEWORK_MODULES
 _LAZY_ATTRS = {"Writer": "writer", "Thresholds": "health"}
 
-__all__ = ["Writer", "Thresholds", "__version__", *_LAZY_MODULES]
+__all__ = ["Writer", "Thresholds", "__version__", *_ENTRY_POINTS]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY_MODULES:
-        return importlib.import_module(f"tb_gradhealth.{name}")
     if name in _LAZY_ATTRS:
         return getattr(importlib.import_module(f"tb_gradhealth.{_LAZY_ATTRS[name]}"), name)
+    if not name.startswith("__") and importlib.util.find_spec(f"tb_gradhealth.{name}") is not None:
+        return importlib.import_module(f"tb_gradhealth.{name}")
     raise AttributeError(f"module 'tb_gradhealth' has no attribute {name!r}")
 
 

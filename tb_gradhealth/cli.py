@@ -2,7 +2,8 @@
 
 Reads event files directly (:func:`tb_gradhealth.reader.read_logdir`, no TensorBoard server, no TensorFlow) and
 diagnoses with :mod:`tb_gradhealth.health`, so it agrees with the dashboard. The JSON is the ``health`` route's
-answer per run (docs/API.md) plus the run's read problems.
+answer per run (docs/API.md) plus the run's read problems and ``nan_origin``: where its first NaN/Inf was made, when
+a writer replayed it (:mod:`tb_gradhealth.origin`; the ``nan_origin`` route's ``origin``).
 
 Exit status: 1 when a reported layer has a status named in ``--fail-on`` (default ``nonfinite``; ``none`` never
 fails); else 3 when a run holds gradient-health data but none of it is readable (each such run and why is on stderr
@@ -19,7 +20,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from tb_gradhealth import __version__, health, reader, storage
+from tb_gradhealth import __version__, health, origin, reader, storage
 from tb_gradhealth.payloads import RequestError, health_payload, parse_step, parse_thresholds
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_UNREADABLE = 0, 1, 2, 3
@@ -125,13 +126,16 @@ def format_run(body: dict[str, Any], series: reader.RunSeries, top: int = 0) -> 
         f"({series.num_steps} logged), diagnosed at step {body['step']}",
         "  " + ", ".join(f"{counts[s]} {s}" for s in health.STATUSES if counts.get(s)),
     ]
-    fb, onset = body["summary"]["first_bad"], body["summary"].get("onset")
-    if fb:
-        lines.append(f"  first bad: {_text(fb['layer'])} ({fb['status']}) since step {fb['step']}")
-    if onset:
-        lines.append(f"  first went wrong: step {onset['step']}, {_text(onset['layer'])} ({onset['status']})")
+    fb, cause = body["summary"]["first_bad"], body["summary"].get("cause")
+    if fb:  # one story: the cause first, then what followed
+        story = f": {_text(cause['story'])}" if cause and cause.get("story") else ""
+        lines.append(f"  first bad: {_text(fb['layer'])} ({fb['status']}) since step {fb['step']}{story}")
+        if cause and cause.get("fixes"):
+            lines.append(f"  what to do: {_text(cause['fixes'][0])}")
     if body["summary"].get("timeline"):
         lines.append("  timeline: " + timeline_text(body["summary"]["timeline"]))
+    if body.get("nan_origin"):
+        lines.append(f"  {_text(body['nan_origin']['message'])}")
     for p in series.problems:
         lines.append(f"  problem: {_text(p)}")
     for p in series.notes:
@@ -207,6 +211,9 @@ def report(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     thresholds = _thresholds(args)
     bodies, unreadable, problems = _diagnose(_read(args, err), thresholds, step, err)
     failed = sorted({x["status"] for _, b in bodies for x in b["layers"]} & fail_on)
+    origins = origin.read_logdir(args.logdir, [s.run for s, _ in bodies])  # where the first NaN/Inf was made
+    for series, body in bodies:
+        body["nan_origin"] = origins[series.run].to_json() if series.run in origins else None
     if args.json:
         text = json.dumps({"runs": [b for _, b in bodies], "problems": problems}, allow_nan=False)
     else:

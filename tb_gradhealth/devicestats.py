@@ -80,7 +80,7 @@ def grad_stats(be: Backend, x: Any, extra_zeros: int, hist_sample: int, sample: 
     ``extra_zeros``: implicit zeros beyond ``x`` (a sparse gradient's untouched rows). ``sample``: ``None`` for the
     exact histogram, else a function returning ``hist_sample`` elements of ``x`` at the sampling rule's positions.
     The histogram is exact (``hist_sample`` = the finite nonzero count) when that count is at most ``hist_sample``
-    or the sample kept fewer than :data:`record.SAMPLE_MIN_KEPT` finite nonzero values (a very sparse tensor whose
+    or the sample kept fewer than :func:`record.sample_min_kept` finite nonzero values (a very sparse tensor whose
     sample missed its few nonzeros), so the bins always add up to the finite nonzero count.
     """
     xp = be.xp
@@ -96,12 +96,12 @@ def grad_stats(be: Backend, x: Any, extra_zeros: int, hist_sample: int, sample: 
     nonzero = counts[0] - counts[1] - counts[2] - counts[3] - counts[4]
     if sample is None:
         kept_hist = _kept_hist(be, x)
-    else:  # the scaled sample, unless the exact histogram is due (the rule of record.SAMPLE_MIN_KEPT)
+    else:  # the scaled sample, unless the exact histogram is due (record.sample_is_enough's rule)
         kept_hist = _kept_hist(be, sample(x))
         kept = kept_hist[0]
         scaled = xp.concatenate([xp.reshape(kept, (1,)), kept_hist[1:] * xp.where(
             kept > 0, be.f32(nonzero) / xp.where(kept > 0, kept, 1.0), 0.0)])
-        exact = (nonzero <= hist_sample) | (kept < record.SAMPLE_MIN_KEPT)
+        exact = (nonzero <= hist_sample) | (kept < record.sample_min_kept(hist_sample))
         kept_hist = be.cond(exact, lambda x, s: _kept_hist(be, x), lambda x, s: s * 1.0, (x, scaled))
     return counts, xp.concatenate([head, kept_hist])
 

@@ -12,17 +12,20 @@ the reader checks every record's data checksum).
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import struct
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from tensorboard.compat.proto import event_pb2
 
 from tb_gradhealth import storage
+from tb_gradhealth.problems import Kind, Problem
 
 try:  # C implementation (a dependency; the fallback keeps a broken install readable)
     import google_crc32c
@@ -37,6 +40,7 @@ except ImportError:  # pragma: no cover - depends on the environment
         return _tb_crc32c(data)
 
 _MASK_DELTA = 0xA282EAD8
+_log = logging.getLogger("tb_gradhealth")
 
 
 def masked_crc32c(data: bytes) -> int:
@@ -58,6 +62,57 @@ def iter_records(path: str, problems: list[str], storage_options: Mapping[str, A
         yield payload
 
 
+@dataclass
+class ScanEnd:
+    """Where :func:`scan_framed` stopped: ``end``, the byte offset just past the last whole record, and ``stop``:
+    None at a record boundary, ``"partial"`` in a partial record (truncated, or still being written), ``"corrupt"``
+    at a record header whose length checksum fails (the framing cannot be trusted past it)."""
+
+    end: int = 0
+    stop: str | None = None
+
+
+def scan_framed(data: bytes, base: int, path: str, problems: list[str], where: ScanEnd
+                ) -> Iterator[tuple[int, bytes]]:
+    """``(byte offset, payload)`` of each whole TFRecord in ``data`` (the file's bytes from offset ``base``) whose
+    data checksum matches; a record failing it is skipped with a problem naming the file and offset. ``where``
+    is updated as records are read, so a reader can resume at ``where.end`` when more bytes arrive."""
+    pos, n = 0, len(data)
+    where.end, where.stop = base, None
+    while pos < n:
+        if n - pos < 12:
+            where.stop = "partial"
+            return
+        (length,) = struct.unpack_from("<Q", data, pos)
+        (length_crc,) = struct.unpack_from("<I", data, pos + 8)
+        if masked_crc32c(data[pos : pos + 8]) != length_crc:
+            where.stop = "corrupt"
+            return
+        end = pos + 12 + length + 4
+        if end > n:
+            where.stop = "partial"
+            return
+        payload = data[pos + 12 : pos + 12 + length]
+        (data_crc,) = struct.unpack_from("<I", data, end - 4)
+        pos = end
+        where.end = base + end
+        if masked_crc32c(payload) != data_crc:
+            problems.append(Problem(Kind.FILE, f"{path}: record at byte {base + end - 16 - length} fails its data "
+                                             f"checksum (damaged); skipped"))
+        else:
+            yield base + end - 16 - length, payload
+
+
+def stop_problem(path: str, where: ScanEnd) -> Problem | None:
+    """The problem line for where a scan stopped early (None when it read to a record boundary)."""
+    if where.stop == "partial":
+        return Problem(Kind.PARTIAL, f"{path}: ends in a partial record at byte {where.end} (truncated, or still "
+                                     f"being written)")
+    if where.stop == "corrupt":
+        return Problem(Kind.FILE, f"{path}: corrupt record header at byte {where.end}; the rest of the file is skipped")
+    return None
+
+
 def iter_framed(path: str, problems: list[str], storage_options: Mapping[str, Any] | None = None
                 ) -> Iterable[tuple[int, bytes]]:
     """``(byte offset, payload)`` of each TFRecord of an event file whose data checksum matches.
@@ -70,29 +125,57 @@ def iter_framed(path: str, problems: list[str], storage_options: Mapping[str, An
     try:
         data = storage.read_bytes(path, storage_options)
     except OSError as e:
-        problems.append(f"{path}: unreadable: {e}")
+        problems.append(Problem(Kind.FILE, f"{path}: unreadable: {e}"))
         return
-    pos, n = 0, len(data)
-    while pos < n:
-        if n - pos < 12:
-            problems.append(f"{path}: ends in a partial record at byte {pos} (truncated, or still being written)")
-            return
-        (length,) = struct.unpack_from("<Q", data, pos)
-        (length_crc,) = struct.unpack_from("<I", data, pos + 8)
-        if masked_crc32c(data[pos : pos + 8]) != length_crc:
-            problems.append(f"{path}: corrupt record header at byte {pos}; the rest of the file is skipped")
-            return
-        end = pos + 12 + length + 4
-        if end > n:
-            problems.append(f"{path}: ends in a partial record at byte {pos} (truncated, or still being written)")
-            return
-        payload = data[pos + 12 : pos + 12 + length]
-        (data_crc,) = struct.unpack_from("<I", data, end - 4)
-        if masked_crc32c(payload) != data_crc:
-            problems.append(f"{path}: record at byte {pos} fails its data checksum (damaged); skipped")
+    where = ScanEnd()
+    yield from scan_framed(data, 0, path, problems, where)
+    line = stop_problem(path, where)
+    if line:
+        problems.append(line)
+
+
+#: While writing fails, events wait in memory up to this many bytes; beyond it the oldest are dropped (counted).
+MAX_PENDING_BYTES = 64 << 20
+#: After a failed write, the next try waits this long, doubling up to ``flush_secs`` (an object store that is down
+#: must not cost a timeout per training step).
+FIRST_RETRY_SECS = 1.0
+
+
+class _Outage:
+    """The state of a write fault: since when, how many tries failed, when to try again, events dropped so far.
+
+    One warning when writing starts to fail and one when it resumes (with what was lost), not one per try.
+    """
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.failing = False
+        self.failures = 0
+        self.dropped = 0
+        self._wait = FIRST_RETRY_SECS
+        self._next_try = 0.0
+
+    def may_try(self) -> bool:
+        return not self.failing or time.monotonic() >= self._next_try
+
+    def failed(self, error: BaseException, max_wait: float) -> None:
+        self.failures += 1
+        if not self.failing:
+            self.failing = True
+            self._wait = FIRST_RETRY_SECS
+            _log.warning("tb_gradhealth: cannot write to %s (%s: %s); events are kept in memory (up to %d MB) and "
+                         "written when it works again; training goes on", self.where, type(error).__name__, error,
+                         MAX_PENDING_BYTES >> 20)
         else:
-            yield pos, payload
-        pos = end
+            self._wait = min(self._wait * 2, max(max_wait, FIRST_RETRY_SECS))
+        self._next_try = time.monotonic() + self._wait
+
+    def succeeded(self) -> None:
+        if self.failing:
+            lost = f"; {self.dropped} events dropped while it failed" if self.dropped else ""
+            _log.warning("tb_gradhealth: writing to %s works again after %d failed tries%s", self.where,
+                         self.failures, lost)
+        self.failing = False
 
 
 class EventFile:
@@ -106,6 +189,12 @@ class EventFile:
     to an object, so each flush writes one new object ``<file name>.<8-digit sequence number>``: an object is
     written whole or not at all, so everything flushed survives a killed process, and the names sort in write
     order, as TensorBoard reads a run's event files.
+
+    Writing never raises for where it writes (a full disk, a directory that cannot be made, an object store that
+    is down): the events stay queued (up to :data:`MAX_PENDING_BYTES`, then the oldest are dropped and counted in
+    :attr:`dropped_events`), one warning says so, and writing resumes by itself when the fault clears. A local
+    write that fails halfway is cut back to the last whole record, so the file never holds a torn one. Only a path
+    that is not a path (a malformed URL, a missing fsspec backend) raises, at construction.
     """
 
     def __init__(self, logdir: str, *, max_queue: int = 32, flush_secs: float = 120, filename_suffix: str = "",
@@ -113,22 +202,17 @@ class EventFile:
         logdir = storage.check(logdir)
         self._remote = storage.is_url(logdir)
         self._storage_options = dict(storage_options or {})
-        storage.makedirs(logdir, self._storage_options)  # StorageError now, before any record is accepted
-        self.logdir = logdir
-        name = f"events.out.tfevents.{time.time():.6f}.{socket.gethostname()}.{os.getpid()}{filename_suffix}"
-        self._file = None
-        self._objects = 0
         if self._remote:
-            self.path = storage.join(logdir, name)
-        else:
-            # The same name twice in one process within a microsecond would clobber: add a counter if it exists.
-            path, k = os.path.join(logdir, name), 0
-            while os.path.exists(path):
-                k += 1
-                path = os.path.join(logdir, f"{name}.{k}")
-            self.path = path
-            self._file = open(path, "wb")  # noqa: SIM115 - closed in close()
+            storage.makedirs(logdir, self._storage_options)  # StorageError now: no fsspec, no backend, a bad URL
+        self.logdir = logdir
+        self._name = f"events.out.tfevents.{time.time():.6f}.{socket.gethostname()}.{os.getpid()}{filename_suffix}"
+        self.path = storage.join(logdir, self._name) if self._remote else os.path.join(logdir, self._name)
+        self._fd: int | None = None
+        self._objects = 0
         self._pending: list[bytes] = []
+        self._pending_bytes = 0
+        self._started = False  # the file-version record is written
+        self._outage = _Outage(logdir)
         self._max_queue = max_queue
         self._flush_secs = flush_secs
         self._last_flush = time.monotonic()
@@ -140,6 +224,16 @@ class EventFile:
         self._flusher.start()
 
     @property
+    def dropped_events(self) -> int:
+        """Events dropped because writing failed for longer than the queue could hold them."""
+        return self._outage.dropped
+
+    @property
+    def failing(self) -> bool:
+        """Whether the last try to write failed (events are waiting for the fault to clear)."""
+        return self._outage.failing
+
+    @property
     def objects(self) -> list[str]:
         """On object storage, the objects written so far (in order); locally, the one file."""
         if not self._remote:
@@ -148,36 +242,91 @@ class EventFile:
 
     def add_event(self, event: event_pb2.Event) -> None:
         with self._lock:
-            self._pending.append(frame(event.SerializeToString()))
+            data = frame(event.SerializeToString())
+            self._pending.append(data)
+            self._pending_bytes += len(data)
+            self._drop_oldest_beyond(MAX_PENDING_BYTES)
             if len(self._pending) >= self._max_queue or time.monotonic() - self._last_flush >= self._flush_secs:
-                self.flush()
+                self._flush(now=False)
 
-    def flush(self) -> None:
+    def _drop_oldest_beyond(self, limit: int) -> None:
+        """Drop the oldest queued events while more than ``limit`` bytes wait (the file-version record of a file
+        not yet started stays first)."""
+        keep_first = int(not self._started)
+        while self._pending_bytes > limit and len(self._pending) > keep_first + 1:
+            self._pending_bytes -= len(self._pending.pop(keep_first))
+            self._outage.dropped += 1
+
+    def flush(self) -> bool:
+        """Write the queued events now; whether everything queued is written (a failure keeps them queued for a
+        later try, with a warning, and is not raised)."""
+        return self._flush(now=True)
+
+    def _flush(self, now: bool) -> bool:
+        """Write the queued events, unless a failed write's back-off says to wait (``now``: try anyway)."""
         with self._lock:
-            if self._pending:
+            if self._pending and (now or self._outage.may_try()):
                 data = b"".join(self._pending)
-                if self._remote:
-                    storage.write_object(f"{self.path}.{self._objects:08d}", data, self._storage_options)
-                    self._objects += 1
+                try:
+                    self._write(data)
+                except Exception as e:  # noqa: BLE001 - OSError, or a storage backend's own error types
+                    self._outage.failed(e, self._flush_secs)
                 else:
-                    self._file.write(data)
-                self._pending.clear()
-            if self._file is not None:
-                self._file.flush()
+                    self._started = True
+                    self._outage.succeeded()
+                    self._pending.clear()
+                    self._pending_bytes = 0
             self._last_flush = time.monotonic()
+            return not self._pending
+
+    def _write(self, data: bytes) -> None:
+        if self._remote:
+            storage.write_object(f"{self.path}.{self._objects:08d}", data, self._storage_options)
+            self._objects += 1
+            return
+        if self._fd is None:
+            self._fd = self._open_local()
+        start = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view):]
+        except OSError:
+            try:  # never leave a torn record: cut back to the last whole one
+                os.ftruncate(self._fd, start)
+            except OSError:  # cannot even cut: start a new file at the next try
+                os.close(self._fd)
+                self._fd = None
+            raise
+
+    def _open_local(self) -> int:
+        """Make the directory and open a new file (a name taken in this process within the same microsecond, or
+        a file abandoned after a failed write, gets a counter)."""
+        os.makedirs(self.logdir, exist_ok=True)
+        path, k = self.path, 0
+        while os.path.exists(path):
+            k += 1
+            path = os.path.join(self.logdir, f"{self._name}.{k}")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self.path = path
+        return fd
 
     def _flush_periodically(self) -> None:
         while not self._closed.wait(self._flush_secs):
-            try:
-                self.flush()
-            except Exception:  # noqa: BLE001 - a failed background write is retried; flush()/close() raise it
-                pass
+            self._flush(now=False)
 
     def close(self) -> None:
+        """Flush and close; events that still cannot be written are dropped (counted) with a warning."""
         with self._lock:
             if self._closed.is_set():
                 return
             self._closed.set()
-            self.flush()
-            if self._file is not None:
-                self._file.close()
+            self.flush()  # one last try, whatever the back-off says
+            if self._pending:
+                self._outage.dropped += len(self._pending)
+                _log.warning("tb_gradhealth: %d events could not be written to %s before closing",
+                             len(self._pending), self.logdir)
+                self._pending.clear()
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None

@@ -2,7 +2,7 @@
 
 Why a hook and not a probe: recomputing gradients on one fixed batch at epoch end costs a whole extra
 forward/backward pass and is not the gradient that training applied. The callback installs optimizer hooks
-(:mod:`tb_gradhealth.capture`) and traces the train function twice: a "plain" variant (the ordinary step) and a
+(:mod:`tb_gradhealth._tf.capture`) and traces the train function twice: a "plain" variant (the ordinary step) and a
 "capture" variant that stores the record of the applied gradient on logged steps. The host, which counts steps,
 calls the capture variant only for calls that contain a logged step, so other steps cost nothing, even under XLA.
 The host reads the records back in batches and writes them with the TF-free :class:`tb_gradhealth.writer.Writer`
@@ -16,8 +16,8 @@ written at step ``s``, next to ``batch_loss`` of the same batch; it describes th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -27,8 +27,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tb_gradhealth import compat, record, summary
-from tb_gradhealth.capture import CUSTOM_LOOP_ADVICE, Capture, CaptureError
+from tb_gradhealth import record, summary
+from tb_gradhealth._stepbook import StepBook, ring_plan
+from tb_gradhealth._tf import compat
+from tb_gradhealth._tf.capture import CUSTOM_LOOP_ADVICE, Capture, CaptureError
+from tb_gradhealth.failsafe import Failsafe
 from tb_gradhealth.writer import Writer
 
 __all__ = ["GradientHealthCallback", "CaptureError", "StopEvent"]
@@ -36,13 +39,6 @@ __all__ = ["GradientHealthCallback", "CaptureError", "StopEvent"]
 _log = logging.getLogger("tb_gradhealth")
 
 _STOP_CHOICES = ("nonfinite", "exploding")
-#: The host reads the ring buffer once per this many capturing calls (at most), so that logging every step does
-#: not pay a device read, a decode and an event write per step.
-_MAX_CALLS_PER_READ = 16
-#: ... as long as the ring buffer stays below this size (it is rewritten, whole, by each store).
-_MAX_BUFFER_BYTES = 1 << 20
-
-
 @dataclass(frozen=True)
 class StopEvent:
     """Why ``stop_on`` stopped training: the first logged step at which a watched status appeared.
@@ -55,10 +51,13 @@ class StopEvent:
     layer: str
     status: str
     layers: tuple[str, ...]
+    #: Where the first NaN/Inf was made (a :class:`tb_gradhealth.origin.NanOrigin`), when it was looked for.
+    origin: Any = None
 
     def message(self) -> str:
         others = f" (bad layers at that step: {', '.join(self.layers)})" if len(self.layers) > 1 else ""
-        return f"tb_gradhealth: {self.status} gradient in layer {self.layer!r} at step {self.step}{others}"
+        made = f"; {self.origin.message()}" if self.origin is not None else ""
+        return f"tb_gradhealth: {self.status} gradient in layer {self.layer!r} at step {self.step}{others}{made}"
 
 
 def _innermost_optimizer(optimizer: Any) -> Any:
@@ -86,23 +85,6 @@ def _check_options(update_freq: Any, probe_data: Any, stop_on: Any) -> tuple[Any
     if probe_data is not None and not (isinstance(probe_data, (tuple, list)) and len(probe_data) in (2, 3)):
         raise ValueError("probe_data must be (x, y) or (x, y, sample_weight)")
     return update_freq, stop_on
-
-
-def _ring_plan(update_freq: Any, spe: int, n_variables: int, read_every_call: bool) -> tuple[int, int, int]:
-    """``(period, slots, calls_per_read)``: the capture period (0: epoch mode), ring buffer size, read batching.
-
-    Reads are batched only when every call logs (period <= steps per call), where the host's step prediction
-    picks nothing; ``read_every_call`` (``stop_on``) reads after every call, to stop at the very step.
-    """
-    if update_freq == "epoch":
-        return 0, spe + 1, 1
-    period = int(update_freq)
-    per_call = math.ceil(spe / period)  # logged steps one call may hold
-    row_bytes = n_variables * (record.NUM_FIELDS - 1) * 4
-    calls_per_read = 1
-    if period <= spe and not read_every_call:
-        calls_per_read = max(1, min(_MAX_CALLS_PER_READ, _MAX_BUFFER_BYTES // (per_call * row_bytes)))
-    return period, per_call * calls_per_read + 2, calls_per_read
 
 
 class _StopWatch:
@@ -187,8 +169,8 @@ class GradientHealthCallback(keras.callbacks.Callback):
             step of each epoch (the first step of each epoch when the number of steps is unknown); ``"batch"``
             means 1, as in Keras; ``None`` records no training gradients (then ``probe_data`` is required).
             Unlogged steps cost a comparison; a logged step costs the statistics of the gradients, weights and
-            updates (see docs/KERAS.md for measured figures). The default, 100, keeps the average cost within 2%
-            of a step (Keras' TensorBoard defaults to ``"epoch"``, too coarse to see a gradient blow up).
+            updates (docs/KERAS.md has the measured cost of the default, 100, and of every step). Keras'
+            TensorBoard defaults to ``"epoch"``, too coarse to see a gradient blow up.
         name: tag name of the records (``gradhealth/<name>/...``).
         record_updates: also record the applied update ``w_before - w_after`` (so the dashboard can show
             update/weight ratios whatever the optimizer). Costs a transient copy of the weights on logged steps;
@@ -204,6 +186,9 @@ class GradientHealthCallback(keras.callbacks.Callback):
             Inf in a gradient) and/or ``"exploding"`` (as diagnosed by :mod:`tb_gradhealth.health` with
             ``thresholds``, the dashboard's rule). The layer and step are logged and kept in :attr:`stop_event`.
         thresholds: a :class:`tb_gradhealth.health.Thresholds` or a mapping of its fields (for ``"exploding"``).
+        nan_origin: at the first recorded step whose gradient holds a NaN/Inf, put the weights of that step back,
+            replay it op by op and store where the first NaN/Inf was made (op, layer, forward or backward, line of
+            user code) in :attr:`origin`, the log and the run (docs/NAN_ORIGIN.md). Free until then.
     """
 
     def __init__(
@@ -218,6 +203,7 @@ class GradientHealthCallback(keras.callbacks.Callback):
         probe_data: Sequence[Any] | None = None,
         stop_on: Sequence[str] = (),
         thresholds: Any = None,
+        nan_origin: bool = True,
     ) -> None:
         super().__init__()
         if keras.backend.backend() != "tensorflow":  # pragma: no cover - the module imports TensorFlow
@@ -242,6 +228,19 @@ class GradientHealthCallback(keras.callbacks.Callback):
         self._writer: Writer | None = None
         self._probe: _Probe | None = None
         self._stop_watch = _StopWatch(self.stop_on, thresholds) if self.stop_on else None
+        self.nan_origin = bool(nan_origin)
+        #: Where the first NaN/Inf was made (:class:`tb_gradhealth.origin.NanOrigin`), once one was recorded.
+        self.origin: Any = None
+        self._origin: Any = None
+        self._failsafe = Failsafe()
+        self._writer_dropped = 0
+
+    @property
+    def dropped_records(self) -> int:
+        """Logged steps whose records were not written: the logdir could not be written for longer than the
+        writer's queue holds, or the host-side work failed (each failure is logged once; training went on)."""
+        writer = self._writer.dropped_records if self._writer is not None else 0
+        return self._writer_dropped + writer + self._failsafe.dropped_records
 
     @property
     def train_dir(self) -> str:
@@ -255,27 +254,22 @@ class GradientHealthCallback(keras.callbacks.Callback):
         if getattr(model, "optimizer", None) is None:
             raise CaptureError("GradientHealthCallback needs a compiled model with an optimizer (call compile()).")
         self.stop_event = None
+        self.origin = None
         if self._stop_watch is not None:
             self._stop_watch = _StopWatch(self.stop_on, self._thresholds)
         self._capture = None
         self._writer = Writer(self.train_dir, hist_sample=self.hist_sample, seed=self.seed,
                               filename_suffix=".gradhealth")
-        self._spe = max(1, int(getattr(model, "steps_per_execution", 1) or 1))
-        self._steps = self.params.get("steps") if self.params else None
         self._read_upto = 0  # captures already written
-        self._checked_capture = False
-        self._arm = False  # the next train-function call must run the capturing variant (epoch mode)
-        self._last_mode = "plain"
-        self._epoch_batch_end = -1
+        self._book: StepBook | None = None
         if self.update_freq is not None:
             self._start_capture(model)
 
     def _start_capture(self, model: Any) -> None:
         """Install the hooks and two fresh train functions; ``fit`` then calls :meth:`_dispatch` for each step."""
-        self._pending = 0  # capturing calls since the host last read the ring buffer
-        period, slots, self._calls_per_read = _ring_plan(
-            self.update_freq, self._spe, len(model.trainable_variables), bool(self.stop_on)
-        )
+        spe = max(1, int(getattr(model, "steps_per_execution", 1) or 1))
+        row_bytes = len(model.trainable_variables) * (record.NUM_FIELDS - 1) * 4
+        period, slots, calls_per_read = ring_plan(self.update_freq, spe, row_bytes, bool(self.stop_on))
         cap = self._capture = Capture(
             model,
             _innermost_optimizer(model.optimizer),
@@ -286,8 +280,10 @@ class GradientHealthCallback(keras.callbacks.Callback):
             seed=self.seed,
         )
         cap.install()
-        #: The optimizer step as the host predicts it (no device read per batch); a later fit continues the count.
-        self._host_step = int(cap.steps.numpy())
+        self._origin = self._start_origin(model, cap)
+        # The optimizer step as the host predicts it (no device read per batch); a later fit continues the count.
+        epoch_steps = self.params.get("steps") if self.params else None
+        self._book = StepBook(period, spe, epoch_steps, calls_per_read, host_step=int(cap.steps.numpy()))
         # fit() made (and may have traced) its train function before this call. Two fresh ones trace with the
         # hooks in place: "capture" computes and stores the statistics on logged steps; "plain" is the ordinary
         # step. Calls that contain no logged step run "plain", so they cost nothing, even under XLA where a
@@ -295,77 +291,87 @@ class GradientHealthCallback(keras.callbacks.Callback):
         self._functions = compat.train_functions(model, ("plain", "capture"))
         compat.set_train_function(model, self._dispatch)
 
-    def _call_logs(self) -> bool:
-        """Whether the next train-function call (up to ``steps_per_execution`` steps) may contain a logged step."""
-        if self._arm:
-            return True
-        period = self._capture.period
-        return period > 0 and (self._host_step + self._spe) // period > self._host_step // period
-
     def _dispatch(self, iterator: Any) -> Any:
-        # The first call always runs (so traces and compiles) the capture variant: its one-time cost lands at the
-        # start of fit with the usual first-step compile, not at the first logged step (on an unlogged first step
-        # the statistics still run once, storing nothing: `warm`), and a step that cannot be captured is reported
-        # after the first batch.
-        first = not self._checked_capture
-        mode = "capture" if first or self._call_logs() else "plain"
-        if self._writer is None:  # a fit that ended by an exception left this dispatcher in place: stay inert
-            mode = "plain"
-        self._arm = False
-        self._capture.mode = mode  # read when the call traces (on its first use), in this thread or replicas'
-        self._last_mode = mode
-        return self._functions[mode](iterator)
+        book = self._book
+        # a fit that ended by an exception left this dispatcher in place (no writer): stay inert
+        mode = self._capture.mode = book.next_mode(inert=self._writer is None)  # read when the call traces
+        logs = self._run(mode, iterator)
+        if self._origin is not None:  # the batch, kept for a replay: out of the logs before fit sees them
+            logs = self._origin.take_batch(logs, book.host_step + book.call_steps, keep=book.last_mode == "capture")
+        return logs
+
+    def _run(self, mode: str, iterator: Any) -> Any:
+        """One call of the ``mode`` train function; the plain one instead if the capturing one fails for the
+        statistics' sake (then for the rest of this fit)."""
+        book = self._book
+        if mode == "plain":
+            return self._functions[mode](iterator)
+        try:
+            out = self._functions[mode](iterator)
+        except Exception as e:  # noqa: BLE001 - sorted out by _is_ours
+            if not self._is_ours(e):
+                raise
+            book.capture_failed = True
+            self._capture.mode = book.last_mode = "plain"
+            _log.warning("tb_gradhealth: the step that records gradient health failed (%s: %s); training goes on "
+                         "with the plain step and records nothing more in this fit", type(e).__name__, e,
+                         exc_info=True)
+            return self._functions["plain"](iterator)
+        book.capture_ran = True
+        return out
+
+    def _is_ours(self, error: Exception) -> bool:
+        """Whether an exception of the capturing step may come from the statistics (then ``fit`` goes on with the
+        plain step): any error while it is built (traced, compiled: its first run), and later a Python error or
+        running out of memory; never the end of the data (Keras ends the epoch on it) nor an op's error at run time
+        (the user's model raises it in the plain step too)."""
+        if isinstance(error, (StopIteration, tf.errors.OutOfRangeError)):
+            return False
+        if not self._book.capture_ran:
+            return True
+        return not isinstance(error, tf.errors.OpError) or isinstance(error, tf.errors.ResourceExhaustedError)
 
     def on_epoch_begin(self, epoch: int, logs: Mapping[str, Any] | None = None) -> None:
-        self._epoch_batch_end = -1
-        self._epoch_armed = False
         if self._capture is None:
             return
         # One device read per epoch keeps the host's step count exact: Keras can run a step the callbacks never
         # hear of (the call that finds a dataset of unknown length exhausted still advances the optimizer).
-        self._host_step = int(self._capture.steps.numpy())
-        if self.update_freq == "epoch" and not self._steps:
-            self._capture.remaining.assign(1)  # unknown epoch length: record the first step of the epoch
-            self._arm = True
+        remaining = self._book.epoch_begin(int(self._capture.steps.numpy()))
+        if remaining is not None:  # unknown epoch length: record the first step of the epoch
+            self._capture.remaining.assign(remaining)
 
     def on_train_batch_begin(self, batch: int, logs: Mapping[str, Any] | None = None) -> None:
-        if self._capture is None or self.update_freq != "epoch" or not self._steps or self._epoch_armed:
+        if self._capture is None:
             return
-        if batch + self._spe >= self._steps:  # this call runs the epoch's last step: record its steps
-            self._capture.remaining.assign(self._steps - batch)
-            self._arm = self._epoch_armed = True
+        remaining = self._book.batch_begin(batch)
+        if remaining is not None:  # this call runs the epoch's last step: record its steps
+            self._capture.remaining.assign(remaining)
 
     def on_train_batch_end(self, batch: int, logs: Mapping[str, Any] | None = None) -> None:
         cap = self._capture
         if cap is None:
             return
-        self._host_step += batch - self._epoch_batch_end
-        self._epoch_batch_end = batch
-        if not self._checked_capture:
-            self._checked_capture = True
-            if not cap.traced:
-                self._teardown()
-                raise CaptureError(
-                    "GradientHealthCallback captured no gradient: the train step never called the model "
-                    "optimizer's apply()/apply_gradients() (a custom train_step or a non-Keras optimizer?). "
-                    + CUSTOM_LOOP_ADVICE
-                )
-        if self._last_mode == "capture" and cap.period > 0:
-            self._pending += 1
-            if self._pending < self._calls_per_read:
-                return  # read later: the ring buffer holds the records of `_calls_per_read` calls
-            before, pending = self._read_upto, self._pending
+        first, read = self._book.batch_end(batch)
+        if first and not cap.traced and not self._book.capture_failed:
+            self._teardown()
+            raise CaptureError(
+                "GradientHealthCallback captured no gradient: the train step never called the model "
+                "optimizer's apply()/apply_gradients() (a custom train_step or a non-Keras optimizer?). "
+                + CUSTOM_LOOP_ADVICE
+            )
+        if read:  # else later: the ring buffer holds the records of several calls
+            before, pending = self._read_upto, self._book.pending
             self._flush_captures()
-            if self._read_upto - before < pending:
+            if StepBook.lags(self._read_upto - before, pending):
                 # Predicted a logged step in every call but fewer ran: the device's step count lags the host's
                 # (e.g. steps skipped by LossScaleOptimizer, or the first call). Re-read it: one device read.
-                self._host_step = int(cap.steps.numpy())
+                self._book.host_step = int(cap.steps.numpy())
 
     def on_epoch_end(self, epoch: int, logs: Mapping[str, Any] | None = None) -> None:
         if self._capture is not None:
             self._flush_captures(latest_only=self.update_freq == "epoch")
-        if self.probe_data is not None:
-            self._write_probe()
+        if self.probe_data is not None and self._writer is not None:
+            self._failsafe.run("recording the probe batch's gradient", self._write_probe, records=1)
         if self._writer is not None:
             self._writer.flush()
 
@@ -375,12 +381,15 @@ class GradientHealthCallback(keras.callbacks.Callback):
         self._teardown()
 
     def _teardown(self) -> None:
+        if self._origin is not None:
+            self._origin.uninstall()
         if self._capture is not None:
             self._capture.uninstall()
             # Drop the traced functions that hold the hooks: later fit() calls without this callback pay nothing.
             compat.set_train_function(self.model, None)
         if self._writer is not None:
-            self._writer.close()
+            self._failsafe.run("closing the gradient-health writer", self._writer.close)
+            self._writer_dropped += self._writer.dropped_records
             self._writer = None
 
     # --- host-side writing ----------------------------------------------------------------------------------
@@ -389,19 +398,40 @@ class GradientHealthCallback(keras.callbacks.Callback):
         cap = self._capture
         if cap is None or self._writer is None:
             return
-        self._pending = 0
-        self._read_upto, new, lost = cap.read_new(self._read_upto)
+        self._book.take_pending()
+        read = self._failsafe.run("reading the recorded gradients back from the device", cap.read_new, self._read_upto)
+        if read is None:
+            return
+        self._read_upto, new, lost = read
         if lost:
             _log.warning("tb_gradhealth: %d logged steps were overwritten before the host read them", lost)
         if latest_only and new:
             new = new[-1:]
         for step, rows in new:
-            self._writer.add_records(step, cap.layers, rows, name=self.name, kind="gradients")
+            self._failsafe.run("writing a gradient-health record", self._writer.add_records, step, cap.layers, rows,
+                               name=self.name, kind="gradients", records=1)
+            if self._origin is not None and self.origin is None:
+                self.origin = self._failsafe.run("finding where the NaN/Inf was made", self._origin.check, step, rows)
             if self._stop_watch is not None and self.stop_event is None:
-                self.stop_event = self._stop_watch.check(cap.layers, step, rows)
+                self.stop_event = self._failsafe.run("checking stop_on", self._stop_watch.check, cap.layers, step, rows)
+                if self.stop_event is not None and self.origin is not None:
+                    self.stop_event = dataclasses.replace(self.stop_event, origin=self.origin)
                 if self.stop_event is not None:
                     _log.warning("%s; stopping training", self.stop_event.message())
                     self.model.stop_training = True
+
+    def _start_origin(self, model: Any, cap: Capture) -> Any:
+        """The NaN-origin search of this fit (:mod:`tb_gradhealth._tf.fit_origin`), or None when switched off."""
+        if not self.nan_origin:
+            return None
+        from tb_gradhealth._tf.fit_origin import FitOrigin
+
+        found = FitOrigin(model, self.train_dir, self.name, stop_after="nonfinite" in self.stop_on,
+                          restores=self.record_updates)
+        found.install()  # the train step returns its batch, for the replay
+        if found.keeps_batches:  # without the batch there is nothing to replay: leave the weights to the optimizer
+            cap.guard = found.guard
+        return found
 
     def _write_probe(self) -> None:
         if self._probe is None:

@@ -62,9 +62,7 @@ def parse_thresholds(params: Mapping[str, Any]) -> health.Thresholds:
     try:
         return health.Thresholds.from_mapping(params)
     except ValueError as e:
-        # Thresholds names the offending key quoted ('key'); unquoted names in its message are the known ones.
-        bad = next((k for k in params if repr(k) in str(e)), None)
-        raise RequestError(400, f"threshold parameter: {e}", bad) from e
+        raise RequestError(400, f"threshold parameter: {e}", getattr(e, "key", None)) from e
 
 
 def readable(series: RunSeries) -> RunSeries:
@@ -219,10 +217,23 @@ def histograms_payload(series: RunSeries, layer: str) -> dict[str, Any]:
     }
 
 
+def profile_index(series: RunSeries, step: int | None) -> int:
+    """The depth profile's step: the latest logged step ≤ ``step``; without a step, the last one where some layer
+    has a finite value (an all-NaN last step would draw an empty chart)."""
+    k = at_index(series, step)
+    if step is None:
+        with np.errstate(invalid="ignore"):
+            shows = np.flatnonzero((record.finite_count(series.records) > 0).any(axis=1))
+        if shows.size:
+            k = int(shows[-1])
+    return k
+
+
 def profile_payload(series: RunSeries, thresholds: health.Thresholds, step: int | None,
                     diagnosis: health.RunHealth | None = None) -> dict[str, Any]:
-    """Per-layer norms in network order at the latest logged step ≤ ``step``, statuses of the full diagnosis."""
-    k = at_index(series, step)
+    """Per-layer norms in network order at the latest logged step ≤ ``step`` (see :func:`profile_index`), statuses
+    of the full diagnosis."""
+    k = profile_index(series, step)
     h = diagnosis if diagnosis is not None else diagnose(series, thresholds, int(series.steps[k]))
     prof = health.profile(series.layers, series.records[k], thresholds, statuses=h.statuses())
     return {"run": series.run, "step": int(series.steps[k]), "steps": [int(s) for s in series.steps], **prof}

@@ -22,7 +22,7 @@ holds them (float64 beyond its range is +-Inf; below its smallest normal number,
 The histogram of a tensor larger than
 ``hist_sample`` is built from ``hist_sample`` positions ``(offset + i * stride) % n`` (the TF path's rule; the
 offset comes from ``seed`` and the layer index, or from the data), scaled to the finite nonzero count, unless
-the exact histogram is due (at most ``hist_sample`` finite nonzero values, or fewer than ``record.SAMPLE_MIN_KEPT``
+the exact histogram is due (at most ``hist_sample`` finite nonzero values, or fewer than ``record.sample_min_kept``
 of them in the sample).
 """
 
@@ -381,6 +381,10 @@ class StepRecorder:
     (the scale this step used) and ``amp/step_skipped`` (1 when the scaler skipped the step because a gradient
     was NaN/Inf: the record then shows those NaN/Inf counts and a zero update). Returns whether the optimizer
     step was applied.
+
+    ``origin``: a :class:`tb_gradhealth.torch_origin.OriginFinder`; with ``step(step, batch=(x, y))`` the first
+    recorded NaN/Inf gradient (without a scaler) has its update undone and its step replayed to find where it was
+    made (docs/NAN_ORIGIN.md); it needs every step, so with ``origin`` ``every`` defaults to 1.
     """
 
     def __init__(
@@ -390,16 +394,19 @@ class StepRecorder:
         optimizer: torch.optim.Optimizer,
         *,
         scaler: Any = None,
-        every: int = 100,
+        every: int | None = None,
         first: int = 10,
         updates: bool = True,
         sharded: bool = False,
         group: Any = None,
         name: str = "gradients",
+        origin: Any = None,
     ) -> None:
         self.writer, self.optimizer, self.scaler = writer, optimizer, scaler
+        self.origin = origin
         self.params = list(model.named_parameters() if isinstance(model, torch.nn.Module) else model)
-        self.every, self.first, self.updates = every, first, updates
+        self.every = every if every is not None else (1 if origin is not None else 100)
+        self.first, self.updates = first, updates
         self.sharded, self.group, self.name = sharded, group, name
 
     def _optimizer_step(self) -> bool:
@@ -415,7 +422,7 @@ class StepRecorder:
         """Whether ``step`` is logged: one of the ``first`` steps, or a multiple of ``every``."""
         return step < self.first or step % self.every == 0
 
-    def step(self, step: int) -> bool:
+    def step(self, step: int, batch: Sequence[Any] | None = None) -> bool:
         if not self.logs(step):
             return self._optimizer_step()
         if self.scaler is not None:
@@ -432,6 +439,11 @@ class StepRecorder:
         grads = after_step(pending, self.params, self.sharded, self.group)
         if grads is None:
             return applied
+        before = pending[1]
+        if self.origin is not None and self.scaler is None:  # where the first NaN/Inf was made (torch_origin)
+            found = self.origin.after_step(step, grads, self.params, before, batch,
+                                           self.writer.logdir if self.writer is not None else None)
+            applied = applied and (found is None or before is None)  # the update was undone
         if self.writer is not None:
             self.writer.add_records(step, [n for n, _ in self.params], grads, name=self.name)
             if scale is not None:

@@ -26,6 +26,7 @@ Example (PyTorch)::
 
 from __future__ import annotations
 
+import logging
 import numbers
 import os
 import time
@@ -41,6 +42,8 @@ from tb_gradhealth import metadata, record
 from tb_gradhealth.eventfile import EventFile
 
 __all__ = ["Writer", "make_event"]
+
+_log = logging.getLogger("tb_gradhealth")
 
 
 def make_event(
@@ -82,17 +85,13 @@ def _check_array(value: Any, what: str) -> np.ndarray:
     return arr
 
 
-def _check_rows(layers: Sequence[str], rows: np.ndarray) -> None:
-    """ValueError naming the first layer whose record is not a consistent record (see ``record.check_disk``)."""
+def _check_counts(layers: Sequence[str], rows: np.ndarray) -> None:
+    """ValueError naming the first layer whose counts are not non-negative integers (they could not be encoded)."""
     counts = rows[:, : record.NUM_COUNTS]
     bad = ~np.all(np.isfinite(counts) & (counts >= 0) & (counts == np.round(counts)), axis=1)
     if bad.any():
         j = int(np.flatnonzero(bad)[0])
         raise ValueError(f"layer {layers[j]!r}: counts must be non-negative integers, got {counts[j].tolist()}")
-    _, reasons = record.check_disk(record.to_disk(rows))
-    if reasons:
-        j, why = min(reasons.items())
-        raise ValueError(f"layer {layers[j]!r}: not a consistent record: {why}")
 
 
 def _names(keys: Any, what: str) -> list[str]:
@@ -119,7 +118,9 @@ class Writer:
     Input is checked before anything is written: layer names must be strings, gradients real numeric arrays (or
     ``None``), weights and updates keyed by known layers with their gradient's shape, steps integers that do not go
     below the last step written for the same tag; a wrong input is a TypeError or ValueError naming the layer or
-    argument, and nothing of that call is written.
+    argument, and nothing of that call is written. What is recorded never raises: a record that fails the
+    readers' checks is written with a warning (the readers report it as damaged), and a logdir that cannot be
+    written costs a warning and :attr:`dropped_records`, while writing resumes by itself when the fault clears.
     """
 
     def __init__(
@@ -141,11 +142,18 @@ class Writer:
         self._rng = np.random.default_rng(seed)
         self._tags_with_metadata: set[str] = set()
         self._last_step: dict[str, int] = {}
+        self._warned: set[tuple[str, str]] = set()
         self._closed = False
 
     @property
     def logdir(self) -> str:
         return self._writer.logdir
+
+    @property
+    def dropped_records(self) -> int:
+        """Events (one step's records of one call each) dropped because the logdir could not be written for
+        longer than the queue could hold them (see :class:`tb_gradhealth.eventfile.EventFile`)."""
+        return self._writer.dropped_events
 
     def _check_open(self) -> None:
         if self._closed:
@@ -213,16 +221,31 @@ class Writer:
             raise ValueError(f"expected records of shape [{len(layers)}, {record.NUM_FIELDS}], got {rows.shape}")
         if len(set(layers)) != len(layers):
             raise ValueError("layer names must be unique")
-        _check_rows(layers, rows)
+        _check_counts(layers, rows)
         base = metadata.tag_for(layers, name)
         self._last_step[base] = step = check_step(step, self._last_step.get(base))
+        disk = record.to_disk(rows)
+        self._warn_inconsistent(base, layers, step, disk)
         tag = metadata.tag_for(layers, name, step)
         md = None
         if tag not in self._tags_with_metadata:
             md = metadata.create_summary_metadata(layers, kind=kind, hist_sample=self.hist_sample or 0)
             self._tags_with_metadata.add(tag)
-        self._writer.add_event(make_event(step, tag, record.to_disk(rows), md, wall_time))
+        self._writer.add_event(make_event(step, tag, disk, md, wall_time))
         return tag
+
+    def _warn_inconsistent(self, base: str, layers: Sequence[str], step: int, disk: np.ndarray) -> None:
+        """Warn, once per layer, about rows that fail the readers' checks (:func:`record.check_disk`).
+
+        Such a row is still written: the readers report it as damaged, with its reason, where the user looks, and
+        the rows of the other layers and steps are kept. Raising here would end the training that produced it.
+        """
+        _, reasons = record.check_disk(disk)
+        for j, why in sorted(reasons.items()):
+            if (base, layers[j]) not in self._warned:
+                self._warned.add((base, layers[j]))
+                _log.warning("tb_gradhealth: the record of layer %r at step %d is not consistent (%s); it is written "
+                             "and the readers will report it as damaged", layers[j], step, why)
 
     def add_scalars(self, step: int, scalars: Mapping[str, float], *, wall_time: float | None = None) -> None:
         """Standard TensorBoard scalars (loss, learning rate, ...) shown in the Scalars tab, one event per call."""
@@ -242,10 +265,11 @@ class Writer:
                 self._tags_with_metadata.add(str(tag))
         self._writer.add_event(event)
 
-    def flush(self) -> None:
-        """Write everything queued so far to disk."""
+    def flush(self) -> bool:
+        """Write everything queued so far now; whether all of it is written (when the logdir cannot be written, the
+        records stay queued and a warning says so: see the class docstring)."""
         self._check_open()
-        self._writer.flush()
+        return self._writer.flush()
 
     def close(self) -> None:
         """Flush and close the event file (idempotent)."""

@@ -536,7 +536,6 @@ WRITER_CASES = [
     (lambda w: w.add_gradients(True, {"a": np.ones(3)}), TypeError, "step"),
     (lambda w: w.add_gradients(np.float64(2), {"a": np.ones(3)}), TypeError, "step"),
     (lambda w: w.add_records(0, ["a"], _nan_count_rows()), ValueError, "'a'"),
-    (lambda w: w.add_records(0, ["a"], _inconsistent_rows()), ValueError, "'a'"),
     (lambda w: w.add_records(0, ["a"], np.zeros((1, 3))), ValueError, "shape"),
     (lambda w: w.add_records(0, ["a", "a"], np.stack([record.compute(np.ones(2))] * 2)), ValueError, "unique"),
     (lambda w: w.add_scalars(0, {"loss": "low"}), ValueError, "low"),
@@ -568,6 +567,24 @@ def test_writer_refuses_wrong_input_before_writing(tmp_path, k):
         w.flush()
         assert os.path.getsize(w._writer.path) == size_before
     assert reader.read_logdir(str(tmp_path)).runs == []
+
+
+@pytest.mark.unit
+def test_an_inconsistent_record_is_written_with_a_warning_and_read_as_damaged(tmp_path, caplog):
+    """A record that fails the readers' checks does not raise (it would end the training that made it): it is
+    written, one warning names its layer and step, and the reader reports that row while keeping the others."""
+    good = record.compute(np.ones(4))
+    with Writer(str(tmp_path), seed=0) as w, caplog.at_level("WARNING", logger="tb_gradhealth"):
+        w.add_records(0, ["a", "b"], np.stack([good, good]))
+        w.add_records(1, ["a", "b"], np.stack([_inconsistent_rows()[0], good]))
+        w.add_records(2, ["a", "b"], np.stack([_inconsistent_rows()[0], good]))
+    warnings = [r.getMessage() for r in caplog.records if "not consistent" in r.getMessage()]
+    assert len(warnings) == 1 and "'a'" in warnings[0] and "step 1" in warnings[0], warnings
+    (s,) = reader.read_logdir(str(tmp_path)).runs
+    assert s.steps.tolist() == [0, 1, 2]
+    assert any("a" in p and "zero" in p for p in s.problems), s.problems
+    rms = record.derived(s.records)["rms"]
+    assert np.isnan(rms[1:, 0]).all() and np.isfinite(rms[:, 1]).all() and np.isfinite(rms[0, 0])
 
 
 @pytest.mark.unit
@@ -731,7 +748,7 @@ def test_summary_gradients_refuses_mismatched_or_misplaced_input_and_keeps_every
 
 @pytest.mark.unit
 def test_repeated_names_never_collide_with_given_ones():
-    from tb_gradhealth import naming
+    from tb_gradhealth._tf import naming
 
     class Var:  # a variable as the naming rule sees one: assignable, with a name
         def __init__(self, name):

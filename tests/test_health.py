@@ -1,7 +1,7 @@
 """Diagnosis tests: the rules on synthetic record arrays, then on small networks trained here with TensorFlow.
 
 Records are built with ``record.compute`` from numpy arrays (for the trained networks: from the numpy values of
-the TF gradients, weights and SGD updates), so these tests depend only on record.py and health.py.
+the TF gradients, weights and SGD updates), so these tests depend only on record.py and the health package.
 """
 
 from __future__ import annotations
@@ -113,11 +113,15 @@ def test_exploding_relative_absolute_and_trend():
     lh = h.by_layer()["layer_4/kernel"]
     assert lh.status == "exploding" and lh.first_step == 0
     assert "above the layers nearest the loss" in lh.reasons[0]
-    # Uniformly huge: only the absolute backstops see it.
-    h2 = _diag(_healthy_grid(steps=3) * 1e6)
+    # Uniformly 1e6 times larger: the same training with the loss times 1e6 (and the learning rate divided by it),
+    # so the same verdicts; uniformly beyond where float32's square overflows: the absolute backstops see it.
+    assert set(_status(_diag(_healthy_grid(steps=3) * 1e6))) == {"healthy"}
+    huge = _healthy_grid(steps=3) * 1e24
+    assert np.isinf(np.float32(huge.min()) ** 2)  # the label: float32 cannot square these gradients
+    h2 = _diag(huge)
     assert set(_status(h2)) == {"exploding"}
     assert all("absolute bound" in " ".join(lh.reasons) for lh in h2.layers)
-    assert set(_status(_diag(_healthy_grid(steps=3) * 1e6, thresholds=Thresholds(
+    assert set(_status(_diag(huge, thresholds=Thresholds(
         explode_rms_above=1e38, explode_max_abs_above=1e38)))) == {"healthy"}
 
 
@@ -284,11 +288,17 @@ def test_single_step_single_layer_and_empty():
     one = _records(np.array([[1e-3]]))
     h = diagnose_run(["w"], np.array([7]), one)
     assert h.step == 7 and h.statuses() == ["healthy"]
-    # One logged step cannot confirm a slow disease: a note says so; with sustain_steps=1 it is flagged at once.
+    # A run of one logged step confirms over that step, and says it is less certain than a longer run would be.
     tiny = _records(np.array([[1e-12]]))
     lone = diagnose_run(["w"], np.array([7]), tiny).layers[0]
-    assert lone.status == "healthy" and "flagged as vanishing once it lasts 5" in lone.reasons[-1]
+    assert lone.status == "vanishing" and "short run (1 logged step(s))" in lone.reasons[-1]
     assert diagnose_run(["w"], np.array([7]), tiny, Thresholds(sustain_steps=1)).statuses() == ["vanishing"]
+    # Two records of it, then a healthy one: the lone pair is confirmed (half of 3 rounds up to 2) ...
+    three = _records(np.array([[1e-12], [1e-12], [1e-3]]))
+    assert diagnose_run(["w"], np.array([1, 2, 3]), three, at_step=2).statuses() == ["vanishing"]
+    # ... and a single quiet step inside 10 healthy ones is not (confirmation: sustain_steps).
+    quiet = _records(np.r_[np.full(5, 1e-3), [1e-12], np.full(4, 1e-3)][:, None])
+    assert diagnose_run(["w"], np.arange(10), quiet, at_step=5).statuses() == ["healthy"]
     zero = _records(np.array([[0.0]]))
     assert diagnose_run(["w"], np.array([7]), zero, Thresholds(sustain_steps=1)).statuses() == ["dead"]
     empty = diagnose_run(["a", "b"], np.zeros(0, np.int64), np.zeros((0, 2, record.NUM_FIELDS)))
@@ -317,10 +327,10 @@ def test_json_shape_matches_the_contract():
     rms[:, 0] = 1e-11
     h = _diag(rms).to_json()
     assert set(h) == {"step", "thresholds", "threshold_spec", "summary", "layers"}
-    assert set(h["summary"]) == {"counts", "first_bad", "onset", "timeline", "order"}
+    assert set(h["summary"]) == {"counts", "first_bad", "cause", "onset", "timeline", "order"}
     assert set(h["summary"]["counts"]) == set(STATUSES) and sum(h["summary"]["counts"].values()) == 6
     assert set(h["layers"][0]) == {
-        "layer", "index", "status", "severity", "reasons", "first_step", "status_since", "episodes", "step",
+        "layer", "index", "status", "severity", "reasons", "fixes", "first_step", "status_since", "episodes", "step",
         "norm", "rms", "max_abs", "mean",
         "nan", "inf", "zero_fraction", "grad_to_weight", "update_to_weight", "noise", "weight_norm"}
     assert h["layers"][0]["grad_to_weight"] is None  # not recorded: NaN -> null
@@ -548,22 +558,32 @@ def test_tf_linear_stack_with_too_large_init_explodes_before_nan(tf):
     nonfinite_rows = np.flatnonzero((d["nan"] + d["inf"]).sum(axis=1) > 0)
     assert nonfinite_rows.size and nonfinite_rows[0] >= 2  # it does diverge to NaN/Inf, a few steps in
     kernels = [i for i, n in enumerate(names) if n.endswith("/kernel")]
-    for at in range(int(nonfinite_rows[0])):  # every step before the NaN: the kernels are already flagged
-        h = diagnose_run(names, steps, recs, at_step=at)
-        status = h.statuses()
-        assert all(status[i] == "exploding" for i in kernels), (at, list(zip(names, status, strict=True)))
-        assert set(status) <= {"exploding", "healthy"}
+    # The gradient's size says nothing by itself (the same run with the loss divided by 1e4 has gradients of ~1):
+    # what says "diverging" is each update moving the weights by a large fraction while the gradient grows. Two
+    # logged steps before the first NaN, stop_on=("exploding",) halts (some kernel is flagged); at the step before
+    # it, every kernel is.
+    first_nan = int(nonfinite_rows[0])
+    early = diagnose_run(names, steps, recs, at_step=int(steps[first_nan - 2])).statuses()
+    assert any(early[i] == "exploding" for i in kernels), list(zip(names, early, strict=True))
+    status = diagnose_run(names, steps, recs, at_step=int(steps[first_nan - 1])).statuses()
+    assert all(status[i] == "exploding" for i in kernels), list(zip(names, status, strict=True))
+    for at in range(first_nan):
+        assert set(diagnose_run(names, steps, recs, at_step=int(steps[at])).statuses()) <= {"exploding", "healthy"}
     h0 = diagnose_run(names, steps, recs, at_step=0).by_layer()
-    assert "absolute bound" in " ".join(h0["linear_0/kernel"].reasons)
     assert any("update/weight" in r for r in h0["linear_0/kernel"].reasons)  # the lr is far too high for it
     h = diagnose_run(names, steps, recs)
-    # "Since when": the chain of episodes starts at step 0 (exploding), NaN/Inf is its current status.
+    # Cause before consequence: the run went wrong by exploding before the first NaN (measured above), so the
+    # first row and the headline name an explosion that began before it, on a layer that is NaN now.
     top = h.layers[0]
     assert h.first_bad == {"layer": top.layer, "status": "nonfinite", "step": top.first_step}
-    assert top.first_step < top.status_since and "NaN/Inf started here" in " ".join(top.reasons)
-    assert top.status_since == int(steps[nonfinite_rows[0]])
+    assert h.cause["layer"] == top.layer and h.cause["status"] == "exploding" and h.cause["now"] == "nonfinite"
+    assert top.first_step < top.status_since == int(steps[nonfinite_rows[0]])
     assert [e["status"] for e in top.episodes] == ["exploding", "nonfinite"]
-    assert h.onset["step"] == 0 and h.onset["status"] == "exploding"
+    assert h.cause["story"].startswith(f"exploding from step {top.first_step} -> nonfinite from step")
+    assert h.onset["step"] < int(steps[nonfinite_rows[0]]) and h.onset["status"] == "exploding"
+    # The layer where NaN/Inf appeared first says so, whatever ranks first.
+    origin = [lh for lh in h.layers if any("NaN/Inf started here" in r for r in lh.reasons)]
+    assert len(origin) == 1 and origin[0].status == "nonfinite"
 
 
 @pytest.mark.tf
@@ -657,3 +677,18 @@ def test_tf_injected_nan_exact_step_and_first_layer(tf):
         assert lh.first_step == (inject_step if i <= inject_layer else inject_step + 1)
     before = diagnose_run(names, steps, recs, at_step=inject_step - 1)
     assert before.counts["nonfinite"] == 0
+
+
+@pytest.mark.unit
+def test_depth_profile_opens_at_the_last_step_that_shows_something():
+    from tb_gradhealth import payloads, reader
+
+    g = np.random.default_rng(1).standard_normal(16)
+    nan = np.full(16, np.nan)
+    rows = np.stack([np.stack([record.compute(g * 1e-2), record.compute(g)]),  # step 10: finite
+                     np.stack([record.compute(g * 1e-1), record.compute(g)]),  # step 20: finite
+                     np.stack([record.compute(nan), record.compute(nan)])])    # step 30: all NaN
+    series = reader.RunSeries("r", ("a/kernel", "b/kernel"), np.array([10, 20, 30]), rows)
+    body = payloads.profile_payload(series, Thresholds(), None)
+    assert body["step"] == 20 and body["layers"][0]["rms"] is not None
+    assert payloads.profile_payload(series, Thresholds(), 30)["step"] == 30  # asked for: that step

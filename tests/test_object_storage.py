@@ -192,7 +192,7 @@ w = Writer(sys.argv[1], flush_secs=3600, max_queue=10**6)
 for s in range(15):
     w.add_gradients(s, {"a": np.full(8, 1e-3 * (s + 1)), "b": np.ones(4)})
     if s == 9:
-        w.flush()
+        assert w.flush(), "the flush failed"
 print("flushed", flush=True)
 time.sleep(600)
 """

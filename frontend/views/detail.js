@@ -10,6 +10,7 @@ import { lineChart } from '../charts/line.js';
 import { api } from '../model.js';
 import { badge } from '../status.js';
 import { episodeText, episodesOf, statusChain } from './episodes.js';
+import { originNote } from './origin.js';
 import { thresholdLines } from './reference.js';
 
 const C = { rms: '#0072B2', max_abs: '#D55E00', norm: '#009E73', ratio: '#CC79A7', ratio2: '#56B4E9', noise: '#E69F00' };
@@ -66,7 +67,12 @@ export function detailDrawer(model) {
       entry && entry.reasons && entry.reasons.length
         ? el('ul', { class: 'reasons-list' }, entry.reasons.map((r) => el('li', { text: r })))
         : el('p', { class: 'hint', text: entry && entry.status === 'healthy' ? 'No rule fired: this layer looks healthy.' : '' }),
+      entry && entry.fixes && entry.fixes.length
+        ? el('div', { class: 'fixes', attrs: { 'data-testid': 'fixes' } }, el('b', { text: 'What to do' }),
+          el('ul', { class: 'fixes-list' }, entry.fixes.map((f) => el('li', { text: f }))))
+        : null,
       episodeList(entry),
+      originNote(run, layer, entry), // where the run's first NaN/Inf was made, if it concerns this layer
       entry ? el('dl', { class: 'stat-grid' }, STATS.filter(([k]) => entry[k] !== undefined).map(([k, label]) => [
         el('dt', { text: label }), el('dd', { class: 'mono', text: k.endsWith('step') || k === 'index'
           ? String(entry[k] ?? '—') : fmt(entry[k]) })])) : null,

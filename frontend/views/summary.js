@@ -1,7 +1,7 @@
 /**
- * The answer for a run in two lines: how many layers are in each status and which layer went bad first and when;
- * then the story over time: the first step anything went wrong and where, and the chain of statuses as they
- * appeared ("exploding from 38 (dense_3 +4) → dead from 44 → nonfinite from 54").
+ * The answer for a run: how many layers are in each status and one story of what went wrong, cause first: the layer
+ * whose chain began first and what followed ("dense_3: exploding from step 38 → dead from step 44"); then the
+ * timeline of the whole run ("exploding from 38 (dense_3 +4) → dead from 44 → nonfinite from 54").
  */
 
 import { el } from '../dom.js';
@@ -22,15 +22,9 @@ function timelineText(entry) {
 }
 
 function storyLine(health) {
-  const onset = health.summary && health.summary.onset;
   const timeline = flaggedTimeline(health);
-  if (!onset && !timeline.length) return null;
+  if (!timeline.length) return null;
   const parts = [];
-  if (onset) {
-    parts.push(el('span', { class: 'onset', attrs: { 'data-testid': 'onset', 'data-step': String(onset.step) } },
-      'First went wrong at ', el('b', { text: `step ${onset.step}` }), ' on ',
-      el('span', { class: 'mono', text: onset.layer }), ' ', badge(onset.status)));
-  }
   if (timeline.length) {
     const chain = statusChain(timeline.map((entry) => [entry.status, timelineText(entry)]));
     parts.push(el('span', { class: 'timeline', attrs: { 'data-testid': 'timeline' },
@@ -53,9 +47,17 @@ export function summaryLine(health) {
   el('b', { text: String(counts[s]) }), ` ${s}`));
   const total = (health.layers || []).length;
   let verdict;
+  const cause = health.summary ? health.summary.cause : null;
   if (firstBad) {
-    verdict = el('span', { class: 'first-bad' }, 'First to go bad: ', el('span', { class: 'mono', text: firstBad.layer }),
-      ' ', badge(firstBad.status), known(firstBad.step) ? ` — in trouble since step ${firstBad.step}` : '');
+    const story = cause && cause.story ? cause.story.replaceAll(' -> ', ' → ') : null;
+    verdict = el('span', { class: 'first-bad onset',
+      attrs: { 'data-testid': 'onset', 'data-step': String(cause ? cause.step : firstBad.step) } },
+    'First went wrong: ', el('span', { class: 'mono', text: firstBad.layer }), ' ',
+    story ? el('b', { text: story }) : badge(firstBad.status),
+    story ? [' (now ', badge(firstBad.status), ')'] : (known(firstBad.step) ? ` — in trouble since step ${firstBad.step}` : ''),
+    cause && cause.fixes && cause.fixes.length
+      ? el('span', { class: 'cause-fix', attrs: { 'data-testid': 'cause-fix' }, text: ` What to do: ${cause.fixes[0]}.` })
+      : null);
   } else {
     const inert = counts.inert ? ` (${counts.inert} inert)` : '';
     verdict = el('span', { class: 'first-bad ok', text: `No layer flagged at step ${health.step}${inert}.` });

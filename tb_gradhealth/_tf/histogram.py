@@ -4,12 +4,12 @@ Above ``hist_sample`` elements the histogram is built from ``hist_sample`` gathe
 sequence from one stateless random offset: each position uniform over the tensor; O(sample), no shuffle). The
 finite nonzero draws are binned and scaled by ``finite_nonzero / draws_kept``, and ``hist_sample`` records
 ``draws_kept``: the rule of :func:`tb_gradhealth.record.compute` (estimated count = count x finite_nonzero /
-hist_sample).
+hist_sample). A sparse tensor whose sample is not enough (:func:`tb_gradhealth.record.sample_is_enough`) is binned
+whole instead, in a branch that only such steps run, so the histogram always sums to the finite nonzero count.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -26,7 +26,7 @@ _BIN_HI = np.concatenate([record.HIST_EDGES, [np.inf]]).astype(np.float32)
 
 def _seed_for(x: tf.Tensor, layer: Any, seed: Any) -> tf.Tensor:
     """A stateless-RNG seed that differs by layer and by step: from ``seed`` if given, else from the data."""
-    salt = tf.cast(layer, tf.int32) * 7919 + 1
+    salt = tf.cast(record.sample_salt(layer), tf.int32)
     if seed is not None:
         return tf.stack([tf.cast(seed, tf.int32), salt])
     n = x.shape.num_elements()
@@ -44,18 +44,10 @@ def _sample_positions(x: tf.Tensor, n: int, k: int, layer: Any, seed: Any, valid
     independent draws, which cost a noticeable part of the record under XLA (docs/PERFORMANCE.md).
     """
     m = tf.cast(n if valid_len is None else tf.maximum(valid_len, 1), tf.int64)
-    stride = _coprime_stride(n)
+    stride = record.sample_stride(n)
     offset = tf.random.stateless_uniform([], seed=_seed_for(x, layer, seed), minval=0, maxval=2**62, dtype=tf.int64)
     i = tf.range(k, dtype=tf.int64)
     return tf.cast((offset + i * stride) % m, tf.int32)
-
-
-def _coprime_stride(n: int) -> int:
-    """The integer nearest ``n / golden ratio`` that is coprime with ``n`` (no early repeats)."""
-    s = max(1, int(round(n * 0.6180339887498949)))
-    while math.gcd(s, n) != 1:
-        s += 1
-    return s
 
 
 def bin_index(a: tf.Tensor) -> tf.Tensor:
@@ -67,26 +59,26 @@ def bin_index(a: tf.Tensor) -> tf.Tensor:
     return tf.where(a >= tf.gather(_BIN_HI, b), b + 1, b)
 
 
+def _binned(v: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """``(hist float32 [77], count)`` of the finite nonzero values of ``v`` (zeros, padding, NaN/Inf left out)."""
+    av = tf.abs(v)
+    ok = (av >= tf.constant(record.FLUSH_BELOW, v.dtype)) & (av <= v.dtype.max)
+    b = bin_index(tf.where(ok, tf.cast(av, tf.float32), tf.ones_like(av, tf.float32)))  # float64 beyond float32: inf
+    w = tf.cast(ok, tf.float32)
+    return tf.math.unsorted_segment_sum(w, b, record.HIST_BINS), tf.reduce_sum(w)
+
+
 def histogram(
     x: tf.Tensor, n_nonzero: tf.Tensor, hist_sample: int, layer: int, seed: Any, valid_len: tf.Tensor | None
 ) -> tuple[tf.Tensor, tf.Tensor]:
-    """``(hist float32 [77], hist_sample float32)``: exact if the tensor is small, else a scaled uniform sample."""
-    dt = x.dtype
+    """``(hist float32 [77], hist_sample float32)``: exact if the tensor is small or the sample is not enough
+    (:func:`tb_gradhealth.record.sample_is_enough`), else a uniform sample scaled to ``n_nonzero``."""
     n = x.shape.num_elements()
     if n is None:
         raise ValueError("gradients need a static shape for the histogram (XLA-safe sampling)")
-    exact = not hist_sample or n <= hist_sample
-    if exact:
-        v = x
-    else:
-        v = tf.gather(x, _sample_positions(x, n, hist_sample, layer, seed, valid_len))
-    av = tf.abs(v)
-    ok = (av >= tf.constant(record.FLUSH_BELOW, dt)) & (av <= dt.max)
-    b = bin_index(tf.where(ok, tf.cast(av, tf.float32), tf.ones_like(av, tf.float32)))  # float64 beyond float32: inf
-    w = tf.cast(ok, tf.float32)
-    hist = tf.math.unsorted_segment_sum(w, b, record.HIST_BINS)
-    kept = tf.reduce_sum(w)
-    if exact:
-        return hist, kept
-    scale = tf.where(kept > 0, tf.cast(n_nonzero, tf.float32) / tf.maximum(kept, 1.0), 0.0)
-    return hist * scale, kept
+    if not hist_sample or n <= hist_sample:
+        return _binned(x)
+    hist, kept = _binned(tf.gather(x, _sample_positions(x, n, hist_sample, layer, seed, valid_len)))
+    nz = tf.cast(n_nonzero, tf.float32)
+    enough = (nz > hist_sample) & (kept >= record.sample_min_kept(hist_sample))
+    return tf.cond(enough, lambda: (hist * (nz / tf.maximum(kept, 1.0)), kept), lambda: _binned(x))

@@ -1,8 +1,9 @@
 """Records of all of a model's layers from a fixed number of XLA loops: small tensors packed, large ones in place.
 
-Why: a real model has 150-360 variables, most of them tiny (biases, batch-norm parameters). XLA:CPU spends about
-0.1 s compiling each reduction loop and about a second on each compiled function, so statistics made per layer
-(or per distinct layer size) cost tens of seconds before the first step, and a launch per layer every step. Here:
+Why: a real model has hundreds of variables, most of them tiny (biases, batch-norm parameters), and XLA:CPU pays a
+compile time for each reduction loop and each compiled function, so statistics made per layer (or per distinct
+layer size) cost much of the first step, and a launch per layer every step (docs/PERFORMANCE.md, *Real
+architectures*, has the figures). Here:
 
 * every tensor of at most :data:`IN_PLACE_MIN` elements (and every tensor whose histogram is exact) is copied
   into ONE padded buffer of rows of :data:`PACK_ROW` values (a few MB for a ResNet), reduced row by row in one
@@ -13,7 +14,8 @@ Why: a real model has 150-360 variables, most of them tiny (biases, batch-norm p
   any magnitude is right without a scaled second pass), the extremes as int32 order keys, and a NaN/Inf count (one
   float sum and int reductions: the shape XLA:CPU runs fast);
 * layers whose count is not 0 are redone over their finite values in a ``tf.cond`` branch (on such steps only);
-* the histogram bins the exact layers' packed values and a gathered sample of each sampled layer in one pass.
+* the histogram bins the exact layers' packed values and a gathered sample of each sampled layer in one pass; a
+  layer whose sample is not enough (a sparse tensor) is binned whole in a ``tf.cond`` branch (on such steps only).
 
 The numbers are those of :func:`tb_gradhealth.record.compute`; docs/PERFORMANCE.md has the measured costs.
 """
@@ -22,13 +24,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import tensorflow as tf
 
-from tb_gradhealth import compat, histogram, kernels, record
-from tb_gradhealth.kernels import Delta, DeviceRecord
+from tb_gradhealth import record
+from tb_gradhealth._tf import compat, histogram, kernels
+from tb_gradhealth._tf.kernels import Delta, DeviceRecord
 
 __all__ = ["compute", "compute_jit", "IN_PLACE_MIN"]
 
@@ -236,8 +239,8 @@ def _redo_where(bad: tf.Tensor, fast: list[tf.Tensor], exact: Any) -> list[tf.Te
     """``fast``, with the layers flagged ``bad`` taken from ``exact()`` (computed only on steps that have one).
 
     ``exact`` reads the same layout as the fast pass (the packed buffer and the in-place views): packing every
-    tensor there instead compiles a little faster but makes XLA reserve a copy of the whole model (290 MB of
-    temporary buffer on ResNet50) for a branch that healthy steps never run.
+    tensor there instead compiles a little faster but makes XLA reserve a copy of the whole model as temporary
+    buffer (docs/PERFORMANCE.md) for a branch that healthy steps never run.
     """
     redo = tf.cond(tf.reduce_any(bad), exact, lambda: fast)
     return [tf.where(bad, r, f) for r, f in zip(redo, fast, strict=True)]
@@ -302,7 +305,7 @@ def _mix32(x: tf.Tensor) -> tf.Tensor:
 def _offsets(layers: np.ndarray, seed: Any, s: tf.Tensor, q: tf.Tensor) -> tf.Tensor:
     """int64 ``[k]`` uniform offsets in ``[0, 2^62)``, one per sampled layer: from ``seed`` and the layer index,
     or (no seed) from the layer's sums, so that they change from step to step with the data."""
-    salt = tf.constant(layers.astype(np.int32) * 7919 + 1)
+    salt = tf.constant(record.sample_salt(layers.astype(np.int32)))
     if seed is not None:
         base = tf.fill(tf.shape(salt), tf.cast(seed, tf.int32))
     else:
@@ -319,72 +322,178 @@ def _repeat(layers: np.ndarray, k: int) -> tf.Tensor:
     return tf.reshape(tf.broadcast_to(tf.constant(layers.astype(np.int32))[:, None], [len(layers), k]), [-1])
 
 
-def _histograms(flat, sizes, lay, buf_rows, exact, sampled, hist_sample, seed, s, q, n_nonzero, n_layers):
-    """``(hist float32 [L, 77], kept float32 [L])``: exact layers from the packed buffer, others from a sample."""
+class _Sampling(NamedTuple):
+    """The layers whose histogram is sampled, and what their sample and its check need from the fast pass."""
+
+    layers: np.ndarray  # indices of the sampled layers
+    hist_sample: int
+    seed: Any
+    s: tf.Tensor  # per-layer sums and sums of squares: a data-dependent seed when none is given
+    q: tf.Tensor
+    n_nonzero: tf.Tensor  # int32 [L]: finite nonzero values of each layer
+
+
+def _bin_into(hist: tf.Tensor | None, v: tf.Tensor, ids: tf.Tensor | int, n_layers: int) -> tf.Tensor:
+    """``hist`` (flat ``[n_layers * bins]``, or None) plus the decade bins of the finite nonzero values ``v``,
+    each counted in the layer ``ids`` gives (one int: all of them; zeros, padding and NaN/Inf are left out).
+
+    One layer's ids are a scalar offset, never a tensor of ``v``'s size: XLA's bridge would fold that into a
+    constant as large as the data while lowering.
+    """
     bins = record.HIST_BINS
-    parts_v, parts_id = [], []
-    exact_rows = sum(r for (i, _, _), r in zip(lay.pieces, lay.piece_rows, strict=True) if exact[i])
-    if exact_rows:
-        v = buf_rows[:exact_rows]
-        inside = tf.range(PACK_ROW)[None, :] < tf.constant(lay.row_valid[:exact_rows])[:, None]
-        parts_v.append(tf.where(inside, v, 0.0))
-        parts_id.append(_repeat(lay.row_layer[:exact_rows], PACK_ROW))
-    if len(sampled):
-        ns = np.array([sizes[i] for i in sampled], np.int64)
-        strides = np.array([record.sample_stride(int(n)) for n in ns], np.int64)
-        pos = (_offsets(sampled, seed, s, q)[:, None] + np.arange(hist_sample, dtype=np.int64)[None, :]
-               * strides[:, None]) % ns[:, None]
-        starts = lay.whole_piece_starts()
-        base = np.array([starts.get(int(i), 0) for i in sampled], np.int64)
-        pos = tf.cast(pos + base[:, None], tf.int32)
-        in_packed = np.array([int(i) in starts for i in sampled])
-        if in_packed.any():  # one gather for every sampled layer of the packed buffer
-            parts_v.append(tf.gather(tf.reshape(buf_rows, [-1]), tf.gather(pos, np.flatnonzero(in_packed))))
-            parts_id.append(_repeat(sampled[in_packed], hist_sample))
-        for k in np.flatnonzero(~in_packed):  # in place: a gather from the layer's own buffer
-            parts_v.append(tf.gather(_as_float32(flat[sampled[k]]), pos[k]))
-            parts_id.append(_repeat(sampled[k : k + 1], hist_sample))
-    if not parts_v:
-        return tf.zeros([n_layers, bins], tf.float32), tf.zeros([n_layers], tf.float32)
-    v = tf.concat([tf.reshape(p, [-1]) for p in parts_v], 0)
-    ids = tf.concat(parts_id, 0)
+    v = tf.reshape(v, [-1])
     av = tf.abs(v)
     ok = (av >= tf.constant(record.FLUSH_BELOW, tf.float32)) & (av <= tf.float32.max)
     b = histogram.bin_index(tf.where(ok, av, 1.0))
-    w = tf.cast(ok, tf.float32)
-    hist = tf.reshape(tf.math.unsorted_segment_sum(w, ids * bins + b, n_layers * bins), [n_layers, bins])
-    kept = tf.reduce_sum(hist, 1)
-    is_sampled = np.zeros(n_layers, bool)
-    is_sampled[sampled] = True
-    factor = tf.where(kept > 0, tf.cast(n_nonzero, tf.float32) / tf.maximum(kept, 1.0), 0.0)
-    factor = tf.where(tf.constant(is_sampled), factor, tf.ones_like(factor))
-    return hist * factor[:, None], kept
+    out = tf.math.unsorted_segment_sum(tf.cast(ok, tf.float32), ids * bins + b, n_layers * bins)
+    return out if hist is None else hist + out
 
 
-def compute(grads, weights, updates, sizes, hist_sample, seed) -> DeviceRecord:
-    """The :class:`DeviceRecord` of all layers (dense or ``None`` gradients; see :mod:`tb_gradhealth.kernels` for
-    ``IndexedSlices``). Arguments as :func:`tb_gradhealth.kernels.compute_layers`. Must run under XLA."""
-    n = len(grads)
-    if not n:
-        return kernels.compute_layers(grads, weights, updates, sizes, hist_sample, seed)
-    sparse = [isinstance(g, tf.IndexedSlices) for g in grads]
-    g_flat = [None if (g is None or sp) else _flat(g) for g, sp in zip(grads, sparse, strict=True)]
-    for g in g_flat:
+def _packed_rows_binned(hist: tf.Tensor | None, buf_rows: tf.Tensor, lay: Layout, lo: int, hi: int,
+                        n_layers: int) -> tf.Tensor | None:
+    """:func:`_bin_into` of the packed buffer's rows ``[lo, hi)`` (each row in its layer, padding left out)."""
+    if hi <= lo:
+        return hist
+    inside = tf.range(PACK_ROW)[None, :] < tf.constant(lay.row_valid[lo:hi])[:, None]
+    v = tf.where(inside, buf_rows[lo:hi], 0.0)
+    return _bin_into(hist, v, _repeat(lay.row_layer[lo:hi], PACK_ROW), n_layers)
+
+
+def _sampled_whole(flat: Sequence[Any], lay: Layout, buf_rows: tf.Tensor, exact_rows: int, whole: tf.Tensor,
+                   n_layers: int) -> tf.Tensor:
+    """Exact histograms ``[n_layers, bins]`` of the sampled layers flagged ``whole`` (others: zeros), each binned
+    from its packed rows and its in-place view: the branch a step runs only when some layer's sample is not enough.
+
+    Each in-place view is binned under a condition of its own and the packed rows under one for all of them, so a
+    step pays for the tensors that need it, not for the whole model.
+    """
+    size = n_layers * record.HIST_BINS
+    zeros = lambda: tf.zeros([size], tf.float32)  # noqa: E731
+    packed = np.unique(lay.row_layer[exact_rows : lay.packed_rows])
+    hist = zeros()
+    if len(packed):
+        hist += tf.cond(tf.reduce_any(tf.gather(whole, packed)),
+                        lambda: _packed_rows_binned(None, buf_rows, lay, exact_rows, lay.packed_rows, n_layers), zeros)
+    for (i, _), view in zip(lay.in_place, _views(flat, lay), strict=True):
+        hist += tf.cond(whole[i], lambda view=view, i=i: _bin_into(None, view, i, n_layers), zeros)
+    return tf.reshape(hist, [n_layers, record.HIST_BINS])
+
+
+def _sample_values(flat: Sequence[Any], sizes: Sequence[int | None], lay: Layout, buf_rows: tf.Tensor,
+                   sampling: _Sampling) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
+    """``hist_sample`` values gathered from each sampled layer (a Weyl sequence of positions from a per-layer
+    random offset), and their layer ids: one gather from the packed buffer, one per in-place layer."""
+    layers, k = sampling.layers, sampling.hist_sample
+    ns = np.array([sizes[i] for i in layers], np.int64)
+    strides = np.array([record.sample_stride(int(n)) for n in ns], np.int64)
+    offsets = _offsets(layers, sampling.seed, sampling.s, sampling.q)
+    pos = (offsets[:, None] + np.arange(k, dtype=np.int64)[None, :] * strides[:, None]) % ns[:, None]
+    starts = lay.whole_piece_starts()
+    base = np.array([starts.get(int(i), 0) for i in layers], np.int64)
+    pos = tf.cast(pos + base[:, None], tf.int32)
+    in_packed = np.array([int(i) in starts for i in layers])
+    values, ids = [], []
+    if in_packed.any():
+        values.append(tf.gather(tf.reshape(buf_rows, [-1]), tf.gather(pos, np.flatnonzero(in_packed))))
+        ids.append(_repeat(layers[in_packed], k))
+    for j in np.flatnonzero(~in_packed):  # in place: a gather from the layer's own buffer
+        values.append(tf.gather(_as_float32(flat[layers[j]]), pos[j]))
+        ids.append(_repeat(layers[j : j + 1], k))
+    return values, ids
+
+
+class _Plan(NamedTuple):
+    """Where each gradient's values are reduced and how its histogram is made (static: from shapes alone)."""
+
+    flat: list[Any]  # flattened gradients (``None``: absent, or an ``IndexedSlices`` done by the one-layer kernel)
+    sizes: list[int | None]
+    exact: list[bool]  # histogram of every value (at most hist_sample of them)
+    layout: Layout
+    sampled: np.ndarray  # layers whose histogram comes from a sample
+
+    @property
+    def exact_rows(self) -> int:
+        """Packed rows of the exact layers (they come first in the buffer)."""
+        lay = self.layout
+        return sum(r for (i, _, _), r in zip(lay.pieces, lay.piece_rows, strict=True) if self.exact[i])
+
+
+def _plan(grads: Sequence[Any], hist_sample: int) -> _Plan:
+    flat = [None if (g is None or isinstance(g, tf.IndexedSlices)) else _flat(g) for g in grads]
+    for g in flat:
         if g is not None and g.shape[0] is None:
             raise ValueError("gradients need a static shape for the histogram (XLA-safe sampling)")
-    g_sizes = [None if g is None else int(g.shape[0]) for g in g_flat]
-    exact = [g is not None and (not hist_sample or sz <= hist_sample) for g, sz in zip(g_flat, g_sizes, strict=True)]
-    big = [sz is not None and sz > IN_PLACE_MIN for sz in g_sizes]
-    in_place = [b and not e for b, e in zip(big, exact, strict=True)]
-    lay = layout(g_sizes, in_place, first=exact)
-    buf = _pack(g_flat, lay)
-    q, zero, kmax, kmin, bad, s = _reduce_layers(g_flat, lay, n, _fast_gradient_rows, _FAST_KINDS, buf)
+    sizes = [None if g is None else int(g.shape[0]) for g in flat]
+    exact = [g is not None and (not hist_sample or sz <= hist_sample) for g, sz in zip(flat, sizes, strict=True)]
+    in_place = [sz is not None and sz > IN_PLACE_MIN and not e for sz, e in zip(sizes, exact, strict=True)]
+    sampled = np.array([i for i, g in enumerate(flat) if g is not None and not exact[i]], np.int64)
+    return _Plan(flat, sizes, exact, layout(sizes, in_place, first=exact), sampled)
+
+
+def _histograms(plan: _Plan, buf_rows: tf.Tensor, sampling: _Sampling, n_layers: int
+                ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor | None]:
+    """``(hist float32 [L, 77], kept float32 [L], whole bool [L] or None)``: exact layers from the packed buffer,
+    sampled layers from their sample; ``whole`` flags the sampled layers whose sample is not enough
+    (:func:`tb_gradhealth.record.sample_is_enough`): their histogram is to be binned whole (:func:`_with_whole`)."""
+    bins = record.HIST_BINS
+    hist = _packed_rows_binned(None, buf_rows, plan.layout, 0, plan.exact_rows, n_layers)
+    if len(sampling.layers):
+        for v, ids in zip(*_sample_values(plan.flat, plan.sizes, plan.layout, buf_rows, sampling), strict=True):
+            hist = _bin_into(hist, v, ids, n_layers)
+    if hist is None:
+        return tf.zeros([n_layers, bins], tf.float32), tf.zeros([n_layers], tf.float32), None
+    hist = tf.reshape(hist, [n_layers, bins])
+    kept = tf.reduce_sum(hist, 1)
+    if not len(sampling.layers):
+        return hist, kept, None
+    is_sampled = np.zeros(n_layers, bool)
+    is_sampled[sampling.layers] = True
+    nz = tf.cast(sampling.n_nonzero, tf.float32)
+    enough = (nz > sampling.hist_sample) & (kept >= record.sample_min_kept(sampling.hist_sample))
+    scaled = hist * tf.where(enough & is_sampled, nz / tf.maximum(kept, 1.0), 1.0)[:, None]
+    return scaled, kept, is_sampled & ~enough
+
+
+_KEPT = record.VALUE_FIELDS.index("hist_sample")
+
+
+def _with_whole(values: tf.Tensor, whole: tf.Tensor, plan: _Plan, buf_rows: tf.Tensor) -> tf.Tensor:
+    """``values`` with the histogram and ``hist_sample`` of the layers flagged ``whole`` binned whole."""
+    n = len(plan.flat)
+    hist = _sampled_whole(plan.flat, plan.layout, buf_rows, plan.exact_rows, whole, n)
+    kept = tf.reduce_sum(hist, 1, keepdims=True)
+    binned = tf.concat([values[:, :_KEPT], kept, values[:, _KEPT + 1 : record.NUM_VALUES], hist], 1)
+    return tf.where(whole[:, None], binned, values)
+
+
+def whole_histograms(grads: Sequence[Any], hist_sample: int, values: tf.Tensor, whole: tf.Tensor) -> tf.Tensor:
+    """``values`` of :func:`compute` (``deferred=True``) with the flagged layers' histograms binned whole: compiled
+    on its own, so a model whose samples are always enough never compiles it."""
+    plan = _plan(grads, hist_sample)
+    return _with_whole(values, whole, plan, _pack(plan.flat, plan.layout))
+
+
+def compute(grads, weights, updates, sizes, hist_sample, seed, deferred: bool = False):
+    """The :class:`DeviceRecord` of all layers (dense or ``None`` gradients; see :mod:`tb_gradhealth._tf.kernels` for
+    ``IndexedSlices``). Arguments as :func:`tb_gradhealth._tf.kernels.compute_layers`. Must run under XLA.
+
+    A layer whose sample is not enough is binned whole in a ``tf.cond`` branch; ``deferred=True`` leaves that to
+    the caller instead (:func:`compute_deferring`) and returns ``(record, whole flags or None)``.
+    """
+    n = len(grads)
+    if not n:
+        rec = kernels.compute_layers(grads, weights, updates, sizes, hist_sample, seed)
+        return (rec, None) if deferred else rec
+    plan = _plan(grads, hist_sample)
+    lay = plan.layout
+    buf = _pack(plan.flat, lay)
+    q, zero, kmax, kmin, bad, s = _reduce_layers(plan.flat, lay, n, _fast_gradient_rows, _FAST_KINDS, buf)
     z = tf.zeros_like(zero)
     q, zero, kmax, kmin, nan, posinf, neginf, s = _redo_where(
         (bad > 0) | ~tf.math.is_finite(s), [q, zero, kmax, kmin, z, z, z, s],
-        lambda: _reduce_layers(g_flat, lay, n, _exact_gradient_rows, _EXACT_KINDS, buf),
+        lambda: _reduce_layers(plan.flat, lay, n, _exact_gradient_rows, _EXACT_KINDS, buf),
     )
-    size = tf.constant(np.array([max(int(z if g is None else g), 0) for z, g in zip(sizes, g_sizes, strict=True)],
+    size = tf.constant(np.array([max(int(z if g is None else g), 0) for z, g in zip(sizes, plan.sizes, strict=True)],
                                 np.int32))
     nonfinite = nan + posinf + neginf
     mx, mn = _from_key(kmax, -np.inf), _from_key(kmin, np.inf)
@@ -392,27 +501,29 @@ def compute(grads, weights, updates, sizes, hist_sample, seed) -> DeviceRecord:
     nf = tf.cast(size - nonfinite, tf.float64)
     mean = tf.where((m > 0) & (nf > 0), s / tf.maximum(nf, 1.0), tf.zeros_like(m))
     ssq_rel = tf.where(m > 0, q / tf.where(m > 0, m * m, tf.ones_like(m)), tf.zeros_like(m))
-    n_nonzero = size - nonfinite - zero
-    sampled = np.array([i for i in range(n) if g_flat[i] is not None and not exact[i]], np.int64)
-    hist, kept = _histograms(g_flat, g_sizes, lay, buf, exact, sampled, hist_sample, seed, s, q, n_nonzero, n)
+    sampling = _Sampling(plan.sampled, hist_sample, seed, s, q, size - nonfinite - zero)
+    hist, kept, whole = _histograms(plan, buf, sampling, n)
     wm, wq = _norm_fields([_flat(w) for w in weights], n)
     um, uq = _norm_fields([_flat(u) for u in updates], n)
-    missing = tf.constant(np.array([g is None for g in grads], np.float32))
-    nan_col = tf.fill([n], np.float32(np.nan))
-    counts = tf.stack([size, nan, posinf, neginf, zero], 1)
-    values = tf.concat([
-        tf.stack([mn, mx, tf.cast(mean, tf.float32), tf.cast(ssq_rel, tf.float32), wm, wq, um, uq, nan_col, nan_col,
-                  missing, kept], 1),
-        hist,
-    ], 1)
-    if any(sparse):
-        counts, values = _with_sparse_rows(counts, values, grads, weights, updates, sizes, hist_sample, seed, sparse)
-    return DeviceRecord(counts, values)
+    fields = {
+        "min": mn, "max": mx, "mean": tf.cast(mean, tf.float32), "ssq_rel": tf.cast(ssq_rel, tf.float32),
+        "weight_max_abs": wm, "weight_ssq_rel": wq, "update_max_abs": um, "update_ssq_rel": uq,
+        "missing": tf.constant(np.array([g is None for g in grads], np.float32)), "hist_sample": kept,
+    }
+    count_fields = {"size": size, "nan": nan, "posinf": posinf, "neginf": neginf, "zero": zero}
+    counts = tf.stack([count_fields[name] for name in record.COUNT_FIELDS], 1)
+    values = tf.concat([kernels.stack_values(fields, [n]), hist], 1)
+    if whole is not None and not deferred:
+        values = tf.cond(tf.reduce_any(whole), lambda: _with_whole(values, whole, plan, buf), lambda: values)
+    if any(isinstance(g, tf.IndexedSlices) for g in grads):
+        counts, values = _with_sparse_rows(counts, values, grads, weights, updates, sizes, hist_sample, seed)
+    rec = DeviceRecord(counts, values)
+    return (rec, whole) if deferred else rec
 
 
-def _with_sparse_rows(counts, values, grads, weights, updates, sizes, hist_sample, seed, sparse):
+def _with_sparse_rows(counts, values, grads, weights, updates, sizes, hist_sample, seed):
     """Replace the rows of ``IndexedSlices`` gradients by the per-layer kernel's (sorted, deduplicated slices)."""
-    idx = [i for i, sp in enumerate(sparse) if sp]
+    idx = [i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
     rows = [kernels.layer_record(grads[i], weights[i], updates[i], sizes[i], hist_sample, i, seed) for i in idx]
     at = tf.constant(np.array(idx, np.int32)[:, None])
     counts = tf.tensor_scatter_nd_update(counts, at, tf.stack([c for c, _ in rows]))
@@ -422,3 +533,16 @@ def _with_sparse_rows(counts, values, grads, weights, updates, sizes, hist_sampl
 
 #: One compiled function per model signature (outside a user's ``jit_compile`` function).
 compute_jit = compat.quiet_retracing(tf.function(compute, jit_compile=True, autograph=False))
+#: Compiled the first time a step has a layer whose sample is not enough (:func:`whole_histograms`).
+whole_histograms_jit = compat.quiet_retracing(tf.function(whole_histograms, jit_compile=True, autograph=False))
+
+
+def compute_deferring(grads, weights, updates, sizes, hist_sample, seed) -> DeviceRecord:
+    """:func:`compute`, compiled, with the whole binning of sparse layers in a function of its own that compiles
+    only when a step first needs it (outside a user's ``jit_compile`` step, where everything compiles at once)."""
+    rec, whole = compute_jit(grads, weights, updates, sizes, hist_sample, seed, deferred=True)
+    if whole is None:
+        return rec
+    values = tf.cond(tf.reduce_any(whole), lambda: whole_histograms_jit(grads, hist_sample, rec.values, whole),
+                     lambda: rec.values)
+    return DeviceRecord(rec.counts, values)

@@ -1,6 +1,6 @@
 """Device-side statistics of ONE layer's gradient-health record: TF ops, XLA-safe, static shapes.
 
-Records of whole models come from :mod:`tb_gradhealth.packed` (all layers from a fixed number of XLA loops); this
+Records of whole models come from :mod:`tb_gradhealth._tf.packed` (all layers from a fixed number of XLA loops); this
 module computes a layer on its own: with plain TF ops (``summary.compute(..., jit=False)``, or a TensorFlow without
 XLA's variadic reduce), and for ``IndexedSlices`` gradients. One layer's record (:func:`layer_record`) is
 ``(counts int32 [5], values float32 [89])``, the numbers of :func:`tb_gradhealth.record.compute` (the float64
@@ -14,9 +14,9 @@ reference) computed where the gradient lives:
 * the norm is kept as ``max|g|`` and ``ssq_rel = sum(g*g) / max|g|^2``; the plain sum of squares is used only when it
   is finite and ``max|g|`` is large enough that underflowed squares are negligible, else a second pass sums
   ``(g / max|g|)^2``, right over float32's whole range;
-* the histogram comes from :mod:`tb_gradhealth.histogram`.
+* the histogram comes from :mod:`tb_gradhealth._tf.histogram`.
 
-The private XLA reduce is reached through :mod:`tb_gradhealth.compat`; docs/PERFORMANCE.md has the measured costs.
+The private XLA reduce is reached through :mod:`tb_gradhealth._tf.compat`; docs/PERFORMANCE.md has the measured costs.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import tensorflow as tf
 
-from tb_gradhealth import compat, histogram, record
+from tb_gradhealth import record
+from tb_gradhealth._tf import compat, histogram
 
 _NV = record.NUM_VALUES + record.HIST_BINS
 #: Below this max|g| the plain sum of squares may lose underflowed squares: use the scaled pass instead.
@@ -57,7 +58,7 @@ class Delta(NamedTuple):
 
 @functools.cache
 def fused_reductions_available() -> bool:
-    """Whether this TensorFlow has XLA's variadic reduce (then :mod:`tb_gradhealth.packed` computes records)."""
+    """Whether this TensorFlow has XLA's variadic reduce (then :mod:`tb_gradhealth._tf.packed` computes records)."""
     return compat.has_variadic_reduce()
 
 
@@ -317,8 +318,9 @@ def _dense_stats(
     dense_size: tf.Tensor | None = None,
     extra_zeros: tf.Tensor | None = None,
     fused: bool = False,
-) -> tuple[tf.Tensor, tf.Tensor]:
-    """Counts int32 [5] and the gradient part of values float32 [89] (min, max, mean, ssq_rel, hist...).
+) -> tuple[tf.Tensor, dict[str, tf.Tensor], tf.Tensor]:
+    """Counts int32 [5], the gradient's value fields by name (min, max, mean, ssq_rel, hist_sample) and its
+    histogram float32 [77].
 
     ``valid_len``/``dense_size``/``extra_zeros`` describe a sparse gradient: only ``x[:valid_len]`` is data (the
     rest is zero padding), and the dense tensor has ``dense_size`` elements of which ``extra_zeros`` beyond
@@ -343,12 +345,13 @@ def _dense_stats(
     nan, posinf, neginf, mx, mn, mean, ssq_rel = tf.cond(finite, lambda: _all_finite(p), lambda: _with_nonfinite(p))
     n_nonzero = size - nan - posinf - neginf - zero
     hist, kept = histogram.histogram(x, n_nonzero, hist_sample, layer, seed, valid_len)
-    counts = tf.stack([tf.cast(size, tf.int32), nan, posinf, neginf, zero])
-    head = tf.stack([tf.cast(v, tf.float32) for v in (mn, mx, mean, ssq_rel)])
-    return counts, tf.concat([head, tf.reshape(kept, [1]), hist], 0)
+    count_fields = {"size": tf.cast(size, tf.int32), "nan": nan, "posinf": posinf, "neginf": neginf, "zero": zero}
+    counts = tf.stack([count_fields[name] for name in record.COUNT_FIELDS])
+    fields = {"min": mn, "max": mx, "mean": mean, "ssq_rel": ssq_rel, "hist_sample": kept}
+    return counts, {k: tf.cast(v, tf.float32) for k, v in fields.items()}, hist
 
 
-def _sparse_stats(g: tf.IndexedSlices, rows: int, **kw: Any) -> tuple[tf.Tensor, tf.Tensor]:
+def _sparse_stats(g: tf.IndexedSlices, rows: int, **kw: Any) -> tuple[tf.Tensor, dict[str, tf.Tensor], tf.Tensor]:
     """Statistics of the dense gradient an ``IndexedSlices`` stands for, without building it.
 
     Duplicate indices are summed first (as the dense gradient would be) with a sort and a segment sum of static
@@ -377,30 +380,40 @@ def _sparse_stats(g: tf.IndexedSlices, rows: int, **kw: Any) -> tuple[tf.Tensor,
     )
 
 
-def _optional_values(weight: Any, update: Any, fused: bool) -> tf.Tensor:
-    """Weight and update fields (NaN where not given)."""
-    nan = tf.constant(np.nan, tf.float32)
-    w = _max_abs_ssq(weight, fused) if weight is not None else (nan, nan)
-    u = _max_abs_ssq(update, fused) if update is not None else (nan, nan)
-    return tf.stack([w[0], w[1], u[0], u[1], nan, nan])
+def stack_values(fields: dict[str, tf.Tensor], shape: Sequence[int]) -> tf.Tensor:
+    """The value fields float32 ``[*shape, NUM_VALUES]`` in :data:`record.VALUE_FIELDS` order, from tensors of
+    ``shape`` by name; a field not given is :func:`record.value_defaults`' (e.g. NaN: not recorded)."""
+    defaults = record.value_defaults()
+    cols = [fields[name] if name in fields else tf.fill(shape, np.float32(defaults[name]))
+            for name in record.VALUE_FIELDS]
+    return tf.stack(cols, len(shape))
+
+
+def _optional_fields(weight: Any, update: Any, fused: bool) -> dict[str, tf.Tensor]:
+    """Weight and update fields by name, of those given (the others keep their defaults: NaN, not recorded)."""
+    out = {}
+    for prefix, t in (("weight", weight), ("update", update)):
+        if t is not None:
+            out[f"{prefix}_max_abs"], out[f"{prefix}_ssq_rel"] = _max_abs_ssq(t, fused)
+    return out
 
 
 def layer_record(g, w, u, size, hist_sample, layer, seed):
     """``(counts int32 [5], values float32 [89])`` of one layer (``g=None``: the missing record)."""
     fused = fused_reductions()
     if g is None:
-        c = tf.constant([size, 0, 0, 0, 0], tf.int32)
-        head = tf.constant([np.inf, -np.inf, 0.0, 0.0], tf.float32)
-        tail = tf.concat([tf.constant([1.0, 0.0], tf.float32), tf.zeros([record.HIST_BINS], tf.float32)], 0)
+        c = tf.constant([size if name == "size" else 0 for name in record.COUNT_FIELDS], tf.int32)
+        grad = {"min": np.inf, "max": -np.inf, "mean": 0.0, "ssq_rel": 0.0, "hist_sample": 0.0, "missing": 1.0}
+        grad = {k: tf.constant(v, tf.float32) for k, v in grad.items()}
+        hist = tf.zeros([record.HIST_BINS], tf.float32)
     else:
         kw = dict(hist_sample=hist_sample, layer=layer, seed=seed, fused=fused)
         if isinstance(g, tf.IndexedSlices):
-            c, v = _sparse_stats(g, size_rows(g, size), **kw)
+            c, grad, hist = _sparse_stats(g, size_rows(g, size), **kw)
         else:
-            c, v = _dense_stats(_flat(g), **kw)
-        head, tail = v[:4], tf.concat([tf.zeros([1], tf.float32), v[4:]], 0)  # missing=0, hist_sample, hist
-    opt = _optional_values(w, u, fused)
-    return c, tf.concat([head, opt, tail], 0)
+            c, grad, hist = _dense_stats(_flat(g), **kw)
+        grad["missing"] = tf.constant(0.0, tf.float32)
+    return c, tf.concat([stack_values({**grad, **_optional_fields(w, u, fused)}, []), hist], 0)
 
 
 def compute_layers(grads, weights, updates, sizes, hist_sample, seed) -> DeviceRecord:

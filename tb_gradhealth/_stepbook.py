@@ -1,0 +1,130 @@
+"""The Keras callback's host-side step bookkeeping, with no TensorFlow in it: which train-function call must run
+the capturing step, and when to read the ring buffer back.
+
+Why on the host: the capturing step costs the statistics, so the host predicts, from the optimizer step it counts,
+which calls contain a logged step (every ``period``-th optimizer step; ``period`` 0: the last step of each epoch),
+and runs the plain step for the others. A call runs ``steps_per_execution`` steps. The device's count is read once
+per epoch, and again whenever a read finds fewer records than predicted (steps skipped by a loss-scale optimizer).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["StepBook", "ring_plan"]
+
+#: The host reads the ring buffer once per this many capturing calls (at most), so that logging every step does
+#: not pay a device read, a decode and an event write per step.
+MAX_CALLS_PER_READ = 16
+#: ... as long as the ring buffer stays below this size (it is rewritten, whole, by each store).
+MAX_BUFFER_BYTES = 1 << 20
+
+
+def ring_plan(update_freq: Any, spe: int, row_bytes: int, read_every_call: bool) -> tuple[int, int, int]:
+    """``(period, slots, calls_per_read)``: the capture period (0: epoch mode), ring buffer size, read batching.
+
+    Reads are batched only when every call logs (period <= steps per call), where the host's step prediction
+    picks nothing; ``read_every_call`` (``stop_on``) reads after every call, to stop at the very step.
+    ``row_bytes``: the bytes of one logged step's records in the ring buffer.
+    """
+    if update_freq == "epoch":
+        return 0, spe + 1, 1
+    period = int(update_freq)
+    per_call = math.ceil(spe / period)  # logged steps one call may hold
+    calls_per_read = 1
+    if period <= spe and not read_every_call:
+        calls_per_read = max(1, min(MAX_CALLS_PER_READ, MAX_BUFFER_BYTES // max(1, per_call * row_bytes)))
+    return period, per_call * calls_per_read + 2, calls_per_read
+
+
+@dataclass
+class StepBook:
+    """Where the host stands in ``fit``: its count of optimizer steps and what it owes the device.
+
+    ``period``: log every ``period``-th step (0: epoch mode); ``spe``: steps per train-function call;
+    ``epoch_steps``: steps per epoch (``None``: unknown); ``host_step``: the optimizer step before the first call.
+    """
+
+    period: int
+    spe: int
+    epoch_steps: int | None
+    calls_per_read: int
+    host_step: int
+    #: the next call must run the capturing step (epoch mode)
+    arm: bool = False
+    epoch_armed: bool = False
+    #: capturing calls since the ring buffer was last read
+    pending: int = 0
+    epoch_batch_end: int = -1
+    #: the first call has ended (its capture, or the lack of one, has been checked)
+    checked: bool = False
+    last_mode: str = "plain"
+    #: the capturing step raised once: plain steps only, until the next fit
+    capture_failed: bool = False
+    #: the capturing step has run once (so it was built)
+    capture_ran: bool = False
+    #: steps the next call runs (fewer than ``spe`` at the end of an epoch of known length)
+    call_steps: int = 0
+
+    def __post_init__(self) -> None:
+        self.call_steps = self.call_steps or self.spe
+
+    def epoch_begin(self, device_step: int) -> int | None:
+        """A new epoch at the device's step count; the steps to record from now (epoch mode with an unknown
+        epoch length: the first one), else ``None``."""
+        self.host_step = device_step
+        self.epoch_batch_end = -1
+        self.epoch_armed = False
+        if self.period == 0 and not self.epoch_steps:
+            self.arm = True
+            return 1
+        return None
+
+    def batch_begin(self, batch: int) -> int | None:
+        """A call starts at the epoch's ``batch``: the steps to record from it on (epoch mode: when it runs the
+        epoch's last step), else ``None``."""
+        self.call_steps = min(self.spe, self.epoch_steps - batch) if self.epoch_steps else self.spe
+        if self.period != 0 or not self.epoch_steps or self.epoch_armed:
+            return None
+        if batch + self.spe >= self.epoch_steps:
+            self.arm = self.epoch_armed = True
+            return self.epoch_steps - batch
+        return None
+
+    def call_logs(self) -> bool:
+        """Whether the next call (``call_steps`` steps) may contain a logged step."""
+        if self.arm:
+            return True
+        p = self.period
+        return p > 0 and (self.host_step + self.call_steps) // p > self.host_step // p
+
+    def next_mode(self, inert: bool = False) -> str:
+        """``"capture"`` or ``"plain"`` for the next call. The first call always captures (its one-time cost lands
+        with the first step's compile, and a step that cannot be captured shows at once); ``inert``: plain."""
+        capture = (not self.checked or self.call_logs()) and not inert and not self.capture_failed
+        self.arm = False
+        self.last_mode = "capture" if capture else "plain"
+        return self.last_mode
+
+    def batch_end(self, batch: int) -> tuple[bool, bool]:
+        """``(first, read)``: whether this was the first call of the fit, and whether to read the ring buffer now."""
+        self.host_step += batch - self.epoch_batch_end
+        self.epoch_batch_end = batch
+        first, self.checked = not self.checked, True
+        if self.last_mode != "capture" or self.period == 0:
+            return first, False
+        self.pending += 1
+        return first, self.pending >= self.calls_per_read
+
+    def take_pending(self) -> int:
+        """The capturing calls since the last read (now read: the count restarts)."""
+        pending, self.pending = self.pending, 0
+        return pending
+
+    @staticmethod
+    def lags(read: int, pending: int) -> bool:
+        """Whether a read of ``read`` new records after ``pending`` capturing calls (each predicted to log) means
+        the device's step count lags the host's: then the host re-reads it."""
+        return read < pending

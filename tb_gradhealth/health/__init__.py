@@ -1,0 +1,46 @@
+"""Diagnosis: from a run's per-layer records, decide which layers are sick, since when and how badly.
+
+Pure numpy on top of :mod:`tb_gradhealth.record` (no TensorFlow, no TensorBoard), so the plugin, the CLI and any
+script share one diagnosis. The rules and the reasons behind every default are in ``docs/DIAGNOSIS.md``.
+
+Every rule is evaluated for every (logged step, layer) at once on ``[S, L]`` arrays, which gives each layer a raw
+status per step. Vanishing and exploding are properties of the gradient's flow through depth, so they are judged
+against the *reference*: the layers nearest the loss (where backprop starts), never a statistic that sinks with the
+disease. The per-step statuses become *episodes* (runs of one status, slow diseases confirmed over several logged
+steps); a layer's status is that of its last record, and ``first_step`` is the onset of its current chain of
+episodes. ``layers`` are in network (forward) order: backprop computes gradients deepest layer first.
+
+The package's modules follow that design: ``thresholds`` (status words, knobs), ``rules`` (per-step rules), ``episodes``
+(runs of one status, onset, timeline), ``reasons`` (text, severity, the cause, first_bad), ``fixes`` (what to do),
+``optimizer`` (clipping and layer-wise updates read from the records), ``result`` (the public result), ``diagnose``
+(``diagnose_run``) and ``profile`` (one step).
+"""
+
+from __future__ import annotations
+
+from tb_gradhealth.health.diagnose import diagnose_run
+from tb_gradhealth.health.episodes import BLOWN_UP, CHAIN_GAP
+from tb_gradhealth.health.profile import profile
+from tb_gradhealth.health.result import LayerHealth, RunHealth
+from tb_gradhealth.health.rules import REFERENCE_FRACTION, REFERENCE_MIN, TREND_MIN_SIZE, _history, layer_groups
+from tb_gradhealth.health.thresholds import (
+    DEAD,
+    EXPLODING,
+    FLAG_CODES,
+    FLAGS,
+    HEALTHY,
+    INERT,
+    MISSING,
+    NONFINITE,
+    SKIPPED,
+    STATUSES,
+    VANISHING,
+    ThresholdError,
+    Thresholds,
+)
+
+__all__ = [
+    "BLOWN_UP", "CHAIN_GAP", "DEAD", "EXPLODING", "FLAGS", "FLAG_CODES", "HEALTHY", "INERT", "MISSING", "NONFINITE",
+    "REFERENCE_FRACTION", "REFERENCE_MIN", "SKIPPED", "STATUSES", "TREND_MIN_SIZE", "VANISHING", "LayerHealth",
+    "RunHealth", "ThresholdError", "Thresholds", "diagnose_run", "layer_groups", "profile", "_history",
+]

@@ -1,0 +1,69 @@
+"""``diagnose_run``: from a run's per-layer records to its :class:`~tb_gradhealth.health.result.RunHealth`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from tb_gradhealth import record
+from tb_gradhealth.health.episodes import _follow_siblings, _nonfinite_origin, _onset, _timeline, _track
+from tb_gradhealth.health.reasons import _first_bad, _layer_health, cause_first
+from tb_gradhealth.health.result import _BASE, LayerHealth, RunHealth
+from tb_gradhealth.health.rules import _evaluate
+from tb_gradhealth.health.thresholds import MISSING, Thresholds
+
+
+def _check_inputs(layers: Sequence[str], steps: np.ndarray, records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    steps = np.asarray(steps)
+    records = np.asarray(records, dtype=np.float64)
+    if records.ndim != 3 or records.shape[2] != record.NUM_FIELDS:
+        raise ValueError(f"records must have shape [steps, layers, {record.NUM_FIELDS}], got {records.shape}")
+    if steps.shape != (records.shape[0],):
+        raise ValueError(f"steps must have shape [{records.shape[0]}] (one per record row), got {steps.shape}")
+    if len(layers) != records.shape[1]:
+        raise ValueError(f"{len(layers)} layer names for {records.shape[1]} record columns")
+    if steps.size > 1 and np.any(np.diff(steps) <= 0):
+        raise ValueError("steps must be ascending and unique")
+    return steps.astype(np.int64), records
+
+
+def diagnose_run(
+    layers: Sequence[str],
+    steps: np.ndarray,
+    records: np.ndarray,
+    thresholds: Thresholds = Thresholds(),  # noqa: B008 - frozen, immutable default
+    at_step: int | None = None,
+) -> RunHealth:
+    """Diagnose every layer of a run from its records, using the logged steps at or before ``at_step``.
+
+    ``layers``: names in network (forward) order; ``steps``: int [S] ascending unique; ``records``: float64
+    ``[S, L, record.NUM_FIELDS]`` memory form, a layer's row all-NaN at a step where it has no record.
+    ``at_step`` (default: the last step) must not precede the first step (ValueError naming ``step``).
+    A layer without any record up to the step is reported ``missing``.
+    """
+    steps, records = _check_inputs(layers, steps, records)
+    t = thresholds
+    if at_step is not None:
+        end = int(np.searchsorted(steps, at_step, side="right"))
+        if end == 0 and steps.size:
+            raise ValueError(f"step {at_step} is before the first logged step {int(steps[0])}")
+        steps, records = steps[:end], records[:end]
+    if steps.size == 0 or len(layers) == 0:
+        out = [LayerHealth(name, i, "missing", _BASE[MISSING], ["no record of this layer"], None, None)
+               for i, name in enumerate(layers)]
+        return RunHealth(None, t, out)
+    ev = _evaluate(records, layers, t)
+    # A skipped NaN/Inf step counts when NaN/Inf follows it at the next step (the update was NaN, not skipped).
+    follows = np.zeros_like(ev.nonfinite)
+    follows[:-1] = ev.nonfinite[1:]
+    origin = _nonfinite_origin(ev.nonfinite & ~(ev.skipped & ~follows))
+    present = ev.present
+    s_count = present.shape[0]
+    last_rows = np.where(present.any(axis=0), s_count - 1 - np.argmax(present[::-1], axis=0), 0)
+    d = record.derived(records[last_rows, np.arange(len(layers))])
+    tracks = [_track(ev, i, t) if ev.columns("present")[i].any() else None for i in range(len(layers))]
+    _follow_siblings(tracks, ev, layers)
+    out = [_layer_health(ev, steps, layers, i, d, origin, t, tracks[i]) for i in range(len(layers))]
+    ranked, cause = cause_first(sorted(out, key=lambda lh: (-lh.severity, lh.index)))
+    return RunHealth(int(steps[-1]), t, ranked, _first_bad(ranked), _onset(out), _timeline(out), cause)

@@ -1,0 +1,234 @@
+"""Episodes: a layer's per-step statuses become runs of one status (slow diseases confirmed over several logged steps,
+explosions back-dated to where they left their floor), and the run-wide onset and timeline."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tb_gradhealth.health.result import LayerHealth
+from tb_gradhealth.health.rules import TREND_MIN_SIZE, _Steps, layer_groups
+from tb_gradhealth.health.thresholds import (
+    DEAD,
+    EXPLODING,
+    FLAG_CODES,
+    HEALTHY,
+    INERT,
+    MISSING,
+    NONFINITE,
+    SKIPPED,
+    STATUSES,
+    VANISHING,
+    Thresholds,
+)
+
+#: An exploding episode goes on while the layer's weight norm stays this many times its norm before the episode:
+#: a blow-up of the weights that is not undone leaves the layer damaged even when its gradient looks normal again.
+BLOWN_UP = 10.0
+
+
+@dataclass
+class _Track:
+    """One layer's statuses over its present rows, as runs ``(code, first_row, last_row)`` after confirmation."""
+
+    rows: np.ndarray  # row indices (into steps) where the layer has a record
+    runs: list[tuple[int, int, int]]  # (code, first position, last position) into ``rows``
+    unconfirmed: tuple[int, int] | None  # (code, length) of a trailing slow run not yet confirmed
+    chain_from: int | None = None  # a position where the chain starts instead (a small tensor follows its layer)
+    need: int = 1  # logged steps a slow status had to last to be confirmed (shorter on a short run)
+
+    @property
+    def code(self) -> int:
+        return self.runs[-1][0] if self.runs else MISSING
+
+    def chain_start(self) -> int:
+        """Position where the trailing chain of flagged runs starts (the last run's start when it is not flagged)."""
+        k = len(self.runs) - 1
+        if self.runs[k][0] not in FLAG_CODES:
+            return self.runs[k][1]
+        while k > 0 and self.runs[k - 1][0] in FLAG_CODES:
+            k -= 1
+        return self.runs[k][1] if self.chain_from is None else self.chain_from
+
+
+def _runs(codes: np.ndarray) -> list[list[int]]:
+    if codes.size == 0:
+        return []
+    cuts = np.flatnonzero(np.diff(codes)) + 1
+    starts = np.concatenate([[0], cuts])
+    ends = np.concatenate([cuts - 1, [codes.size - 1]])
+    return [[int(codes[a]), int(a), int(b)] for a, b in zip(starts, ends, strict=True)]
+
+
+def _merge_equal(runs: list[list[int]]) -> list[list[int]]:
+    out: list[list[int]] = []
+    for r in runs:
+        if out and out[-1][0] == r[0]:
+            out[-1][2] = r[2]
+        else:
+            out.append(list(r))
+    return out
+
+
+#: A healthy stretch of at most this many logged steps between two flagged episodes does not end the chain: one
+#: quiet minibatch in the middle of a divergence is not a recovery.
+CHAIN_GAP = 2
+
+
+def _confirm(runs: list[list[int]], need: int, skip_need: int, dead_need: int) -> tuple[int, int] | None:
+    """Relabel in place the runs that need confirmation; returns the trailing unconfirmed slow run, if any.
+
+    A vanishing (dead) run shorter than ``need`` (``dead_need``) logged steps is healthy, unless it directly follows
+    a flagged run: a layer that is already sick needs no confirmation (a saturating layer collapsing to zero inside a
+    divergence). ``dead_need`` is at least two logged steps even on a short run, since a zero-initialised
+    multiplier (ReZero, a zero-initialised residual branch) cuts its branch's gradient at the first step by design.
+    Skipped NaN/Inf steps are nonfinite when they last ``skip_need`` steps (``sustain_steps`` whatever
+    the run's length: dynamic loss scaling skips the first steps of every run) or NaN follows them. A healthy
+    stretch of at most ``CHAIN_GAP`` steps between two flagged runs continues the first.
+    """
+    unconfirmed = None
+    for k, r in enumerate(runs):
+        short = r[2] - r[1] + 1 < (dead_need if r[0] == DEAD else need)
+        after_flag = k > 0 and runs[k - 1][0] in FLAG_CODES
+        if r[0] == SKIPPED:
+            leads_to_nan = k + 1 < len(runs) and runs[k + 1][0] == NONFINITE
+            r[0] = NONFINITE if leads_to_nan or r[2] - r[1] + 1 >= skip_need else HEALTHY
+
+        elif r[0] in (VANISHING, DEAD) and short and not after_flag:
+            if k == len(runs) - 1:
+                unconfirmed = (r[0], r[2] - r[1] + 1)
+            r[0] = HEALTHY
+    for k in range(1, len(runs) - 1):
+        r = runs[k]
+        if r[0] == HEALTHY and r[2] - r[1] + 1 <= CHAIN_GAP and runs[k - 1][0] in FLAG_CODES \
+                and runs[k + 1][0] in FLAG_CODES:
+            r[0] = runs[k - 1][0]
+    return unconfirmed
+
+
+def _backdate(runs: list[list[int]], col: np.ndarray, t: Thresholds) -> None:
+    """An exploding run after a healthy one starts where the layer's RMS left its floor: the step after the last
+    one within twice the trend's own per-step slope (``2 * growth_decades / growth_window``, 0.4 decades) of the
+    lowest RMS of the ``growth_window`` steps before the run. A quiet minibatch in the middle of the rise does not
+    move the onset; minibatch noise (a few tenths of a decade) does not start it."""
+    rise = 2.0 * t.growth_decades / t.growth_window
+    w = t.growth_window
+    for k in range(1, len(runs)):
+        code, first, _ = runs[k]
+        prev = runs[k - 1]
+        if code != EXPLODING or prev[0] != HEALTHY:
+            continue
+        lo = max(prev[1], first - w)
+        window = col[lo:first]
+        if not np.isfinite(window).any():
+            continue
+        floor = np.nanmin(window)
+        at_floor = np.flatnonzero(window <= floor + rise)
+        j = lo + int(at_floor[-1]) + 1
+        runs[k][1], prev[2] = j, min(prev[2], j - 1)
+
+
+def _blown_up(runs: list[list[int]], weight: np.ndarray, small: np.ndarray) -> None:
+    """An exploding run goes on over the healthy steps after it while the weight norm stays ``BLOWN_UP`` times its
+    norm before the run (or at its first step): the blow-up was not undone. Not for weights that were small by
+    design before the run (``small``: a LayerScale or zero-initialised parameter is meant to grow)."""
+    for k in range(len(runs) - 1):
+        code, first, last = runs[k]
+        nxt = runs[k + 1]
+        if code != EXPLODING or nxt[0] != HEALTHY:
+            continue
+        before = weight[first - 1] if first > 0 else weight[first]
+        if not before > 0 or small[first - 1 if first > 0 else first]:
+            continue
+        j = last
+        while j + 1 <= nxt[2] and weight[j + 1] >= BLOWN_UP * before:
+            j += 1
+        if j > last:
+            runs[k][2], nxt[1] = j, j + 1
+
+
+def sustain_needed(logged: int, sustain_steps: int) -> int:
+    """Logged steps a slow status must last: ``sustain_steps``, or half the layer's logged steps (at least one) on a
+    run too short for it, so a run with 1-4 records can still show vanishing or dead (with less certainty)."""
+    return max(1, min(sustain_steps, (logged + 1) // 2))
+
+
+def _track(ev: _Steps, i: int, t: Thresholds) -> _Track:
+    """The layer's confirmed runs over the steps where it has a record."""
+    rows = np.flatnonzero(ev.columns("present")[i])
+    runs = _runs(ev.columns("raw")[i, rows].astype(np.int64))
+    need = sustain_needed(len(rows), t.sustain_steps)
+    unconfirmed = _confirm(runs, need, t.sustain_steps, min(t.sustain_steps, max(2, need)))
+    runs = _merge_equal(runs)
+    _backdate(runs, ev.columns("log_rms")[i, rows], t)
+    _blown_up(runs, ev.columns("weight_norm")[i, rows], ev.columns("small")[i, rows])
+    runs = _merge_equal([r for r in runs if r[2] >= r[1]])
+    return _Track(rows, [tuple(r) for r in runs], unconfirmed, need=need)
+
+
+def _episodes(track: _Track, steps: np.ndarray) -> list[dict[str, Any]]:
+    return [{"status": STATUSES[code], "from": int(steps[track.rows[a]]), "to": int(steps[track.rows[b]])}
+            for code, a, b in track.runs if code not in (HEALTHY, INERT)]
+
+
+def _follow_siblings(tracks: list[_Track | None], ev: _Steps, layers: Sequence[str]) -> None:
+    """A tensor too small for a trend (a one-element bias) has an RMS of one or a few numbers, so its own onset is
+    noise: when a larger variable of its layer has a flagged chain overlapping its current one, its chain starts
+    where theirs did."""
+    small = ev.size.max(axis=0) < TREND_MIN_SIZE
+    for cols in layer_groups(layers):
+        big = [tracks[int(c)] for c in cols if not small[c] and tracks[int(c)] is not None]
+        for c in (int(c) for c in cols if small[c] and tracks[c] is not None):
+            track = tracks[c]
+            if track.code not in FLAG_CODES:
+                continue
+            a, z = track.rows[track.chain_start()], track.rows[track.runs[-1][2]]
+            starts = []
+            for other in big:
+                if other.code in FLAG_CODES:
+                    oa = other.rows[other.chain_start()]
+                    if oa <= z and a <= other.rows[other.runs[-1][2]]:
+                        starts.append(oa)
+            if starts:
+                track.chain_from = min(int(np.searchsorted(track.rows, min(starts))), len(track.rows) - 1)
+
+
+def _onset(layers: list[LayerHealth]) -> dict[str, Any] | None:
+    """The first step any layer was flagged (any episode, current or past), ties to the deepest layer."""
+    best = None
+    for lh in layers:
+        for e in lh.episodes:
+            key = (e["from"], -lh.index)
+            if best is None or key < best[0]:
+                best = (key, {"layer": lh.layer, "status": e["status"], "step": e["from"]})
+    return best[1] if best else None
+
+
+def _timeline(layers: list[LayerHealth]) -> list[dict[str, Any]]:
+    """When each status first appeared in the run, on which layer first (ties deepest), how many layers had it."""
+    first: dict[str, tuple[tuple[int, int], str]] = {}
+    count: dict[str, int] = {}
+    for lh in layers:
+        seen = set()
+        for e in lh.episodes:
+            key = (e["from"], -lh.index)
+            if e["status"] not in first or key < first[e["status"]][0]:
+                first[e["status"]] = (key, lh.layer)
+            seen.add(e["status"])
+        for st in seen:
+            count[st] = count.get(st, 0) + 1
+    items = sorted(first.items(), key=lambda kv: kv[1][0])
+    return [{"status": st, "step": key[0], "layer": layer, "layers": count[st]} for st, (key, layer) in items]
+
+
+def _nonfinite_origin(nonfinite: np.ndarray) -> tuple[int, int, int] | None:
+    """(first step row with NaN/Inf, deepest layer nonfinite there, how many layers were) or None."""
+    rows = np.flatnonzero(nonfinite.any(axis=1))
+    if rows.size == 0:
+        return None
+    r = int(rows[0])
+    bad = np.flatnonzero(nonfinite[r])
+    return r, int(bad[-1]), int(bad.size)

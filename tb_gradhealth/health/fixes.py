@@ -1,0 +1,51 @@
+"""What to do about a layer's status: short suggestions chosen from the evidence that flagged it.
+
+A chain is fixed at its cause: a layer that exploded and then died gets the explosion's fixes first. The records do
+not know a layer's activation or kind, so where the fix depends on it the suggestion names the condition ("if the
+activation saturates").
+"""
+
+from __future__ import annotations
+
+from tb_gradhealth.health.episodes import _Track
+from tb_gradhealth.health.rules import _Steps
+from tb_gradhealth.health.thresholds import DEAD, EXPLODING, INERT, MISSING, NONFINITE, VANISHING
+
+_LEARNING_RATE = ("lower the learning rate (or warm it up over the first steps); clip the gradient norm "
+                  "(clipnorm / global_clipnorm) as a guard")
+_DEPTH_GROWTH = ("the gradient grows through depth: use an initialisation that keeps it level (He for ReLU, "
+                 "Glorot for tanh), normalisation (BatchNorm/LayerNorm), or scale down residual branches")
+_VANISHING = ("if the activations saturate (sigmoid/tanh), use ReLU/GELU with He initialisation; add normalisation "
+              "or residual connections so the gradient reaches the early layers")
+_ADAPTIVE = "an adaptive optimizer (Adam) rescales small gradients; plain SGD passes them on as they are"
+_DEAD = ("an all-zero gradient behind ReLUs: a lower learning rate, LeakyReLU/GELU, or a bias initialised at or above "
+         "zero; or a path cut on purpose (stop_gradient, a zero multiplier)")
+_NONFINITE_HERE = ("NaN/Inf appears first here: check this layer's numerics (log or division of 0, sqrt of negatives, "
+                   "exp overflow); with float16, use dynamic loss scaling")
+_MISSING = "the variable is not connected to the loss: remove it or set trainable=False"
+_INERT = "the parameter is unused (e.g. a bias before BatchNormalization): use_bias=False removes it"
+
+
+def fixes(code: int, ev: _Steps, track: _Track, i: int, nan_here: bool) -> list[str]:
+    """Suggestions for a layer whose confirmed status is ``code``, cause first (its chain's first status)."""
+    if code == INERT:
+        return [_INERT]
+    if code == MISSING:
+        return [_MISSING]
+    chain = [c for c, a, _ in track.runs if a >= track.chain_start()]
+    rows = track.rows[track.chain_start():]
+    out: list[str] = []
+    for c in dict.fromkeys(chain):
+        if c == EXPLODING:
+            lr = (ev.exp_feedback[rows, i] | ev.exp_update[rows, i] | ev.exp_trend[rows, i]).any()
+            depth = ev.exp_rel[rows, i].any()
+            out += ([_LEARNING_RATE] if lr or not depth else []) + ([_DEPTH_GROWTH] if depth else [])
+        elif c == VANISHING:
+            out.append(_VANISHING)
+            if not ev.learns[rows, i].any():
+                out.append(_ADAPTIVE)
+        elif c == DEAD:
+            out.append(_DEAD)
+        elif c == NONFINITE:
+            out.append(_NONFINITE_HERE if nan_here else _LEARNING_RATE)
+    return list(dict.fromkeys(out))

@@ -1,0 +1,296 @@
+"""Reasons in plain language for each status, the notes beside them, each layer's severity and the run's first_bad."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tb_gradhealth import record
+from tb_gradhealth.health.episodes import _episodes, _Track
+from tb_gradhealth.health.fixes import fixes
+from tb_gradhealth.health.optimizer import optimizer_notes
+from tb_gradhealth.health.result import _BASE, _SPAN, LayerHealth
+from tb_gradhealth.health.rules import ROUNDOFF, _Steps
+from tb_gradhealth.health.thresholds import (
+    DEAD,
+    EXPLODING,
+    FLAG_CODES,
+    FLAGS,
+    HEALTHY,
+    INERT,
+    MISSING,
+    NONFINITE,
+    STATUSES,
+    VANISHING,
+    Thresholds,
+)
+
+
+def _layer_health(ev: _Steps, steps: np.ndarray, layers: Sequence[str], i: int, d: dict[str, np.ndarray],
+                  origin: tuple[int, int, int] | None, t: Thresholds, track: _Track | None) -> LayerHealth:
+    name = layers[i]
+    if track is None:
+        return LayerHealth(name, i, "missing", _BASE[MISSING] + 1.0,
+                           [f"no record of this layer at or before step {int(steps[-1])}"], None, None)
+    code = track.code
+    s = int(track.rows[-1])
+    last = track.runs[-1]
+    chain = track.chain_start()
+    ctx = _Ctx(ev, steps, s, i, last[2] - last[1] + 1, int(steps[track.rows[last[1]]]), t,
+               int(track.rows[last[1] - 1]) if last[1] > 0 else int(track.rows[0]))
+    reasons, excess = _reasons(code, ctx, d, i)
+    if track.unconfirmed is not None:
+        need = max(2, track.need) if track.unconfirmed[0] == DEAD else track.need
+        reasons.append(_unconfirmed_note(track.unconfirmed, ctx, min(need, t.sustain_steps)))
+    if code in (VANISHING, DEAD) and track.need < t.sustain_steps:
+        reasons.append(f"note: a short run ({len(track.rows)} logged step(s)): confirmed over {track.need} logged "
+                       f"step(s) instead of {t.sustain_steps}, so less certain; more logged steps would confirm it")
+    ever_nonfinite = ev.nonfinite[:, i]
+    if code != NONFINITE and ever_nonfinite.any():
+        reasons.append(_past_nonfinite_note(ever_nonfinite, ev.skipped[:, i], steps))
+    if origin is not None and (code == NONFINITE or (origin[1] == i and code in FLAG_CODES)):
+        reasons.append(_origin_note(origin, i, layers, steps))
+    if code in (EXPLODING, VANISHING, HEALTHY):  # a dead, NaN or missing gradient makes the ratios moot
+        reasons.extend(_ratio_notes(d, i, t))
+        reasons.extend(optimizer_notes(ev, s, i))
+    flagged = code not in (HEALTHY, INERT)
+    persistence = last[2] - chain + 1
+    severity = 0.0 if not flagged else _BASE[code] + min(_SPAN - 2.0, (1.0 + excess) * persistence)
+    if code == INERT:
+        severity = _BASE[INERT] + 1.0
+    if flagged and origin is not None and origin[1] == i and track.rows[chain] <= origin[0]:
+        # The layer where NaN/Inf started ranks first while it is flagged, whatever it turned into since (a layer
+        # whose weights became NaN often has an all-zero gradient afterwards).
+        severity = _BASE[NONFINITE] + _SPAN - 1.0
+    nan_here = origin is not None and origin[1] == i
+    return LayerHealth(
+        layer=name, index=i, status=STATUSES[code], severity=float(severity), reasons=reasons,
+        fixes=fixes(code, ev, track, i, nan_here) if code not in (HEALTHY,) else [],
+        first_step=int(steps[track.rows[chain]]) if flagged else None, step=int(steps[s]),
+        status_since=int(steps[track.rows[max(last[1], chain)]]) if flagged else None,
+        episodes=_episodes(track, steps),
+        **{k: float(d[k][i]) for k in ("norm", "rms", "max_abs", "mean", "zero_fraction", "grad_to_weight",
+                                       "update_to_weight", "noise", "weight_norm")},
+        nan=int(d["nan"][i]), inf=int(d["inf"][i]),
+    )
+
+
+def cause_first(ranked: list[LayerHealth]) -> tuple[list[LayerHealth], dict[str, Any] | None]:
+    """The ranking with the cause first, and the cause: among the layers with the most severe current status, the
+    one whose chain of episodes began first (ties to the deepest layer: backprop reaches it first). A learning rate
+    that explodes every layer at step 1 and kills their ReLUs by step 3 is told as "exploding from step 1 -> dead
+    from 3", not as "dead since 1"."""
+    if not ranked or ranked[0].status not in FLAGS:
+        return ranked, None
+    worst = ranked[0].status
+    top = min((lh for lh in ranked if lh.status == worst and lh.first_step is not None),
+              key=lambda lh: (lh.first_step, -lh.index), default=ranked[0])
+    chain = [e for e in top.episodes if top.first_step is not None and e["from"] >= top.first_step]
+    first = chain[0] if chain else {"status": top.status, "from": top.first_step}
+    story = " -> ".join(f"{e['status']} from step {e['from']}" for e in chain) or f"{top.status}"
+    cause = {"layer": top.layer, "status": first["status"], "step": first["from"], "now": top.status,
+             "since": top.status_since, "story": story, "fixes": list(top.fixes)}
+    return [top] + [lh for lh in ranked if lh is not top], cause
+
+
+def _first_bad(ranked: list[LayerHealth]) -> dict[str, Any] | None:
+    """The layer ranked first, when it is flagged, with the onset of its episode chain."""
+    top = ranked[0] if ranked else None
+    if top is None or top.status not in FLAGS:
+        return None
+    return {"layer": top.layer, "status": top.status, "step": top.first_step}
+
+
+@dataclass
+class _Ctx:
+    ev: _Steps
+    steps: np.ndarray
+    s: int  # row of the layer's last record
+    i: int  # layer
+    run_len: int
+    run_first_step: int
+    t: Thresholds
+    before_row: int = 0  # row just before the current run (its first row when it starts the layer's history)
+
+    def lasting(self) -> str:
+        n = self.run_len
+        if n <= 1:
+            return f"at step {int(self.steps[self.s])}"
+        return f"for the last {n} logged steps (since step {self.run_first_step})"
+
+    def ref_text(self) -> str:
+        ref = float(self.ev.ref[self.s])
+        return f"the layers nearest the loss ({_e(10.0 ** ref)})" if math.isfinite(ref) else "the reference"
+
+
+def _e(x: float) -> str:
+    return f"{x:.1e}"
+
+
+def _rms_text(c: _Ctx, d: dict[str, np.ndarray]) -> str:
+    """``RMS 1.0e-03``, saying when it is over the nonzero values only (a sparse gradient)."""
+    rms = float(c.ev.rms[c.s, c.i])
+    zero = float(d["zero_fraction"][c.i])
+    return f"RMS {_e(rms)}" + (f" (over its {1 - zero:.0%} nonzero values)" if zero > 0.5 else "")
+
+
+def _exploding_reasons(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], float]:
+    ev, s, i, t = c.ev, c.s, c.i, c.t
+    rms = float(ev.rms[s, i])
+    reasons, excess = [], 0.0
+    if ev.exp_rel[s, i]:
+        above = c.ev.dec(s, i)
+        reasons.append(f"{_rms_text(c, d)} is {above:.1f} decades above {c.ref_text()} {c.lasting()}: the "
+                       f"gradient grows on its way back from the loss")
+        lu, ru = float(ev.log_upd[s, i]), float(ev.ref_upd[s])
+        if math.isfinite(lu) and math.isfinite(ru):
+            reasons.append(f"it learns {lu - ru:.1f} decades faster than the layers nearest the loss (update RMS / "
+                           f"weight RMS {_e(10.0 ** lu)} against {_e(10.0 ** ru)})")
+        excess = max(excess, above - t.explode_decades)
+    if ev.exp_rms[s, i]:
+        reasons.append(f"{_rms_text(c, d)} is above the absolute bound {t.explode_rms_above:g}")
+        excess = max(excess, math.log10(rms / t.explode_rms_above))
+    if ev.exp_max[s, i]:
+        m = float(ev.max_abs[s, i])
+        reasons.append(f"max |g| {_e(m)} is above the absolute bound {t.explode_max_abs_above:g}")
+        excess = max(excess, math.log10(m / t.explode_max_abs_above))
+    if ev.exp_update[s, i]:
+        r = float(ev.upd_ratio[s, i])
+        reasons.append(f"the applied update is {r:,.3g}x the weight's norm: the weights are blowing up (learning "
+                       f"rate too high for this layer)")
+        excess = max(excess, math.log10(r / t.explode_update_ratio))
+    if ev.exp_feedback[s, i]:
+        r = 10.0 ** float(ev.log_upd[s, i])
+        reasons.append(f"each update moves the weights by {r:.2g}x their RMS and the gradient and the update have "
+                       f"both grown at every one of the last logged steps: the step feeds the next gradient (a "
+                       f"learning rate too high for this layer)")
+        excess = max(excess, math.log10(r / t.update_ratio_above))
+    if ev.exp_trend[s, i]:
+        g = float(ev.log_rms[s, i] - ev.base[s, i])
+        reasons.append(f"RMS grew {10.0 ** g:,.0f}x ({g:.1f} decades) within the last {t.growth_window} logged "
+                       f"steps, from {_e(10.0 ** float(ev.base[s, i]))} to {_e(rms)} at step {int(c.steps[s])}")
+        excess = max(excess, g - t.growth_decades)
+    if not reasons:  # the episode goes on because the weights it blew up were not brought back
+        w, w0 = float(ev.weight_norm[s, i]), float(ev.weight_norm[c.before_row, i])
+        reasons.append(f"its weight norm {_e(w)} is still {w / w0:,.0f}x what it was before this episode began at "
+                       f"step {c.run_first_step} ({_e(w0)}): the blow-up was not undone")
+        excess = math.log10(w / w0) - 1.0
+    return reasons, excess
+
+
+def _vanishing_reasons(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], float]:
+    ev, s, i, t = c.ev, c.s, c.i, c.t
+    reasons, excess = [], 0.0
+    if ev.van_rel[s, i]:
+        below = -ev.dec(s, i)
+        reasons.append(f"{_rms_text(c, d)} is {below:.1f} decades below {c.ref_text()} {c.lasting()}")
+        excess = max(excess, below - t.vanish_decades)
+    if ev.van_abs[s, i]:
+        rms = float(ev.rms[s, i])
+        reasons.append(f"{_rms_text(c, d)} is below the absolute floor {t.vanish_rms_below:g} {c.lasting()}")
+        excess = max(excess, math.log10(t.vanish_rms_below / max(rms, record.FLUSH_BELOW)))
+    lu, ru = float(ev.log_upd[s, i]), float(ev.ref_upd[s])
+    if math.isfinite(lu) and math.isfinite(ru):
+        reasons.append(f"it learns {ru - lu:.1f} decades slower than the layers nearest the loss (update RMS / "
+                       f"weight RMS {_e(10.0 ** lu)} against {_e(10.0 ** ru)})")
+    return reasons, excess
+
+
+def _inert_reason(c: _Ctx) -> str:
+    ev, s, i = c.ev, c.s, c.i
+    gap = float(ev.sibling[s, i] - ev.log_rms[s, i])
+    return (f"only round-off reaches this variable: its RMS {_e(float(ev.rms[s, i]))} is {gap:.1f} decades below "
+            f"the other variables of its layer, a gradient that is zero in exact arithmetic (e.g. a bias directly "
+            f"before BatchNormalization, which subtracts it again). Not a disease: the parameter is unused "
+            f"(use_bias=False removes it)")
+
+
+def _reasons(code: int, c: _Ctx, d: dict[str, np.ndarray], i: int) -> tuple[list[str], float]:
+    """Plain-language reasons for the status and the excess (decades beyond the threshold) for the severity."""
+    if code == NONFINITE:
+        nan, inf, size = int(d["nan"][i]), int(d["inf"][i]), int(d["size"][i])
+        frac = (nan + inf) / size if size else 1.0
+        return [f"{nan:,} NaN and {inf:,} Inf of {size:,} gradient values at step {int(c.steps[c.s])}; NaN/Inf "
+                f"{c.lasting()}"], frac
+    if code == EXPLODING:
+        return _exploding_reasons(c, d)
+    if code == VANISHING:
+        return _vanishing_reasons(c, d)
+    if code == DEAD:
+        size = int(d["size"][i])
+        return [f"all {size:,} gradient values are exactly zero {c.lasting()}: no signal reaches this variable "
+                f"(e.g. a dead ReLU, or a path cut by stop_gradient)"], 0.0
+    if code == MISSING:
+        return [f"no gradient reached this variable (None gradient) {c.lasting()}"], 0.0
+    if code == INERT:
+        return [_inert_reason(c)], 0.0
+    dec = c.ev.dec(c.s, i)
+    if c.ev.learns[c.s, i] and dec <= -c.t.vanish_decades:
+        return [f"note: {_rms_text(c, d)} is {-dec:.1f} decades below {c.ref_text()}, but its updates keep pace "
+                f"with theirs (an adaptive optimizer rescales it): it still learns"], 0.0
+    if c.ev.converged[c.s, i]:
+        return ["note: the layers nearest the loss receive only round-off (their RMS is below "
+                f"{ROUNDOFF:.1e} of the largest it has been): the model has converged, so vanishing is not judged"], 0.0
+    if c.ev.calm[c.s, i] and dec >= c.t.explode_decades:
+        return [f"note: {_rms_text(c, d)} is {dec:.1f} decades above {c.ref_text()}, but it learns at their pace "
+                f"(an adaptive optimizer rescales it; early convolutions sum over many positions)"], 0.0
+    return [], 0.0
+
+
+def _unconfirmed_note(unconfirmed: tuple[int, int], c: _Ctx, need: int) -> str:
+    code, length = unconfirmed
+    what = "vanishing-level RMS" if code == VANISHING else "all-zero gradient"
+    return (f"note: {what} at the last {length} logged step(s); flagged as {STATUSES[code]} once it lasts {need}")
+
+
+def _past_nonfinite_note(col: np.ndarray, skipped: np.ndarray, steps: np.ndarray) -> str:
+    rows = np.flatnonzero(col)
+    span = f"first at step {int(steps[rows[0]])}, last at step {int(steps[rows[-1]])}"
+    if skipped[rows].all():
+        return (f"note: NaN/Inf at {rows.size} logged step(s) that the optimizer skipped (its update was zero, as "
+                f"dynamic loss scaling does after an overflow), {span}; not a disease")
+    return f"note: NaN/Inf earlier at {rows.size} logged step(s), {span}; finite since"
+
+
+def _origin_note(origin: tuple[int, int, int], i: int, layers: Sequence[str], steps: np.ndarray) -> str:
+    r, first, count = origin
+    step = int(steps[r])
+    if i == first:
+        if count == 1:
+            return f"NaN/Inf started here: the only nonfinite layer at step {step}, the first step with NaN/Inf"
+        return (f"NaN/Inf started here: at step {step}, the first step with NaN/Inf, {count} layers were nonfinite "
+                f"and backprop computes gradients deepest layer first, so the deepest of them (this one) went "
+                f"first; the shallower ones received it (or it came from the loss above)")
+    return f"the first nonfinite layer was {layers[first]} at step {step} (deepest nonfinite layer, backprop order)"
+
+
+#: (ratio key, label, Thresholds field above, field below, why above, why below); ``{r}`` is the weight change of
+#: one SGD step at lr 1e-3 in units of the weight norm.
+_RATIO_RULES = (
+    ("update_to_weight", "update/weight", "update_ratio_above", "update_ratio_below",
+     " (rule of thumb ~1e-3, Karpathy): the learning rate is likely too high for this layer",
+     " (rule of thumb ~1e-3, Karpathy): this layer barely learns"),
+    ("grad_to_weight", "grad/weight", "grad_ratio_above", "grad_ratio_below",
+     ": even SGD at lr 1e-3 would move the weights by {r:.2g}x their norm a step",
+     ": the gradient is tiny next to the weights"),
+)
+
+
+def _ratio_notes(d: dict[str, np.ndarray], i: int, t: Thresholds) -> list[str]:
+    notes = []
+    if not float(d["weight_norm"][i]) > 0:
+        return notes
+    for key, label, above_field, below_field, why_above, why_below in _RATIO_RULES:
+        v = float(d[key][i])
+        if not math.isfinite(v):
+            continue
+        above, below = getattr(t, above_field), getattr(t, below_field)
+        if v > above:
+            notes.append(f"note: {label} {_e(v)} is above {above:g}" + why_above.format(r=v * 1e-3))
+        elif v < below:
+            notes.append(f"note: {label} {_e(v)} is below {below:g}" + why_below)
+    return notes

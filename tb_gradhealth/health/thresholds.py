@@ -1,0 +1,174 @@
+"""The status words and their codes, and :class:`Thresholds`: every knob of the diagnosis with its range and the
+reason for its default (docs/DIAGNOSIS.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Status words, most severe first: this is also the severity order. ``inert`` (a parameter that only ever receives
+#: round-off) and ``healthy`` are not flags.
+STATUSES: tuple[str, ...] = ("nonfinite", "exploding", "vanishing", "dead", "missing", "inert", "healthy")
+#: The statuses that count as a problem (counted, ranked, gate the CLI by default through ``--fail-on``).
+FLAGS: tuple[str, ...] = STATUSES[:5]
+_CODE = {name: i for i, name in enumerate(STATUSES)}
+NONFINITE, EXPLODING, VANISHING, DEAD, MISSING, INERT, HEALTHY = range(len(STATUSES))
+FLAG_CODES = frozenset(_CODE[s] for s in FLAGS)
+#: Raw code of a step whose NaN/Inf gradient the optimizer skipped (recorded update exactly zero): confirmed as
+#: ``nonfinite`` only when it lasts ``sustain_steps``, like the slow statuses.
+SKIPPED = len(STATUSES)
+_ABSENT = -1
+
+
+def _meta(default: float | int, lo: float, hi: float, step: float, description: str, log: bool = False) -> Any:
+    return field(default=default, metadata={"min": lo, "max": hi, "step": step, "log": log, "doc": description})
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Every knob of the diagnosis, with defaults justified in docs/DIAGNOSIS.md.
+
+    Relative rules (decades from the median layer at the same step) are the default because raw gradient scale
+    depends on loss reduction, batch size and loss scaling; the absolute backstops catch a network that is
+    uniformly huge or tiny, where every layer sits near the median.
+    """
+
+    vanish_decades: float = _meta(
+        3.0, 0.5, 30.0, 0.5, "Vanishing: RMS at least this many decades (powers of ten) below the reference (the "
+        "median RMS of the layers nearest the loss) at the same step.")
+    explode_decades: float = _meta(
+        3.0, 0.5, 30.0, 0.5, "Exploding: RMS at least this many decades above the reference (the median RMS of "
+        "the layers nearest the loss) at the same step.")
+    update_decades: float = _meta(
+        3.0, 0.0, 30.0, 0.5, "Where updates are recorded, a gradient far below (above) the reference is vanishing "
+        "(exploding) only if the layer also learns that much slower (faster): its update RMS relative to its "
+        "layer's weights at least this many decades from the reference layers' (an adaptive optimizer such as "
+        "Adam rescales gradients of any size; 0 ignores updates).")
+    inert_decades: float = _meta(
+        4.0, 1.0, 30.0, 0.5, "Inert: a variable whose gradient RMS is at least this many decades below the other "
+        "variables of its layer (same name prefix) and below the vanishing line gets only round-off, e.g. a bias "
+        "directly before BatchNormalization (not a disease; the fix is use_bias=False).")
+    explode_update_ratio: float = _meta(
+        10.0, 1e-3, 1e38, 1.0, "Exploding: the applied update is more than this multiple of the weight's norm "
+        "(the weights are blowing up: the learning rate is too high), where updates are recorded.", log=True)
+    vanish_rms_below: float = _meta(
+        1e-8, 0.0, 1.0, 1e-9, "Vanishing backstop: RMS below this absolute value (0 turns it off). A decade below "
+        "Adam's epsilon (1e-7 in Keras), where Adam stops rescaling and updates shrink with the gradient.", log=True)
+    explode_rms_above: float = _meta(
+        1e19, 1e-30, 1e38, 1.0, "Exploding backstop: RMS above this absolute value. The default is where float32 "
+        "arithmetic breaks: the square of the value overflows (3.4e38), so a norm or sum of squares computed in "
+        "float32 (clipping, Adam's second moment) is Inf. Any lower absolute bound depends on the loss's scale "
+        "(its reduction, the targets' units, loss scaling).", log=True)
+    explode_max_abs_above: float = _meta(
+        1e19, 1e-30, 1e38, 1.0, "Exploding backstop: max |g| above this absolute value (default: where its float32 "
+        "square overflows; 6.5e4 is float16's own overflow, for float16 gradients).", log=True)
+    growth_decades: float = _meta(
+        2.0, 0.1, 30.0, 0.1, "Exploding by trend: RMS grew by at least this many decades above its lowest value of "
+        "the previous growth_window logged steps, and half as many above their mean (catches a divergence "
+        "before it reaches NaN; a one-step dip and recovery is not a trend).")
+    growth_window: int = _meta(
+        10, 2, 100000, 1, "Exploding by trend: the window, in logged steps, the growth is measured over.")
+    sustain_steps: int = _meta(
+        5, 1, 100000, 1, "Vanishing, dead and optimizer-skipped NaN/Inf steps must hold for this many consecutive "
+        "logged steps (not when they follow another flag): one quiet step is not a disease.")
+    update_ratio_above: float = _meta(
+        1e-1, 1e-30, 1e38, 1e-3, "Note when ||update||/||weight|| is above this (rule of thumb ~1e-3, Karpathy): the "
+        "learning rate is likely too high for the layer.", log=True)
+    update_ratio_below: float = _meta(
+        1e-5, 0.0, 1.0, 1e-6, "Note when ||update||/||weight|| is below this (rule of thumb ~1e-3): the layer "
+        "barely learns (0 turns it off).", log=True)
+    grad_ratio_above: float = _meta(
+        1e2, 1e-30, 1e38, 1.0, "Note when ||grad||/||weight|| is above this: even SGD at lr 1e-3 would change the "
+        "weights by 10% a step.", log=True)
+    grad_ratio_below: float = _meta(
+        1e-6, 0.0, 1.0, 1e-7, "Note when ||grad||/||weight|| is below this: even SGD at lr 1 would change the "
+        "weights by less than 1e-6 a step (0 turns it off).", log=True)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            _check_value(f, value)
+            object.__setattr__(self, f.name, int(value) if _is_int_field(f) else float(value))
+
+    @classmethod
+    def from_mapping(cls, params: Mapping[str, Any]) -> Thresholds:
+        """Thresholds from string (HTTP query, CLI) or numeric values; defaults for keys not given.
+
+        An unknown key or a value that does not parse or lies outside the field's range raises ValueError naming
+        the key and the value, so a caller can answer 400 / exit 2 with that message.
+        """
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for key, raw in params.items():
+            if key not in fields:
+                raise ThresholdError(key, f"unknown threshold {key!r}: known thresholds are {', '.join(fields)}")
+            try:
+                values[key] = _parse(fields[key], raw)
+            except ValueError as e:
+                raise ThresholdError(key, str(e)) from None
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, float | int]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def spec(cls) -> list[dict[str, Any]]:
+        """One entry per field for UI controls and CLI flags: name, default, description, min, max, step.
+
+        ``log`` (extra key) is true for absolute magnitudes best edited on a log scale; ``type`` is "int" or
+        "float".
+        """
+        out = []
+        for f in dataclasses.fields(cls):
+            m = f.metadata
+            out.append({
+                "name": f.name,
+                "default": f.default,
+                "description": m["doc"],
+                "min": m["min"],
+                "max": m["max"],
+                "step": m["step"],
+                "log": m["log"],
+                "type": "int" if f.type in (int, "int") else "float",
+            })
+        return out
+
+
+class ThresholdError(ValueError):
+    """A threshold that is unknown or whose value is not acceptable; :attr:`key` names it (the message says why)."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+def _is_int_field(f: dataclasses.Field) -> bool:
+    return f.type in (int, "int")
+
+
+def _check_value(f: dataclasses.Field, value: Any) -> None:
+    lo, hi = f.metadata["min"], f.metadata["max"]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"threshold {f.name!r} must be a number, got {value!r}")
+    if _is_int_field(f) and value != int(value):
+        raise ValueError(f"threshold {f.name!r} must be an integer, got {value!r}")
+    if not math.isfinite(value) or not lo <= value <= hi:
+        raise ValueError(f"threshold {f.name!r} must be between {lo:g} and {hi:g}, got {value!r}")
+
+
+def _parse(f: dataclasses.Field, raw: Any) -> float | int:
+    if isinstance(raw, bool):
+        raise ValueError(f"threshold {f.name!r} must be a number, got {raw!r}")
+    try:
+        value = float(raw.strip()) if isinstance(raw, str) else float(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"threshold {f.name!r} must be a number, got {raw!r}") from None
+    if _is_int_field(f):
+        if not math.isfinite(value) or value != int(value):
+            raise ValueError(f"threshold {f.name!r} must be an integer, got {raw!r}")
+        value = int(value)
+    _check_value(f, value)
+    return value

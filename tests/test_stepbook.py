@@ -1,0 +1,93 @@
+"""The Keras callback's step bookkeeping, without TensorFlow: a fit is simulated as Keras drives its callbacks
+(``on_epoch_begin``, then per train-function call ``on_train_batch_begin(first batch)`` and
+``on_train_batch_end(last batch)``), and the calls the book sends to the capturing step are compared with the
+calls that contain a logged step, found by enumerating the optimizer steps of each call."""
+
+from __future__ import annotations
+
+import pytest
+
+from tb_gradhealth._stepbook import MAX_BUFFER_BYTES, MAX_CALLS_PER_READ, StepBook, ring_plan
+
+pytestmark = pytest.mark.unit
+
+
+def simulate(book: StepBook, epochs: int, epoch_steps: int, spe: int, start: int = 0):
+    """``(calls, modes, reads)``: the optimizer steps of each call (1-based, continuing from ``start``), the mode
+    the book chose for it, and after which calls it asked to read the ring buffer."""
+    calls, modes, reads, step = [], [], [], start
+    for _ in range(epochs):
+        book.epoch_begin(step)
+        for first in range(0, epoch_steps, spe):
+            last = min(first + spe, epoch_steps) - 1
+            book.batch_begin(first)
+            modes.append(book.next_mode())
+            calls.append(list(range(step + 1, step + last - first + 2)))
+            step += last - first + 1
+            _, read = book.batch_end(last)
+            if read:
+                reads.append(len(calls) - 1)
+                book.take_pending()
+    return calls, modes, reads
+
+
+@pytest.mark.parametrize(("period", "spe", "epoch_steps", "start"),
+                         [(1, 1, 7, 0), (3, 1, 10, 0), (5, 4, 13, 0), (10, 3, 7, 0), (4, 8, 20, 0), (3, 1, 10, 7),
+                          (100, 1, 250, 0), (2, 5, 11, 123)])
+def test_captures_exactly_the_calls_that_hold_a_logged_step(period, spe, epoch_steps, start):
+    book = StepBook(period, spe, epoch_steps, calls_per_read=1, host_step=start)
+    calls, modes, _ = simulate(book, 3, epoch_steps, spe, start)
+    logs = [any(s % period == 0 for s in steps) for steps in calls]
+    want = ["capture" if (i == 0 or log) else "plain" for i, log in enumerate(logs)]
+    assert modes == want
+
+
+@pytest.mark.parametrize(("spe", "epoch_steps"), [(1, 6), (4, 10), (3, 9), (5, 3)])
+def test_epoch_mode_captures_the_call_with_the_epoch_s_last_step(spe, epoch_steps):
+    book = StepBook(0, spe, epoch_steps, calls_per_read=1, host_step=0)
+    calls, modes, reads = simulate(book, 3, epoch_steps, spe)
+    last_steps = {epoch_steps * (e + 1) for e in range(3)}
+    want = ["capture" if (i == 0 or last_steps & set(steps)) else "plain" for i, steps in enumerate(calls)]
+    assert modes == want
+    assert reads == []  # epoch mode reads at the epoch's end, not after calls
+
+
+def test_epoch_mode_with_an_unknown_length_records_the_first_step_of_each_epoch():
+    book = StepBook(0, 1, None, calls_per_read=1, host_step=0)
+    modes = []
+    for epoch in range(3):
+        assert book.epoch_begin(epoch * 5) == 1  # the device records the next step
+        for batch in range(5):
+            assert book.batch_begin(batch) is None
+            modes.append(book.next_mode())
+            book.batch_end(batch)
+    assert modes == (["capture"] + ["plain"] * 4) * 3
+
+
+def test_a_resumed_fit_continues_the_count_from_the_device():
+    book = StepBook(4, 1, 6, calls_per_read=1, host_step=10)  # a second fit: the optimizer is at step 10
+    calls, modes, _ = simulate(book, 1, 6, 1, start=10)
+    assert [steps for steps, m in zip(calls, modes, strict=True) if m == "capture"] == [[11], [12], [16]]
+
+
+def test_reads_are_batched_over_calls_and_a_lag_is_noticed():
+    book = StepBook(1, 1, 40, calls_per_read=4, host_step=0)
+    _, _, reads = simulate(book, 1, 40, 1)
+    assert reads == [3, 7, 11, 15, 19, 23, 27, 31, 35, 39]
+    assert StepBook.lags(read=3, pending=4) and not StepBook.lags(read=4, pending=4)
+
+
+def test_inert_and_failed_books_never_capture():
+    book = StepBook(1, 1, 5, calls_per_read=1, host_step=0)
+    assert book.next_mode(inert=True) == "plain"
+    book.capture_failed = True
+    assert book.next_mode() == "plain"
+
+
+def test_ring_plan():
+    assert ring_plan("epoch", 4, 1000, False) == (0, 5, 1)
+    period, slots, per_read = ring_plan(1, 1, 1000, False)
+    assert (period, per_read) == (1, MAX_CALLS_PER_READ) and slots == per_read + 2
+    assert ring_plan(1, 1, 1000, True)[2] == 1  # stop_on reads after every call
+    assert ring_plan(1, 1, MAX_BUFFER_BYTES // 2, False)[2] == 2  # large records: fewer calls per read
+    assert ring_plan(10, 3, 1000, False) == (10, 3, 1)  # a call logs at most once; reads follow each capture
