@@ -28,6 +28,7 @@ import numpy as np
 from jax import lax
 
 from tb_gradhealth import devicestats, record
+from tb_gradhealth.failsafe import Failsafe
 from tb_gradhealth.writer import Writer
 
 __all__ = ["RecordingState", "add_records", "compute", "keras_callback", "layer_names", "merge", "recording",
@@ -253,11 +254,14 @@ def keras_callback(writer: Writer, key: str = "gradhealth", *, every: int = 1, n
         def __init__(self) -> None:
             super().__init__()
             self.step = 0
+            #: what failed on the host costs a warning and a count, never the training
+            self.failsafe = Failsafe()
 
         def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
             if logs and key in logs and self.step % every == 0:
                 names = [v.path for v in self.model.trainable_variables]
-                add_records(writer, self.step, names, logs[key], name=name)
+                self.failsafe.run("writing a gradient-health record", add_records, writer, self.step, names,
+                                  logs[key], name=name, records=1)
             self.step += 1
 
     return GradHealthLogs()

@@ -16,6 +16,7 @@ import lightning.pytorch as pl
 
 from tb_gradhealth import record
 from tb_gradhealth import torch as tgh
+from tb_gradhealth.failsafe import Failsafe
 from tb_gradhealth.writer import Writer
 
 __all__ = ["GradHealth"]
@@ -38,6 +39,8 @@ class GradHealth(pl.Callback):
         self.writer: Writer | None = None
         self._pending: Any = None
         self._step = 0
+        #: what failed on the host costs a warning and a count, never the training (:mod:`tb_gradhealth.failsafe`)
+        self.failsafe = Failsafe()
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if trainer.is_global_zero and self.writer is None:
@@ -50,7 +53,9 @@ class GradHealth(pl.Callback):
             return
         params = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
         self._step = step
-        self._pending = (params, tgh.before_step(params, step, self.hist_sample, self.updates))
+        pending = self.failsafe.run("computing the gradient-health record", tgh.before_step, params, step,
+                                    self.hist_sample, self.updates, records=1)
+        self._pending = None if pending is None else (params, pending)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -58,9 +63,11 @@ class GradHealth(pl.Callback):
             return
         params, pending = self._pending
         self._pending = None
-        rows = tgh.after_step(pending, params, self.sharded)
+        rows = self.failsafe.run("finishing the gradient-health record", tgh.after_step, pending, params, self.sharded,
+                                 records=1)
         if rows is not None and self.writer is not None:
-            self.writer.add_records(self._step, [n for n, _ in params], rows, name=self.name)
+            self.failsafe.run("writing a gradient-health record", self.writer.add_records, self._step,
+                              [n for n, _ in params], rows, name=self.name, records=1)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.writer is not None:

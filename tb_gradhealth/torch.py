@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from tb_gradhealth import devicestats, record
+from tb_gradhealth.failsafe import Failsafe
 from tb_gradhealth.writer import Writer
 
 __all__ = [
@@ -408,6 +409,14 @@ class StepRecorder:
         self.every = every if every is not None else (1 if origin is not None else 100)
         self.first, self.updates = first, updates
         self.sharded, self.group, self.name = sharded, group, name
+        self._failsafe = Failsafe()
+
+    @property
+    def dropped_records(self) -> int:
+        """Logged steps whose records were not written (the logdir could not be written for longer than the
+        writer's queue holds, or the recording failed: each failure is logged once; training went on)."""
+        writer = self.writer.dropped_records if self.writer is not None else 0
+        return writer + self._failsafe.dropped_records
 
     def _optimizer_step(self) -> bool:
         if self.scaler is None:
@@ -434,18 +443,25 @@ class StepRecorder:
             return self._optimizer_step()
         scale = self.scaler.get_scale() if self.scaler is not None else None
         hs = self.writer.hist_sample if self.writer is not None else record.DEFAULT_HIST_SAMPLE
-        pending = before_step(self.params, step, hs, self.updates)
+        safe = self._failsafe  # the optimizer step runs whatever the recording does
+        pending = safe.run("computing the gradient-health record", before_step, self.params, step, hs, self.updates,
+                           records=1)
         applied = self._optimizer_step()
-        grads = after_step(pending, self.params, self.sharded, self.group)
+        if pending is None:
+            return applied
+        grads = safe.run("finishing the gradient-health record", after_step, pending, self.params, self.sharded,
+                         self.group, records=1)
         if grads is None:
             return applied
         before = pending[1]
         if self.origin is not None and self.scaler is None:  # where the first NaN/Inf was made (torch_origin)
-            found = self.origin.after_step(step, grads, self.params, before, batch,
-                                           self.writer.logdir if self.writer is not None else None)
+            found = safe.run("finding where the NaN/Inf was made", self.origin.after_step, step, grads, self.params,
+                             before, batch, self.writer.logdir if self.writer is not None else None)
             applied = applied and (found is None or before is None)  # the update was undone
         if self.writer is not None:
-            self.writer.add_records(step, [n for n, _ in self.params], grads, name=self.name)
+            safe.run("writing a gradient-health record", self.writer.add_records, step,
+                     [n for n, _ in self.params], grads, name=self.name, records=1)
             if scale is not None:
-                self.writer.add_scalars(step, {"amp/loss_scale": scale, "amp/step_skipped": float(not applied)})
+                safe.run("writing the loss scale", self.writer.add_scalars, step,
+                         {"amp/loss_scale": scale, "amp/step_skipped": float(not applied)})
         return applied

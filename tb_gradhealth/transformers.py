@@ -17,6 +17,7 @@ from transformers import TrainerCallback
 
 from tb_gradhealth import record
 from tb_gradhealth import torch as tgh
+from tb_gradhealth.failsafe import Failsafe
 from tb_gradhealth.writer import Writer
 
 __all__ = ["GradHealthCallback"]
@@ -37,6 +38,8 @@ class GradHealthCallback(TrainerCallback):
         self.hist_sample, self.updates, self.name = hist_sample, updates, name
         self.writer: Writer | None = None
         self._pending: Any = None
+        #: what failed on the host costs a warning and a count, never the training (:mod:`tb_gradhealth.failsafe`)
+        self.failsafe = Failsafe()
 
     def _params(self, model: Any) -> list:
         return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -52,17 +55,21 @@ class GradHealthCallback(TrainerCallback):
         if self.writer is None or not (step < self.first or step % self.every == 0):
             return
         params = self._params(kwargs["model"])
-        self._pending = (step, params, tgh.before_step(params, step, self.hist_sample, self.updates))
+        pending = self.failsafe.run("computing the gradient-health record", tgh.before_step, params, step,
+                                    self.hist_sample, self.updates, records=1)
+        self._pending = None if pending is None else (step, params, pending)
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._pending is None or self.writer is None:
             return
         step, params, pending = self._pending
         self._pending = None
-        rows = tgh.after_step(pending, params)
+        rows = self.failsafe.run("finishing the gradient-health record", tgh.after_step, pending, params, records=1)
         if rows is not None:
-            self.writer.add_records(step, [n for n, _ in params], rows, name=self.name)
-            self.writer.add_scalars(step, {"clip/max_grad_norm": float(args.max_grad_norm or 0.0)})
+            self.failsafe.run("writing a gradient-health record", self.writer.add_records, step,
+                              [n for n, _ in params], rows, name=self.name, records=1)
+            self.failsafe.run("writing max_grad_norm", self.writer.add_scalars, step,
+                              {"clip/max_grad_norm": float(args.max_grad_norm or 0.0)})
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.writer is not None:

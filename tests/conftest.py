@@ -38,6 +38,20 @@ def _tensorflow_imports(request: pytest.FixtureRequest) -> None:
         names[name] = getattr(loaded, attribute) if attribute else loaded
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Where torch tests may run beside TensorFlow ones, torch's compiler stack is imported first: the newest torch
+    crashes when ``torch._dynamo`` is imported after TensorFlow, not before (a PyTorch user's process has no
+    TensorFlow; this keeps the suite's mixed process alive). Not for ``-m unit`` and the like, which import
+    neither."""
+    expr = config.option.markexpr or ""
+    if expr and "torch" not in expr:
+        return
+    try:
+        importlib.import_module("torch._dynamo")
+    except ImportError:
+        pass
+
+
 def pytest_collection_modifyitems(config, items):
     untiered = [item.nodeid for item in items if not any(item.get_closest_marker(t) for t in TIERS)]
     if untiered:
