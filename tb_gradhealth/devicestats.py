@@ -177,19 +177,31 @@ def _norm_scaled(be: Backend, x: Any) -> Any:
     return be.f32(xp.stack([m, _sums(be, af, m)[0]]))
 
 
+#: The fields of :func:`grad_stats`' (and :func:`empty_values`') vector before its histogram bins, in order.
+GRAD_FIELDS = ("min", "max", "mean", "ssq_rel", "hist_sample")
+#: :func:`record.value_defaults`, read once: constants to the tracers of ``torch.compile`` and ``jax.jit``.
+_DEFAULTS = record.value_defaults()
+
+
 def empty_values(be: Backend, like: Any) -> Any:
-    """``[min, max, mean, ssq_rel, hist_sample, *hist]`` of a layer with no values (the missing or empty record)."""
-    head = np.array([np.inf, -np.inf, 0.0, 0.0, 0.0], np.float32)
+    """:data:`GRAD_FIELDS` and the histogram of a layer with no values (the missing or empty record)."""
+    head = np.array([_DEFAULTS[name] for name in GRAD_FIELDS], np.float32)
     return be.const(np.concatenate([head, np.zeros(record.HIST_BINS, np.float32)]), like)
 
 
 def assemble(be: Backend, grad: Any, weight: Any, update: Any, missing: bool) -> Any:
-    """One layer's values ``[12 + HIST_BINS]`` in :data:`record.VALUE_FIELDS` order from :func:`grad_stats`'s
-    (or :func:`empty_values`') vector and the optional :func:`norm_stats` of the weight and the update."""
-    nan = be.const(np.full(2, np.nan, np.float32), grad)
-    opt = [weight if weight is not None else nan, update if update is not None else nan, nan]
-    flag = be.const(np.array([float(missing)], np.float32), grad)
-    return be.xp.concatenate([grad[:4], *opt, flag, grad[4:]])
+    """One layer's values ``[NUM_VALUES + HIST_BINS]``, stacked by name in :data:`record.VALUE_FIELDS` order, from
+    :func:`grad_stats`' (or :func:`empty_values`') vector and the optional :func:`norm_stats` of the weight and the
+    update; a field none of them gives takes :func:`record.value_defaults`' value."""
+    k = len(GRAD_FIELDS)
+    fields = {name: grad[i] for i, name in enumerate(GRAD_FIELDS)}
+    for prefix, norms in (("weight", weight), ("update", update)):
+        if norms is not None:
+            fields[f"{prefix}_max_abs"], fields[f"{prefix}_ssq_rel"] = norms[0], norms[1]
+    defaults = {**_DEFAULTS, "missing": float(missing)}
+    head = [fields[name] if name in fields else be.const(np.array(defaults[name], np.float32), grad)
+            for name in record.VALUE_FIELDS]
+    return be.xp.concatenate([be.xp.stack(head), grad[k:]])
 
 
 def merge(

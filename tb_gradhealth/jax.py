@@ -1,8 +1,8 @@
 """JAX writer: gradient-health records as a pure, ``jax.jit``-able function of a gradient pytree.
 
-* :func:`compute` maps a gradient pytree (from ``jax.grad``, optax, flax, ...) to the packed records
+* :func:`compute` maps a gradient pytree (from ``jax.grad``, optax, flax, ...) to the stacked records
   ``[L, NUM_FIELDS]`` float32 (the 5 counts as int32 bit patterns, then the value fields and the 77 histogram
-  bins: 376 bytes a layer), rows named by :func:`layer_names` from the pytree paths (``params/dense/kernel``).
+  bins, one float32 row a layer), rows named by :func:`layer_names` from the pytree paths (``params/dense/kernel``).
   It is pure: call it inside your jitted step and return the record; only the record leaves the device.
 * Sharded gradients: under ``jax.jit`` with sharded inputs (``NamedSharding``) the reductions run where the shards
   live and XLA combines them, so the record is the full gradient's. Inside ``shard_map``, pass the mesh axis:
@@ -106,7 +106,7 @@ def _sampler(x: jax.Array, hist_sample: int, layer: int, seed: Any) -> Callable[
         h = probes[0] ^ (probes[1] * jnp.uint32(31)) ^ (probes[2] * jnp.uint32(131) + probes[3])
     else:
         h = jnp.asarray(seed).astype(jnp.uint32) * jnp.uint32(0x9E3779B9)
-    offset = _mix(h + jnp.uint32((layer * 7919 + 1) & 0xFFFFFFFF)) % jnp.uint32(n)
+    offset = _mix(h + jnp.uint32(record.sample_salt(layer) & 0xFFFFFFFF)) % jnp.uint32(n)
     pos = (base + offset) % jnp.uint32(n)
     return lambda v: v[pos.astype(jnp.int32)]
 
@@ -151,31 +151,31 @@ def compute(grads: Any, weights: Any = None, updates: Any = None, *, hist_sample
     c, v = jnp.stack(counts), jnp.stack(values)
     if axis_name is not None:
         return merge(c, v, axis_name)
-    return _pack(c, v)
+    return _stack(c, v)
 
 
-def _pack(counts: jax.Array, values: jax.Array) -> jax.Array:
+def _stack(counts: jax.Array, values: jax.Array) -> jax.Array:
     return jnp.concatenate([lax.bitcast_convert_type(counts.astype(jnp.int32), jnp.float32),
                             values.astype(jnp.float32)], axis=1)
 
 
 def merge(counts: jax.Array, values: jax.Array, axis_name: Any) -> jax.Array:
     """Merge the shards' records over the mapped axis ``axis_name`` (``lax.pmax`` then ``lax.psum``; counts in
-    int32, exact) into the full tensors' packed records, on every shard."""
+    int32, exact) into the full tensors' stacked records, on every shard."""
     c, v = devicestats.merge(_BE, counts, values, lambda t: lax.pmax(t, axis_name), lambda t: lax.psum(t, axis_name),
                              all_sum_counts=lambda t: lax.psum(t, axis_name))
-    return _pack(c, v)
+    return _stack(c, v)
 
 
-def to_memory(packed: Any) -> np.ndarray:
+def to_memory(stacked: Any) -> np.ndarray:
     """Packed records (device or host) -> memory-form rows ``[L, NUM_FIELDS]`` float64: the one host copy."""
-    p = np.ascontiguousarray(jax.device_get(packed), dtype=np.float32)
+    p = np.ascontiguousarray(jax.device_get(stacked), dtype=np.float32)
     return record.from_device(p[:, : record.NUM_COUNTS].copy().view(np.int32), p[:, record.NUM_COUNTS :])
 
 
-def add_records(writer: Writer, step: int, names: list[str], packed: Any, *, name: str = "gradients") -> str:
-    """Copy packed records (e.g. returned by a jitted step) to the host and write them. Returns the tag."""
-    return writer.add_records(step, names, to_memory(packed), name=name)
+def add_records(writer: Writer, step: int, names: list[str], stacked: Any, *, name: str = "gradients") -> str:
+    """Copy stacked records (e.g. returned by a jitted step) to the host and write them. Returns the tag."""
+    return writer.add_records(step, names, to_memory(stacked), name=name)
 
 
 # --- optax-style wrapper --------------------------------------------------------------------------------------
@@ -241,7 +241,7 @@ def write_state(writer: Writer, state: RecordingState, names: list[str], *, name
 
 
 def keras_callback(writer: Writer, key: str = "gradhealth", *, every: int = 1, name: str = "gradients") -> Any:
-    """A Keras 3 callback (JAX backend) that writes the packed record a custom ``train_step`` puts in its logs.
+    """A Keras 3 callback (JAX backend) that writes the stacked record a custom ``train_step`` puts in its logs.
 
     Keras' own callback cannot see the gradients on the JAX backend (``fit`` computes them inside its jitted
     ``train_step``), so the step computes the record itself: ``logs[key] = tb_gradhealth.jax.compute(grads,

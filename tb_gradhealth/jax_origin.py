@@ -6,8 +6,8 @@ updated ones) with the step's record and batch to :meth:`OriginFinder.check`::
 
     finder = OriginFinder(loss_fn, "logs/run1")   # loss_fn(params, *batch) -> scalar loss
     for i, (x, y) in enumerate(batches, 1):
-        new_params, packed = step(params, x, y)    # packed: tb_gradhealth.jax.compute(grads, ...)
-        rows = tb_gradhealth.jax.to_memory(packed)
+        new_params, stacked = step(params, x, y)    # stacked: tb_gradhealth.jax.compute(grads, ...)
+        rows = tb_gradhealth.jax.to_memory(stacked)
         if finder.check(i, rows, params, x, y) is not None:
             break                                  # finder.origin.message()
         params = new_params

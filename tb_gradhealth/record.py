@@ -37,6 +37,7 @@ Three encodings share these fields:
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -97,6 +98,18 @@ def empty(shape: tuple[int, ...] = ()) -> np.ndarray:
                  "noise_ssq_rel"):
         rec[..., INDEX[name]] = np.nan
     return rec
+
+
+class Delta(NamedTuple):
+    """An update given as the weight ``before`` and ``after`` the optimizer step: every writer records
+    ``before - after``. Any array type (TF, torch, JAX, numpy); one definition for all of them.
+
+    Why not pass the difference: the device paths fuse the subtraction into the update's own reduction (which reads
+    ``before`` and ``after``), so the difference is never written to memory and read back (docs/KERAS.md, *Cost*).
+    """
+
+    before: Any
+    after: Any
 
 
 def value_defaults() -> dict[str, float]:

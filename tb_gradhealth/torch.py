@@ -2,9 +2,10 @@
 without TensorFlow.
 
 * :func:`compute` reduces every layer's gradient (and optionally its weight and applied update) with torch ops on
-  the tensor's own device and stacks the records into one small float32 tensor ``[L, NUM_FIELDS]`` (the *packed*
-  form: the 5 counts as int32 bit patterns, then the value fields and the 77 histogram bins, 376 bytes a layer).
-  No gradient is copied to the host; :func:`to_memory` copies only the packed tensor.
+  the tensor's own device and stacks the records into one small float32 tensor ``[L, NUM_FIELDS]`` (the *stacked*
+  record: the 5 counts as int32 bit patterns, then the value fields and the histogram bins, one float32 row a
+  layer).
+  No gradient is copied to the host; :func:`to_memory` copies only the stacked tensor.
 * Traced, it has no data-dependent Python control flow (its two choices per layer, the one-pass or scaled
   statistics and the sampled or exact histogram, are ``torch.cond``), so it runs under ``torch.compile`` inside a
   compiled training step, and ``compile=True`` compiles it on its own; eagerly, those choices are Python branches
@@ -29,13 +30,14 @@ of them in the sample).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 
 from tb_gradhealth import devicestats, record
 from tb_gradhealth.failsafe import Failsafe
+from tb_gradhealth.record import Delta
 from tb_gradhealth.writer import Writer
 
 __all__ = [
@@ -53,13 +55,6 @@ __all__ = [
 
 _VI = {name: record.NUM_COUNTS + i for i, name in enumerate(record.VALUE_FIELDS)}
 _EDGES: dict[torch.device, torch.Tensor] = {}
-
-
-class Delta(NamedTuple):
-    """An update given as the weight ``before`` and ``after`` the optimizer step: recorded as ``before - after``."""
-
-    before: torch.Tensor
-    after: torch.Tensor
 
 
 # --- inputs -------------------------------------------------------------------------------------------------
@@ -115,7 +110,7 @@ def _data_offset(x: torch.Tensor, layer: int) -> torch.Tensor:
     """A sampling offset from the data (four probes' float32 bits, mixed with the layer index): no host input."""
     n = x.numel()
     probes = x[torch.tensor([0, n // 3, n // 2, n - 1], device=x.device)].float().view(torch.int32).long()
-    mix = probes[0] ^ (probes[1] * 31) ^ (probes[2] * 131 + probes[3]) ^ (layer * 7919 + 1)
+    mix = probes[0] ^ (probes[1] * 31) ^ (probes[2] * 131 + probes[3]) ^ record.sample_salt(layer)
     return mix & 0x7FFFFFFFFFFF
 
 
@@ -204,13 +199,13 @@ def _flat_size(g: torch.Tensor) -> int:
     return g.numel() if not g.is_sparse else g._nnz() * int(np.prod(g.shape[g.sparse_dim():], dtype=np.int64))
 
 
-def _pack(counts: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``[L, 5]`` int counts and ``[L, 89]`` float32 values -> the packed ``[L, 94]`` float32 tensor."""
+def _stack(counts: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``[L, 5]`` int counts and ``[L, 89]`` float32 values -> the stacked ``[L, 94]`` float32 tensor."""
     return torch.cat([counts.to(torch.int32).view(torch.float32), values.float()], dim=1)
 
 
-def _unpack(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return packed[:, : record.NUM_COUNTS].contiguous().view(torch.int32).long(), packed[:, record.NUM_COUNTS :]
+def _unstack(stacked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return stacked[:, : record.NUM_COUNTS].contiguous().view(torch.int32).long(), stacked[:, record.NUM_COUNTS :]
 
 
 def _compute_impl(
@@ -222,7 +217,7 @@ def _compute_impl(
         rows.append(_layer(g, w, u, size, hist_sample, i, None if offsets is None else offsets[i]))
     if not rows:
         return torch.zeros((0, record.NUM_FIELDS), dtype=torch.float32)
-    return _pack(torch.stack([c for c, _ in rows]), torch.stack([v for _, v in rows]))
+    return _stack(torch.stack([c for c, _ in rows]), torch.stack([v for _, v in rows]))
 
 
 _compiled: Any = None
@@ -237,7 +232,7 @@ def compute(
     seed: int | None = None,
     compile: bool = False,
 ) -> torch.Tensor:
-    """The packed records ``[L, NUM_FIELDS]`` float32, on the gradients' device, rows in :func:`layer_names` order.
+    """The stacked records ``[L, NUM_FIELDS]`` float32, on the gradients' device, rows in :func:`layer_names` order.
 
     ``grads``: a module, ``named_parameters()`` pairs, or ``{name: grad}`` (``None`` = missing, sparse COO and
     DTensor shards accepted). ``weights``: ``True`` (the parameters, with a module or pairs) or ``{name: tensor}``;
@@ -274,8 +269,8 @@ def _size(g: Any, w: Any) -> int:
 # --- merging shards and copying to the host -----------------------------------------------------------------
 
 
-def merge(packed: torch.Tensor, group: Any = None) -> torch.Tensor:
-    """Merge every rank's packed records of its shards into the records of the full tensors (on every rank).
+def merge(stacked: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Merge every rank's stacked records of its shards into the records of the full tensors (on every rank).
 
     Two collectives over ``group``: ``all_reduce(MAX)`` of max, -min and the max|.| of gradient, weight and update;
     then, with each relative sum of squares rescaled to the global max|.|, ``all_reduce(SUM)`` of the counts,
@@ -291,14 +286,14 @@ def merge(packed: torch.Tensor, group: Any = None) -> torch.Tensor:
 
         return run
 
-    counts, v = _unpack(packed)
+    counts, v = _unstack(stacked)
     c, values = devicestats.merge(_BE, counts, v.double(), reduce(dist.ReduceOp.MAX), reduce(dist.ReduceOp.SUM))
-    return _pack(c.long(), values)
+    return _stack(c.long(), values)
 
 
-def to_memory(packed: torch.Tensor | np.ndarray) -> np.ndarray:
+def to_memory(stacked: torch.Tensor | np.ndarray) -> np.ndarray:
     """Packed records -> memory-form rows ``[L, NUM_FIELDS]`` float64 on the host (the only host copy)."""
-    p = packed.detach().cpu().numpy() if isinstance(packed, torch.Tensor) else np.asarray(packed)
+    p = stacked.detach().cpu().numpy() if isinstance(stacked, torch.Tensor) else np.asarray(stacked)
     p = np.ascontiguousarray(p, dtype=np.float32)
     return record.from_device(p[:, : record.NUM_COUNTS].copy().view(np.int32), p[:, record.NUM_COUNTS :])
 
@@ -335,12 +330,12 @@ def add_gradients(
         return None
     hs = (writer.hist_sample if writer is not None else record.DEFAULT_HIST_SAMPLE) if hist_sample is None \
         else hist_sample
-    packed = compute(grads, weights, updates, hist_sample=hs, seed=step if seed is None else seed, compile=compile)
+    stacked = compute(grads, weights, updates, hist_sample=hs, seed=step if seed is None else seed, compile=compile)
     if sharded:
-        packed = merge(packed, group)
+        stacked = merge(stacked, group)
         if _rank(group) != 0:
             return None
-    rows = to_memory(packed)
+    rows = to_memory(stacked)
     if writer is not None:
         writer.add_records(step, layer_names(grads), rows, name=name)
     return rows
@@ -348,11 +343,11 @@ def add_gradients(
 
 def before_step(params: Sequence[tuple[str, torch.nn.Parameter]], step: int, hist_sample: int,
                 updates: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
-    """Just before an optimizer step: the gradients' and weights' packed records and (``updates``) a snapshot of
+    """Just before an optimizer step: the gradients' and weights' stacked records and (``updates``) a snapshot of
     the weights, for :func:`after_step`. Shared by :class:`StepRecorder` and the Lightning / Hugging Face
     callbacks."""
-    packed = compute(params, True, hist_sample=hist_sample, seed=step)
-    return packed, ({n: p.detach().clone() for n, p in params} if updates else None)
+    stacked = compute(params, True, hist_sample=hist_sample, seed=step)
+    return stacked, ({n: p.detach().clone() for n, p in params} if updates else None)
 
 
 def after_step(pending: tuple[torch.Tensor, dict[str, torch.Tensor] | None],
@@ -360,15 +355,15 @@ def after_step(pending: tuple[torch.Tensor, dict[str, torch.Tensor] | None],
                group: Any = None) -> np.ndarray | None:
     """Just after the step: the applied update ``before - after`` joins the records, shards are merged
     (``sharded``), and the memory-form rows are returned on rank 0 (``None`` on the others)."""
-    packed, before = pending
+    stacked, before = pending
     if before is not None:
         updates = {n: Delta(before[n], p.detach()) for n, p in params}
         u = compute({n: None for n, _ in params}, updates=updates, hist_sample=0)
         cols = [_VI["update_max_abs"], _VI["update_ssq_rel"]]
-        packed[:, cols] = u[:, cols]
+        stacked[:, cols] = u[:, cols]
     if sharded:
-        packed = merge(packed, group)
-    return to_memory(packed) if _rank(group) == 0 else None
+        stacked = merge(stacked, group)
+    return to_memory(stacked) if _rank(group) == 0 else None
 
 
 class StepRecorder:

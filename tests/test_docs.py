@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tb_gradhealth import record
 from tb_gradhealth._tf import compat
 
 pytestmark = pytest.mark.unit
@@ -67,3 +68,16 @@ def test_device_record_size_stated_in_the_docs_is_the_layout():
     assert any(stated.values()), "no device-record size stated"
     for name, values in stated.items():
         assert all(int(v) == size for v in values), (name, values, size)
+
+
+@pytest.mark.unit
+def test_the_bytes_a_layer_of_a_device_record_match_the_layout():
+    """The device record's size per layer, where the README and docs state it (what crosses to the host, what a
+    shard computes), is the record's: NUM_FIELDS float32 values. Sizes on disk and in memory are other figures."""
+    texts = [(REPO / "README.md").read_text(encoding="utf-8")]
+    texts += [p.read_text(encoding="utf-8") for p in sorted((REPO / "docs").glob("*.md"))]
+    claims = [line for t in texts for line in t.splitlines()
+              if re.search(r"\d+ bytes", line) and re.search(r"host|copies only|copy only|shard computes", line)
+              and "on disk" not in line.split("bytes")[0][-40:]]
+    stated = {int(n) for line in claims for n in re.findall(r"\b(\d+) bytes\b(?! (?:per layer-step|on disk))", line)}
+    assert claims and stated == {record.NUM_FIELDS * 4}, (stated, claims)

@@ -30,6 +30,7 @@ import tensorflow as tf
 
 from tb_gradhealth import record
 from tb_gradhealth._tf import compat, histogram
+from tb_gradhealth.record import Delta
 
 _NV = record.NUM_VALUES + record.HIST_BINS
 #: Below this max|g| the plain sum of squares may lose underflowed squares: use the scaled pass instead.
@@ -40,20 +41,6 @@ class DeviceRecord(NamedTuple):
 
     counts: Any
     values: Any
-
-
-class Delta(NamedTuple):
-    """An update given as the weight ``before`` and ``after`` it: :func:`compute` records ``before - after``.
-
-    Why not pass the difference: inside the statistics' compiled loop the subtraction is fused into the update's
-    own loop (which reads ``before`` and ``after``), so the difference is never written to memory and read back
-    (docs/KERAS.md, *Cost*).
-    """
-
-    before: Any
-    after: Any
-
-
 
 
 @functools.cache
