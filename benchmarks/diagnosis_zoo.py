@@ -86,15 +86,18 @@ class Diagnosed:
 
 
 def diagnose_steps(layers: Sequence[str], steps: np.ndarray, records: np.ndarray,
-                   diagnose: Callable[..., Any] | None = None, thresholds: Any = None) -> Diagnosed:
-    """Run ``diagnose`` (default :func:`tb_gradhealth.health.diagnose_run`) at every logged step."""
+                   diagnose: Callable[..., Any] | None = None, thresholds: Any = None,
+                   progress: tuple[np.ndarray, np.ndarray] | None = None) -> Diagnosed:
+    """Run ``diagnose`` (default :func:`tb_gradhealth.health.diagnose_run`) at every logged step; ``progress``: the
+    run's ``(steps, loss)``, given to it as evidence when recorded."""
     from tb_gradhealth import health
 
     diagnose = diagnose or health.diagnose_run
     thresholds = thresholds if thresholds is not None else health.Thresholds()
     per_step, last = [], None
     for s in steps:
-        last = diagnose(list(layers), steps, records, thresholds, at_step=int(s))
+        extra = {"progress": progress} if progress is not None else {}
+        last = diagnose(list(layers), steps, records, thresholds, at_step=int(s), **extra)
         per_step.append({lh.layer: lh.status for lh in last.layers})
     if last is None or not last.layers:
         return Diagnosed(list(layers), [int(s) for s in steps], per_step, {}, None, None, None, None)
@@ -310,12 +313,14 @@ def scaled_gradients(records: np.ndarray, factor: float) -> np.ndarray:
     return out
 
 
-def scale_sweep(layers: Sequence[str], steps: np.ndarray, records: np.ndarray, base: Diagnosed
-                ) -> dict[str, int]:
-    """Per factor of ``SCALES``: the (layer, logged step) pairs whose status changes from ``base``."""
+def scale_sweep(layers: Sequence[str], steps: np.ndarray, records: np.ndarray, base: Diagnosed,
+                progress: tuple[np.ndarray, np.ndarray] | None = None) -> dict[str, int]:
+    """Per factor of ``SCALES``: the (layer, logged step) pairs whose status changes from ``base`` (the loss, where
+    recorded, times the same factor)."""
     out = {}
     for factor in SCALES:
-        d = diagnose_steps(layers, steps, scaled_gradients(records, factor))
+        scaled = None if progress is None else (progress[0], progress[1] * factor)
+        d = diagnose_steps(layers, steps, scaled_gradients(records, factor), progress=scaled)
         out[f"{factor:g}"] = sum(d.status[i].get(n) != base.status[i].get(n)
                                  for i in range(len(steps)) for n in layers)
     return out
@@ -537,21 +542,24 @@ def load_case(case_dir: Path) -> tuple[dict[str, Any], Any]:
     return labels, runs[0]
 
 
-def score_cases(case_dirs: Sequence[Path], times: Mapping[str, float] | None = None, sweep: bool = False
-                ) -> list[RunScore]:
+def score_cases(case_dirs: Sequence[Path], times: Mapping[str, float] | None = None, sweep: bool = False,
+                loss_evidence: bool = True) -> list[RunScore]:
     from benchmarks import autotrainer_rule, sagemaker_rules  # noqa: PLC0415 - tensorboard's protos
+    from tb_gradhealth import progress, reader
 
     out = []
     for case_dir in case_dirs:
         labels, run = load_case(case_dir)
-        d = diagnose_steps(run.layers, run.steps, run.records)
+        recorded = progress.read_loss(progress.run_paths(reader.find_runs(str(case_dir)), run.run)
+                                      ) if loss_evidence else None
+        d = diagnose_steps(run.layers, run.steps, run.records, progress=recorded)
         r = score_run(labels, d)
         loss = autotrainer_rule.losses(str(case_dir / run.run))
         r.autotrainer, r.autotrainer_ungated = autotrainer_rule.verdict(run.layers, run.records, loss)
         r.autotrainer_fair = autotrainer_rule.verdict_every_check(run.layers, run.records, loss)
         r.sagemaker = sagemaker_rules.verdict(run.records)
         if sweep:
-            r.scale_changes = scale_sweep(run.layers, run.steps, run.records, d)
+            r.scale_changes = scale_sweep(run.layers, run.steps, run.records, d, recorded)
         r.labelled_kinds = sorted({e["status"] for e in labels["layers"].values() if e["status"] in SICK_STATUSES}
                                   | {st for e in labels["layers"].values() for st, _ in episodes(e)
                                      if st in SICK_STATUSES})
@@ -579,6 +587,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--light", action="store_true",
                     help="leave out the keras.applications cases (minutes of CPU each), for quick iterations")
     ap.add_argument("--list", action="store_true", help="list the cases and their labelling rules, then exit")
+    ap.add_argument("--gradients-only", action="store_true",
+                    help="diagnose without the recorded loss (as a log written before the loss was recorded)")
     ap.add_argument("--score-only", action="store_true", help="score the cached cases, train nothing")
     ap.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     ap.add_argument("--json", type=Path, default=None, help="write every figure to this JSON file")
@@ -644,7 +654,7 @@ def _train_and_score(args: argparse.Namespace, names: Sequence[str], train: Call
             print(f"[zoo] trained {len(times)} case(s) in {time.perf_counter() - start:.1f} s wall "
                   f"(import and set-up included; load average {os.getloadavg()[0]:.1f})", flush=True)
     dirs = [args.cache / n for n in names if (args.cache / n / "labels.json").exists()]
-    return score_cases(dirs, times, sweep=args.sweep)
+    return score_cases(dirs, times, sweep=args.sweep, loss_evidence=not args.gradients_only)
 
 if __name__ == "__main__":
     sys.exit(main())

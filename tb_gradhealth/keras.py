@@ -26,7 +26,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tb_gradhealth import compat, record, summary
+from tb_gradhealth import compat, progress, record, summary
 from tb_gradhealth._stepbook import StepBook, ring_plan
 from tb_gradhealth.capture import CUSTOM_LOOP_ADVICE, Capture, CaptureError
 from tb_gradhealth.failsafe import Failsafe
@@ -328,6 +328,10 @@ class GradientHealthCallback(keras.callbacks.Callback):
         if cap is None:
             return
         first, read = self._book.batch_end(batch)
+        if self._book.last_mode == "capture" and logs and "loss" in logs and self._writer is not None:
+            # training progress beside the records: the loss Keras reports (its running mean over the epoch)
+            self._failsafe.run("recording the loss", self._writer.add_scalars, self._book.host_step,
+                               {progress.LOSS_TAG: float(logs["loss"])})
         if first and not cap.traced and not self._book.capture_failed:
             self._teardown()
             raise CaptureError(
