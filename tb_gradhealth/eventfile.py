@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from google.protobuf.message import DecodeError
 from tensorboard.compat.proto import event_pb2
 
 from tb_gradhealth import storage
@@ -293,3 +294,17 @@ class EventFile:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+
+
+def iter_summary_values(paths: Iterable[str], storage_options: Mapping[str, Any] | None = None
+                        ) -> Iterable[tuple[Any, Any]]:
+    """``(event, summary value)`` of every summary value in ``paths``, in file order; damaged records and events
+    that do not parse are skipped silently (for side readers: the record reader reports damage)."""
+    for path in paths:
+        for _, payload in iter_framed(path, [], storage_options):
+            try:
+                event = event_pb2.Event.FromString(payload)
+            except DecodeError:
+                continue
+            for value in event.summary.value:
+                yield event, value

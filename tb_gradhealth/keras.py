@@ -26,7 +26,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tb_gradhealth import compat, progress, record, summary
+from tb_gradhealth import compat, layerinfo, progress, record, summary
 from tb_gradhealth._stepbook import StepBook, ring_plan
 from tb_gradhealth.capture import CUSTOM_LOOP_ADVICE, Capture, CaptureError
 from tb_gradhealth.failsafe import Failsafe
@@ -266,6 +266,9 @@ class GradientHealthCallback(keras.callbacks.Callback):
             seed=self.seed,
         )
         cap.install()
+        # each variable's layer kind and activation, kept in the tag's metadata to explain a status
+        self._layer_info = self._failsafe.run("reading the layers' kinds", layerinfo.model_layer_info, model,
+                                              cap.variables) or ()
         # The optimizer step as the host predicts it (no device read per batch); a later fit continues the count.
         epoch_steps = self.params.get("steps") if self.params else None
         self._book = StepBook(period, spe, epoch_steps, calls_per_read, host_step=int(cap.steps.numpy()))
@@ -387,7 +390,7 @@ class GradientHealthCallback(keras.callbacks.Callback):
             new = new[-1:]
         for step, rows in new:
             self._failsafe.run("writing a gradient-health record", self._writer.add_records, step, cap.layers, rows,
-                               name=self.name, kind="gradients", records=1)
+                               name=self.name, kind="gradients", layer_info=self._layer_info, records=1)
             if self._stop_watch is not None and self.stop_event is None:
                 self.stop_event = self._failsafe.run("checking stop_on", self._stop_watch.check, cap.layers, step, rows)
                 if self.stop_event is not None:

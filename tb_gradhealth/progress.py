@@ -14,11 +14,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from google.protobuf.message import DecodeError
-from tensorboard.compat.proto import event_pb2
 from tensorboard.util import tensor_util
 
-from tb_gradhealth.eventfile import iter_framed
+from tb_gradhealth.eventfile import iter_summary_values
 
 #: The loss as the Keras callback records it (v1).
 LOSS_TAG = "gradhealth_progress_v1/loss"
@@ -44,16 +42,10 @@ def read_loss(paths: Sequence[str], storage_options: Mapping[str, Any] | None = 
     (a step written twice keeps its last value), or None when the run has none. Damage is skipped silently: the
     gradient reader reports it."""
     found: dict[str, dict[int, float]] = {tag: {} for tag in LOSS_TAGS}
-    for path in paths:
-        for _, payload in iter_framed(path, [], storage_options):
-            try:
-                event = event_pb2.Event.FromString(payload)
-            except DecodeError:
-                continue
-            for value in event.summary.value:
-                series = found.get(value.tag)
-                if series is not None and (x := _value(value)) is not None:
-                    series[int(event.step)] = x
+    for event, value in iter_summary_values(paths, storage_options):
+        series = found.get(value.tag)
+        if series is not None and (x := _value(value)) is not None:
+            series[int(event.step)] = x
     for tag in LOSS_TAGS:
         if found[tag]:
             steps = np.array(sorted(found[tag]), dtype=np.int64)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import zlib
 
 import numpy as np
 import pytest
 
-from tb_gradhealth import cli, progress, reader, record
+from tb_gradhealth import cli, metadata, progress, reader, record
 from tb_gradhealth.writer import Writer
 
 pytestmark = pytest.mark.unit
@@ -58,3 +59,32 @@ def test_report_flags_a_run_that_does_not_learn(tmp_path, capsys, loss, flagged)
     statuses = {lh["status"] for run in body["runs"] for lh in run["layers"]}
     assert rc == (1 if flagged else 0)
     assert statuses == ({"vanishing"} if flagged else {"healthy"})
+
+
+def test_layer_info_round_trips_and_old_or_damaged_content_reads_without_it():
+    layers = ("a/kernel", "a/bias")
+    info = (("Dense", "tanh"), ("Dense", "tanh"))
+    md = metadata.create_summary_metadata(layers, layer_info=info)
+    assert metadata.decode_content(md.plugin_data.content).layer_info == info
+    old = metadata.encode_content(metadata.Content(record.FORMAT_VERSION, layers))  # as written before
+    assert metadata.decode_content(old) == metadata.Content(record.FORMAT_VERSION, layers)
+    payload = json.loads(zlib.decompress(md.plugin_data.content))
+    for bad in ({"v": 99, "rows": payload["info"]["rows"]}, {"v": 1, "rows": [["Dense", "tanh"]]}, "x"):
+        damaged = zlib.compress(json.dumps({**payload, "info": bad}).encode())
+        got = metadata.decode_content(damaged)
+        assert got.layers == layers and got.layer_info == ()
+
+
+def test_report_names_the_layer_kind_and_its_fix(tmp_path, capsys):
+    # The first layer's gradient starved by 1e-6, its metadata saying it is a sigmoid Dense layer.
+    rng = np.random.default_rng(0)
+    info = [("Dense", "sigmoid")] * len(NAMES)
+    with Writer(str(tmp_path / "train")) as w:
+        for s in range(1, 11):
+            rows = [record.compute(rng.standard_normal(64) * (1e-8 if i < 2 else 1e-2), rng.standard_normal(64) * 0.1,
+                                   None, hist_sample=None) for i in range(len(NAMES))]
+            w.add_records(s, NAMES, np.stack(rows), layer_info=info)
+    cli.main(["report", str(tmp_path), "--json", "--fail-on", "none"])
+    top = json.loads(capsys.readouterr().out)["runs"][0]["layers"][0]
+    assert top["layer"].startswith("dense_0/") and top["status"] == "vanishing"
+    assert "sigmoid" in top["fixes"][0] and "layer: Dense, activation sigmoid" in top["reasons"]

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from tb_gradhealth import record
 from tb_gradhealth.health.episodes import _follow_siblings, _nonfinite_origin, _onset, _timeline, _track
+from tb_gradhealth.health.kinds import explain_kinds
 from tb_gradhealth.health.progress import loss_trend, weigh_progress
 from tb_gradhealth.health.reasons import _first_bad, _layer_health, cause_first
 from tb_gradhealth.health.result import _BASE, LayerHealth, RunHealth
@@ -36,6 +37,7 @@ def diagnose_run(
     thresholds: Thresholds = Thresholds(),  # noqa: B008 - frozen, immutable default
     at_step: int | None = None,
     progress: tuple[np.ndarray, np.ndarray] | None = None,
+    layer_info: Mapping[str, tuple[str, str]] | None = None,
 ) -> RunHealth:
     """Diagnose every layer of a run from its records, using the logged steps at or before ``at_step``.
 
@@ -44,6 +46,8 @@ def diagnose_run(
     ``at_step`` (default: the last step) must not precede the first step (ValueError naming ``step``).
     A layer without any record up to the step is reported ``missing``. ``progress``: ``(steps, loss)`` of the
     training loss where it is recorded (:mod:`tb_gradhealth.progress` reads it), evidence beside the gradients.
+    ``layer_info``: ``{layer: (kind, activation)}`` where the writer knew the model (:mod:`tb_gradhealth.layerinfo`),
+    named in the reasons and used to pick the fixes.
     """
     steps, records = _check_inputs(layers, steps, records)
     t = thresholds
@@ -70,5 +74,7 @@ def diagnose_run(
     out = [_layer_health(ev, steps, layers, i, d, origin, t, tracks[i]) for i in range(len(layers))]
     if progress is not None:
         weigh_progress(out, loss_trend(progress[0], progress[1], int(steps[-1])), t)
+    if layer_info:
+        explain_kinds(out, layer_info)
     ranked, cause = cause_first(sorted(out, key=lambda lh: (-lh.severity, lh.index)))
     return RunHealth(int(steps[-1]), t, ranked, _first_bad(ranked), _onset(out), _timeline(out), cause)
