@@ -83,3 +83,11 @@ def test_a_falling_loss_is_stated_beside_a_starved_layer():
     # at a step before the loss had fallen, no such note
     early = diagnose_run(NAMES, STEPS, _records(0.1, starve=True), progress=_loss("flat"))
     assert not any("the loss falls" in r for lh in early.layers for r in lh.reasons)
+
+
+def test_a_loss_that_went_nan_is_not_a_flat_loss():
+    # The same tiny updates, the loss flat and then NaN at the last step (a divergence): no "not learning" flag.
+    steps, loss = _loss("flat")
+    loss[-1] = np.nan
+    h = diagnose_run(NAMES, STEPS, _records(1e-6), progress=(steps, loss))
+    assert not set(h.statuses()) & set(FLAGS)

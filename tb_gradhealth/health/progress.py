@@ -50,9 +50,14 @@ class LossTrend:
 
 
 def loss_trend(steps: np.ndarray, loss: np.ndarray, at_step: int | None = None) -> LossTrend | None:
-    """The loss's trend at or before ``at_step`` (None: too few finite values, or a loss that is not positive)."""
+    """The loss's trend at or before ``at_step`` (None: too few finite values, a loss that is not positive, or one
+    whose latest value is NaN/Inf)."""
     steps, loss = np.asarray(steps, dtype=np.int64), np.asarray(loss, dtype=np.float64)
-    keep = np.isfinite(loss) & ((steps <= at_step) if at_step is not None else True)
+    if at_step is not None:
+        steps, loss = steps[steps <= at_step], loss[steps <= at_step]
+    if loss.size and not np.isfinite(loss[-1]):
+        return None  # a loss gone NaN/Inf is not flat: the gradients' nonfinite rules speak
+    keep = np.isfinite(loss)
     steps, loss = steps[keep], loss[keep]
     if loss.size < MIN_POINTS or np.any(loss <= 0):
         return None
