@@ -9,18 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from tb_gradhealth.health.rules import _log10, _Steps
+from tb_gradhealth.health.rules import _Steps, layerwise_common
 
 #: Logged steps at which a variable's gradient norm must repeat (to float32 precision) to read as clipped.
 CLIP_STEPS = 3
 #: Relative difference under which two recorded norms are the same number (float32 rounding of the clip).
 _SAME = 1e-5
-#: Spread (decades) under which every layer's update/weight ratio is one number: a layer-wise adaptive optimizer.
-_LAYERWISE_SPREAD = 0.05
-#: ... while the variables' weight RMS spread over at least this many decades (else Adam would look the same).
-_WEIGHT_SPREAD = 0.3
-
-
 def clipped_norm(ev: _Steps, i: int) -> float | None:
     """The norm a variable's gradient is clipped to, when it is the same at ``CLIP_STEPS`` or more of its logged steps
     (the largest value it ever had, repeated), else None."""
@@ -33,17 +27,10 @@ def clipped_norm(ev: _Steps, i: int) -> float | None:
 
 
 def layerwise_adaptive(ev: _Steps, s: int) -> float | None:
-    """The common update/weight ratio at step row ``s`` when every variable with weights has the same one although
-    their weights' scales differ (LAMB, LARS: update = lr x ||w|| x direction; under Adam or SGD layers of different
-    weight scales move by different fractions), else None."""
-    ratios = _log10(ev.upd_ratio[s])
-    scale = _log10(ev.weight_norm[s] / np.sqrt(np.where(ev.size[s] > 0, ev.size[s], np.nan)))
-    ok = np.isfinite(ratios) & np.isfinite(scale)
-    ratios, scale = ratios[ok], scale[ok]
-    if ratios.size < 3 or float(ratios.max() - ratios.min()) > 2 * _LAYERWISE_SPREAD \
-            or float(scale.max() - scale.min()) < _WEIGHT_SPREAD:
-        return None
-    return float(10.0 ** np.median(ratios))
+    """The common update/weight ratio at step row ``s`` under a layer-wise adaptive optimizer, else None (see
+    :func:`~tb_gradhealth.health.rules.layerwise_common`)."""
+    common = layerwise_common(ev.upd_ratio[s:s + 1], ev.weight_norm[s:s + 1], ev.size[s:s + 1])[0]
+    return float(common) if np.isfinite(common) else None
 
 
 def optimizer_notes(ev: _Steps, s: int, i: int) -> list[str]:
