@@ -192,6 +192,8 @@ class RunScore:
     autotrainer_fair: str | None = None
     #: SageMaker Debugger's VanishingGradient and ExplodingTensor rules, per tensor, any step
     sagemaker: str | None = None
+    #: DeepDiagnosis' (ICSE 2022) checks on gradients and weights, per tensor, any step
+    deepdiagnosis: str | None = None
     #: per gradient scale factor: (layer, logged step) pairs whose status differs from the unscaled records'
     scale_changes: dict[str, int] = field(default_factory=dict)
     labelled_kinds: list[str] = field(default_factory=list)
@@ -480,14 +482,15 @@ def report(runs: Sequence[RunScore], markdown: bool = False) -> str:
                      markdown))
     out.append(h("(g) per model: baselines on the same records, against ours"))
     out.append(table(["run", "labelled", "AutoTrainer (last step)", "ungated", "AutoTrainer (every check)",
-                      "SageMaker rules", "ours (first_bad)"],
+                      "SageMaker rules", "DeepDiagnosis", "ours (first_bad)"],
                      [[r.case, ", ".join(r.labelled_kinds) or "healthy", r.autotrainer or "-",
                        r.autotrainer_ungated or "-", r.autotrainer_fair or "-", r.sagemaker or "-",
-                       r.first_bad_status or "-"] for r in runs], markdown))
+                       r.deepdiagnosis or "-", r.first_bad_status or "-"] for r in runs], markdown))
     for name, verdicts in (("AutoTrainer (last step, loss gate)", [r.autotrainer for r in runs]),
                            ("AutoTrainer without its progress gate", [r.autotrainer_ungated for r in runs]),
                            ("AutoTrainer, every check + NaN loss/weights", [r.autotrainer_fair for r in runs]),
                            ("SageMaker VanishingGradient + ExplodingTensor", [r.sagemaker for r in runs]),
+                           ("DeepDiagnosis (gradient and weight checks)", [r.deepdiagnosis for r in runs]),
                            ("ours", [r.first_bad_status for r in runs])):
         right, alarms = model_level(runs, verdicts)
         out.append(f"{name}: {right} of {sum(r.sick for r in runs)} sick runs named with a labelled status; "
@@ -544,7 +547,7 @@ def load_case(case_dir: Path) -> tuple[dict[str, Any], Any]:
 
 def score_cases(case_dirs: Sequence[Path], times: Mapping[str, float] | None = None, sweep: bool = False,
                 loss_evidence: bool = True) -> list[RunScore]:
-    from benchmarks import autotrainer_rule, sagemaker_rules  # noqa: PLC0415 - tensorboard's protos
+    from benchmarks import autotrainer_rule, deepdiagnosis_rules, sagemaker_rules  # noqa: PLC0415
     from tb_gradhealth import progress, reader
 
     out = []
@@ -558,6 +561,7 @@ def score_cases(case_dirs: Sequence[Path], times: Mapping[str, float] | None = N
         r.autotrainer, r.autotrainer_ungated = autotrainer_rule.verdict(run.layers, run.records, loss)
         r.autotrainer_fair = autotrainer_rule.verdict_every_check(run.layers, run.records, loss)
         r.sagemaker = sagemaker_rules.verdict(run.records)
+        r.deepdiagnosis = deepdiagnosis_rules.verdict(run.records)
         if sweep:
             r.scale_changes = scale_sweep(run.layers, run.steps, run.records, d, recorded)
         r.labelled_kinds = sorted({e["status"] for e in labels["layers"].values() if e["status"] in SICK_STATUSES}
