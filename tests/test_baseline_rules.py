@@ -14,7 +14,8 @@ pytestmark = pytest.mark.unit
 
 def _run(grad: np.ndarray) -> np.ndarray:
     rng = np.random.default_rng(0)
-    ok = record.compute(rng.standard_normal(64) * 1e-2, rng.standard_normal(64), None, hist_sample=None)
+    # an ordinary gradient of a zero-initialised bias: healthy
+    ok = record.compute(rng.standard_normal(64) * 1e-2, np.zeros(64), None, hist_sample=None)
     odd = record.compute(grad, rng.standard_normal(64), None, hist_sample=None)
     return np.stack([np.stack([ok, ok]), np.stack([ok, odd])])  # [2 steps, 2 layers]
 
