@@ -1,9 +1,12 @@
-"""A layer-wise adaptive optimizer (LAMB, LARS) moves every layer by the same fraction of its weights whatever its
-gradient: a gradient of 1e-12, which carries no direction above Adam's epsilon, must still be flagged.
+"""Optimizers that change what a gradient's size means.
 
-Labels from how the case is built: one layer's gradient injected at 1e-12, beside its twin with an ordinary one.
+A layer-wise adaptive optimizer (LAMB, LARS) moves every layer by the same fraction of its weights whatever its
+gradient: a gradient of 1e-12, which carries no direction above Adam's epsilon, must still be flagged. Global
+gradient clipping scales every update by one factor that shrinks as the whole gradient grows: it is stated.
+
+Labels from how each case is built (a gradient injected at 1e-12, a clip applied in the update), beside twins
+without them.
 """
-
 from __future__ import annotations
 
 import numpy as np
@@ -43,3 +46,30 @@ def test_a_1e_12_gradient_under_lamb_is_vanishing():
 
 def test_its_twin_with_an_ordinary_gradient_is_healthy():
     assert not set(diagnose_run(NAMES, STEPS, _lamb(None)).statuses()) & set(FLAGS)
+
+
+def _sgd(clip: float | None, per_variable: bool = False) -> np.ndarray:
+    """SGD(lr 0.02) records whose whole gradient's norm wanders around 3 (as in a small MLP); ``clip``: global norm
+    clipping at it (``per_variable``: each variable's gradient clipped to it, as recorded after clipping)."""
+    rng = np.random.default_rng(1)
+    out = np.empty((STEPS.size, len(NAMES), record.NUM_FIELDS))
+    for s in range(STEPS.size):
+        grads = [rng.standard_normal(64) * 0.1 * np.exp(rng.normal(0, 0.3)) for _ in NAMES]
+        if per_variable and clip:
+            grads = [g * min(1.0, clip / np.linalg.norm(g)) for g in grads]
+        total = np.sqrt(sum(float(np.sum(g**2)) for g in grads))
+        factor = 0.02 * (min(1.0, clip / total) if clip and not per_variable else 1.0)
+        for i, g in enumerate(grads):
+            out[s, i] = record.compute(g, rng.standard_normal(64) * 0.1, factor * g, hist_sample=None)
+    return out
+
+
+def _notes(recs: np.ndarray) -> list[str]:
+    return [r for lh in diagnose_run(NAMES, STEPS, recs).layers for r in lh.reasons if "global gradient clip" in r]
+
+
+def test_global_clipping_is_recognised_from_the_updates():
+    notes = _notes(_sgd(0.05))
+    assert len(notes) == len(NAMES) and "= 0.001)" in notes[0]  # lr 0.02 x clip 0.05, one note per layer
+    assert not _notes(_sgd(None))  # its twin without clipping
+    assert not _notes(_sgd(0.05, per_variable=True))  # per-variable clipping is a different thing

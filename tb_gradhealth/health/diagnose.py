@@ -9,6 +9,7 @@ import numpy as np
 from tb_gradhealth import record
 from tb_gradhealth.health.episodes import _follow_siblings, _nonfinite_origin, _onset, _timeline, _track
 from tb_gradhealth.health.kinds import explain_kinds
+from tb_gradhealth.health.optimizer import global_clip_note
 from tb_gradhealth.health.progress import loss_trend, weigh_progress
 from tb_gradhealth.health.reasons import _first_bad, _layer_health, cause_first
 from tb_gradhealth.health.result import _BASE, LayerHealth, RunHealth
@@ -76,5 +77,9 @@ def diagnose_run(
         weigh_progress(out, loss_trend(progress[0], progress[1], int(steps[-1])), t)
     if layer_info:
         explain_kinds(out, layer_info)
+    clip = global_clip_note(records)
+    for lh in out if clip else ():
+        if lh.status in ("exploding", "vanishing", "healthy"):
+            lh.reasons.append(clip)
     ranked, cause = cause_first(sorted(out, key=lambda lh: (-lh.severity, lh.index)))
     return RunHealth(int(steps[-1]), t, ranked, _first_bad(ranked), _onset(out), _timeline(out), cause)
