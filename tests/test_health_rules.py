@@ -86,6 +86,22 @@ def test_bias_before_batchnorm_is_inert_not_vanishing():
     assert h.counts["inert"] == depth and h.counts["healthy"] == depth + 2
 
 
+def test_the_output_layers_bias_is_never_inert():
+    # The same round-off-sized gap, but on the output layer's bias (its kernel's inputs are huge): nothing follows the
+    # output layer that could cancel its bias' gradient, so it is used, not inert. A conv bias before BN still is.
+    depth, steps = 6, 8
+    names = [f"conv_{i}/{k}" for i in range(depth) for k in ("kernel", "bias")] + ["logits/kernel", "logits/bias"]
+    rms = np.full((steps, len(names)), 3.0)  # a network whose gradients are all 1,000x (a too-wide init)
+    rms[:, 1] = 3e-5  # conv_0/bias before BatchNorm: round-off
+    rms[:, -2] = 3e3  # the logits kernel, its inputs huge
+    rms[:, -1] = 1e-4  # the logits bias: the loss's own gradient, far below the rest
+    adam = np.full_like(rms, 1e-3)  # Adam moves every variable by ~lr per element: the kernel is not exploding
+    by = diagnose_run(names, np.arange(steps), _run(rms, names, weight_rms=np.full_like(rms, 0.1),
+                                                    update_rms=adam)).by_layer()
+    assert by["logits/kernel"].status == "healthy"
+    assert by["logits/bias"].status != "inert" and by["conv_0/bias"].status == "inert"
+
+
 def test_vanishing_layer_is_not_inert_when_kernel_and_bias_vanish_together():
     names = _layers(6)
     rms = np.full((8, 12), 1e-3)

@@ -313,6 +313,10 @@ def _evaluate(records: np.ndarray, layers: Sequence[str], t: Thresholds) -> _Ste
     dec = log_rms - ref[:, None]
     low = (dec <= -t.vanish_decades) | (rms < t.vanish_rms_below)
     inert = quiet_sibling & low
+    # The last layer's variables feed the loss directly: nothing after them can cancel their gradient to round-off.
+    for g in layer_groups(layers):
+        if g.max() == len(layers) - 1:
+            inert[:, g] = False
     signal = live & ~inert
     upd_rms, upd_ratio, weight_norm = _update_stats(records)
     # NaN/Inf that the optimizer did not apply (dynamic loss scaling): no update at all, finite weights. (A NaN
