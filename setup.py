@@ -32,10 +32,14 @@ def read_long_description() -> str:
 
 
 #: The TensorFlow / Keras range the TF writers support: CI runs their tests on the oldest (tensorflow 2.16.2, keras
-#: 3.0.5) and the newest of it; the private TF/Keras internals they use are listed in tb_gradhealth/compat.py.
+#: 3.0.5) and the newest of it; the private TF/Keras internals they use are listed in tb_gradhealth/_tf/compat.py.
 TF_REQUIREMENTS = ["tensorflow>=2.16,<2.22", "keras>=3.0,<3.16"]
 
 TEST = ["pytest", "playwright", "ruff", "hypothesis", "fsspec", "gcsfs", "s3fs", "moto[server]", "gcp-storage-emulator"]
+
+#: Test-only libraries of the torch and jax tiers: the loops the integrations plug into, the peers the overhead
+#: benchmark compares with.
+INTEGRATIONS = ["lightning>=2.2", "transformers>=4.46", "accelerate", "optax", "flax"]
 
 #: Files of frontend/ that the browser may load; anything else there (notes, tests) stays out of the package.
 STATIC_PATTERNS = [f"**/*.{ext}" for ext in ("js", "mjs", "css", "html", "svg", "png", "json")]
@@ -48,7 +52,7 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    packages=["tb_gradhealth", "tb_gradhealth.health", "tb_gradhealth.static"],
+    packages=["tb_gradhealth", "tb_gradhealth._tf", "tb_gradhealth.health", "tb_gradhealth.static"],
     package_dir={"tb_gradhealth": "tb_gradhealth", "tb_gradhealth.static": "frontend"},
     package_data={"tb_gradhealth.static": STATIC_PATTERNS},
     include_package_data=False,
@@ -64,9 +68,13 @@ setup(
         # Device-side records for PyTorch (tb_gradhealth.torch) and JAX (tb_gradhealth.jax); imported lazily.
         "torch": ["torch>=2.3"],
         "jax": ["jax>=0.4.30"],
+        # The training-loop integrations (tb_gradhealth.lightning, tb_gradhealth.transformers) and the optax/flax
+        # tests; each imported only by its own module.
+        "lightning": ["lightning>=2.2"],
+        "transformers": ["transformers>=4.46", "accelerate"],
         # The object-storage tests run real servers: moto's S3 server and a GCS emulator. "test" adds PyTorch and
         # JAX; "test-tf" leaves them out (the oldest-TensorFlow tier of .ci/run: its numpy<2 pins exclude new JAX).
-        "test": [*TEST, "torch>=2.3", "jax>=0.4.30"],
+        "test": [*TEST, "torch>=2.3", "jax>=0.4.30", *INTEGRATIONS],
         "test-tf": TEST,
     },
     entry_points={

@@ -320,12 +320,28 @@ def run_numpy_writer(logdir: str, steps: int) -> int:
 
 
 def run_pytorch(logdir: str, steps: int) -> int:
-    """A PyTorch MLP; records computed on the device by ``tb_gradhealth.torch`` (skipped without PyTorch)."""
-    try:
-        import torch
-    except ImportError:
+    """A PyTorch MLP; records computed on the device by ``tb_gradhealth.torch`` (skipped without PyTorch).
+
+    It trains in a child process (a fresh interpreter): TensorFlow and PyTorch in one process can crash
+    (``import tensorflow`` then ``import torch._dynamo`` segfaults with some releases), and a PyTorch user's
+    process has no TensorFlow in it anyway."""
+    import importlib.util
+    import multiprocessing
+
+    if importlib.util.find_spec("torch") is None:
         log("pytorch: skipped (PyTorch is not installed: pip install '.[torch]')")
         return 0
+    child = multiprocessing.get_context("spawn").Process(target=_train_pytorch, args=(logdir, steps))
+    child.start()
+    child.join()
+    if child.exitcode != 0:
+        raise RuntimeError(f"the PyTorch run's process exited with {child.exitcode}")
+    return steps
+
+
+def _train_pytorch(logdir: str, steps: int) -> None:
+    import torch
+
     import tb_gradhealth.torch
     from tb_gradhealth import Writer
 
@@ -334,7 +350,7 @@ def run_pytorch(logdir: str, steps: int) -> int:
     model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 64), torch.nn.ReLU(), torch.nn.Linear(64, CLASSES))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     with Writer(logdir) as writer:
-        recorder = tb_gradhealth.torch.StepRecorder(writer, model, opt)
+        recorder = tb_gradhealth.torch.StepRecorder(writer, model, opt, every=1)  # a short run: every step
         for step in range(steps):
             xb, yb = x[step * BATCH : (step + 1) * BATCH].float(), y[step * BATCH : (step + 1) * BATCH].long()
             loss = torch.nn.functional.cross_entropy(model(xb), yb)
@@ -342,7 +358,6 @@ def run_pytorch(logdir: str, steps: int) -> int:
             loss.backward()
             recorder.step(step)
             writer.add_scalars(step, {"loss": loss.item()})
-    return steps
 
 
 RUNNERS: dict[str, tuple[Callable[[str, int], int], int]] = {

@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 #: on first access too (``tb_gradhealth.testing``, ...): any name that is a submodule of the package is one.
 _ENTRY_POINTS = (
     "summary", "keras", "tpu", "distribute", "accumulate", "torch", "jax", "writer", "health", "reader", "testing",
-    "plugin", "cli",
+    "plugin", "cli", "origin", "tf_origin", "torch_origin", "jax_origin",
 )
 _LAZY_ATTRS = {"Writer": "writer", "Thresholds": "health"}
 

@@ -2,7 +2,8 @@
 
 Reads event files directly (:func:`tb_gradhealth.reader.read_logdir`, no TensorBoard server, no TensorFlow) and
 diagnoses with :mod:`tb_gradhealth.health`, so it agrees with the dashboard. The JSON is the ``health`` route's
-answer per run (docs/API.md) plus the run's read problems.
+answer per run (docs/API.md) plus the run's read problems and ``nan_origin``: where its first NaN/Inf was made, when
+a writer replayed it (:mod:`tb_gradhealth.origin`; the ``nan_origin`` route's ``origin``).
 
 Exit status: 1 when a reported layer has a status named in ``--fail-on`` (default ``nonfinite``; ``none`` never
 fails); else 3 when a run holds gradient-health data but none of it is readable (each such run and why is on stderr
@@ -19,7 +20,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
-from tb_gradhealth import __version__, health, layerinfo, payloads, progress, reader, storage
+from tb_gradhealth import __version__, health, layerinfo, origin, payloads, progress, reader, storage
 from tb_gradhealth.payloads import RequestError, health_payload, parse_step, parse_thresholds
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_UNREADABLE = 0, 1, 2, 3
@@ -133,6 +134,8 @@ def format_run(body: dict[str, Any], series: reader.RunSeries, top: int = 0) -> 
             lines.append(f"  what to do: {_text(cause['fixes'][0])}")
     if body["summary"].get("timeline"):
         lines.append("  timeline: " + timeline_text(body["summary"]["timeline"]))
+    if body.get("nan_origin"):
+        lines.append(f"  {_text(body['nan_origin']['message'])}")
     for p in series.problems:
         lines.append(f"  problem: {_text(p)}")
     for p in series.notes:
@@ -215,6 +218,9 @@ def report(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     bodies, unreadable, problems = _diagnose(_read(args, err), thresholds, step, err,
                                               reader.find_runs(args.logdir))
     failed = sorted({x["status"] for _, b in bodies for x in b["layers"]} & fail_on)
+    origins = origin.read_logdir(args.logdir, [s.run for s, _ in bodies])  # where the first NaN/Inf was made
+    for series, body in bodies:
+        body["nan_origin"] = origins[series.run].to_json() if series.run in origins else None
     if args.json:
         text = json.dumps({"runs": [b for _, b in bodies], "problems": problems}, allow_nan=False)
     else:

@@ -1,10 +1,17 @@
 """The record's statistics and shard merge written once for array libraries with a numpy-like namespace (torch,
 jax.numpy): :mod:`tb_gradhealth.torch` and :mod:`tb_gradhealth.jax` call these with their own namespace, so the
-two device paths compute the same numbers the same way. Branch-free (``where`` instead of ``if``): they trace
-under ``torch.compile`` and ``jax.jit``. Imports numpy only.
+two device paths compute the same numbers the same way. No data-dependent Python branch: the choices are the
+backend's ``cond`` (``torch.cond`` / ``lax.cond`` when traced), so they trace under ``torch.compile`` and
+``jax.jit``. Imports numpy only.
 
-A backend is a :class:`Backend`: the namespace ``xp`` (``torch`` or ``jax.numpy``), a float32 cast, and the
-histogram of float32 magnitudes (``torch.bucketize`` + ``index_add`` / ``jnp.searchsorted`` + ``.at[].add``).
+A tensor whose values are all finite with max|x| in ``[SAFE_LO, SAFE_HI]`` (a healthy gradient) costs one pass
+for its extremes, then one each for the count of normal values, the plain sum of squares and the sum; any other
+takes the scaled passes (NaN/Inf counted apart, sums of ``x / max|x|``). The histogram bins a sample, or every
+value when the sample would not describe the tensor (:func:`grad_stats`).
+
+A backend is a :class:`Backend`: the namespace ``xp`` (``torch`` or ``jax.numpy``), a float32 cast, the histogram
+of float32 magnitudes (``torch.bucketize`` + ``index_add`` / ``jnp.searchsorted`` + ``.at[].add``), the division,
+the conditional, and optional one-pass reductions where the namespace has faster ones than the generic forms.
 """
 
 from __future__ import annotations
@@ -25,20 +32,46 @@ COL = {name: i for i, name in enumerate(record.VALUE_FIELDS)}
 class Backend(NamedTuple):
     xp: Any
     f32: Callable[[Any], Any]
-    #: ``(abs values float32 [k], weights float32 [k]) -> hist float32 [HIST_BINS]`` (float32 edge comparison).
+    #: ``(abs values float32 [k], weights [k]) -> hist [HIST_BINS]`` of the weights' dtype (float32 edges).
     histogram: Callable[[Any, Any], Any]
     #: ``(numpy array, like) -> array`` on ``like``'s device (``like`` may be ``None``: the default device).
     const: Callable[[np.ndarray, Any], Any]
     #: ``(x, m) -> x / m`` for a scalar ``m > 0`` up to 3.4e38 (XLA needs care: ``tb_gradhealth.jax._divide``).
     divide: Callable[[Any, Any], Any]
+    #: ``(pred, true_fn, false_fn, operands) -> true_fn(*operands) if pred else false_fn(*operands)``, with a
+    #: traced ``pred`` (``torch.cond`` / ``lax.cond``): only the branch taken runs.
+    cond: Callable[[Any, Callable, Callable, tuple], Any]
+    #: Sum of a flat float32 array, accurate to float32's rounding of the result (``xp.sum`` when it is already).
+    fsum: Callable[[Any], Any] | None = None
+    #: ``x -> (min(x), max(x))`` in one pass (NaN when ``x`` holds a NaN).
+    aminmax: Callable[[Any], tuple[Any, Any]] | None = None
+    #: ``x -> sum(x * x)`` in one pass.
+    sumsq: Callable[[Any], Any] | None = None
+    #: ``x -> the number of elements with |x| >= FLUSH_BELOW`` (of an all-finite ``x``), in one pass.
+    count_normal: Callable[[Any], Any] | None = None
+
+    def min_max(self, x: Any) -> tuple[Any, Any]:
+        return self.aminmax(x) if self.aminmax else (self.xp.min(x), self.xp.max(x))
+
+    def sum_squares(self, x: Any) -> Any:
+        return self.sumsq(x) if self.sumsq else (self.fsum or self.xp.sum)(x * x)
+
+    def normal_count(self, x: Any) -> Any:
+        if self.count_normal:
+            return self.count_normal(x)
+        return self.xp.count_nonzero(self.xp.abs(x) >= record.FLUSH_BELOW)
 
 
+#: max|x| within which the one-pass statistics hold (plain squares neither overflow nor, summed over up to 2**31
+#: elements, lose more than 2**-35 relative to flushing); outside it, or with a NaN/Inf, the scaled passes run.
+SAFE_LO, SAFE_HI = 2.0**-30, 2.0**30
 
 
 def _sums(be: Backend, xk: Any, m: Any) -> tuple[Any, Any]:
     """``(sum((x/m)^2), sum(x/m))``: exact in relative terms at any magnitude (``m`` known first)."""
     y = be.divide(xk, be.xp.where(m > 0, m, 1.0))
-    return be.xp.sum(y * y), be.xp.sum(y)
+    fsum = be.fsum or be.xp.sum
+    return fsum(y * y), fsum(y)
 
 
 def grad_stats(be: Backend, x: Any, extra_zeros: int, hist_sample: int, sample: Callable[[Any], Any] | None):
@@ -46,38 +79,83 @@ def grad_stats(be: Backend, x: Any, extra_zeros: int, hist_sample: int, sample: 
 
     ``extra_zeros``: implicit zeros beyond ``x`` (a sparse gradient's untouched rows). ``sample``: ``None`` for the
     exact histogram, else a function returning ``hist_sample`` elements of ``x`` at the sampling rule's positions.
+    The histogram is exact (``hist_sample`` = the finite nonzero count) when that count is at most ``hist_sample``
+    or the sample kept fewer than :func:`record.sample_min_kept` finite nonzero values (a very sparse tensor whose
+    sample missed its few nonzeros), so the bins always add up to the finite nonzero count.
     """
+    xp = be.xp
+    mn0, mx0 = be.min_max(x)
+    m0 = xp.maximum(mx0, -mn0)
+
+    def tiny(v: Any) -> Any:  # a subnormal extreme: flushed to zero, so not the record's min/max
+        return (xp.abs(v) < record.FLUSH_BELOW) & (v != 0)
+
+    one_pass = (m0 >= SAFE_LO) & (m0 <= SAFE_HI) & ~tiny(mx0) & ~tiny(mn0)  # False for NaN
+    counts, head = be.cond(one_pass, lambda x, mn, mx, m: _one_pass(be, x, extra_zeros, mn, mx, m),
+                           lambda x, mn, mx, m: _scaled(be, x, extra_zeros), (x, mn0, mx0, m0))
+    nonzero = counts[0] - counts[1] - counts[2] - counts[3] - counts[4]
+    if sample is None:
+        kept_hist = _kept_hist(be, x)
+    else:  # the scaled sample, unless the exact histogram is due (record.sample_is_enough's rule)
+        kept_hist = _kept_hist(be, sample(x))
+        kept = kept_hist[0]
+        scaled = xp.concatenate([xp.reshape(kept, (1,)), kept_hist[1:] * xp.where(
+            kept > 0, be.f32(nonzero) / xp.where(kept > 0, kept, 1.0), 0.0)])
+        exact = (nonzero <= hist_sample) | (kept < record.sample_min_kept(hist_sample))
+        kept_hist = be.cond(exact, lambda x, s: _kept_hist(be, x), lambda x, s: s * 1.0, (x, scaled))
+    return counts, xp.concatenate([head, kept_hist])
+
+
+def _extremes(be: Backend, mn: Any, mx: Any, extra_zeros: int) -> tuple[Any, Any]:
+    if extra_zeros:  # a sparse gradient's implicit zeros
+        return be.xp.where(mn < 0, mn, 0.0), be.xp.where(mx > 0, mx, 0.0)
+    return mn, mx
+
+
+def _one_pass(be: Backend, x: Any, extra_zeros: int, mn: Any, mx: Any, m: Any) -> tuple[Any, Any]:
+    """``(counts, [min, max, mean, ssq_rel])`` of an all-finite ``x`` whose max|x| is in ``[SAFE_LO, SAFE_HI]``:
+    plain sums of values and squares (one pass each), the extremes already known."""
+    xp = be.xp
+    n = math.prod(x.shape)
+    zero = n - be.normal_count(x) + extra_zeros
+    ssq = be.sum_squares(x) / (m * m)
+    mean = (be.fsum or xp.sum)(x) / (n + extra_zeros)
+    mn, mx = _extremes(be, mn, mx, extra_zeros)
+    counts = xp.stack([zero * 0 + n + extra_zeros, zero * 0, zero * 0, zero * 0, zero])
+    return counts, be.f32(xp.stack([mn, mx, mean, ssq]))
+
+
+def _scaled(be: Backend, x: Any, extra_zeros: int) -> tuple[Any, Any]:
+    """``(counts, [min, max, mean, ssq_rel])`` of any ``x``: NaN/Inf counted apart, sums of ``x / max|x|``."""
     xp = be.xp
     n = math.prod(x.shape)
     inf = float("inf")
     a = xp.abs(x)
     finite = a <= F32_MAX  # False for NaN and +-Inf
     keep = finite & (a >= record.FLUSH_BELOW)  # finite and not flushed to zero
-    nfin = xp.sum(finite)
-    nonzero = xp.sum(keep)
-    nan = xp.sum(xp.isnan(x))
-    posinf = xp.sum(x == inf)
+    nfin = xp.count_nonzero(finite)
+    nonzero = xp.count_nonzero(keep)
+    nan = xp.count_nonzero(xp.isnan(x))
+    posinf = xp.count_nonzero(x == inf)
     neginf = n - nfin - nan - posinf
     xk = xp.where(keep, x, 0.0)
-    mx = xp.max(xp.where(finite, xk, -inf))
-    mn = xp.min(xp.where(finite, xk, inf))
-    if extra_zeros:
-        mx, mn = xp.where(mx > 0, mx, 0.0), xp.where(mn < 0, mn, 0.0)
+    mn, mx = _extremes(be, xp.min(xp.where(finite, xk, inf)), xp.max(xp.where(finite, xk, -inf)), extra_zeros)
     m = xp.maximum(mx, -mn)
     m = xp.where(m > 0, m, 0.0)  # no finite value: -inf -> 0
     ssq, s = _sums(be, xk, m)
     nf = nfin + extra_zeros
     mean = xp.where(nf > 0, s / xp.where(nf > 0, nf, 1) * m, 0.0)
-    v = x if sample is None else sample(x)
-    av = xp.abs(v)
-    w = be.f32((av >= record.FLUSH_BELOW) & (av <= F32_MAX))
-    hist = be.histogram(av, w)
-    kept = xp.sum(w)
-    if sample is not None:  # scaled to the exact finite nonzero count
-        hist = hist * xp.where(kept > 0, be.f32(nonzero) / xp.where(kept > 0, kept, 1.0), 0.0)
     counts = xp.stack([nan * 0 + n + extra_zeros, nan, posinf, neginf, nfin - nonzero + extra_zeros])
-    head = be.f32(xp.stack([mn, mx, mean, ssq]))
-    return counts, xp.concatenate([head, xp.reshape(kept, (1,)), hist])
+    return counts, be.f32(xp.stack([mn, mx, mean, ssq]))
+
+
+def _kept_hist(be: Backend, v: Any) -> Any:
+    """``[finite nonzero count, *histogram]`` float32 of the values ``v`` (all of them binned; integer counts, so
+    exact up to float32's own rounding of the result)."""
+    av = be.xp.abs(v)
+    keep = (av >= record.FLUSH_BELOW) & (av <= F32_MAX)
+    count = be.xp.reshape(be.xp.count_nonzero(keep), (1,))
+    return be.xp.concatenate([be.f32(count), be.f32(be.histogram(av, keep * 1))])
 
 
 def norm_stats(be: Backend, x: Any) -> Any:
@@ -85,6 +163,14 @@ def norm_stats(be: Backend, x: Any) -> Any:
     xp = be.xp
     if math.prod(x.shape) == 0:
         return be.f32(xp.stack([xp.sum(x), xp.sum(x)]))
+    mn, mx = be.min_max(x)
+    m = xp.maximum(mx, -mn)
+    return be.cond((m >= SAFE_LO) & (m <= SAFE_HI), lambda x, m: be.f32(xp.stack([m, be.sum_squares(x) / (m * m)])),
+                   lambda x, m: _norm_scaled(be, x), (x, m))
+
+
+def _norm_scaled(be: Backend, x: Any) -> Any:
+    xp = be.xp
     a = xp.abs(x)
     af = xp.where((a >= record.FLUSH_BELOW) & (a <= F32_MAX), a, 0.0)
     m = xp.max(af)

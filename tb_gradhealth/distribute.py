@@ -16,7 +16,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from tb_gradhealth import record, shards, summary
+from tb_gradhealth import record, summary
+from tb_gradhealth._tf import shards
 
 __all__ = ["replica_record", "applied_record", "merge_replicas", "merge_and_write"]
 

@@ -18,13 +18,15 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from google.protobuf.message import DecodeError
 from tensorboard.compat.proto import event_pb2
 
 from tb_gradhealth import storage
+from tb_gradhealth.problems import Kind, Problem
 
 try:  # C implementation (a dependency; the fallback keeps a broken install readable)
     import google_crc32c
@@ -61,6 +63,57 @@ def iter_records(path: str, problems: list[str], storage_options: Mapping[str, A
         yield payload
 
 
+@dataclass
+class ScanEnd:
+    """Where :func:`scan_framed` stopped: ``end``, the byte offset just past the last whole record, and ``stop``:
+    None at a record boundary, ``"partial"`` in a partial record (truncated, or still being written), ``"corrupt"``
+    at a record header whose length checksum fails (the framing cannot be trusted past it)."""
+
+    end: int = 0
+    stop: str | None = None
+
+
+def scan_framed(data: bytes, base: int, path: str, problems: list[str], where: ScanEnd
+                ) -> Iterator[tuple[int, bytes]]:
+    """``(byte offset, payload)`` of each whole TFRecord in ``data`` (the file's bytes from offset ``base``) whose
+    data checksum matches; a record failing it is skipped with a problem naming the file and offset. ``where``
+    is updated as records are read, so a reader can resume at ``where.end`` when more bytes arrive."""
+    pos, n = 0, len(data)
+    where.end, where.stop = base, None
+    while pos < n:
+        if n - pos < 12:
+            where.stop = "partial"
+            return
+        (length,) = struct.unpack_from("<Q", data, pos)
+        (length_crc,) = struct.unpack_from("<I", data, pos + 8)
+        if masked_crc32c(data[pos : pos + 8]) != length_crc:
+            where.stop = "corrupt"
+            return
+        end = pos + 12 + length + 4
+        if end > n:
+            where.stop = "partial"
+            return
+        payload = data[pos + 12 : pos + 12 + length]
+        (data_crc,) = struct.unpack_from("<I", data, end - 4)
+        pos = end
+        where.end = base + end
+        if masked_crc32c(payload) != data_crc:
+            problems.append(Problem(Kind.FILE, f"{path}: record at byte {base + end - 16 - length} fails its data "
+                                             f"checksum (damaged); skipped"))
+        else:
+            yield base + end - 16 - length, payload
+
+
+def stop_problem(path: str, where: ScanEnd) -> Problem | None:
+    """The problem line for where a scan stopped early (None when it read to a record boundary)."""
+    if where.stop == "partial":
+        return Problem(Kind.PARTIAL, f"{path}: ends in a partial record at byte {where.end} (truncated, or still "
+                                     f"being written)")
+    if where.stop == "corrupt":
+        return Problem(Kind.FILE, f"{path}: corrupt record header at byte {where.end}; the rest of the file is skipped")
+    return None
+
+
 def iter_framed(path: str, problems: list[str], storage_options: Mapping[str, Any] | None = None
                 ) -> Iterable[tuple[int, bytes]]:
     """``(byte offset, payload)`` of each TFRecord of an event file whose data checksum matches.
@@ -73,29 +126,13 @@ def iter_framed(path: str, problems: list[str], storage_options: Mapping[str, An
     try:
         data = storage.read_bytes(path, storage_options)
     except OSError as e:
-        problems.append(f"{path}: unreadable: {e}")
+        problems.append(Problem(Kind.FILE, f"{path}: unreadable: {e}"))
         return
-    pos, n = 0, len(data)
-    while pos < n:
-        if n - pos < 12:
-            problems.append(f"{path}: ends in a partial record at byte {pos} (truncated, or still being written)")
-            return
-        (length,) = struct.unpack_from("<Q", data, pos)
-        (length_crc,) = struct.unpack_from("<I", data, pos + 8)
-        if masked_crc32c(data[pos : pos + 8]) != length_crc:
-            problems.append(f"{path}: corrupt record header at byte {pos}; the rest of the file is skipped")
-            return
-        end = pos + 12 + length + 4
-        if end > n:
-            problems.append(f"{path}: ends in a partial record at byte {pos} (truncated, or still being written)")
-            return
-        payload = data[pos + 12 : pos + 12 + length]
-        (data_crc,) = struct.unpack_from("<I", data, end - 4)
-        if masked_crc32c(payload) != data_crc:
-            problems.append(f"{path}: record at byte {pos} fails its data checksum (damaged); skipped")
-        else:
-            yield pos, payload
-        pos = end
+    where = ScanEnd()
+    yield from scan_framed(data, 0, path, problems, where)
+    line = stop_problem(path, where)
+    if line:
+        problems.append(line)
 
 
 #: While writing fails, events wait in memory up to this many bytes; beyond it the oldest are dropped (counted).

@@ -36,7 +36,7 @@ __all__ = ["RecordingState", "add_records", "compute", "keras_callback", "layer_
 
 def _histogram(av: jax.Array, w: jax.Array) -> jax.Array:
     b = jnp.searchsorted(jnp.asarray(record.HIST_EDGES), av.astype(jnp.float32), side="right")
-    return jnp.zeros(record.HIST_BINS, jnp.float32).at[b].add(w)
+    return jnp.zeros(record.HIST_BINS, w.dtype).at[b].add(w)
 
 
 def _divide(x: jax.Array, m: jax.Array) -> jax.Array:
@@ -47,9 +47,19 @@ def _divide(x: jax.Array, m: jax.Array) -> jax.Array:
     return (x * c) / (m * c)
 
 
+def _fsum(y: jax.Array) -> jax.Array:
+    """A flat sum as a tree of rows of 32 (XLA:CPU's single loop adds 1e-6-sized squares to a running sum near 1
+    one by one and drifts by a few 1e-6; a tree keeps the error near float32's rounding of the result)."""
+    while y.shape[0] > 64:
+        k = y.shape[0] - y.shape[0] % 32
+        rows = jnp.sum(jnp.reshape(y[:k], (-1, 32)), axis=1)
+        y = rows if k == y.shape[0] else jnp.concatenate([rows, jnp.sum(y[k:])[None]])
+    return jnp.sum(y)
+
+
 _BE = devicestats.Backend(
     jnp, lambda t: jnp.asarray(t).astype(jnp.float32), _histogram, lambda a, like: jnp.asarray(a),
-    _divide,
+    _divide, lambda pred, true_fn, false_fn, operands: lax.cond(pred, true_fn, false_fn, *operands), _fsum,
 )
 
 
@@ -188,10 +198,12 @@ class GradientTransformation(NamedTuple):
 
 
 def recording(
-    inner: Any, *, every: int = 1, weights: bool = True, hist_sample: int = record.DEFAULT_HIST_SAMPLE
+    inner: Any, *, every: int = 100, first: int = 10, weights: bool = True,
+    hist_sample: int = record.DEFAULT_HIST_SAMPLE,
 ) -> GradientTransformation:
     """Wrap an optax-style transformation so that its state records the gradients it receives and the update it
-    returns (``update_max_abs``/``update_ssq_rel``: the update the optimizer applies) every ``every`` steps.
+    returns (``update_max_abs``/``update_ssq_rel``: the update the optimizer applies) on the ``first`` steps and
+    every ``every``-th (by default the Keras callback's cadence, 100, after the first 10 steps).
 
     Use it as the last (outermost) transformation so the recorded update is the applied one, e.g.
     ``recording(optax.adamw(1e-3))``. Between logged steps ``lax.cond`` skips the statistics. Write with
@@ -210,7 +222,8 @@ def recording(
             w = params if weights else None
             return compute(grads, w, new_updates, hist_sample=hist_sample, seed=state.count), state.count
 
-        r, at = lax.cond(state.count % every == 0, rec, lambda: (state.record, state.recorded_at))
+        logged = (state.count % every == 0) | (state.count < first)
+        r, at = lax.cond(logged, rec, lambda: (state.record, state.recorded_at))
         return new_updates, RecordingState(new_inner, state.count + 1, r, at)
 
     return GradientTransformation(init, update)

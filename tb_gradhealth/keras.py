@@ -2,7 +2,7 @@
 
 Why a hook and not a probe: recomputing gradients on one fixed batch at epoch end costs a whole extra
 forward/backward pass and is not the gradient that training applied. The callback installs optimizer hooks
-(:mod:`tb_gradhealth.capture`) and traces the train function twice: a "plain" variant (the ordinary step) and a
+(:mod:`tb_gradhealth._tf.capture`) and traces the train function twice: a "plain" variant (the ordinary step) and a
 "capture" variant that stores the record of the applied gradient on logged steps. The host, which counts steps,
 calls the capture variant only for calls that contain a logged step, so other steps cost nothing, even under XLA.
 The host reads the records back in batches and writes them with the TF-free :class:`tb_gradhealth.writer.Writer`
@@ -16,6 +16,7 @@ written at step ``s``, next to ``batch_loss`` of the same batch; it describes th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -26,9 +27,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tb_gradhealth import compat, layerinfo, progress, record, summary
+from tb_gradhealth import layerinfo, progress, record, summary
 from tb_gradhealth._stepbook import StepBook, ring_plan
-from tb_gradhealth.capture import CUSTOM_LOOP_ADVICE, Capture, CaptureError
+from tb_gradhealth._tf import compat
+from tb_gradhealth._tf.capture import CUSTOM_LOOP_ADVICE, Capture, CaptureError
 from tb_gradhealth.failsafe import Failsafe
 from tb_gradhealth.writer import Writer
 
@@ -49,10 +51,13 @@ class StopEvent:
     layer: str
     status: str
     layers: tuple[str, ...]
+    #: Where the first NaN/Inf was made (a :class:`tb_gradhealth.origin.NanOrigin`), when it was looked for.
+    origin: Any = None
 
     def message(self) -> str:
         others = f" (bad layers at that step: {', '.join(self.layers)})" if len(self.layers) > 1 else ""
-        return f"tb_gradhealth: {self.status} gradient in layer {self.layer!r} at step {self.step}{others}"
+        made = f"; {self.origin.message()}" if self.origin is not None else ""
+        return f"tb_gradhealth: {self.status} gradient in layer {self.layer!r} at step {self.step}{others}{made}"
 
 
 def _innermost_optimizer(optimizer: Any) -> Any:
@@ -164,8 +169,8 @@ class GradientHealthCallback(keras.callbacks.Callback):
             step of each epoch (the first step of each epoch when the number of steps is unknown); ``"batch"``
             means 1, as in Keras; ``None`` records no training gradients (then ``probe_data`` is required).
             Unlogged steps cost a comparison; a logged step costs the statistics of the gradients, weights and
-            updates (see docs/KERAS.md for measured figures). The default, 100, keeps the average cost within 2%
-            of a step (Keras' TensorBoard defaults to ``"epoch"``, too coarse to see a gradient blow up).
+            updates (docs/KERAS.md has the measured cost of the default, 100, and of every step). Keras'
+            TensorBoard defaults to ``"epoch"``, too coarse to see a gradient blow up.
         name: tag name of the records (``gradhealth/<name>/...``).
         record_updates: also record the applied update ``w_before - w_after`` (so the dashboard can show
             update/weight ratios whatever the optimizer). Costs a transient copy of the weights on logged steps;
@@ -181,6 +186,9 @@ class GradientHealthCallback(keras.callbacks.Callback):
             Inf in a gradient) and/or ``"exploding"`` (as diagnosed by :mod:`tb_gradhealth.health` with
             ``thresholds``, the dashboard's rule). The layer and step are logged and kept in :attr:`stop_event`.
         thresholds: a :class:`tb_gradhealth.health.Thresholds` or a mapping of its fields (for ``"exploding"``).
+        nan_origin: at the first recorded step whose gradient holds a NaN/Inf, put the weights of that step back,
+            replay it op by op and store where the first NaN/Inf was made (op, layer, forward or backward, line of
+            user code) in :attr:`origin`, the log and the run (docs/NAN_ORIGIN.md). Free until then.
     """
 
     def __init__(
@@ -195,6 +203,7 @@ class GradientHealthCallback(keras.callbacks.Callback):
         probe_data: Sequence[Any] | None = None,
         stop_on: Sequence[str] = (),
         thresholds: Any = None,
+        nan_origin: bool = True,
     ) -> None:
         super().__init__()
         if keras.backend.backend() != "tensorflow":  # pragma: no cover - the module imports TensorFlow
@@ -219,6 +228,10 @@ class GradientHealthCallback(keras.callbacks.Callback):
         self._writer: Writer | None = None
         self._probe: _Probe | None = None
         self._stop_watch = _StopWatch(self.stop_on, thresholds) if self.stop_on else None
+        self.nan_origin = bool(nan_origin)
+        #: Where the first NaN/Inf was made (:class:`tb_gradhealth.origin.NanOrigin`), once one was recorded.
+        self.origin: Any = None
+        self._origin: Any = None
         self._failsafe = Failsafe()
         self._writer_dropped = 0
 
@@ -241,6 +254,7 @@ class GradientHealthCallback(keras.callbacks.Callback):
         if getattr(model, "optimizer", None) is None:
             raise CaptureError("GradientHealthCallback needs a compiled model with an optimizer (call compile()).")
         self.stop_event = None
+        self.origin = None
         if self._stop_watch is not None:
             self._stop_watch = _StopWatch(self.stop_on, self._thresholds)
         self._capture = None
@@ -266,6 +280,7 @@ class GradientHealthCallback(keras.callbacks.Callback):
             seed=self.seed,
         )
         cap.install()
+        self._origin = self._start_origin(model, cap)
         # each variable's layer kind and activation, kept in the tag's metadata to explain a status
         self._layer_info = self._failsafe.run("reading the layers' kinds", layerinfo.model_layer_info, model,
                                               cap.variables) or ()
@@ -283,6 +298,15 @@ class GradientHealthCallback(keras.callbacks.Callback):
         book = self._book
         # a fit that ended by an exception left this dispatcher in place (no writer): stay inert
         mode = self._capture.mode = book.next_mode(inert=self._writer is None)  # read when the call traces
+        logs = self._run(mode, iterator)
+        if self._origin is not None:  # the batch, kept for a replay: out of the logs before fit sees them
+            logs = self._origin.take_batch(logs, book.host_step + book.call_steps, keep=book.last_mode == "capture")
+        return logs
+
+    def _run(self, mode: str, iterator: Any) -> Any:
+        """One call of the ``mode`` train function; the plain one instead if the capturing one fails for the
+        statistics' sake (then for the rest of this fit)."""
+        book = self._book
         if mode == "plain":
             return self._functions[mode](iterator)
         try:
@@ -364,6 +388,8 @@ class GradientHealthCallback(keras.callbacks.Callback):
         self._teardown()
 
     def _teardown(self) -> None:
+        if self._origin is not None:
+            self._origin.uninstall()
         if self._capture is not None:
             self._capture.uninstall()
             # Drop the traced functions that hold the hooks: later fit() calls without this callback pay nothing.
@@ -391,11 +417,28 @@ class GradientHealthCallback(keras.callbacks.Callback):
         for step, rows in new:
             self._failsafe.run("writing a gradient-health record", self._writer.add_records, step, cap.layers, rows,
                                name=self.name, kind="gradients", layer_info=self._layer_info, records=1)
+            if self._origin is not None and self.origin is None:
+                self.origin = self._failsafe.run("finding where the NaN/Inf was made", self._origin.check, step, rows)
             if self._stop_watch is not None and self.stop_event is None:
                 self.stop_event = self._failsafe.run("checking stop_on", self._stop_watch.check, cap.layers, step, rows)
+                if self.stop_event is not None and self.origin is not None:
+                    self.stop_event = dataclasses.replace(self.stop_event, origin=self.origin)
                 if self.stop_event is not None:
                     _log.warning("%s; stopping training", self.stop_event.message())
                     self.model.stop_training = True
+
+    def _start_origin(self, model: Any, cap: Capture) -> Any:
+        """The NaN-origin search of this fit (:mod:`tb_gradhealth._tf.fit_origin`), or None when switched off."""
+        if not self.nan_origin:
+            return None
+        from tb_gradhealth._tf.fit_origin import FitOrigin
+
+        found = FitOrigin(model, self.train_dir, self.name, stop_after="nonfinite" in self.stop_on,
+                          restores=self.record_updates)
+        found.install()  # the train step returns its batch, for the replay
+        if found.keeps_batches:  # without the batch there is nothing to replay: leave the weights to the optimizer
+            cap.guard = found.guard
+        return found
 
     def _write_probe(self) -> None:
         if self._probe is None:

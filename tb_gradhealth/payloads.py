@@ -62,9 +62,7 @@ def parse_thresholds(params: Mapping[str, Any]) -> health.Thresholds:
     try:
         return health.Thresholds.from_mapping(params)
     except ValueError as e:
-        # Thresholds names the offending key quoted ('key'); unquoted names in its message are the known ones.
-        bad = next((k for k in params if repr(k) in str(e)), None)
-        raise RequestError(400, f"threshold parameter: {e}", bad) from e
+        raise RequestError(400, f"threshold parameter: {e}", getattr(e, "key", None)) from e
 
 
 def readable(series: RunSeries) -> RunSeries:

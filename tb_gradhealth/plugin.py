@@ -29,7 +29,8 @@ from tensorboard.backend import http_util
 from tensorboard.plugins import base_plugin
 from werkzeug import wrappers
 
-from tb_gradhealth import health, metadata
+from tb_gradhealth import health, metadata, origin
+from tb_gradhealth.filereader import FileReader
 from tb_gradhealth.payloads import (
     RequestError,
     at_index,
@@ -160,8 +161,12 @@ class GradHealthPlugin(base_plugin.TBPlugin):
 
     def __init__(self, context: base_plugin.TBContext):
         self._context = context
-        hint = (context.sampling_hints or {}).get(metadata.PLUGIN_NAME)
-        self._reader = ProviderReader(context.data_provider, hint)
+        self._reader: FileReader | ProviderReader
+        if getattr(context.flags, READ_FILES, False) and context.logdir:
+            self._reader = FileReader(context.logdir)
+        else:
+            hint = (context.sampling_hints or {}).get(metadata.PLUGIN_NAME)
+            self._reader = ProviderReader(context.data_provider, hint)
         self._health_cache: OrderedDict[tuple, tuple[health.RunHealth, Answer]] = OrderedDict()
         self._health_lock = threading.Lock()
         self._flights: dict[tuple, _Flight] = {}
@@ -175,16 +180,18 @@ class GradHealthPlugin(base_plugin.TBPlugin):
             "/series": self._serve_series,
             "/histograms": self._serve_histograms,
             "/profile": self._serve_profile,
+            "/nan_origin": self._serve_nan_origin,
             "/*": self._serve_static,
         }
         return {route: _read_only(app) for route, app in apps.items()}
 
     def is_active(self) -> bool:
         """Cheap: TensorBoard's plugin listing already asks the data provider which plugins have data
-        (``list_plugins``, one call for all plugins), so this is only a fallback for hosts that skip that."""
-        if self._context.data_provider is None:
-            return False
-        return self._reader.has_data(tb_context.RequestContext(), "")
+        (``list_plugins``, one call for all plugins), so this is only a fallback for hosts that skip that. The data
+        provider answers it even when the plugin reads the files (its data server keeps one record per tag)."""
+        if self._context.data_provider is not None:
+            return ProviderReader(self._context.data_provider).has_data(tb_context.RequestContext(), "")
+        return isinstance(self._reader, FileReader) and self._reader.has_data()
 
     def frontend_metadata(self) -> base_plugin.FrontendMetadata:
         return base_plugin.FrontendMetadata(es_module_path="/index.js", tab_name="Gradient Health")
@@ -281,6 +288,21 @@ class GradHealthPlugin(base_plugin.TBPlugin):
         h, _ = self._diagnosis(request, series, t, int(series.steps[profile_index(series, step)]))
         return profile_payload(series, t, step, h)
 
+    @_json_route
+    def _serve_nan_origin(self, request: Any) -> dict[str, Any]:
+        """Where the run's first NaN/Inf was made (:mod:`tb_gradhealth.origin`): ``{"run", "origin", "problems"}``,
+        ``origin`` null when none was stored."""
+        _no_extra(request.args, ("run",))
+        run = _required(request.args, "run")
+        directory = run.split(" [", 1)[0]  # a run's other streams ("run [probe_gradients]") share its directory
+        problems: list[str] = []
+        try:
+            found = origin.first(origin.read_provider(self._context.data_provider, plugin_util.context(request.environ),
+                                                      plugin_util.experiment_id(request.environ), directory, problems))
+        except Exception as e:  # noqa: BLE001 - the data provider's own failure: the tab shows no origin
+            return {"run": run, "origin": None, "problems": [f"origin unreadable: {e}"]}
+        return {"run": run, "origin": found.to_json() if found else None, "problems": problems}
+
     @wrappers.Request.application
     def _serve_static(self, request: Any) -> wrappers.Response:
         """Files of the frontend directory only: no path outside it, no hidden files, known types only."""
@@ -343,29 +365,50 @@ def _resolve_static(static: str, rel: str) -> str | None:
     return full
 
 
-def keep_every_step_by_default(flags: Any) -> None:
-    """Set ``gradhealth=0`` (keep every sample) in ``flags.samples_per_plugin`` unless the user gave a value.
+#: Attribute the loader sets on TensorBoard's flags when the plugin reads the event files itself.
+READ_FILES = "gradhealth_reads_event_files"
 
-    TensorBoard's loaders keep 100 tensors per tag (Rust data server) or 10 (``--load_fast=false``) for a plugin
-    without an entry, which loses the onset of a NaN and can drop a single Inf step entirely. ``program.configure``
-    calls every loader's ``fix_flags`` before it builds the data ingester, which reads this dict (the flag's parser
-    makes a dict of ``plugin=N`` pairs; a ``configure(samples_per_plugin=...)`` keyword may be either form).
+
+def _samples_per_plugin(value: Any) -> dict[str, int]:
+    """``--samples_per_plugin`` as a dict (the flag's parser makes one of ``plugin=N`` pairs; a
+    ``configure(samples_per_plugin=...)`` keyword may be either form)."""
+    if not isinstance(value, str):
+        return dict(value or {})
+    parsed: dict[str, int] = {}
+    for token in value.split(","):
+        if token.strip():
+            key, _, num = token.strip().partition("=")
+            try:
+                parsed[key.strip()] = int(num)
+            except ValueError as e:
+                raise base_plugin.FlagsError(f"--samples_per_plugin: {token!r} is not plugin=N") from e
+    return parsed
+
+
+def serves_one_logdir(flags: Any) -> bool:
+    """Whether TensorBoard reads one logdir itself (not ``--logdir_spec``, not an external data server), so that the
+    plugin can read its event files directly."""
+    return bool(getattr(flags, "logdir", "")) and not getattr(flags, "logdir_spec", "") and not getattr(
+        flags, "grpc_data_provider", "")
+
+
+def keep_every_step_by_default(flags: Any) -> None:
+    """Every gradient-health step is served unless the user gave ``--samples_per_plugin=gradhealth=N``.
+
+    When TensorBoard serves one logdir, the plugin reads its event files itself (:mod:`tb_gradhealth.filereader`,
+    every step, incrementally) and the data server is told to keep one record per tag (``gradhealth=1``), only so
+    that it lists the tab: its copy of every record would otherwise be about the logdir's size in memory. Otherwise
+    (``--logdir_spec``, an external data server) the data server keeps every record (``gradhealth=0``): its loaders
+    keep 100 tensors per tag (10 with ``--load_fast=false``) for a plugin without an entry, which loses the onset of
+    a NaN. ``program.configure`` calls every loader's ``fix_flags`` before it builds the data ingester.
     """
     if not hasattr(flags, "samples_per_plugin"):
         return  # a TensorBoard program without the core plugin's flags: nothing to set
-    value = flags.samples_per_plugin
-    if isinstance(value, str):
-        parsed: dict[str, int] = {}
-        for token in value.split(","):
-            if token.strip():
-                key, _, num = token.strip().partition("=")
-                try:
-                    parsed[key.strip()] = int(num)
-                except ValueError as e:
-                    raise base_plugin.FlagsError(f"--samples_per_plugin: {token!r} is not plugin=N") from e
-        value = parsed
-    value = dict(value or {})
-    value.setdefault(metadata.PLUGIN_NAME, 0)
+    value = _samples_per_plugin(flags.samples_per_plugin)
+    if metadata.PLUGIN_NAME not in value:
+        direct = serves_one_logdir(flags)
+        value[metadata.PLUGIN_NAME] = 1 if direct else 0
+        setattr(flags, READ_FILES, direct)
     flags.samples_per_plugin = value
 
 
@@ -373,7 +416,8 @@ class GradHealthLoader(base_plugin.TBLoader):
     """The ``tensorboard_plugins`` entry point (and what ``program.TensorBoard(plugins=[...])`` takes).
 
     A loader rather than the plugin class, because only a loader gets :meth:`fix_flags`: it makes plain
-    ``tensorboard --logdir DIR`` keep every gradient-health step (see :func:`keep_every_step_by_default`)."""
+    ``tensorboard --logdir DIR`` serve every gradient-health step, read by the plugin from the event files (see
+    :func:`keep_every_step_by_default`)."""
 
     def fix_flags(self, flags: Any) -> None:
         keep_every_step_by_default(flags)

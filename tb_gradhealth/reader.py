@@ -22,7 +22,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from google.protobuf.message import DecodeError
@@ -33,6 +33,7 @@ from tensorboard.util import tensor_util
 
 from tb_gradhealth import metadata, record, storage
 from tb_gradhealth.eventfile import iter_framed
+from tb_gradhealth.problems import Kind, Problem, any_of_kind
 
 #: ``downsample`` meaning "every sample the loader kept": TensorBoard's hint 0 means all, but a data provider
 #: passed ``downsample=0`` returns nothing, so 0 must become a large number.
@@ -249,7 +250,8 @@ def _check_points(td: TagData, n_layers: int, problems: list[str]
             continue
         out.append((float(wall_time), int(step), t, np.ones(n_layers, dtype=bool)))
     if bad_tensors:
-        problems.append(f"tag {td.tag}: {bad_tensors} unreadable record tensor(s) skipped, first at {first_tensor}")
+        problems.append(Problem(Kind.RECORDS, f"tag {td.tag}: {bad_tensors} unreadable record tensor(s) skipped, "
+                                              f"first at {first_tensor}"))
     # Row checks, stacked per histogram width (events of one width share a column layout).
     by_width: dict[int, list[int]] = {}
     for i, (_, _, t, _) in enumerate(out):
@@ -265,8 +267,8 @@ def _check_points(td: TagData, n_layers: int, problems: list[str]
         out[i][3][row] = False
     if damaged:
         i, row, why = min(damaged)
-        problems.append(f"tag {td.tag}: {len(damaged)} damaged record row(s) skipped, first at step {out[i][1]} row "
-                        f"{row}: {why}")
+        problems.append(Problem(Kind.RECORDS, f"tag {td.tag}: {len(damaged)} damaged record row(s) skipped, first "
+                                              f"at step {out[i][1]} row {row}: {why}"))
     return out
 
 
@@ -320,22 +322,61 @@ def assemble(
     """
     problems = list(problems)
     notes: list[str] = []
-    good: list[tuple[TagData, tuple[str, ...]]] = []
-    for td in sorted(tags, key=lambda t: t.tag):
-        try:
-            content = metadata.decode_content(td.content)
-        except ValueError as e:  # including metadata.UnsupportedVersion (a future format version)
-            problems.append(f"tag {td.tag}: skipped: {e}")
-            continue
-        good.append((td, content.layers))
+    good = _readable_tags(tags, problems)
     tag_names = tuple(td.tag for td, _ in good)
     good = _join_blocks(good)
     # The tag with the most layers is the backbone of the order; the others' new layers go in around it.
     layers = _merge_order([lay for _, lay in sorted(good, key=lambda g: (-len(g[1]), g[0].tag))])
-    col = {name: i for i, name in enumerate(layers)}
+    valid, downsampled = _checked_points(good, layers, problems, notes, sample_limit)
+    if consume:  # from here on only ``valid`` holds the tensors
+        for td in [*tags, *(td for td, _ in good)]:
+            td.points.clear()
+    steps = np.unique(np.array([v.step for v in valid], dtype=np.int64))
+    records, bins = _decode(valid, steps, len(layers))
+    return RunSeries(
+        run=run,
+        layers=tuple(layers),
+        steps=steps,
+        records=records,
+        problems=tuple(problems),
+        notes=tuple(notes),
+        tags=tag_names,
+        sample_limit=sample_limit,
+        maybe_downsampled=downsampled,
+        resident_bytes=(record.HIST_START + max(0, bins[1] - bins[0])) * steps.size * len(layers) * 8,
+    )
 
-    # Pass 1: check every tensor, row by row, and collect the steps that will hold data.
-    valid: list[tuple[float, int, int, np.ndarray, np.ndarray, np.ndarray]] = []  # wall_time, order, step, cols, t, ok
+
+def _readable_tags(tags: Sequence[TagData], problems: list[str]) -> list[tuple[TagData, tuple[str, ...]]]:
+    """``(tag, its layers)`` of each tag whose metadata decodes, by name; the others are problems."""
+    good = []
+    for td in sorted(tags, key=lambda t: t.tag):
+        try:
+            content = metadata.decode_content(td.content)
+        except ValueError as e:  # including metadata.UnsupportedVersion (a future format version)
+            problems.append(Problem(Kind.RECORDS, f"tag {td.tag}: skipped: {e}"))
+            continue
+        good.append((td, content.layers))
+    return good
+
+
+class _Point(NamedTuple):
+    """A checked record tensor of a tag, not yet decoded."""
+
+    wall_time: float
+    order: int  # read order: the tie-break between equal wall times
+    step: int
+    cols: np.ndarray  # the run's column of each of the tag's layers
+    tensor: np.ndarray
+    ok: np.ndarray  # [rows] bool: rows that passed the checks
+
+
+def _checked_points(good: list[tuple[TagData, tuple[str, ...]]], layers: list[str], problems: list[str],
+                    notes: list[str], sample_limit: int | None) -> tuple[list[_Point], bool]:
+    """Pass 1: every tensor checked row by row, after the restart rule; and whether a tag reached the loader's
+    sample limit (older steps may have been dropped)."""
+    col = {name: i for i, name in enumerate(layers)}
+    valid: list[_Point] = []
     downsampled = False
     for td, tag_layers in good:
         cols = np.array([col[name] for name in tag_layers], dtype=np.int64)
@@ -345,19 +386,20 @@ def assemble(
                          f"{restarts[0]}: the earlier records from that step on are replaced, as TensorBoard does")
         for wall_time, step, t, ok in _check_points(TagData(td.tag, td.content, points), len(tag_layers), problems):
             if ok.any():
-                valid.append((wall_time, len(valid), step, cols, t, ok))
+                valid.append(_Point(wall_time, len(valid), step, cols, t, ok))
         if sample_limit is not None and len(td.points) >= sample_limit:
             downsampled = True
-    if consume:  # from here on only ``valid`` holds the tensors
-        for td in [*tags, *(td for td, _ in good)]:
-            td.points.clear()
-    steps = np.unique(np.array([v[2] for v in valid], dtype=np.int64))
-    records = new_records(steps.size, len(layers))
-    filled = np.zeros((steps.size, len(layers)), dtype=bool)
-    # Pass 2: decode in write order (wall time, then read order) so the last written record of a step wins; taken
-    # from the end of the list, so that each tensor can go as soon as it is decoded.
-    valid.sort(key=lambda v: (v[0], v[1]), reverse=True)
-    bins = (record.HIST_BINS, 0)  # the union of the histogram windows written
+    return valid, downsampled
+
+
+def _decode(valid: list[_Point], steps: np.ndarray, n_layers: int) -> tuple[np.ndarray, tuple[int, int]]:
+    """Pass 2: the records (:func:`new_records`, all-NaN where a layer has none) and the union of the histogram
+    windows written. Decoded in write order (wall time, then read order) so the last written record of a step wins;
+    taken from the end of ``valid`` (emptied), so that each tensor can go as soon as it is decoded."""
+    records = new_records(steps.size, n_layers)
+    filled = np.zeros((steps.size, n_layers), dtype=bool)
+    valid.sort(key=lambda v: (v.wall_time, v.order), reverse=True)
+    bins = (record.HIST_BINS, 0)
     while valid:
         _, _, step, cols, t, ok = valid.pop()
         s = int(np.searchsorted(steps, step))
@@ -374,18 +416,7 @@ def assemble(
             bins = (min(bins[0], lo), max(bins[1], lo + t.shape[1] - record.DISK_HIST_START))
     if not filled.all():
         records[~filled] = np.nan
-    return RunSeries(
-        run=run,
-        layers=tuple(layers),
-        steps=steps,
-        records=records,
-        problems=tuple(problems),
-        notes=tuple(notes),
-        tags=tag_names,
-        sample_limit=sample_limit,
-        maybe_downsampled=downsampled,
-        resident_bytes=(record.HIST_START + max(0, bins[1] - bins[0])) * steps.size * len(layers) * 8,
-    )
+    return records, bins
 
 
 # --- source 1: a TensorBoard data provider (the plugin) -----------------------------------------------------------
@@ -588,7 +619,7 @@ class ProviderReader:
                 if series is None:
                     continue
                 hit = (fp, series.summary())
-                if not any(p.startswith("data provider could not read") for p in series.problems):
+                if not any_of_kind(series.problems, Kind.PROVIDER):
                     with self._lock:
                         self._summaries[key] = hit
             out.append(hit[1])
@@ -640,8 +671,8 @@ class ProviderReader:
                 continue
             except PROVIDER_ERRORS as e:
                 if not _too_large(e) or (len(group) == 1 and downsample <= 1):
-                    return assemble(name, [], sample_limit=self.sample_limit,
-                                    problems=[f"data provider could not read this run: {e}"]), False
+                    unread = Problem(Kind.PROVIDER, f"data provider could not read this run: {e}")
+                    return assemble(name, [], sample_limit=self.sample_limit, problems=[unread]), False
                 if len(group) > 1:  # the estimate was wrong (an unexpected tag size): one tag at a time
                     todo[:0] = [([tag], downsample) for tag in group]
                     continue
@@ -696,6 +727,41 @@ def is_event_file(name: str) -> bool:
     return "tfevents" in name
 
 
+def add_event(payload: bytes, tags: dict[str, TagData], orphans: dict[str, int]) -> bool:
+    """Add the gradient-health values of one serialized event to ``tags`` (False: it does not parse).
+
+    A tag's metadata comes with its first value; records of a ``gradhealth/`` tag seen before it are counted in
+    ``orphans`` (the event carrying the metadata is lost). A tensor that does not decode becomes a string, which
+    :func:`assemble` reports."""
+    try:
+        event = event_pb2.Event.FromString(payload)
+    except DecodeError:
+        return False
+    if not event.HasField("summary"):
+        return True
+    for value in event.summary.value:
+        td = tags.get(value.tag)
+        if td is None:
+            if value.metadata.plugin_data.plugin_name != metadata.PLUGIN_NAME:
+                if value.tag.startswith(metadata.TAG_PREFIX) and not value.metadata.plugin_data.plugin_name:
+                    orphans[value.tag] = orphans.get(value.tag, 0) + 1
+                continue
+            td = tags[value.tag] = TagData(value.tag, value.metadata.plugin_data.content)
+        if not value.HasField("tensor"):
+            continue
+        try:
+            arr = tensor_util.make_ndarray(value.tensor)
+        except (ValueError, TypeError) as e:
+            arr = f"undecodable tensor proto: {e}"  # reported by assemble's validation
+        td.points.append((event.step, event.wall_time, arr))
+    return True
+
+
+def orphan_problems(orphans: Mapping[str, int]) -> list[str]:
+    return [Problem(Kind.RECORDS, f"tag {tag}: {n} record(s) without the tag's metadata skipped (the event that "
+                                  f"carried it is damaged or missing)") for tag, n in sorted(orphans.items())]
+
+
 def read_run_dir(paths: Sequence[str], problems: list[str],
                  storage_options: Mapping[str, Any] | None = None) -> list[TagData]:
     """Gradient-health tags of one run from its event files (in name order = creation order).
@@ -708,35 +774,13 @@ def read_run_dir(paths: Sequence[str], problems: list[str],
     for path in paths:
         bad_events, first_bad = 0, None
         for offset, payload in iter_framed(path, problems, storage_options):
-            try:
-                event = event_pb2.Event.FromString(payload)
-            except DecodeError:
+            if not add_event(payload, tags, orphans):
                 bad_events += 1
                 first_bad = first_bad if first_bad is not None else offset
-                continue
-            if not event.HasField("summary"):
-                continue
-            for value in event.summary.value:
-                td = tags.get(value.tag)
-                if td is None:
-                    if value.metadata.plugin_data.plugin_name != metadata.PLUGIN_NAME:
-                        if value.tag.startswith(metadata.TAG_PREFIX) and not value.metadata.plugin_data.plugin_name:
-                            orphans[value.tag] = orphans.get(value.tag, 0) + 1
-                        continue
-                    td = tags[value.tag] = TagData(value.tag, value.metadata.plugin_data.content)
-                if not value.HasField("tensor"):
-                    continue
-                try:
-                    arr = tensor_util.make_ndarray(value.tensor)
-                except (ValueError, TypeError) as e:
-                    arr = f"undecodable tensor proto: {e}"  # reported by assemble's validation
-                td.points.append((event.step, event.wall_time, arr))
         if bad_events:
-            problems.append(f"{path}: {bad_events} corrupt event(s) skipped (they do not parse), first at byte "
-                            f"{first_bad}")
-    for tag, n in sorted(orphans.items()):
-        problems.append(f"tag {tag}: {n} record(s) without the tag's metadata skipped (the event that carried it is "
-                        f"damaged or missing)")
+            problems.append(Problem(Kind.FILE, f"{path}: {bad_events} corrupt event(s) skipped (they do not parse), "
+                                               f"first at byte {first_bad}"))
+    problems.extend(orphan_problems(orphans))
     return list(tags.values())
 
 
@@ -774,7 +818,7 @@ def read_logdir(logdir: str, runs: Sequence[str] | None = None,
         run_problems: list[str] = []
         tags = {td.tag: td for td in read_run_dir(paths, run_problems, storage_options)}
         if not tags:
-            if any(p.startswith("tag ") for p in run_problems):  # gradhealth records, but none readable
+            if any_of_kind(run_problems, Kind.RECORDS):  # gradhealth records, but none readable
                 out.append(assemble(run, [], problems=run_problems))
             else:
                 problems.extend(run_problems)

@@ -200,14 +200,18 @@ def compute(
             rec[INDEX["size"]] = size
         elif weight is not None:
             rec[INDEX["size"]] = np.size(weight)
-        _set_optional(rec, "weight", weight)
-        _set_optional(rec, "update", update)
-        return rec
-    g = flush_to_zero(np.asarray(grad)).reshape(-1)
-    rec = empty()
-    nan = np.isnan(g)
-    posinf = np.isposinf(g)
-    neginf = np.isneginf(g)
+    else:
+        rec = empty()
+        finite = _set_counts_and_moments(rec, flush_to_zero(np.asarray(grad)).reshape(-1))
+        _set_histogram(rec, np.abs(finite[finite != 0]), hist_sample, rng)
+    _set_optional(rec, "weight", weight)
+    _set_optional(rec, "update", update)
+    return rec
+
+
+def _set_counts_and_moments(rec: np.ndarray, g: np.ndarray) -> np.ndarray:
+    """Fill the counts, extremes, mean and ``ssq_rel`` of the flat values ``g``; returns their finite values."""
+    nan, posinf, neginf = np.isnan(g), np.isposinf(g), np.isneginf(g)
     finite = g[~(nan | posinf | neginf)]
     rec[INDEX["size"]] = g.size
     rec[INDEX["nan"]] = int(nan.sum())
@@ -221,7 +225,13 @@ def compute(
         m, ssq = _max_abs_and_ssq_rel(finite)
         rec[INDEX["mean"]] = float(np.mean(f64 / m)) * m if m > 0 else 0.0
         rec[INDEX["ssq_rel"]] = ssq
-    nonzero = np.abs(finite[finite != 0])
+    return finite
+
+
+def _set_histogram(rec: np.ndarray, nonzero: np.ndarray, hist_sample: int | None,
+                   rng: np.random.Generator | None) -> None:
+    """Fill the histogram of the finite nonzero magnitudes: exact, or from ``hist_sample`` draws with replacement
+    scaled to their count (the rule every path shares, docs/FORMAT.md)."""
     n_nonzero = nonzero.size
     if hist_sample and n_nonzero > hist_sample:
         rng = rng if rng is not None else np.random.default_rng()
@@ -232,9 +242,6 @@ def compute(
     else:
         rec[HIST_START:] = np.bincount(hist_bin(nonzero), minlength=HIST_BINS)
         rec[INDEX["hist_sample"]] = n_nonzero
-    _set_optional(rec, "weight", weight)
-    _set_optional(rec, "update", update)
-    return rec
 
 
 def _set_optional(rec: np.ndarray, prefix: str, values: np.ndarray | None) -> None:
@@ -474,59 +481,83 @@ def check_disk(t: np.ndarray, rows_per_event: int | None = None) -> tuple[np.nda
     every field plausible is not detected here (the event file's data checksum catches it when it is checked).
     """
     t = np.asarray(t, dtype=np.float32)
-    n_rows = t.shape[0]
-    reasons: dict[int, str] = {}
-
-    def flag(mask: np.ndarray, why: str) -> None:
-        for i in np.flatnonzero(mask):
-            reasons.setdefault(int(i), why)
-
-    if n_rows == 0:
-        return np.zeros(0, dtype=bool), reasons
-    counts = np.ascontiguousarray(t[:, :NUM_COUNTS]).view(np.int32).T.astype(np.int64)  # one row per count
-    size, nan, posinf, neginf, zero = counts
-    flag(np.any(counts < 0, axis=0), "negative count")
-    finite = size - nan - posinf - neginf
-    flag(finite - zero < 0, "NaN, Inf and zero counts exceed size")
+    if t.shape[0] == 0:
+        return np.zeros(0, dtype=bool), {}
+    # One contiguous row per count (a strided view would make every check below several times slower).
+    counts = np.ascontiguousarray(np.ascontiguousarray(t[:, :NUM_COUNTS]).view(np.int32).T, dtype=np.int64)
     v = np.ascontiguousarray(t[:, NUM_COUNTS:DISK_HIST_LO].T, dtype=np.float64)  # one contiguous row per field
     vi = {name: v[i] for i, name in enumerate(VALUE_FIELDS)}
-    flag(~np.isin(vi["missing"], (0.0, 1.0)), "missing flag is not 0 or 1")
+    finite = counts[0] - counts[1] - counts[2] - counts[3]
+    zero = counts[4]
+    reasons: dict[int, str] = {}
+    for mask, why in (*_count_checks(counts, finite, zero), *_value_checks(finite, zero, vi),
+                      *_histogram_checks(t[:, DISK_HIST_START:], finite, zero, vi),
+                      *_window_checks(t, rows_per_event)):
+        for i in np.flatnonzero(mask):
+            reasons.setdefault(int(i), why)  # a row's first failed check is its reason
+    bad = np.zeros(t.shape[0], dtype=bool)
+    bad[list(reasons)] = True
+    return bad, reasons
+
+
+#: A check of :func:`check_disk`: the rows failing it, and why.
+_Check = tuple[np.ndarray, str]
+
+
+def _count_checks(counts: np.ndarray, finite: np.ndarray, zero: np.ndarray) -> list[_Check]:
+    return [(np.any(counts < 0, axis=0), "negative count"),
+            (finite - zero < 0, "NaN, Inf and zero counts exceed size")]
+
+
+def _value_checks(finite: np.ndarray, zero: np.ndarray, vi: dict[str, np.ndarray]) -> list[_Check]:
+    """The value fields against the counts and each other."""
     mn, mx, mean, ssq = vi["min"], vi["max"], vi["mean"], vi["ssq_rel"]
     has = (finite > 0) & (vi["missing"] == 0)
     with np.errstate(invalid="ignore", over="ignore"):
         m = np.maximum(np.abs(mn), np.abs(mx))
-        flag(has & ~(np.isfinite(mn) & np.isfinite(mx)),
-             "min/max not finite although finite values are counted (a value beyond float32's range?)")
-        flag(has & (mn > mx), "min > max")
         slack = _CHECK_RTOL * m
-        flag(has & ~((mean >= mn - slack) & (mean <= mx + slack)), "mean outside [min, max]")
         nonzero = has & (finite - zero > 0)
-        flag(nonzero & ~((ssq >= 1.0 - _CHECK_RTOL) & (ssq <= finite * (1.0 + _CHECK_RTOL))),
-             "ssq_rel outside [1, finite count]")
-        flag(has & (finite - zero == 0) & ((m != 0) | (ssq != 0)), "all values zero but min/max/ssq_rel are not")
-        for name in VALUE_FIELDS[4:10] + ("hist_sample",):
-            flag(~(np.isnan(vi[name]) | ((vi[name] >= 0) & np.isfinite(vi[name]))), f"{name} negative or infinite")
-        hist = t[:, DISK_HIST_START:]
-        flag(~(np.isfinite(hist).all(axis=1) & (hist >= 0).all(axis=1)), "histogram bin negative or not finite")
+        checks = [
+            (~np.isin(vi["missing"], (0.0, 1.0)), "missing flag is not 0 or 1"),
+            (has & ~(np.isfinite(mn) & np.isfinite(mx)),
+             "min/max not finite although finite values are counted (a value beyond float32's range?)"),
+            (has & (mn > mx), "min > max"),
+            (has & ~((mean >= mn - slack) & (mean <= mx + slack)), "mean outside [min, max]"),
+            (nonzero & ~((ssq >= 1.0 - _CHECK_RTOL) & (ssq <= finite * (1.0 + _CHECK_RTOL))),
+             "ssq_rel outside [1, finite count]"),
+            (has & (finite - zero == 0) & ((m != 0) | (ssq != 0)), "all values zero but min/max/ssq_rel are not"),
+        ]
+        checks += [(~(np.isnan(vi[name]) | ((vi[name] >= 0) & np.isfinite(vi[name]))),
+                    f"{name} negative or infinite") for name in VALUE_FIELDS[4:10] + ("hist_sample",)]
+    return checks
+
+
+def _histogram_checks(hist: np.ndarray, finite: np.ndarray, zero: np.ndarray, vi: dict[str, np.ndarray]
+                      ) -> list[_Check]:
+    """The histogram bins: each a count, together the finite nonzero count."""
+    with np.errstate(invalid="ignore", over="ignore"):
         total = hist.sum(axis=1, dtype=np.float64)
         expect = np.where(vi["missing"] == 0, finite - zero, 0)
-        flag(np.abs(total - expect) > _CHECK_RTOL * np.maximum(expect, 1) + 0.5,
-             "histogram total differs from the finite nonzero count")
+        # NaN fails both comparisons, so one combined mask checks "finite and not negative" in one pass.
+        counts_ok = np.logical_and.reduce((hist >= 0) & (hist < np.inf), axis=1)
+        return [(~counts_ok, "histogram bin negative or not finite"),
+                (np.abs(total - expect) > _CHECK_RTOL * np.maximum(expect, 1) + 0.5,
+                 "histogram total differs from the finite nonzero count")]
+
+
+def _window_checks(t: np.ndarray, rows_per_event: int | None) -> list[_Check]:
+    """``hist_lo``: the event's own (the median of its rows), and a window inside the histogram."""
     width = t.shape[1] - DISK_HIST_START
-    per = rows_per_event or n_rows
-    lo = t[:, DISK_HIST_LO].astype(np.float64).reshape(-1, per)
+    lo = t[:, DISK_HIST_LO].astype(np.float64).reshape(-1, rows_per_event or t.shape[0])
     finite_lo = np.isfinite(lo)
     with np.errstate(invalid="ignore"):
         common = np.median(np.where(finite_lo, lo, np.inf), axis=1, keepdims=True)  # NaN rows count as +inf
         common = np.where(np.isfinite(common), common, np.nan)
-        flag(~finite_lo.ravel(), "histogram window start is not a number")
-        flag((finite_lo & (lo != common)).ravel(), "histogram window start differs from the rest of its event")
         outside = ~((common == np.floor(common)) & (common >= 0) & (common <= HIST_BINS - width))
-    flag(np.broadcast_to(outside & finite_lo, lo.shape).ravel(),
-         f"histogram window of {width} bins starts outside the {HIST_BINS} bins")
-    bad = np.zeros(n_rows, dtype=bool)
-    bad[list(reasons)] = True
-    return bad, reasons
+        return [(~finite_lo.ravel(), "histogram window start is not a number"),
+                ((finite_lo & (lo != common)).ravel(), "histogram window start differs from the rest of its event"),
+                (np.broadcast_to(outside & finite_lo, lo.shape).ravel(),
+                 f"histogram window of {width} bins starts outside the {HIST_BINS} bins")]
 
 
 def decode_disk(t: np.ndarray) -> tuple[np.ndarray, dict[int, str]]:

@@ -96,11 +96,17 @@ def _ask(path: str, what: str, call: Any) -> Any:
         raise StorageError(f"{path}: cannot {what}: {type(e).__name__}: {e}") from e
 
 
+def _uncached(path: str, storage_options: Mapping[str, Any] | None) -> tuple[Any, str]:
+    """:func:`filesystem` with its listing cache of ``path`` dropped, so new objects show up."""
+    fs, inner = filesystem(path, storage_options)
+    fs.invalidate_cache(inner)
+    return fs, inner
+
+
 def isdir(path: str, storage_options: Mapping[str, Any] | None = None) -> bool:
     if not is_url(path):
         return os.path.isdir(path)
-    fs, inner = filesystem(path, storage_options)
-    fs.invalidate_cache(inner)
+    fs, inner = _uncached(path, storage_options)
     return bool(_ask(path, "list", lambda: fs.isdir(inner)))
 
 
@@ -117,8 +123,7 @@ def walk(top: str, storage_options: Mapping[str, Any] | None = None) -> Iterator
     if not is_url(top):
         yield from os.walk(top)
         return
-    fs, inner = filesystem(top, storage_options)
-    fs.invalidate_cache(inner)
+    fs, inner = _uncached(top, storage_options)
     base = inner.rstrip("/")
     for dirpath, dirnames, filenames in _ask(top, "list", lambda: list(fs.walk(base, topdown=True))):
         yield (top.rstrip("/") + dirpath[len(base):]), dirnames, filenames
@@ -138,6 +143,24 @@ def read_bytes(path: str, storage_options: Mapping[str, Any] | None = None) -> b
             return f.read()
     fs, inner = filesystem(path, storage_options)
     return _ask(path, "read", lambda: fs.cat_file(inner))
+
+
+def size(path: str, storage_options: Mapping[str, Any] | None = None) -> int:
+    """Bytes in the file or object (an object store answers from a fresh listing, never a cache)."""
+    if not is_url(path):
+        return os.path.getsize(path)
+    fs, inner = _uncached(path, storage_options)
+    return int(_ask(path, "list", lambda: fs.size(inner)))
+
+
+def read_range(path: str, start: int, length: int, storage_options: Mapping[str, Any] | None = None) -> bytes:
+    """At most ``length`` bytes of the file or object from byte ``start`` (fewer at its end)."""
+    if not is_url(path):
+        with open(path, "rb") as f:
+            f.seek(start)
+            return f.read(length)
+    fs, inner = filesystem(path, storage_options)
+    return _ask(path, "read", lambda: fs.cat_file(inner, start=start, end=start + length))
 
 
 def write_object(path: str, data: bytes, storage_options: Mapping[str, Any] | None = None) -> None:

@@ -2,7 +2,7 @@
 
 * :func:`compute` turns gradients into a :class:`DeviceRecord` ``(counts int32 [L, 5], values float32 [L, 89])``
   with the numbers of :func:`tb_gradhealth.record.compute` (the float64 reference). All layers' statistics run in
-  one compiled XLA function (:mod:`tb_gradhealth.packed`: a fixed number of loops whatever the number of layers,
+  one compiled XLA function (:mod:`tb_gradhealth._tf.packed`: a fixed number of loops whatever the number of layers,
   so a model of hundreds of variables compiles in seconds), inlined into the caller's cluster inside a
   ``jit_compile=True`` step.
 * :func:`write` encodes a device record on the host (``tf.numpy_function`` calling :func:`record.to_disk`: one
@@ -10,8 +10,8 @@
 * :func:`gradients` = compute + write, for custom training loops (eager or ``tf.function``). Inside
   ``jit_compile=True`` nothing can be written: return ``compute(...)`` from the compiled step, ``write`` outside.
 
-Names come from :mod:`tb_gradhealth.naming`, the statistics from :mod:`tb_gradhealth.packed` (and the one-layer
-:mod:`tb_gradhealth.kernels`), the histogram bins from :mod:`tb_gradhealth.histogram`.
+Names come from :mod:`tb_gradhealth._tf.naming`, the statistics from :mod:`tb_gradhealth._tf.packed` (and the one-layer
+:mod:`tb_gradhealth._tf.kernels`), the histogram bins from :mod:`tb_gradhealth._tf.histogram`.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tb_gradhealth import compat, kernels, metadata, packed, record
-from tb_gradhealth.kernels import Delta, DeviceRecord, size_rows
-from tb_gradhealth.naming import is_variable, layer_names, normalize, variable_names
+from tb_gradhealth import metadata, record
+from tb_gradhealth._tf import compat, kernels, packed
+from tb_gradhealth._tf.kernels import Delta, DeviceRecord, size_rows
+from tb_gradhealth._tf.naming import is_variable, layer_names, normalize, variable_names
 
 __all__ = [
     "DeviceRecord", "Delta", "compute", "layer_names", "normalize", "variable_names", "write", "gradients",
@@ -76,7 +77,7 @@ def compute(
     applied-update norms, each a tensor or a :class:`Delta` ``(before, after)`` (cheaper: the difference is
     fused into the update's loop, never written out). ``seed`` (int or scalar tensor, e.g. the step) seeds
     histogram sampling; by default the seed comes from the data. ``jit=True`` (or ``"cluster"``) computes every
-    layer's statistics in one XLA function, compiled once per model signature (:mod:`tb_gradhealth.packed`; works
+    layer's statistics in one XLA function, compiled once per model signature (:mod:`tb_gradhealth._tf.packed`; works
     eagerly and in ``tf.function``; inside ``jit_compile=True`` it is inlined into the caller's cluster);
     ``jit=False`` uses plain TF ops, layer by layer.
     """

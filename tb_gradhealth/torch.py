@@ -5,8 +5,10 @@ without TensorFlow.
   the tensor's own device and stacks the records into one small float32 tensor ``[L, NUM_FIELDS]`` (the *packed*
   form: the 5 counts as int32 bit patterns, then the value fields and the 77 histogram bins, 376 bytes a layer).
   No gradient is copied to the host; :func:`to_memory` copies only the packed tensor.
-* It is branch-free (no ``.item()``, no data-dependent Python control flow), so it runs under ``torch.compile``
-  inside a compiled training step, and ``compile=True`` compiles it on its own (one fused loop a layer).
+* Traced, it has no data-dependent Python control flow (its two choices per layer, the one-pass or scaled
+  statistics and the sampled or exact histogram, are ``torch.cond``), so it runs under ``torch.compile`` inside a
+  compiled training step, and ``compile=True`` compiles it on its own; eagerly, those choices are Python branches
+  on a device scalar (a host sync each: free on a CPU).
 * :func:`merge` merges the records of gradient shards (FSDP, ZeRO, tensor parallel) with two collectives
   (``all_reduce`` MAX, then SUM), giving the record of the full gradient: counts and histograms add, min/max
   combine, relative sums of squares are rescaled to the global max|g| first.
@@ -19,7 +21,9 @@ histogram are equal; ``ssq_rel``/``mean`` (float32 accumulation) to about 1e-6 r
 holds them (float64 beyond its range is +-Inf; below its smallest normal number, zero), as on every other path.
 The histogram of a tensor larger than
 ``hist_sample`` is built from ``hist_sample`` positions ``(offset + i * stride) % n`` (the TF path's rule; the
-offset comes from ``seed`` and the layer index, or from the data), scaled to the finite nonzero count.
+offset comes from ``seed`` and the layer index, or from the data), scaled to the finite nonzero count, unless
+the exact histogram is due (at most ``hist_sample`` finite nonzero values, or fewer than ``record.sample_min_kept``
+of them in the sample).
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ __all__ = [
     "Delta",
     "StepRecorder",
     "add_gradients",
+    "after_step",
+    "before_step",
     "compute",
     "layer_names",
     "merge",
@@ -94,7 +100,7 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).float()
 
 
-# --- the statistics (torch ops, branch-free) ----------------------------------------------------------------
+# --- the statistics (torch ops, torch.cond when traced) --------------------------------------------------
 
 
 def _edges(device: torch.device) -> torch.Tensor:
@@ -122,14 +128,35 @@ def _seed_offset(seed: int, layer: int) -> int:
 
 def _histogram(av: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     b = torch.bucketize(av.float(), _edges(av.device), right=True)
-    return torch.zeros(record.HIST_BINS, device=av.device, dtype=torch.float32).index_add_(0, b, w)
+    return torch.zeros(record.HIST_BINS, device=av.device, dtype=w.dtype).index_add_(0, b, w)
 
 
 def _const(a: np.ndarray, like: Any) -> torch.Tensor:
     return torch.from_numpy(a).to(like.device) if isinstance(like, torch.Tensor) else torch.from_numpy(a)
 
 
-_BE = devicestats.Backend(torch, lambda t: t.float(), _histogram, _const, torch.div)
+def _sumsq(x: torch.Tensor) -> torch.Tensor:
+    """``sum(x * x)`` in one pass, as norms of rows of 1024 (one norm of millions of values drifts by 1e-4)."""
+    k = x.numel() - x.numel() % 1024
+    if k == 0:
+        return x.square().sum()
+    s = torch.linalg.vector_norm(x[:k].view(-1, 1024), dim=1).square().sum()
+    return s + x[k:].square().sum() if k < x.numel() else s
+
+
+def _cond(pred: torch.Tensor, true_fn: Callable, false_fn: Callable, operands: tuple) -> Any:
+    """``torch.cond`` while traced (only the branch taken runs, no graph break); eagerly, a Python branch."""
+    if torch.compiler.is_compiling():
+        return torch.cond(pred, true_fn, false_fn, operands)
+    return true_fn(*operands) if bool(pred) else false_fn(*operands)
+
+
+_BE = devicestats.Backend(
+    torch, lambda t: t.float(), _histogram, _const, torch.div, _cond,
+    aminmax=torch.aminmax,
+    sumsq=lambda x: _sumsq(x),
+    count_normal=lambda x: torch.count_nonzero(x.view(torch.int32) & 0x7F800000),  # exponent bits: not 0/subnormal
+)
 
 
 def _sampler(n: int, hist_sample: int, offset: Any) -> Any:
@@ -318,16 +345,46 @@ def add_gradients(
     return rows
 
 
+def before_step(params: Sequence[tuple[str, torch.nn.Parameter]], step: int, hist_sample: int,
+                updates: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+    """Just before an optimizer step: the gradients' and weights' packed records and (``updates``) a snapshot of
+    the weights, for :func:`after_step`. Shared by :class:`StepRecorder` and the Lightning / Hugging Face
+    callbacks."""
+    packed = compute(params, True, hist_sample=hist_sample, seed=step)
+    return packed, ({n: p.detach().clone() for n, p in params} if updates else None)
+
+
+def after_step(pending: tuple[torch.Tensor, dict[str, torch.Tensor] | None],
+               params: Sequence[tuple[str, torch.nn.Parameter]], sharded: bool = False,
+               group: Any = None) -> np.ndarray | None:
+    """Just after the step: the applied update ``before - after`` joins the records, shards are merged
+    (``sharded``), and the memory-form rows are returned on rank 0 (``None`` on the others)."""
+    packed, before = pending
+    if before is not None:
+        updates = {n: Delta(before[n], p.detach()) for n, p in params}
+        u = compute({n: None for n, _ in params}, updates=updates, hist_sample=0)
+        cols = [_VI["update_max_abs"], _VI["update_ssq_rel"]]
+        packed[:, cols] = u[:, cols]
+    if sharded:
+        packed = merge(packed, group)
+    return to_memory(packed) if _rank(group) == 0 else None
+
+
 class StepRecorder:
     """Records the gradient the optimizer applies (after ``GradScaler`` unscaling) and the update it makes.
 
     Replace ``opt.step()`` (or ``scaler.step(opt); scaler.update()``) with ``recorder.step(step)``. On a logged
-    step (``step % every == 0``) it unscales the gradients (unless you already called ``scaler.unscale_``),
+    step (one of the ``first`` steps, where onsets often lie, or ``step % every == 0``; by default the Keras
+    callback's cadence, 100) it unscales the gradients (unless you already called ``scaler.unscale_``),
     computes their records on the device, snapshots the weights, runs the optimizer step, and records the update
     ``before - after``; one host copy writes it all. With a scaler it also writes the scalars ``amp/loss_scale``
     (the scale this step used) and ``amp/step_skipped`` (1 when the scaler skipped the step because a gradient
     was NaN/Inf: the record then shows those NaN/Inf counts and a zero update). Returns whether the optimizer
     step was applied.
+
+    ``origin``: a :class:`tb_gradhealth.torch_origin.OriginFinder`; with ``step(step, batch=(x, y))`` the first
+    recorded NaN/Inf gradient (without a scaler) has its update undone and its step replayed to find where it was
+    made (docs/NAN_ORIGIN.md); it needs every step, so with ``origin`` ``every`` defaults to 1.
     """
 
     def __init__(
@@ -337,15 +394,20 @@ class StepRecorder:
         optimizer: torch.optim.Optimizer,
         *,
         scaler: Any = None,
-        every: int = 1,
+        every: int | None = None,
+        first: int = 10,
         updates: bool = True,
         sharded: bool = False,
         group: Any = None,
         name: str = "gradients",
+        origin: Any = None,
     ) -> None:
         self.writer, self.optimizer, self.scaler = writer, optimizer, scaler
+        self.origin = origin
         self.params = list(model.named_parameters() if isinstance(model, torch.nn.Module) else model)
-        self.every, self.updates, self.sharded, self.group, self.name = every, updates, sharded, group, name
+        self.every = every if every is not None else (1 if origin is not None else 100)
+        self.first, self.updates = first, updates
+        self.sharded, self.group, self.name = sharded, group, name
 
     def _optimizer_step(self) -> bool:
         if self.scaler is None:
@@ -356,8 +418,12 @@ class StepRecorder:
         self.scaler.update()
         return not self.scaler.get_scale() < before  # the scaler backs off exactly when it skips a step
 
-    def step(self, step: int) -> bool:
-        if step % self.every:
+    def logs(self, step: int) -> bool:
+        """Whether ``step`` is logged: one of the ``first`` steps, or a multiple of ``every``."""
+        return step < self.first or step % self.every == 0
+
+    def step(self, step: int, batch: Sequence[Any] | None = None) -> bool:
+        if not self.logs(step):
             return self._optimizer_step()
         if self.scaler is not None:
             try:
@@ -368,21 +434,18 @@ class StepRecorder:
             return self._optimizer_step()
         scale = self.scaler.get_scale() if self.scaler is not None else None
         hs = self.writer.hist_sample if self.writer is not None else record.DEFAULT_HIST_SAMPLE
-        grads = compute(self.params, True, hist_sample=hs, seed=step)
-        before = {n: p.detach().clone() for n, p in self.params} if self.updates else None
+        pending = before_step(self.params, step, hs, self.updates)
         applied = self._optimizer_step()
-        if before is not None:
-            updates = {n: Delta(before[n], p.detach()) for n, p in self.params}
-            u = compute({n: None for n, _ in self.params}, updates=updates, hist_sample=0)
-            cols = [_VI["update_max_abs"], _VI["update_ssq_rel"]]
-            grads[:, cols] = u[:, cols]
-        if self.sharded:
-            grads = merge(grads, self.group)
-            if _rank(self.group) != 0:
-                return applied
-        rows = to_memory(grads)
+        grads = after_step(pending, self.params, self.sharded, self.group)
+        if grads is None:
+            return applied
+        before = pending[1]
+        if self.origin is not None and self.scaler is None:  # where the first NaN/Inf was made (torch_origin)
+            found = self.origin.after_step(step, grads, self.params, before, batch,
+                                           self.writer.logdir if self.writer is not None else None)
+            applied = applied and (found is None or before is None)  # the update was undone
         if self.writer is not None:
-            self.writer.add_records(step, [n for n, _ in self.params], rows, name=self.name)
+            self.writer.add_records(step, [n for n, _ in self.params], grads, name=self.name)
             if scale is not None:
                 self.writer.add_scalars(step, {"amp/loss_scale": scale, "amp/step_skipped": float(not applied)})
         return applied

@@ -33,8 +33,7 @@ import numpy as np
 import tensorflow as tf
 
 from tb_gradhealth import record
-from tb_gradhealth.distribute import applied_record, merge_and_write, merge_replicas, replica_record
-from tb_gradhealth.shards import (
+from tb_gradhealth._tf.shards import (
     check_log_dir,
     compute,
     disk_from_device,
@@ -44,6 +43,7 @@ from tb_gradhealth.shards import (
     scalar_tensor,
     write,
 )
+from tb_gradhealth.distribute import applied_record, merge_and_write, merge_replicas, replica_record
 
 __all__ = [
     "host_call",

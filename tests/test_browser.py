@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 
 from tb_gradhealth import (
+    origin,
     record,
     testing,
 )
@@ -47,6 +48,10 @@ ALL_NAN_RUN = "allnan"
 ALL_NAN_LAYER = "dense_1/kernel"
 INERT_RUN = "biasbn"
 INERT_LAYER = "dense_0/bias"
+#: The stored answer of a replay for ALL_NAN_RUN; its code line would run as HTML if it were not text.
+NAN_ORIGIN = origin.NanOrigin(step=12, found=True, framework="tensorflow", op="Log", layer="loss_head",
+                              direction="forward", file="/src/train.py", line=41,
+                              code='tf.math.log(p) # <img src=x onerror="alert(1)">')
 SCALE_LAYERS = 1000
 SCALE_STEPS = 30
 STARTUP_TIMEOUT_S = 120.0
@@ -120,6 +125,7 @@ def logdir(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
     facts[SCALE_RUN] = testing.make_scale_logdir(str(root), SCALE_LAYERS, SCALE_STEPS, run=SCALE_RUN)
     facts[ALL_NAN_RUN] = make_all_nan(str(root))
     facts[INERT_RUN] = make_inert(str(root))
+    origin.write(os.path.join(str(root), ALL_NAN_RUN), NAN_ORIGIN)  # where its NaN was made (a replay's answer)
     return str(root), facts
 
 
@@ -795,4 +801,30 @@ def test_inert_layer_is_muted_and_not_flagged(tensorboard: str, gh: Page) -> Non
     page.wait_for_function(f"""() => document.querySelectorAll('section[data-run="{INERT_RUN}"] tbody tr[data-layer]')
                                 .length === 1""")
     assert rows(page, INERT_RUN) == [(INERT_LAYER, "inert")]
+    gh.assert_clean()
+
+
+@pytest.mark.browser
+@pytest.mark.e2e
+def test_run_headline_says_where_the_nan_was_made(tensorboard: str, gh: Page) -> None:
+    page = open_plugin(gh, tensorboard)
+    select_runs(page, [ALL_NAN_RUN, INERT_RUN])
+    line = panel(page, ALL_NAN_RUN).locator("[data-testid=nan-origin]")
+    line.wait_for(timeout=30000)
+    text = line.inner_text()
+    assert text.startswith(f"NaN/Inf made at step {NAN_ORIGIN.step} in loss_head (Log, forward) — train.py:41")
+    assert NAN_ORIGIN.code in text  # shown as text, not markup
+    assert panel(page, INERT_RUN).locator("[data-testid=nan-origin]").count() == 0
+    shot(panel(page, ALL_NAN_RUN), "15_nan_origin.png")
+    # the detail of the layer whose gradient went NaN says where it was made; a healthy layer's does not
+    drawer = page.locator("[data-testid=detail]")
+    panel(page, ALL_NAN_RUN).locator(f'tr[data-layer="{ALL_NAN_LAYER}"]').click()
+    drawer.locator("[data-testid=nan-origin]").wait_for(timeout=30000)
+    assert drawer.locator("[data-testid=nan-origin]").inner_text() == text
+    page.keyboard.press("Escape")  # close the drawer: it covers the table
+    with page.expect_response(lambda r: "/nan_origin?" in r.url):
+        panel(page, ALL_NAN_RUN).locator('tr[data-layer="dense_0/kernel"]').click()
+    drawer.locator(".stat-grid").wait_for(timeout=30000)
+    page.evaluate("() => new Promise((done) => setTimeout(done, 0))")  # the answer's handler has run
+    assert drawer.locator("[data-testid=nan-origin]").count() == 0
     gh.assert_clean()

@@ -1,10 +1,11 @@
 """Every gradient-health step is kept by a plain ``tensorboard --logdir DIR``, with no flag.
 
 TensorBoard's loaders keep 100 tensors per tag (Rust data server) or 10 (``--load_fast=false``) for a plugin without
-a ``--samples_per_plugin`` entry; the package's loader sets ``gradhealth=0`` in ``fix_flags`` unless the user gave
-a value. Checked on a real ``tensorboard`` process started through the installed entry point, with each loader:
-a NaN that starts at step 637 of 1,000 is reported at 637, a single Inf step at 500 is found, a 100-step run is not
-called sampled, and the user's own ``--samples_per_plugin=gradhealth=N`` still wins.
+a ``--samples_per_plugin`` entry; unless the user gave a value, the package's loader makes the plugin read the event
+files itself (the data server keeps one record per tag, ``gradhealth=1``) or, when TensorBoard does not serve one
+logdir, sets ``gradhealth=0``. Checked on a real ``tensorboard`` process started through the installed entry point,
+with each loader: a NaN that starts at step 637 of 1,000 is reported at 637, a single Inf step at 500 is found, a
+100-step run is not called sampled, and the user's own ``--samples_per_plugin=gradhealth=N`` still wins.
 """
 
 from __future__ import annotations
@@ -112,8 +113,8 @@ def test_the_users_own_sample_limit_wins(logdir, tmp_path_factory):
         tb.stop()
 
 
-def _flags(samples) -> argparse.Namespace:
-    return argparse.Namespace(samples_per_plugin=samples)
+def _flags(samples, **more) -> argparse.Namespace:
+    return argparse.Namespace(samples_per_plugin=samples, **more)
 
 
 @pytest.mark.unit
@@ -130,6 +131,23 @@ def test_fix_flags_sets_only_a_missing_value(given, expected):
     flags = _flags(given)
     plugin.GradHealthLoader().fix_flags(flags)
     assert flags.samples_per_plugin == expected
+    assert not getattr(flags, plugin.READ_FILES, False)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("more, expected, reads_files", [
+    ({"logdir": "/some/logdir"}, {"gradhealth": 1}, True),
+    ({"logdir": "", "logdir_spec": "a:/x,b:/y"}, {"gradhealth": 0}, False),
+    ({"logdir": "/some/logdir", "grpc_data_provider": "localhost:6806"}, {"gradhealth": 0}, False),
+])
+def test_one_logdir_is_read_from_its_files_and_the_data_server_keeps_one_record(more, expected, reads_files):
+    flags = _flags({}, **more)
+    plugin.GradHealthLoader().fix_flags(flags)
+    assert flags.samples_per_plugin == expected
+    assert getattr(flags, plugin.READ_FILES) is reads_files
+    given = _flags({"gradhealth": 0}, **more)  # the user's own value: the data server serves every record
+    plugin.GradHealthLoader().fix_flags(given)
+    assert given.samples_per_plugin == {"gradhealth": 0} and not getattr(given, plugin.READ_FILES, False)
 
 
 @pytest.mark.unit
@@ -150,6 +168,7 @@ def test_tensorboard_program_applies_the_default_before_building_the_loader():
 
     tb = program.TensorBoard(plugins=default.get_plugins() + [plugin.GradHealthLoader])
     tb.configure(argv=[None, "--logdir", "/nonexistent"])
-    assert tb.flags.samples_per_plugin == {"gradhealth": 0}
+    assert tb.flags.samples_per_plugin == {"gradhealth": 1}  # the plugin reads the event files itself
+    assert getattr(tb.flags, plugin.READ_FILES) is True
     tb.configure(argv=[None, "--logdir", "/nonexistent", "--samples_per_plugin", "images=3,gradhealth=12"])
     assert tb.flags.samples_per_plugin == {"images": 3, "gradhealth": 12}

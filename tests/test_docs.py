@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tb_gradhealth import compat
+from tb_gradhealth._tf import compat
 
 pytestmark = pytest.mark.unit
 

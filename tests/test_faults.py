@@ -748,7 +748,7 @@ def test_summary_gradients_refuses_mismatched_or_misplaced_input_and_keeps_every
 
 @pytest.mark.unit
 def test_repeated_names_never_collide_with_given_ones():
-    from tb_gradhealth import naming
+    from tb_gradhealth._tf import naming
 
     class Var:  # a variable as the naming rule sees one: assignable, with a name
         def __init__(self, name):

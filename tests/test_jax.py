@@ -175,3 +175,52 @@ def test_sharded_on_four_simulated_devices(tmp_path):
                           timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
     assert proc.stdout.startswith("OK")
+
+
+def test_recording_default_cadence_logs_the_first_steps_then_every_hundredth():
+    params = {"w": jnp.ones(3)}
+    opt = jgh.recording(_sgd(0.1), hist_sample=0)
+    update = jax.jit(opt.update)
+    state, seen = opt.init(params), []
+    for _ in range(202):
+        _, state = update(params, state, params)
+        seen.append(int(state.recorded_at))
+    assert sorted(set(seen)) == [*range(10), 100, 200]
+    assert seen[15] == 9 and seen[150] == 100
+
+
+def test_recording_wraps_real_optax_on_a_flax_model():
+    optax = pytest.importorskip("optax")
+    nn = pytest.importorskip("flax.linen")
+
+    class Mlp(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(1)(jnp.tanh(nn.Dense(16)(x)))
+
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.normal(size=(32, 8)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(32, 1)), jnp.float32)
+    model = Mlp()
+    params = model.init(jax.random.PRNGKey(0), x)
+    opt = jgh.recording(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)), every=3, first=1,
+                        hist_sample=0)
+
+    @jax.jit
+    def step(p, s):
+        g = jax.grad(lambda q: jnp.mean((model.apply(q, x) - y) ** 2))(p)
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s, g, u
+
+    state = opt.init(params)
+    names = jgh.layer_names(params)
+    for i in range(4):
+        before = params
+        params, state, g, u = step(params, state)
+        if i in (0, 3):
+            assert int(state.recorded_at) == i
+            flat = [jax.tree_util.tree_leaves(t) for t in (g, before, u)]
+            ref = np.stack([record.compute(*(np.asarray(t[k]) for t in flat), hist_sample=None)
+                            for k in range(len(names))])
+            assert_records_close(ref, jgh.to_memory(state.record), names)
+    assert names == ["params/Dense_0/bias", "params/Dense_0/kernel", "params/Dense_1/bias", "params/Dense_1/kernel"]

@@ -23,7 +23,8 @@ keras = pytest.importorskip("keras")
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader  # noqa: E402
 from tensorboard.util import tensor_util  # noqa: E402
 
-from tb_gradhealth import compat, metadata, record  # noqa: E402
+from tb_gradhealth import metadata, record  # noqa: E402
+from tb_gradhealth._tf import compat  # noqa: E402
 from tb_gradhealth.keras import CaptureError, GradientHealthCallback  # noqa: E402
 
 LR = 0.1

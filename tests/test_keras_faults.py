@@ -19,7 +19,7 @@ from tests.test_recording_faults import Tmpfs
 
 pytestmark = pytest.mark.tf
 #: Bound by tests/conftest.py when a test here runs, never at collection: ``tf`` and these names.
-TF_IMPORTS = {"keras": "keras", "capture": "tb_gradhealth.capture", "summary": "tb_gradhealth.summary",
+TF_IMPORTS = {"keras": "keras", "capture": "tb_gradhealth._tf.capture", "summary": "tb_gradhealth.summary",
               "GradientHealthCallback": "tb_gradhealth.keras:GradientHealthCallback"}
 tf: Any = None
 keras: Any = None

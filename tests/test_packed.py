@@ -13,7 +13,8 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from tb_gradhealth import packed, record, summary  # noqa: E402
+from tb_gradhealth import record, summary  # noqa: E402
+from tb_gradhealth._tf import packed  # noqa: E402
 from tests.test_summary import assert_matches_reference, to_mem  # noqa: E402
 
 pytestmark = pytest.mark.tf

@@ -340,6 +340,7 @@ def test_cli_json_is_the_health_route(client, demo, capsys):
         served = get_json(client, f"/health?run={run}")
         served.pop("run")
         assert body.pop("problems") == [] and body.pop("notes") == []
+        assert body.pop("nan_origin") == get_json(client, f"/nan_origin?run={run}")["origin"]  # none stored here
         assert body == served
         statuses = {x["layer"]: x["status"] for x in body["layers"]}
         if run == "vanishing":
@@ -371,3 +372,25 @@ def test_a_failing_data_provider_is_503_or_a_problem_never_500(tmp_path):
     runs = get_json(c, "/runs")
     assert runs["runs"] == [] and "data provider" in runs["problems"][0]
     assert p.is_active() is False
+
+
+@pytest.mark.e2e
+def test_reading_the_files_answers_every_route_as_the_data_provider(client, demo):
+    """Plain ``tensorboard --logdir`` (no ``--samples_per_plugin``): the loader makes the plugin read the event files
+    and the data server keep one record per tag; every route answers as through the data provider."""
+    logdir, facts, _ = demo
+    flags = argparse.Namespace(logdir=str(logdir), samples_per_plugin={}, window_title="", path_prefix="",
+                               generic_data="true")
+    plugin.GradHealthLoader().fix_flags(flags)
+    assert flags.samples_per_plugin == {"gradhealth": 1} and getattr(flags, plugin.READ_FILES)
+    kept_one = gl.data_server(str(logdir), flags.samples_per_plugin, last_steps=dict.fromkeys(facts, 0))
+    files = Client(application.TensorBoardWSGIApp(flags, [plugin.GradHealthLoader],
+                                                  data_provider=kept_one.data_provider))
+    base = "/data/plugin/gradhealth"
+    assert get_json(files, "/data/plugins_listing")["gradhealth"]["enabled"] is True
+    assert get_json(files, f"{base}/runs") == get_json(client, "/runs")
+    for run, f in facts.items():
+        layer = f.layers[-1]
+        for route in (f"health?run={run}", f"health?run={run}&vanish_decades=2.5", f"series?run={run}&layer={layer}",
+                      f"histograms?run={run}&layer={layer}", f"profile?run={run}&step={f.steps[len(f.steps) // 2]}"):
+            assert get_json(files, f"{base}/{route}") == get_json(client, f"/{route}"), route

@@ -185,3 +185,16 @@ def test_step_recorder_with_grad_scaler(tmp_path, inject_inf):
     assert scalars["amp/loss_scale"] == [(0, 1024.0)]
     assert scalars["amp/step_skipped"] == [(0, float(inject_inf))]
     assert seen["scale_after"] == (512.0 if inject_inf else 1024.0)
+
+
+def test_step_recorder_default_cadence_logs_the_first_steps_then_every_hundredth(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with Writer(str(tmp_path), hist_sample=0) as w:
+        rec = tgh.StepRecorder(w, model, opt)
+        for step in range(205):
+            opt.zero_grad()
+            model(torch.randn(2, 3)).sum().backward()
+            rec.step(step)
+    assert list(reader.read_logdir(str(tmp_path)).runs[0].steps) == [*range(10), 100, 200]

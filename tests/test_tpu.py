@@ -232,7 +232,8 @@ def test_bad_input_fails_at_build_time(tmp_path):
 
 
 def test_distribute_helpers_are_also_reachable_from_tpu():
-    from tb_gradhealth import distribute, shards
+    from tb_gradhealth import distribute
+    from tb_gradhealth._tf import shards
 
     for name in ("replica_record", "applied_record", "merge_replicas", "merge_and_write"):
         assert getattr(tpu, name) is getattr(distribute, name)

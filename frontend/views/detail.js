@@ -10,6 +10,7 @@ import { lineChart } from '../charts/line.js';
 import { api } from '../model.js';
 import { badge } from '../status.js';
 import { episodeText, episodesOf, statusChain } from './episodes.js';
+import { originNote } from './origin.js';
 import { thresholdLines } from './reference.js';
 
 const C = { rms: '#0072B2', max_abs: '#D55E00', norm: '#009E73', ratio: '#CC79A7', ratio2: '#56B4E9', noise: '#E69F00' };
@@ -71,6 +72,7 @@ export function detailDrawer(model) {
           el('ul', { class: 'fixes-list' }, entry.fixes.map((f) => el('li', { text: f }))))
         : null,
       episodeList(entry),
+      originNote(run, layer, entry), // where the run's first NaN/Inf was made, if it concerns this layer
       entry ? el('dl', { class: 'stat-grid' }, STATS.filter(([k]) => entry[k] !== undefined).map(([k, label]) => [
         el('dt', { text: label }), el('dd', { class: 'mono', text: k.endsWith('step') || k === 'index'
           ? String(entry[k] ?? '—') : fmt(entry[k]) })])) : null,

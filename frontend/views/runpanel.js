@@ -6,6 +6,7 @@
 import { el, replace } from '../dom.js';
 import { afterPaint, timing } from '../model.js';
 import { downsampledNotice, problemsNotice } from './empty.js';
+import { originBox } from './origin.js';
 import { profileView } from './profile.js';
 import { summaryLine } from './summary.js';
 import { layerTable } from './table.js';
@@ -21,17 +22,19 @@ export function runPanel(model, run, openDetail) {
   const meta = el('span', { class: 'run-meta' });
   const notices = el('div', { class: 'notices' });
   const summary = el('div', { class: 'summary-box' }, el('span', { class: 'loading', text: 'diagnosing…' }));
+  const origin = originBox(run); // where the first NaN/Inf was made, when it was replayed
   const profile = profileView(model, run, onSelect);
   const table = layerTable(model, onSelect);
   const profileBox = el('details', { class: 'profile-box', open: true }, el('summary', { text: 'Depth profile' }), profile.root);
   const root = el('section', { class: 'panel run-panel', attrs: { 'data-run': run } },
-    el('div', { class: 'run-head' }, title, meta), notices, summary, profileBox, table.root);
+    el('div', { class: 'run-head' }, title, meta), notices, origin.root, summary, profileBox, table.root);
 
   function drawHead() {
     const info = model.runInfo(run);
     if (!info) return;
     meta.textContent = `${info.layers.length} layers · ${info.num_steps} logged steps (${info.first_step}–${info.last_step})`;
     replace(notices, info.maybe_downsampled ? downsampledNotice(info) : null, problemsNotice(info.problems));
+    origin.reload();
   }
 
   function drawHealth() {

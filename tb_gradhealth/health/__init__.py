@@ -36,11 +36,12 @@ from tb_gradhealth.health.thresholds import (
     SKIPPED,
     STATUSES,
     VANISHING,
+    ThresholdError,
     Thresholds,
 )
 
 __all__ = [
     "BLOWN_UP", "CHAIN_GAP", "DEAD", "EXPLODING", "FLAGS", "FLAG_CODES", "HEALTHY", "INERT", "MISSING", "NONFINITE",
     "REFERENCE_FRACTION", "REFERENCE_MIN", "SKIPPED", "STATUSES", "TREND_MIN_SIZE", "VANISHING", "LayerHealth",
-    "RunHealth", "Thresholds", "diagnose_run", "layer_groups", "profile", "_history",
+    "RunHealth", "ThresholdError", "Thresholds", "diagnose_run", "layer_groups", "profile", "_history",
 ]

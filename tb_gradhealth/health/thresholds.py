@@ -104,9 +104,11 @@ class Thresholds:
         values: dict[str, Any] = {}
         for key, raw in params.items():
             if key not in fields:
-                raise ValueError(f"unknown threshold {key!r}: known thresholds are {', '.join(fields)}")
-            f = fields[key]
-            values[key] = _parse(f, raw)
+                raise ThresholdError(key, f"unknown threshold {key!r}: known thresholds are {', '.join(fields)}")
+            try:
+                values[key] = _parse(fields[key], raw)
+            except ValueError as e:
+                raise ThresholdError(key, str(e)) from None
         return cls(**values)
 
     def to_dict(self) -> dict[str, float | int]:
@@ -133,6 +135,14 @@ class Thresholds:
                 "type": "int" if f.type in (int, "int") else "float",
             })
         return out
+
+
+class ThresholdError(ValueError):
+    """A threshold that is unknown or whose value is not acceptable; :attr:`key` names it (the message says why)."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 def _is_int_field(f: dataclasses.Field) -> bool:

@@ -168,3 +168,25 @@ def set_train_function(model: Any, fn: Callable[..., Any] | None) -> None:
         model.make_train_function(force=True)
     else:
         model.train_function = fn
+
+
+# --- NaN origin replay (tb_gradhealth._tf.replay) ---------------------------------------------------------------
+
+
+def add_op_callback(callback: Callable[..., Any]) -> None:
+    """Call ``callback(op_type, inputs, attrs, outputs, op_name, graph)`` for every op this thread runs or builds.
+
+    ``tensorflow.python.framework.op_callbacks`` (TF 2.16..2.21; what ``tf.debugging.enable_check_numerics``
+    uses). Raises :class:`CompatError` when missing: the NaN origin is then reported as not replayed.
+    """
+    try:
+        from tensorflow.python.framework import op_callbacks
+    except ImportError as e:  # pragma: no cover - present in every verified version
+        raise CompatError(f"no op callbacks in this TensorFlow ({_versions()}): cannot replay op by op") from e
+    op_callbacks.add_op_callback(callback)
+
+
+def remove_op_callback(callback: Callable[..., Any]) -> None:
+    from tensorflow.python.framework import op_callbacks
+
+    op_callbacks.remove_op_callback(callback)

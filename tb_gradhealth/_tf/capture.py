@@ -1,6 +1,6 @@
 """The device side of ``GradientHealthCallback``: optimizer hooks and a ring buffer of records.
 
-The hooks wrap two methods of the model's optimizer *instance* (through :mod:`tb_gradhealth.compat`) before
+The hooks wrap two methods of the model's optimizer *instance* (through :mod:`tb_gradhealth._tf.compat`) before
 ``fit`` traces its train function:
 
 * ``_all_reduce_sum_gradients`` (TF backend): the gradients after the cross-replica all-reduce, i.e. the gradient
@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tb_gradhealth import compat, record, summary
+from tb_gradhealth import record, summary
+from tb_gradhealth._tf import compat
 
 #: Marks the optimizer instance that carries this module's hooks.
 _OWNER = "_tb_gradhealth_capture"
@@ -73,6 +74,9 @@ class Capture:
         self.traced = False
         #: Which train-function variant is being traced: "capture" (with the statistics) or "plain" (without).
         self.mode = "capture"
+        #: ``guard(record, variables, weights_before)``, called in captured steps that copied the weights: the
+        #: NaN-origin search's (tb_gradhealth._tf.fit_origin), which puts them back after a non-finite gradient.
+        self.guard: Any = None
         self._local = threading.local()  # replica functions may trace in parallel threads (MirroredStrategy)
         self._rows = {id(v): i for i, v in enumerate(self.variables)}
         self._make_buffers(model.distribute_strategy, slots, len(self.variables))
@@ -191,7 +195,10 @@ class Capture:
                 # before - after, subtracted inside the statistics' loop over the update (never written out).
                 updates[row] = summary.Delta(w, weights[row])
                 weights[row] = w
-        return summary.compute(grads, weights, updates, hist_sample=self.hist_sample or 0, seed=self.seed)
+        rec = summary.compute(grads, weights, updates, hist_sample=self.hist_sample or 0, seed=self.seed)
+        if self.guard is not None and before is not None:
+            self.guard(rec, [self.variables[row] for row in rows], before)
+        return rec
 
     def _store(self, rec: summary.DeviceRecord) -> tf.Tensor:
         step = tf.cast(tf.convert_to_tensor(self.steps), tf.int64) + 1

@@ -1,8 +1,9 @@
 """Records of all of a model's layers from a fixed number of XLA loops: small tensors packed, large ones in place.
 
-Why: a real model has 150-360 variables, most of them tiny (biases, batch-norm parameters). XLA:CPU spends about
-0.1 s compiling each reduction loop and about a second on each compiled function, so statistics made per layer
-(or per distinct layer size) cost tens of seconds before the first step, and a launch per layer every step. Here:
+Why: a real model has hundreds of variables, most of them tiny (biases, batch-norm parameters), and XLA:CPU pays a
+compile time for each reduction loop and each compiled function, so statistics made per layer (or per distinct
+layer size) cost much of the first step, and a launch per layer every step (docs/PERFORMANCE.md, *Real
+architectures*, has the figures). Here:
 
 * every tensor of at most :data:`IN_PLACE_MIN` elements (and every tensor whose histogram is exact) is copied
   into ONE padded buffer of rows of :data:`PACK_ROW` values (a few MB for a ResNet), reduced row by row in one
@@ -28,8 +29,9 @@ from typing import Any, NamedTuple
 import numpy as np
 import tensorflow as tf
 
-from tb_gradhealth import compat, histogram, kernels, record
-from tb_gradhealth.kernels import Delta, DeviceRecord
+from tb_gradhealth import record
+from tb_gradhealth._tf import compat, histogram, kernels
+from tb_gradhealth._tf.kernels import Delta, DeviceRecord
 
 __all__ = ["compute", "compute_jit", "IN_PLACE_MIN"]
 
@@ -237,8 +239,8 @@ def _redo_where(bad: tf.Tensor, fast: list[tf.Tensor], exact: Any) -> list[tf.Te
     """``fast``, with the layers flagged ``bad`` taken from ``exact()`` (computed only on steps that have one).
 
     ``exact`` reads the same layout as the fast pass (the packed buffer and the in-place views): packing every
-    tensor there instead compiles a little faster but makes XLA reserve a copy of the whole model (290 MB of
-    temporary buffer on ResNet50) for a branch that healthy steps never run.
+    tensor there instead compiles a little faster but makes XLA reserve a copy of the whole model as temporary
+    buffer (docs/PERFORMANCE.md) for a branch that healthy steps never run.
     """
     redo = tf.cond(tf.reduce_any(bad), exact, lambda: fast)
     return [tf.where(bad, r, f) for r, f in zip(redo, fast, strict=True)]
@@ -472,8 +474,8 @@ def whole_histograms(grads: Sequence[Any], hist_sample: int, values: tf.Tensor, 
 
 
 def compute(grads, weights, updates, sizes, hist_sample, seed, deferred: bool = False):
-    """The :class:`DeviceRecord` of all layers (dense or ``None`` gradients; see :mod:`tb_gradhealth.kernels` for
-    ``IndexedSlices``). Arguments as :func:`tb_gradhealth.kernels.compute_layers`. Must run under XLA.
+    """The :class:`DeviceRecord` of all layers (dense or ``None`` gradients; see :mod:`tb_gradhealth._tf.kernels` for
+    ``IndexedSlices``). Arguments as :func:`tb_gradhealth._tf.kernels.compute_layers`. Must run under XLA.
 
     A layer whose sample is not enough is binned whole in a ``tf.cond`` branch; ``deferred=True`` leaves that to
     the caller instead (:func:`compute_deferring`) and returns ``(record, whole flags or None)``.

@@ -1,6 +1,6 @@
 """Device-side statistics of ONE layer's gradient-health record: TF ops, XLA-safe, static shapes.
 
-Records of whole models come from :mod:`tb_gradhealth.packed` (all layers from a fixed number of XLA loops); this
+Records of whole models come from :mod:`tb_gradhealth._tf.packed` (all layers from a fixed number of XLA loops); this
 module computes a layer on its own: with plain TF ops (``summary.compute(..., jit=False)``, or a TensorFlow without
 XLA's variadic reduce), and for ``IndexedSlices`` gradients. One layer's record (:func:`layer_record`) is
 ``(counts int32 [5], values float32 [89])``, the numbers of :func:`tb_gradhealth.record.compute` (the float64
@@ -14,9 +14,9 @@ reference) computed where the gradient lives:
 * the norm is kept as ``max|g|`` and ``ssq_rel = sum(g*g) / max|g|^2``; the plain sum of squares is used only when it
   is finite and ``max|g|`` is large enough that underflowed squares are negligible, else a second pass sums
   ``(g / max|g|)^2``, right over float32's whole range;
-* the histogram comes from :mod:`tb_gradhealth.histogram`.
+* the histogram comes from :mod:`tb_gradhealth._tf.histogram`.
 
-The private XLA reduce is reached through :mod:`tb_gradhealth.compat`; docs/PERFORMANCE.md has the measured costs.
+The private XLA reduce is reached through :mod:`tb_gradhealth._tf.compat`; docs/PERFORMANCE.md has the measured costs.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import tensorflow as tf
 
-from tb_gradhealth import compat, histogram, record
+from tb_gradhealth import record
+from tb_gradhealth._tf import compat, histogram
 
 _NV = record.NUM_VALUES + record.HIST_BINS
 #: Below this max|g| the plain sum of squares may lose underflowed squares: use the scaled pass instead.
@@ -57,7 +58,7 @@ class Delta(NamedTuple):
 
 @functools.cache
 def fused_reductions_available() -> bool:
-    """Whether this TensorFlow has XLA's variadic reduce (then :mod:`tb_gradhealth.packed` computes records)."""
+    """Whether this TensorFlow has XLA's variadic reduce (then :mod:`tb_gradhealth._tf.packed` computes records)."""
     return compat.has_variadic_reduce()
 
 

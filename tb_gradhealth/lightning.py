@@ -1,0 +1,68 @@
+"""PyTorch Lightning callback: the gradient-health records of the gradients each optimizer step applies.
+
+:class:`GradHealth` uses Lightning's ``on_before_optimizer_step`` hook, which runs after AMP's unscaling (and after
+gradient clipping), just before ``optimizer.step()``: it records the gradients and weights there with
+:mod:`tb_gradhealth.torch`, and the applied update once the batch ends. Under DDP every rank holds the same
+all-reduced gradient and global rank 0 writes; under FSDP / ZeRO (``sharded=True``) every rank records its shards
+and :func:`tb_gradhealth.torch.merge` makes the full gradients' records. Lightning is imported only by this module.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+
+from tb_gradhealth import record
+from tb_gradhealth import torch as tgh
+from tb_gradhealth.writer import Writer
+
+__all__ = ["GradHealth"]
+
+
+class GradHealth(pl.Callback):
+    """Record every layer's gradient health on the first ``first`` optimizer steps and every ``every``-th after.
+
+    ``log_dir``: the run directory (default: the trainer's ``log_dir``, next to its TensorBoard logger's files).
+    ``updates``: also record the applied update ``w_before - w_after`` (a transient copy of the weights on logged
+    steps). ``sharded``: the parameters are shards (FSDP / DeepSpeed ZeRO); every rank must then take part.
+    """
+
+    def __init__(self, log_dir: str | None = None, *, every: int = 100, first: int = 10,
+                 hist_sample: int = record.DEFAULT_HIST_SAMPLE, updates: bool = True, sharded: bool = False,
+                 name: str = "gradients") -> None:
+        super().__init__()
+        self.log_dir, self.every, self.first = log_dir, every, first
+        self.hist_sample, self.updates, self.sharded, self.name = hist_sample, updates, sharded, name
+        self.writer: Writer | None = None
+        self._pending: Any = None
+        self._step = 0
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if trainer.is_global_zero and self.writer is None:
+            self.writer = Writer(self.log_dir or os.path.join(trainer.log_dir or trainer.default_root_dir,
+                                                             "gradhealth"), hist_sample=self.hist_sample)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        step = trainer.global_step
+        if not (step < self.first or step % self.every == 0) or not (self.sharded or trainer.is_global_zero):
+            return
+        params = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
+        self._step = step
+        self._pending = (params, tgh.before_step(params, step, self.hist_sample, self.updates))
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self._pending is None:
+            return
+        params, pending = self._pending
+        self._pending = None
+        rows = tgh.after_step(pending, params, self.sharded)
+        if rows is not None and self.writer is not None:
+            self.writer.add_records(self._step, [n for n, _ in params], rows, name=self.name)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None

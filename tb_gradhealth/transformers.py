@@ -1,0 +1,70 @@
+"""Hugging Face ``Trainer`` callback: the gradient-health records of the gradients each optimizer step applies.
+
+:class:`GradHealthCallback` records in ``on_pre_optimizer_step``, which ``Trainer`` calls after it has unscaled
+the gradients (mixed precision) and clipped them to ``max_grad_norm``, just before ``optimizer.step()``: the
+recorded gradient is the one the optimizer applies, AFTER clipping (``Trainer`` logs the norm before clipping as
+``grad_norm``). The callback also writes the scalar ``clip/max_grad_norm`` (``args.max_grad_norm``, 0 when
+not clipping) so a reader can tell. The applied update is recorded in ``on_optimizer_step``. The main process
+writes. ``transformers`` is imported only by this module.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from transformers import TrainerCallback
+
+from tb_gradhealth import record
+from tb_gradhealth import torch as tgh
+from tb_gradhealth.writer import Writer
+
+__all__ = ["GradHealthCallback"]
+
+
+class GradHealthCallback(TrainerCallback):
+    """Record every layer's gradient health on the first ``first`` optimizer steps and every ``every``-th after.
+
+    ``log_dir``: the run directory (default: ``gradhealth`` under ``args.logging_dir``, where ``Trainer``'s
+    TensorBoard scalars go, or under ``args.output_dir/runs``). ``updates``: also record the applied update (a
+    transient copy of the weights).
+    """
+
+    def __init__(self, log_dir: str | None = None, *, every: int = 100, first: int = 10,
+                 hist_sample: int = record.DEFAULT_HIST_SAMPLE, updates: bool = True,
+                 name: str = "gradients") -> None:
+        self.log_dir, self.every, self.first = log_dir, every, first
+        self.hist_sample, self.updates, self.name = hist_sample, updates, name
+        self.writer: Writer | None = None
+        self._pending: Any = None
+
+    def _params(self, model: Any) -> list:
+        return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.is_world_process_zero and self.writer is None:
+            log_dir = self.log_dir or os.path.join(args.logging_dir or os.path.join(args.output_dir, "runs"),
+                                                   "gradhealth")
+            self.writer = Writer(log_dir, hist_sample=self.hist_sample)
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        step = state.global_step
+        if self.writer is None or not (step < self.first or step % self.every == 0):
+            return
+        params = self._params(kwargs["model"])
+        self._pending = (step, params, tgh.before_step(params, step, self.hist_sample, self.updates))
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._pending is None or self.writer is None:
+            return
+        step, params, pending = self._pending
+        self._pending = None
+        rows = tgh.after_step(pending, params)
+        if rows is not None:
+            self.writer.add_records(step, [n for n, _ in params], rows, name=self.name)
+            self.writer.add_scalars(step, {"clip/max_grad_norm": float(args.max_grad_norm or 0.0)})
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None

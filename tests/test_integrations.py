@@ -1,0 +1,99 @@
+"""The Lightning callback and the Hugging Face ``Trainer`` callback record, at the default-style cadence, the
+gradient the optimizer applies (Trainer: after clipping) with the applied update, equal to the float64
+reference of the gradients a probe callback sees at the same hook."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tb_gradhealth import reader, record
+from tests.record_close import assert_records_close
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.torch
+
+
+def _net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def _reference(seen: dict) -> np.ndarray:
+    return np.stack([record.compute(g, w, u, hist_sample=None) for g, w, u in seen.values()])
+
+
+def test_lightning_callback_records_the_applied_gradient_and_update(tmp_path):
+    pl = pytest.importorskip("lightning.pytorch")
+    from tb_gradhealth.lightning import GradHealth
+
+    seen: dict[int, dict] = {}
+
+    class Probe(pl.Callback):
+        def on_before_optimizer_step(self, trainer, module, optimizer):
+            self.before = {n: (p.grad.numpy().copy(), p.detach().numpy().copy())
+                           for n, p in module.named_parameters()}
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            after = [p.detach().numpy() for p in module.parameters()]
+            seen[trainer.global_step - 1] = {n: (g, w, w - a) for (n, (g, w)), a in zip(self.before.items(), after,
+                                                                                          strict=True)}
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = _net()
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+    trainer = pl.Trainer(max_steps=9, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[GradHealth(str(tmp_path), every=4, first=2), Probe()])
+    trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=8))
+    run = reader.read_logdir(str(tmp_path)).runs[0]
+    assert list(run.steps) == [0, 1, 4, 8] and not run.problems
+    for step, rows in zip(run.steps, run.records, strict=True):
+        assert_records_close(_reference(seen[int(step)]), rows, list(run.layers))
+
+
+def test_trainer_callback_records_the_gradient_after_clipping(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from tb_gradhealth.transformers import GradHealthCallback
+
+    seen: dict[int, dict] = {}
+
+    class Probe(transformers.TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
+            self.before = {n: (p.grad.numpy().copy(), p.detach().numpy().copy()) for n, p in model.named_parameters()}
+
+        def on_optimizer_step(self, args, state, control, model=None, **kw):
+            seen[state.global_step] = {n: (g, w, w - p.detach().numpy())
+                                       for (n, (g, w)), p in zip(self.before.items(), model.parameters(), strict=True)}
+
+    class Regressor(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = _net()
+
+        def forward(self, x, labels=None):
+            out = self.net(x)
+            return {"loss": torch.nn.functional.mse_loss(out, labels) * 1e3, "logits": out}
+
+    data = [{"x": torch.randn(8), "labels": torch.randn(1)} for _ in range(64)]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=6, per_device_train_batch_size=8,
+                                          max_grad_norm=0.01, report_to=[], save_strategy="no", use_cpu=True,
+                                          disable_tqdm=True, learning_rate=1e-3)
+    callback = GradHealthCallback(str(tmp_path / "logs"), every=5, first=2)
+    transformers.Trainer(model=Regressor(), args=args, train_dataset=data, callbacks=[callback, Probe()]).train()
+    run = reader.read_logdir(str(tmp_path / "logs")).runs[0]
+    assert list(run.steps) == [0, 1, 5] and not run.problems
+    for step, rows in zip(run.steps, run.records, strict=True):
+        assert_records_close(_reference(seen[int(step)]), rows, list(run.layers))
+        norm = np.sqrt(np.sum(record.derived(rows)["norm"] ** 2))
+        assert norm <= 0.01 * (1 + 1e-5), norm  # clipped: the loss' gradient is far larger than 0.01

@@ -1,0 +1,132 @@
+"""Layers point one way: which modules may import TensorFlow, PyTorch or JAX, read from the source itself.
+
+Every module's imports (at any depth of its code, since a lazy import is still a dependency when it runs) are
+parsed; an intra-package import follows that module's own. The diagnosis, the readers, the plugin, the CLI and
+the TF-free writer must reach none of the frameworks, however indirectly; each framework is imported only by the
+modules that exist for it. Nothing here is a hand-kept list of modules: a new module is classified by what it
+imports, and the test says which rule it breaks.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+PACKAGE = Path(__file__).resolve().parent.parent / "tb_gradhealth"
+FRAMEWORKS = {"tensorflow": "tensorflow", "keras": "keras", "torch": "torch", "jax": "jax", "optax": "jax",
+              "flax": "jax", "lightning": "torch", "pytorch_lightning": "torch", "transformers": "torch"}
+#: The side that must run without any framework: the plugin and CLI, their readers and the diagnosis, the record
+#: and the TF-free writer.
+FRAMEWORK_FREE = ("plugin", "cli", "payloads", "reader", "health", "record", "metadata", "writer", "eventfile",
+                  "storage", "testing", "failsafe")
+
+
+def _modules() -> dict[str, Path]:
+    """``{dotted name below the package: file}`` of every module of the package."""
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if parts and parts[0] != "static":
+            out[".".join(parts)] = path
+    return out
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> tuple[set[str], set[str]]:
+    """``(package modules, external top-level packages)`` that a module imports anywhere in its code."""
+    package_mods, external = set(), set()
+    is_package = path.name == "__init__.py"
+    base = name.split(".") if is_package else name.split(".")[:-1]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                anchor = base[: len(base) - node.level + 1]
+                mod = ".".join([*anchor, node.module] if node.module else anchor)
+                targets = ["tb_gradhealth." + ".".join(p for p in (mod, a.name) if p) for a in node.names]
+                targets.append("tb_gradhealth." + mod if mod else "tb_gradhealth")
+            else:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        for target in targets:
+            if target.startswith("tb_gradhealth"):
+                inner = target[len("tb_gradhealth."):] if target != "tb_gradhealth" else ""
+                while inner and inner not in modules:
+                    inner = inner.rpartition(".")[0]
+                if inner:
+                    package_mods.add(inner)
+            else:
+                external.add(target.split(".")[0])
+    package_mods.discard(name)
+    return package_mods, external
+
+
+def _reach() -> dict[str, tuple[set[str], dict[str, list[str]]]]:
+    """For every module: the package modules it reaches, and for each framework it reaches, one import chain."""
+    modules = _modules()
+    direct = {name: _imports(name, path, modules) for name, path in modules.items()}
+    out = {}
+    for name in modules:
+        seen, chains, stack = {name}, {}, [(name, [name])]
+        while stack:
+            mod, chain = stack.pop()
+            package_mods, external = direct[mod]
+            for ext in external:
+                if ext in FRAMEWORKS:
+                    chains.setdefault(FRAMEWORKS[ext], chain + [ext])
+            for nxt in package_mods - seen:
+                seen.add(nxt)
+                stack.append((nxt, chain + [nxt]))
+        out[name] = (seen, chains)
+    return out
+
+
+def test_the_framework_free_side_reaches_no_framework():
+    reach = _reach()
+    broken = {name: chains for name, (_, chains) in reach.items()
+              if name.split(".")[0] in FRAMEWORK_FREE and chains}
+    assert not broken, "\n".join(f"{n}: " + "; ".join(" -> ".join(c) for c in ch.values()) for n, ch in broken.items())
+
+
+def test_each_framework_is_imported_only_for_its_own_writers():
+    """torch and jax never meet TensorFlow in one module's reach (in one process the newest torch crashes after
+    TensorFlow): the torch and JAX writers reach neither TensorFlow nor each other (Keras 3 alone, which runs on
+    JAX too, is allowed beside JAX)."""
+    reach = _reach()
+    for name, (_, chains) in reach.items():
+        frameworks = set(chains) - {"keras"}
+        assert len(frameworks) <= 1, f"{name} reaches {sorted(chains)}: " + "; ".join(map(" -> ".join,
+                                                                                            chains.values()))
+
+
+def test_the_classification_is_not_empty():
+    """The parse finds what is known to be there (so the two tests above cannot pass on an empty reading)."""
+    reach = _reach()
+    assert "tensorflow" in reach["summary"][1] and "tensorflow" in reach["keras"][1]
+    assert "torch" in reach["torch"][1] and "jax" in reach["jax"][1]
+    assert {"record", "health"} <= reach["payloads"][0]
+
+
+def test_import_tb_gradhealth_exposes_every_module():
+    """Every public module is an attribute of the package (loaded on first use); this test loads those that need no
+    framework, so it imports none."""
+    import tb_gradhealth
+
+    reach = _reach()
+    for name, (_, chains) in reach.items():
+        top = name.split(".")[0]
+        if top and not top.startswith("_") and not chains:
+            assert getattr(tb_gradhealth, top).__name__ == f"tb_gradhealth.{top}"
+    assert set(tb_gradhealth.__all__) >= {"summary", "keras", "torch", "jax", "writer", "health", "reader",
+                                          "testing", "plugin"}
+    missing = [m for m in tb_gradhealth.__all__ if m not in reach and m not in ("Writer", "Thresholds", "__version__")]
+    assert not missing, f"__all__ names modules that do not exist: {missing}"
+    with pytest.raises(AttributeError):
+        importlib.import_module("tb_gradhealth").no_such_module  # noqa: B018
