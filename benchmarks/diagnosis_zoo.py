@@ -86,15 +86,18 @@ class Diagnosed:
 
 
 def diagnose_steps(layers: Sequence[str], steps: np.ndarray, records: np.ndarray,
-                   diagnose: Callable[..., Any] | None = None, thresholds: Any = None) -> Diagnosed:
-    """Run ``diagnose`` (default :func:`tb_gradhealth.health.diagnose_run`) at every logged step."""
+                   diagnose: Callable[..., Any] | None = None, thresholds: Any = None,
+                   progress: tuple[np.ndarray, np.ndarray] | None = None) -> Diagnosed:
+    """Run ``diagnose`` (default :func:`tb_gradhealth.health.diagnose_run`) at every logged step; ``progress``: the
+    run's ``(steps, loss)``, given to it as evidence when recorded."""
     from tb_gradhealth import health
 
     diagnose = diagnose or health.diagnose_run
     thresholds = thresholds if thresholds is not None else health.Thresholds()
     per_step, last = [], None
     for s in steps:
-        last = diagnose(list(layers), steps, records, thresholds, at_step=int(s))
+        extra = {"progress": progress} if progress is not None else {}
+        last = diagnose(list(layers), steps, records, thresholds, at_step=int(s), **extra)
         per_step.append({lh.layer: lh.status for lh in last.layers})
     if last is None or not last.layers:
         return Diagnosed(list(layers), [int(s) for s in steps], per_step, {}, None, None, None, None)
@@ -189,6 +192,8 @@ class RunScore:
     autotrainer_fair: str | None = None
     #: SageMaker Debugger's VanishingGradient and ExplodingTensor rules, per tensor, any step
     sagemaker: str | None = None
+    #: DeepDiagnosis' (ICSE 2022) checks on gradients and weights, per tensor, any step
+    deepdiagnosis: str | None = None
     #: per gradient scale factor: (layer, logged step) pairs whose status differs from the unscaled records'
     scale_changes: dict[str, int] = field(default_factory=dict)
     labelled_kinds: list[str] = field(default_factory=list)
@@ -310,12 +315,14 @@ def scaled_gradients(records: np.ndarray, factor: float) -> np.ndarray:
     return out
 
 
-def scale_sweep(layers: Sequence[str], steps: np.ndarray, records: np.ndarray, base: Diagnosed
-                ) -> dict[str, int]:
-    """Per factor of ``SCALES``: the (layer, logged step) pairs whose status changes from ``base``."""
+def scale_sweep(layers: Sequence[str], steps: np.ndarray, records: np.ndarray, base: Diagnosed,
+                progress: tuple[np.ndarray, np.ndarray] | None = None) -> dict[str, int]:
+    """Per factor of ``SCALES``: the (layer, logged step) pairs whose status changes from ``base`` (the loss, where
+    recorded, times the same factor)."""
     out = {}
     for factor in SCALES:
-        d = diagnose_steps(layers, steps, scaled_gradients(records, factor))
+        scaled = None if progress is None else (progress[0], progress[1] * factor)
+        d = diagnose_steps(layers, steps, scaled_gradients(records, factor), progress=scaled)
         out[f"{factor:g}"] = sum(d.status[i].get(n) != base.status[i].get(n)
                                  for i in range(len(steps)) for n in layers)
     return out
@@ -475,14 +482,15 @@ def report(runs: Sequence[RunScore], markdown: bool = False) -> str:
                      markdown))
     out.append(h("(g) per model: baselines on the same records, against ours"))
     out.append(table(["run", "labelled", "AutoTrainer (last step)", "ungated", "AutoTrainer (every check)",
-                      "SageMaker rules", "ours (first_bad)"],
+                      "SageMaker rules", "DeepDiagnosis", "ours (first_bad)"],
                      [[r.case, ", ".join(r.labelled_kinds) or "healthy", r.autotrainer or "-",
                        r.autotrainer_ungated or "-", r.autotrainer_fair or "-", r.sagemaker or "-",
-                       r.first_bad_status or "-"] for r in runs], markdown))
+                       r.deepdiagnosis or "-", r.first_bad_status or "-"] for r in runs], markdown))
     for name, verdicts in (("AutoTrainer (last step, loss gate)", [r.autotrainer for r in runs]),
                            ("AutoTrainer without its progress gate", [r.autotrainer_ungated for r in runs]),
                            ("AutoTrainer, every check + NaN loss/weights", [r.autotrainer_fair for r in runs]),
                            ("SageMaker VanishingGradient + ExplodingTensor", [r.sagemaker for r in runs]),
+                           ("DeepDiagnosis (gradient and weight checks)", [r.deepdiagnosis for r in runs]),
                            ("ours", [r.first_bad_status for r in runs])):
         right, alarms = model_level(runs, verdicts)
         out.append(f"{name}: {right} of {sum(r.sick for r in runs)} sick runs named with a labelled status; "
@@ -537,21 +545,25 @@ def load_case(case_dir: Path) -> tuple[dict[str, Any], Any]:
     return labels, runs[0]
 
 
-def score_cases(case_dirs: Sequence[Path], times: Mapping[str, float] | None = None, sweep: bool = False
-                ) -> list[RunScore]:
-    from benchmarks import autotrainer_rule, sagemaker_rules  # noqa: PLC0415 - tensorboard's protos
+def score_cases(case_dirs: Sequence[Path], times: Mapping[str, float] | None = None, sweep: bool = False,
+                loss_evidence: bool = True) -> list[RunScore]:
+    from benchmarks import autotrainer_rule, deepdiagnosis_rules, sagemaker_rules  # noqa: PLC0415
+    from tb_gradhealth import progress, reader
 
     out = []
     for case_dir in case_dirs:
         labels, run = load_case(case_dir)
-        d = diagnose_steps(run.layers, run.steps, run.records)
+        recorded = progress.read_loss(progress.run_paths(reader.find_runs(str(case_dir)), run.run)
+                                      ) if loss_evidence else None
+        d = diagnose_steps(run.layers, run.steps, run.records, progress=recorded)
         r = score_run(labels, d)
         loss = autotrainer_rule.losses(str(case_dir / run.run))
         r.autotrainer, r.autotrainer_ungated = autotrainer_rule.verdict(run.layers, run.records, loss)
         r.autotrainer_fair = autotrainer_rule.verdict_every_check(run.layers, run.records, loss)
         r.sagemaker = sagemaker_rules.verdict(run.records)
+        r.deepdiagnosis = deepdiagnosis_rules.verdict(run.records)
         if sweep:
-            r.scale_changes = scale_sweep(run.layers, run.steps, run.records, d)
+            r.scale_changes = scale_sweep(run.layers, run.steps, run.records, d, recorded)
         r.labelled_kinds = sorted({e["status"] for e in labels["layers"].values() if e["status"] in SICK_STATUSES}
                                   | {st for e in labels["layers"].values() for st, _ in episodes(e)
                                      if st in SICK_STATUSES})
@@ -579,6 +591,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--light", action="store_true",
                     help="leave out the keras.applications cases (minutes of CPU each), for quick iterations")
     ap.add_argument("--list", action="store_true", help="list the cases and their labelling rules, then exit")
+    ap.add_argument("--gradients-only", action="store_true",
+                    help="diagnose without the recorded loss (as a log written before the loss was recorded)")
     ap.add_argument("--score-only", action="store_true", help="score the cached cases, train nothing")
     ap.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     ap.add_argument("--json", type=Path, default=None, help="write every figure to this JSON file")
@@ -644,7 +658,7 @@ def _train_and_score(args: argparse.Namespace, names: Sequence[str], train: Call
             print(f"[zoo] trained {len(times)} case(s) in {time.perf_counter() - start:.1f} s wall "
                   f"(import and set-up included; load average {os.getloadavg()[0]:.1f})", flush=True)
     dirs = [args.cache / n for n in names if (args.cache / n / "labels.json").exists()]
-    return score_cases(dirs, times, sweep=args.sweep)
+    return score_cases(dirs, times, sweep=args.sweep, loss_evidence=not args.gradients_only)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -17,10 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
-from tb_gradhealth import __version__, health, origin, reader, storage
+from tb_gradhealth import __version__, health, layerinfo, origin, payloads, progress, reader, storage
 from tb_gradhealth.payloads import RequestError, health_payload, parse_step, parse_thresholds
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_UNREADABLE = 0, 1, 2, 3
@@ -177,9 +177,12 @@ def _read(args: argparse.Namespace, err: TextIO) -> reader.LogdirData:
     return data
 
 
-def _diagnose(data: reader.LogdirData, thresholds: health.Thresholds, step: int | None, err: TextIO
+def _diagnose(data: reader.LogdirData, thresholds: health.Thresholds, step: int | None, err: TextIO,
+              event_files: Mapping[str, Sequence[str]] | None = None
               ) -> tuple[list[tuple[reader.RunSeries, dict[str, Any]]], list[str], list[str]]:
-    """``(bodies, unreadable runs, problems)``: the health JSON of each readable run; read problems on ``err``."""
+    """``(bodies, unreadable runs, problems)``: the health JSON of each readable run; read problems on ``err``.
+    ``event_files`` (:func:`reader.find_runs`): where each run's training loss and layer kinds are read, evidence
+    beside the gradients (:mod:`tb_gradhealth.progress`, :mod:`tb_gradhealth.layerinfo`)."""
     unreadable = [s.run for s in data.runs if not s.num_steps]
     problems = list(data.problems)
     for series in data.runs:
@@ -191,7 +194,10 @@ def _diagnose(data: reader.LogdirData, thresholds: health.Thresholds, step: int 
     bodies = []
     for series in (s for s in data.runs if s.num_steps):
         try:
-            body = health_payload(series, thresholds, step)
+            paths = progress.run_paths(event_files, series.run) if event_files else ()
+            loss, info = progress.read_loss(paths), layerinfo.read_layer_info(paths)
+            kw = {k: v for k, v in (("progress", loss), ("layer_info", info)) if v}
+            body = health_payload(series, thresholds, step, diagnosis=payloads.diagnose(series, thresholds, step, **kw))
         except RequestError as e:
             raise UsageError(f"--step: run {series.run!r}: {e.message}") from e
         except Exception as e:  # a bug must not hide the other runs: this one is reported as unreadable
@@ -209,7 +215,8 @@ def report(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     fail_on = _fail_on(args.fail_on)
     step = _step(args.step)
     thresholds = _thresholds(args)
-    bodies, unreadable, problems = _diagnose(_read(args, err), thresholds, step, err)
+    bodies, unreadable, problems = _diagnose(_read(args, err), thresholds, step, err,
+                                              reader.find_runs(args.logdir))
     failed = sorted({x["status"] for _, b in bodies for x in b["layers"]} & fail_on)
     origins = origin.read_logdir(args.logdir, [s.run for s, _ in bodies])  # where the first NaN/Inf was made
     for series, body in bodies:

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from google.protobuf.message import DecodeError
 from tensorboard.compat.proto import event_pb2
 
 from tb_gradhealth import storage
@@ -330,3 +331,17 @@ class EventFile:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+
+
+def iter_summary_values(paths: Iterable[str], storage_options: Mapping[str, Any] | None = None
+                        ) -> Iterable[tuple[Any, Any]]:
+    """``(event, summary value)`` of every summary value in ``paths``, in file order; damaged records and events
+    that do not parse are skipped silently (for side readers: the record reader reports damage)."""
+    for path in paths:
+        for _, payload in iter_framed(path, [], storage_options):
+            try:
+                event = event_pb2.Event.FromString(payload)
+            except DecodeError:
+                continue
+            for value in event.summary.value:
+                yield event, value

@@ -27,7 +27,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tb_gradhealth import record, summary
+from tb_gradhealth import layerinfo, progress, record, summary
 from tb_gradhealth._stepbook import StepBook, ring_plan
 from tb_gradhealth._tf import compat
 from tb_gradhealth._tf.capture import CUSTOM_LOOP_ADVICE, Capture, CaptureError
@@ -281,6 +281,9 @@ class GradientHealthCallback(keras.callbacks.Callback):
         )
         cap.install()
         self._origin = self._start_origin(model, cap)
+        # each variable's layer kind and activation, kept in the tag's metadata to explain a status
+        self._layer_info = self._failsafe.run("reading the layers' kinds", layerinfo.model_layer_info, model,
+                                              cap.variables) or ()
         # The optimizer step as the host predicts it (no device read per batch); a later fit continues the count.
         epoch_steps = self.params.get("steps") if self.params else None
         self._book = StepBook(period, spe, epoch_steps, calls_per_read, host_step=int(cap.steps.numpy()))
@@ -352,6 +355,10 @@ class GradientHealthCallback(keras.callbacks.Callback):
         if cap is None:
             return
         first, read = self._book.batch_end(batch)
+        if self._book.last_mode == "capture" and logs and "loss" in logs and self._writer is not None:
+            # training progress beside the records: the loss Keras reports (its running mean over the epoch)
+            self._failsafe.run("recording the loss", self._writer.add_scalars, self._book.host_step,
+                               {progress.LOSS_TAG: float(logs["loss"])})
         if first and not cap.traced and not self._book.capture_failed:
             self._teardown()
             raise CaptureError(
@@ -409,7 +416,7 @@ class GradientHealthCallback(keras.callbacks.Callback):
             new = new[-1:]
         for step, rows in new:
             self._failsafe.run("writing a gradient-health record", self._writer.add_records, step, cap.layers, rows,
-                               name=self.name, kind="gradients", records=1)
+                               name=self.name, kind="gradients", layer_info=self._layer_info, records=1)
             if self._origin is not None and self.origin is None:
                 self.origin = self._failsafe.run("finding where the NaN/Inf was made", self._origin.check, step, rows)
             if self._stop_watch is not None and self.stop_event is None:

@@ -30,6 +30,14 @@ class Content:
     layers: tuple[str, ...]
     kind: str = "gradients"
     hist_sample: int = record.DEFAULT_HIST_SAMPLE
+    #: Per row, what the writer knows of the variable's layer: ``(layer kind, activation)`` (``""``: not known),
+    #: e.g. ``("Dense", "sigmoid")``; empty when the writer does not know the model (and in logs written before it).
+    layer_info: tuple[tuple[str, str], ...] = ()
+
+
+#: Version of the optional ``info`` entry of the content (the layer kind and activation per row). Additive: a reader
+#: that does not know it ignores it, and content without it reads as ``layer_info=()``.
+LAYER_INFO_VERSION = 1
 
 
 class UnsupportedVersion(ValueError):
@@ -75,6 +83,8 @@ def encode_content(content: Content) -> bytes:
         "layers": list(content.layers),
         "hist_sample": content.hist_sample,
     }
+    if content.layer_info:
+        payload["info"] = {"v": LAYER_INFO_VERSION, "rows": [list(x) for x in content.layer_info]}
     return zlib.compress(json.dumps(payload, separators=(",", ":")).encode("utf-8"), 9)
 
 
@@ -97,7 +107,21 @@ def decode_content(data: bytes) -> Content:
         layers=tuple(layers),
         kind=str(payload.get("kind", "gradients")),
         hist_sample=int(payload.get("hist_sample", record.DEFAULT_HIST_SAMPLE)),
+        layer_info=_layer_info(payload.get("info"), len(layers)),
     )
+
+
+def _layer_info(info: object, n: int) -> tuple[tuple[str, str], ...]:
+    """The ``info`` entry's rows, or ``()`` when absent, of a newer version, or malformed: it is an explanation,
+    never a reason to lose the records."""
+    if not isinstance(info, dict) or info.get("v") != LAYER_INFO_VERSION:
+        return ()
+    rows = info.get("rows")
+    if not isinstance(rows, list) or len(rows) != n:
+        return ()
+    if not all(isinstance(r, list) and len(r) == 2 and all(isinstance(x, str) for x in r) for r in rows):
+        return ()
+    return tuple((r[0], r[1]) for r in rows)
 
 
 def create_summary_metadata(
@@ -106,9 +130,11 @@ def create_summary_metadata(
     kind: str = "gradients",
     hist_sample: int = record.DEFAULT_HIST_SAMPLE,
     description: str = "",
+    layer_info: tuple[tuple[str, str], ...] = (),
 ) -> summary_pb2.SummaryMetadata:
-    """The ``SummaryMetadata`` for a record tensor; ``DATA_CLASS_TENSOR`` so the data provider serves it."""
-    content = Content(record.FORMAT_VERSION, tuple(layers), kind, hist_sample)
+    """The ``SummaryMetadata`` for a record tensor; ``DATA_CLASS_TENSOR`` so the data provider serves it.
+    ``layer_info``: per row, ``(layer kind, activation)`` where the writer knows the model."""
+    content = Content(record.FORMAT_VERSION, tuple(layers), kind, hist_sample, tuple(layer_info))
     return summary_pb2.SummaryMetadata(
         summary_description=description,
         plugin_data=summary_pb2.SummaryMetadata.PluginData(

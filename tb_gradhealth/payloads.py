@@ -105,10 +105,12 @@ def runs_payload(runs: list[RunSeries], problems: list[str]) -> dict[str, Any]:
     return {"runs": [s.summary() for s in runs], "problems": list(problems)}
 
 
-def diagnose(series: RunSeries, thresholds: health.Thresholds, step: int | None) -> health.RunHealth:
+def diagnose(series: RunSeries, thresholds: health.Thresholds, step: int | None,
+             progress: tuple[np.ndarray, np.ndarray] | None = None,
+             layer_info: Mapping[str, tuple[str, str]] | None = None) -> health.RunHealth:
     k = at_index(series, step)
     return health.diagnose_run(series.layers, series.steps, series.records, thresholds,
-                               at_step=int(series.steps[k]))
+                               at_step=int(series.steps[k]), progress=progress, layer_info=layer_info)
 
 
 def health_payload(series: RunSeries, thresholds: health.Thresholds, step: int | None,

@@ -210,8 +210,10 @@ class Writer:
         name: str = "gradients",
         kind: str = "gradients",
         wall_time: float | None = None,
+        layer_info: Sequence[tuple[str, str]] = (),
     ) -> str:
-        """Write already-computed records (memory form ``[L, NUM_FIELDS]``, rows = ``layers``). Returns the tag."""
+        """Write already-computed records (memory form ``[L, NUM_FIELDS]``, rows = ``layers``). Returns the tag.
+        ``layer_info``: per row, ``(layer kind, activation)`` where known, kept in the tag's metadata."""
         self._check_open()
         layers = _names(layers, "layers")
         if not isinstance(name, str) or not name:
@@ -229,7 +231,9 @@ class Writer:
         tag = metadata.tag_for(layers, name, step)
         md = None
         if tag not in self._tags_with_metadata:
-            md = metadata.create_summary_metadata(layers, kind=kind, hist_sample=self.hist_sample or 0)
+            info = tuple((str(k), str(a)) for k, a in layer_info) if len(layer_info) == len(layers) else ()
+            md = metadata.create_summary_metadata(layers, kind=kind, hist_sample=self.hist_sample or 0,
+                                                  layer_info=info)
             self._tags_with_metadata.add(tag)
         self._writer.add_event(make_event(step, tag, disk, md, wall_time))
         return tag

@@ -12,8 +12,9 @@ episodes. ``layers`` are in network (forward) order: backprop computes gradients
 
 The package's modules follow that design: ``thresholds`` (status words, knobs), ``rules`` (per-step rules), ``episodes``
 (runs of one status, onset, timeline), ``reasons`` (text, severity, the cause, first_bad), ``fixes`` (what to do),
-``optimizer`` (clipping and layer-wise updates read from the records), ``result`` (the public result), ``diagnose``
-(``diagnose_run``) and ``profile`` (one step).
+``optimizer`` (clipping and layer-wise updates read from the records), ``progress`` (the loss as evidence), ``kinds``
+(layer kind and activation in reasons and fixes),
+``result`` (the public result), ``diagnose`` (``diagnose_run``) and ``profile`` (one step).
 """
 
 from __future__ import annotations

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from tb_gradhealth import record
 from tb_gradhealth.health.episodes import _follow_siblings, _nonfinite_origin, _onset, _timeline, _track
+from tb_gradhealth.health.kinds import explain_kinds
+from tb_gradhealth.health.optimizer import global_clip_note
+from tb_gradhealth.health.progress import loss_trend, weigh_progress
 from tb_gradhealth.health.reasons import _first_bad, _layer_health, cause_first
 from tb_gradhealth.health.result import _BASE, LayerHealth, RunHealth
 from tb_gradhealth.health.rules import _evaluate
@@ -34,13 +37,18 @@ def diagnose_run(
     records: np.ndarray,
     thresholds: Thresholds = Thresholds(),  # noqa: B008 - frozen, immutable default
     at_step: int | None = None,
+    progress: tuple[np.ndarray, np.ndarray] | None = None,
+    layer_info: Mapping[str, tuple[str, str]] | None = None,
 ) -> RunHealth:
     """Diagnose every layer of a run from its records, using the logged steps at or before ``at_step``.
 
     ``layers``: names in network (forward) order; ``steps``: int [S] ascending unique; ``records``: float64
     ``[S, L, record.NUM_FIELDS]`` memory form, a layer's row all-NaN at a step where it has no record.
     ``at_step`` (default: the last step) must not precede the first step (ValueError naming ``step``).
-    A layer without any record up to the step is reported ``missing``.
+    A layer without any record up to the step is reported ``missing``. ``progress``: ``(steps, loss)`` of the
+    training loss where it is recorded (:mod:`tb_gradhealth.progress` reads it), evidence beside the gradients.
+    ``layer_info``: ``{layer: (kind, activation)}`` where the writer knew the model (:mod:`tb_gradhealth.layerinfo`),
+    named in the reasons and used to pick the fixes.
     """
     steps, records = _check_inputs(layers, steps, records)
     t = thresholds
@@ -65,5 +73,13 @@ def diagnose_run(
     tracks = [_track(ev, i, t) if ev.columns("present")[i].any() else None for i in range(len(layers))]
     _follow_siblings(tracks, ev, layers)
     out = [_layer_health(ev, steps, layers, i, d, origin, t, tracks[i]) for i in range(len(layers))]
+    if progress is not None:
+        weigh_progress(out, loss_trend(progress[0], progress[1], int(steps[-1])), t)
+    if layer_info:
+        explain_kinds(out, layer_info)
+    clip = global_clip_note(records)
+    for lh in out if clip else ():
+        if lh.status in ("exploding", "vanishing", "healthy"):
+            lh.reasons.append(clip)
     ranked, cause = cause_first(sorted(out, key=lambda lh: (-lh.severity, lh.index)))
     return RunHealth(int(steps[-1]), t, ranked, _first_bad(ranked), _onset(out), _timeline(out), cause)

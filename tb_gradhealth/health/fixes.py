@@ -2,7 +2,8 @@
 
 A chain is fixed at its cause: a layer that exploded and then died gets the explosion's fixes first. The records do
 not know a layer's activation or kind, so where the fix depends on it the suggestion names the condition ("if the
-activation saturates").
+activation saturates"); where the writer recorded them, :mod:`tb_gradhealth.health.kinds` puts the fix for that
+kind first.
 """
 
 from __future__ import annotations

@@ -9,18 +9,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from tb_gradhealth.health.rules import _log10, _Steps
+from tb_gradhealth import record
+from tb_gradhealth.health.rules import _Steps, layerwise_common
 
 #: Logged steps at which a variable's gradient norm must repeat (to float32 precision) to read as clipped.
 CLIP_STEPS = 3
 #: Relative difference under which two recorded norms are the same number (float32 rounding of the clip).
 _SAME = 1e-5
-#: Spread (decades) under which every layer's update/weight ratio is one number: a layer-wise adaptive optimizer.
-_LAYERWISE_SPREAD = 0.05
-#: ... while the variables' weight RMS spread over at least this many decades (else Adam would look the same).
-_WEIGHT_SPREAD = 0.3
-
-
 def clipped_norm(ev: _Steps, i: int) -> float | None:
     """The norm a variable's gradient is clipped to, when it is the same at ``CLIP_STEPS`` or more of its logged steps
     (the largest value it ever had, repeated), else None."""
@@ -33,17 +28,10 @@ def clipped_norm(ev: _Steps, i: int) -> float | None:
 
 
 def layerwise_adaptive(ev: _Steps, s: int) -> float | None:
-    """The common update/weight ratio at step row ``s`` when every variable with weights has the same one although
-    their weights' scales differ (LAMB, LARS: update = lr x ||w|| x direction; under Adam or SGD layers of different
-    weight scales move by different fractions), else None."""
-    ratios = _log10(ev.upd_ratio[s])
-    scale = _log10(ev.weight_norm[s] / np.sqrt(np.where(ev.size[s] > 0, ev.size[s], np.nan)))
-    ok = np.isfinite(ratios) & np.isfinite(scale)
-    ratios, scale = ratios[ok], scale[ok]
-    if ratios.size < 3 or float(ratios.max() - ratios.min()) > 2 * _LAYERWISE_SPREAD \
-            or float(scale.max() - scale.min()) < _WEIGHT_SPREAD:
-        return None
-    return float(10.0 ** np.median(ratios))
+    """The common update/weight ratio at step row ``s`` under a layer-wise adaptive optimizer, else None (see
+    :func:`~tb_gradhealth.health.rules.layerwise_common`)."""
+    common = layerwise_common(ev.upd_ratio[s:s + 1], ev.weight_norm[s:s + 1], ev.size[s:s + 1])[0]
+    return float(common) if np.isfinite(common) else None
 
 
 def optimizer_notes(ev: _Steps, s: int, i: int) -> list[str]:
@@ -58,3 +46,47 @@ def optimizer_notes(ev: _Steps, s: int, i: int) -> list[str]:
         notes.append(f"note: every layer's update is {common:.2g} of its weights (a layer-wise adaptive optimizer "
                      f"such as LAMB or LARS): the gradient's size does not set how fast a layer learns")
     return notes
+
+
+#: Spread (decades) under which every variable's update/gradient ratio at a step is one factor.
+_COMMON_FACTOR = 0.01
+#: Spread (decades) under which factor x global gradient norm is one number: the clip, times the learning rate.
+_SAME_PRODUCT = 0.005
+#: The factor must change by this much (decades) over the clipped steps, else it is a constant learning rate.
+_FACTOR_MOVES = 0.05
+
+
+def global_clip(records: np.ndarray) -> tuple[float, int] | None:
+    """``(lr x clip, clipped logged steps)`` when the updates show global gradient clipping, else None.
+
+    Under SGD with ``global_clipnorm`` every variable's update is its gradient times one factor, ``lr x clip / G``
+    (``G`` the norm of the whole gradient) at the steps where ``G`` exceeds the clip: the factor is common to all
+    variables, it changes from step to step, and factor x ``G`` is the same number. Needs the updates recorded and
+    the gradient recorded before clipping (as the Keras callback does under ``global_clipnorm``)."""
+    d = record.derived(records)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        factor = np.log10(d["update_norm"] / d["norm"])
+        factor = np.where(np.isfinite(factor), factor, np.nan)
+        n = np.isfinite(factor).sum(axis=1)
+        spread = np.where(n >= 2, np.nanmax(np.where(n[:, None] > 0, factor, 0.0), axis=1)
+                          - np.nanmin(np.where(n[:, None] > 0, factor, 0.0), axis=1), np.inf)
+        common = np.nanmedian(np.where(n[:, None] > 0, factor, 0.0), axis=1)
+        product = common + 0.5 * np.log10(np.nansum(np.where(np.isfinite(d["norm"]), d["norm"], 0.0) ** 2, axis=1))
+    rows = np.flatnonzero((n >= 2) & (spread <= _COMMON_FACTOR) & np.isfinite(product))
+    if rows.size < CLIP_STEPS:
+        return None
+    top = float(product[rows].max())
+    clipped = rows[product[rows] >= top - _SAME_PRODUCT]
+    if clipped.size < CLIP_STEPS or float(np.ptp(common[clipped])) < _FACTOR_MOVES:
+        return None
+    return 10.0 ** top, int(clipped.size)
+
+
+def global_clip_note(records: np.ndarray) -> str | None:
+    found = global_clip(records)
+    if found is None:
+        return None
+    product, steps = found
+    return (f"note: at {steps} logged steps every variable's update is its gradient times one factor that shrinks as "
+            f"the whole gradient's norm grows (factor x global norm = {product:.3g}): global gradient clipping "
+            f"(global_clipnorm); the gradient recorded is the one before clipping, so an explosion still shows in it")

@@ -81,20 +81,38 @@ def _layer_health(ev: _Steps, steps: np.ndarray, layers: Sequence[str], i: int, 
 
 def cause_first(ranked: list[LayerHealth]) -> tuple[list[LayerHealth], dict[str, Any] | None]:
     """The ranking with the cause first, and the cause: among the layers with the most severe current status, the
-    one whose chain of episodes began first (ties to the deepest layer: backprop reaches it first). A learning rate
-    that explodes every layer at step 1 and kills their ReLUs by step 3 is told as "exploding from step 1 -> dead
-    from 3", not as "dead since 1"."""
+    one whose chain of episodes began first (ties: see :func:`_culprit`). A learning rate that explodes every layer
+    at step 1 and kills their ReLUs by step 3 is told as "exploding from step 1 -> dead from 3", not as "dead since
+    1"."""
     if not ranked or ranked[0].status not in FLAGS:
         return ranked, None
     worst = ranked[0].status
-    top = min((lh for lh in ranked if lh.status == worst and lh.first_step is not None),
-              key=lambda lh: (lh.first_step, -lh.index), default=ranked[0])
+    chains = [lh for lh in ranked if lh.status == worst and lh.first_step is not None]
+    began = min((lh.first_step for lh in chains), default=None)
+    top = _culprit([lh for lh in chains if lh.first_step == began], worst) if chains else ranked[0]
     chain = [e for e in top.episodes if top.first_step is not None and e["from"] >= top.first_step]
     first = chain[0] if chain else {"status": top.status, "from": top.first_step}
     story = " -> ".join(f"{e['status']} from step {e['from']}" for e in chain) or f"{top.status}"
     cause = {"layer": top.layer, "status": first["status"], "step": first["from"], "now": top.status,
              "since": top.status_since, "story": story, "fixes": list(top.fixes)}
     return [top] + [lh for lh in ranked if lh is not top], cause
+
+
+#: Vanishing layers within this many decades of the most vanished one sit on the same plateau of the flow.
+PLATEAU_DECADES = 1.0
+
+
+def _culprit(tied: list[LayerHealth], status: str) -> LayerHealth:
+    """Where a chain that began at one step on several layers started. Exploding, NaN and the rest: the deepest
+    layer, which backprop reaches first. Vanishing: the gradient falls on its way to the input, so the cause is where
+    it reached its lowest: the deepest layer of the most vanished plateau (a smooth sigmoid decay: the input end, not
+    a borderline layer near the line; a gradient cut at one layer: that layer, whose shallower layers are as low)."""
+    if status == "vanishing":
+        logs = {id(lh): math.log10(lh.rms) for lh in tied if lh.rms > 0 and math.isfinite(lh.rms)}
+        if logs:
+            low = min(logs.values())
+            tied = [lh for lh in tied if logs.get(id(lh), math.inf) <= low + PLATEAU_DECADES]
+    return max(tied, key=lambda lh: lh.index)
 
 
 def _first_bad(ranked: list[LayerHealth]) -> dict[str, Any] | None:

@@ -15,9 +15,9 @@ _BASE = {code: (len(STATUSES) - 1 - code) * _SPAN for code in range(len(STATUSES
 _ORDER = (
     "layers worst first: severity descending (nonfinite > exploding > vanishing > dead > missing > inert > "
     "healthy), ties by network index, except that the cause comes first: among the layers with the most severe "
-    "status, the one whose chain of episodes began first (ties to the deepest layer); first_bad is the layer "
-    "ranked first when it is flagged, with the onset of "
-    "its episode chain; onset is the first step any layer was flagged, ties to the deepest layer (backprop "
+    "status, the one whose chain of episodes began first (ties to the deepest layer; for vanishing, to the deepest "
+    "within a decade of the most vanished); first_bad is the layer ranked first when it is flagged, with the onset "
+    "of its episode chain; onset is the first step any layer was flagged, ties to the deepest layer (backprop "
     "computes the deepest layer first)"
 )
 

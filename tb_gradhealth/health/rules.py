@@ -4,6 +4,7 @@ loss), never a statistic that sinks with the disease."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -94,6 +95,32 @@ def _update_stats(records: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarr
         rms = np.where(size > 0, upd / np.sqrt(np.where(size > 0, size, 1.0)), np.nan)
         ok = (weight > 0) & np.isfinite(weight) & np.isfinite(upd)
         return rms, np.where(ok, upd / np.where(ok, weight, 1.0), np.nan), weight
+
+
+#: Spread (decades) under which every layer's update/weight ratio is one number: a layer-wise adaptive optimizer.
+LAYERWISE_SPREAD = 0.05
+#: ... while the variables' weight RMS spread over at least this many decades (else Adam would look the same).
+WEIGHT_SPREAD = 0.3
+
+
+def layerwise_common(upd_ratio: np.ndarray, weight_norm: np.ndarray, size: np.ndarray) -> np.ndarray:
+    """Per step ``[S]``: the common update/weight ratio when every variable with weights has the same one although
+    their weights' scales differ (LAMB, LARS: update = lr x ||w|| x direction; under Adam or SGD layers of different
+    weight scales move by different fractions), else NaN."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratios = _log10(upd_ratio)
+        scale = _log10(weight_norm / np.sqrt(np.where(size > 0, size, np.nan)))
+    ok = np.isfinite(ratios) & np.isfinite(scale)
+    r = np.where(ok, ratios, np.nan)
+    w = np.where(ok, scale, np.nan)
+    n = ok.sum(axis=1)
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN rows
+        spread = np.nanmax(r, axis=1) - np.nanmin(r, axis=1)
+        wspread = np.nanmax(w, axis=1) - np.nanmin(w, axis=1)
+        common = 10.0 ** np.nanmedian(r, axis=1)
+    layerwise = (n >= 3) & (spread <= 2 * LAYERWISE_SPREAD) & (wspread >= WEIGHT_SPREAD)
+    return np.where(layerwise, common, np.nan)
 
 
 def layer_groups(layers: Sequence[str]) -> list[np.ndarray]:
@@ -286,6 +313,10 @@ def _evaluate(records: np.ndarray, layers: Sequence[str], t: Thresholds) -> _Ste
     dec = log_rms - ref[:, None]
     low = (dec <= -t.vanish_decades) | (rms < t.vanish_rms_below)
     inert = quiet_sibling & low
+    # The last layer's variables feed the loss directly: nothing after them can cancel their gradient to round-off.
+    for g in layer_groups(layers):
+        if g.max() == len(layers) - 1:
+            inert[:, g] = False
     signal = live & ~inert
     upd_rms, upd_ratio, weight_norm = _update_stats(records)
     # NaN/Inf that the optimizer did not apply (dynamic loss scaling): no update at all, finite weights. (A NaN
@@ -306,6 +337,7 @@ def _evaluate(records: np.ndarray, layers: Sequence[str], t: Thresholds) -> _Ste
         speed = log_upd - ref_upd[:, None]  # NaN where updates are not recorded: the gradient rules alone decide
         learns = (t.update_decades > 0) & (speed > -t.update_decades)
         calm = (t.update_decades > 0) & (speed < t.update_decades)
+    layerwise = np.isfinite(layerwise_common(upd_ratio, weight_norm, size))
     log_sig = np.where(signal, log_rms, np.nan)
     base, typical = _window_stats(log_sig, t.growth_window)
     ref_growth = ref - _window_stats(ref[:, None], t.growth_window)[0][:, 0]
@@ -338,7 +370,9 @@ def _evaluate(records: np.ndarray, layers: Sequence[str], t: Thresholds) -> _Ste
             & above_roundoff & out_of_zone,
             "small": small,
             "van_rel": signal & (dec <= -t.vanish_decades) & ~learns & ~converged,
-            "van_abs": signal & (rms < t.vanish_rms_below) & ~learns & ~converged,
+            # Under LAMB/LARS every layer moves by the same fraction of its weights whatever its gradient, so
+            # "learns" is no evidence below the floor: there the direction is Adam's epsilon, not the gradient.
+            "van_abs": signal & (rms < t.vanish_rms_below) & (~learns | layerwise[:, None]) & ~converged,
             "converged": np.broadcast_to(converged, live.shape),
         }
     # A tensor too small for a trend of its own (a one-element bias) grows with its layer: its trend counts while a

@@ -1,0 +1,62 @@
+"""The training loss of a run, read from its event files without TensorFlow: evidence beside the gradient records.
+
+The Keras callback writes the loss it has in ``logs`` as the scalar :data:`LOSS_TAG` at each logged step (format v1:
+one float per optimizer step, in the same ``.gradhealth`` event file as the records; the version is part of the
+tag, so a later format gets a new tag and this reader keeps reading v1). Any other writer gives the same evidence
+with a plain ``loss`` (or Keras TensorBoard's ``batch_loss``) scalar, e.g. ``Writer.add_scalars(step, {"loss":
+x})`` or ``tf.summary.scalar("loss", x)``. A log without any of them (written before the loss was recorded) has no
+progress, and the diagnosis uses the gradients alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from tensorboard.util import tensor_util
+
+from tb_gradhealth.eventfile import iter_summary_values
+
+#: The loss as the Keras callback records it (v1).
+LOSS_TAG = "gradhealth_progress_v1/loss"
+#: Tags read as the training loss, the first one present wins.
+LOSS_TAGS = (LOSS_TAG, "loss", "batch_loss")
+
+
+def _value(value: Any) -> float | None:
+    if value.HasField("simple_value"):
+        return float(value.simple_value)
+    if value.HasField("tensor"):
+        try:
+            arr = tensor_util.make_ndarray(value.tensor)
+        except (ValueError, TypeError):
+            return None
+        return float(arr.reshape(-1)[0]) if arr.size == 1 and arr.dtype.kind in "fiu" else None
+    return None
+
+
+def read_loss(paths: Sequence[str], storage_options: Mapping[str, Any] | None = None
+              ) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(steps int64 [n], loss float64 [n])`` of the first of :data:`LOSS_TAGS` in a run's event files, ascending
+    (a step written twice keeps its last value), or None when the run has none. Damage is skipped silently: the
+    gradient reader reports it."""
+    found: dict[str, dict[int, float]] = {tag: {} for tag in LOSS_TAGS}
+    for event, value in iter_summary_values(paths, storage_options):
+        series = found.get(value.tag)
+        if series is not None and (x := _value(value)) is not None:
+            series[int(event.step)] = x
+    for tag in LOSS_TAGS:
+        if found[tag]:
+            steps = np.array(sorted(found[tag]), dtype=np.int64)
+            return steps, np.array([found[tag][int(s)] for s in steps], dtype=np.float64)
+    return None
+
+
+def run_paths(runs: Mapping[str, Sequence[str]], run: str) -> Sequence[str]:
+    """The event files of ``run`` in :func:`tb_gradhealth.reader.find_runs`' map (a stream ``"run [name]"`` is in
+    its run's directory)."""
+    if run in runs:
+        return runs[run]
+    base = run.rsplit(" [", 1)[0]
+    return runs.get(base, ())
