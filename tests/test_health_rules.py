@@ -179,6 +179,22 @@ def test_overflow_steps_skipped_by_loss_scaling_are_not_a_disease():
     assert set(h.statuses()) == {"nonfinite"} and h.layers[0].first_step == 0
 
 
+def test_a_run_that_ends_on_its_first_nan_is_not_healthy():
+    """What stop_on="nonfinite" (or a crash) leaves: healthy steps, then one last step whose gradient is NaN and
+    whose update has no finite value (a NaN update, or one undone to keep the weights): the run stopped on it."""
+    names = _layers(3)
+    steps = 12
+    rms, weight, update = _steady(steps, 6)
+    rms[-1], update[-1] = np.nan, 0.0
+    h = diagnose_run(names, np.arange(steps), _run(rms, names, weight_rms=weight, update_rms=update))
+    assert set(_flagged(h).values()) == {"nonfinite"} and h.layers[0].status_since == steps - 1
+    # The same NaN step at step 8, after which the optimizer went on (loss scaling): healthy.
+    rms, weight, update = _steady(steps, 6)
+    rms[8], update[8] = np.nan, 0.0
+    assert _flagged(diagnose_run(names, np.arange(steps), _run(rms, names, weight_rms=weight, update_rms=update))) \
+        == {}
+
+
 def test_the_story_of_a_divergence_exploding_then_dead_then_nonfinite():
     names = _layers(4)
     steps = 30
