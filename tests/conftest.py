@@ -38,6 +38,19 @@ def _tensorflow_imports(request: pytest.FixtureRequest) -> None:
         names[name] = getattr(loaded, attribute) if attribute else loaded
 
 
+@pytest.fixture
+def tmpfs(tmp_path: Path):
+    """A 1 MiB tmpfs mounted for the test (root only; skipped with the reason otherwise): a disk that can be
+    filled, freed and remounted read-only (:class:`tests.write_faults.Tmpfs`)."""
+    from tests.write_faults import Tmpfs
+
+    fs = Tmpfs(tmp_path, 1 << 20)
+    try:
+        yield fs
+    finally:
+        fs.unmount()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Where torch tests may run beside TensorFlow ones, torch's compiler stack is imported first: the newest torch
     crashes when ``torch._dynamo`` is imported after TensorFlow, not before (a PyTorch user's process has no

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tb_gradhealth import reader, record
-from tests.test_recording_faults import Tmpfs
+from tests.write_faults import logged
 
 pytestmark = pytest.mark.tf
 #: Bound by tests/conftest.py when a test here runs, never at collection: ``tf`` and these names.
@@ -58,28 +58,18 @@ def _at_epoch_end(actions: dict[int, Any]):
     return Hook()
 
 
-def _messages(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
-    return [r.getMessage() for r in caplog.records if text in r.getMessage()]
-
-
 @pytest.mark.e2e
-def test_fit_goes_on_through_a_full_disk_and_writes_everything_once_space_is_back(tmp_path, caplog, plain_loss):
+def test_fit_goes_on_through_a_full_disk_and_writes_everything_once_space_is_back(tmpfs, caplog, plain_loss):
     caplog.set_level(logging.WARNING, logger="tb_gradhealth")
-    fs = Tmpfs(tmp_path, 1 << 20)
-    try:
-        log_dir = str(fs.path / "logs")
-        cb = GradientHealthCallback(log_dir, update_freq=1, seed=0)
-        hook = _at_epoch_end({0: fs.fill, 2: fs.free})
-        # the hook fills the disk at the end of epoch 0, before the recorder flushes that epoch, and frees it at
-        # the end of epoch 2
-        loss = _fit([hook, cb])
-        np.testing.assert_allclose(loss, plain_loss, rtol=1e-6)
-        assert cb.dropped_records == 0
-        assert len(_messages(caplog, "cannot write to")) == 1
-        (run,) = reader.read_logdir(log_dir).runs
-        assert run.steps.tolist() == list(range(1, EPOCHS * STEPS + 1)) and run.problems == ()
-    finally:
-        fs.unmount()
+    log_dir = str(tmpfs.path / "logs")
+    cb = GradientHealthCallback(log_dir, update_freq=1, seed=0)
+    # the hook fills the disk at the end of epoch 0, before the recorder flushes that epoch, and frees it at the end
+    # of epoch 2
+    loss = _fit([_at_epoch_end({0: tmpfs.fill, 2: tmpfs.free}), cb])
+    np.testing.assert_allclose(loss, plain_loss, rtol=1e-6)
+    assert cb.dropped_records == 0 and len(logged(caplog, "cannot write to")) == 1
+    (run,) = reader.read_logdir(log_dir).runs
+    assert run.steps.tolist() == list(range(1, EPOCHS * STEPS + 1)) and run.problems == ()
 
 
 def test_fit_goes_on_through_an_inconsistent_record_and_a_failing_write(tmp_path, caplog, monkeypatch, plain_loss):
@@ -108,8 +98,8 @@ def test_fit_goes_on_through_an_inconsistent_record_and_a_failing_write(tmp_path
     loss = _fit([cb])
     np.testing.assert_allclose(loss, plain_loss, rtol=1e-6)
     assert cb.dropped_records == 1
-    assert len(_messages(caplog, "writing a gradient-health record failed")) == 1
-    inconsistent = _messages(caplog, "not consistent")
+    assert len(logged(caplog, "writing a gradient-health record failed")) == 1
+    inconsistent = logged(caplog, "not consistent")
     assert len(inconsistent) == 1 and "step 5" in inconsistent[0], inconsistent
     (run,) = reader.read_logdir(str(tmp_path)).runs
     assert run.steps.tolist() == [s for s in range(1, EPOCHS * STEPS + 1) if s != 9]
@@ -127,5 +117,5 @@ def test_fit_falls_back_to_the_plain_step_when_the_statistics_cannot_be_built(tm
     cb = GradientHealthCallback(str(tmp_path), update_freq=1, seed=0)
     loss = _fit([cb])
     np.testing.assert_allclose(loss, plain_loss, rtol=1e-6)
-    assert len(_messages(caplog, "the step that records gradient health failed")) == 1
+    assert len(logged(caplog, "the step that records gradient health failed")) == 1
     assert reader.read_logdir(str(tmp_path)).runs == []

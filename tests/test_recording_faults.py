@@ -11,67 +11,17 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import socket
-import subprocess
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tb_gradhealth import Writer, eventfile, reader
+from tests.write_faults import logged
 
 #: The tests mount file systems or start servers: real processes (the failsafe's own test is a unit test).
 pytestmark = pytest.mark.e2e
-
-
-class Tmpfs:
-    """A tmpfs of ``size`` bytes mounted on a fresh directory (root only), that a test can fill, free and make
-    read-only."""
-
-    def __init__(self, where: Path, size: int) -> None:
-        self.path = where / "mnt"
-        self.path.mkdir()
-        if shutil.which("mount") is None:
-            pytest.skip("no mount command")
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(self.path)],
-                              capture_output=True, text=True)
-        if done.returncode:
-            pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
-        self._filler = self.path / "filler"
-
-    def fill(self) -> None:
-        """Take every free byte (the writer's next write fails with ENOSPC)."""
-        fd = os.open(self._filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-        try:
-            for chunk in (4096, 1):
-                try:
-                    while True:
-                        os.write(fd, b"\0" * chunk)
-                except OSError:
-                    pass
-        finally:
-            os.close(fd)
-
-    def free(self) -> None:
-        self._filler.unlink(missing_ok=True)
-
-    def remount(self, mode: str) -> None:
-        subprocess.run(["mount", "-o", f"remount,{mode}", str(self.path)], check=True)
-
-    def unmount(self) -> None:
-        subprocess.run(["umount", "-l", str(self.path)], check=False)
-
-
-@pytest.fixture
-def tmpfs(tmp_path: Path) -> Iterator[Tmpfs]:
-    fs = Tmpfs(tmp_path, 1 << 20)
-    try:
-        yield fs
-    finally:
-        fs.unmount()
 
 
 def _grads(step: int) -> dict[str, np.ndarray]:
@@ -82,10 +32,6 @@ def _grads(step: int) -> dict[str, np.ndarray]:
 def _read(logdir: str):
     (run,) = reader.read_logdir(logdir).runs
     return run
-
-
-def _messages(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
-    return [r.getMessage() for r in caplog.records if text in r.getMessage()]
 
 
 def test_a_full_disk_costs_a_warning_and_writing_resumes_when_space_is_freed(tmpfs, caplog):
@@ -103,8 +49,8 @@ def test_a_full_disk_costs_a_warning_and_writing_resumes_when_space_is_freed(tmp
         for step in range(30, 32):
             w.add_gradients(step, _grads(step))
         assert not w._writer.failing and w.dropped_records == 0
-    assert len(_messages(caplog, "cannot write to")) == 1, caplog.text
-    assert len(_messages(caplog, "works again after")) == 1, caplog.text
+    assert len(logged(caplog, "cannot write to")) == 1, caplog.text
+    assert len(logged(caplog, "works again after")) == 1, caplog.text
     run = _read(logdir)
     assert run.steps.tolist() == list(range(32)) and run.problems == ()
     problems: list[str] = []
@@ -148,7 +94,7 @@ def test_a_logdir_that_cannot_be_made_is_retried_until_it_can(tmpfs, caplog):
     assert w.flush()
     w.close()
     assert _read(logdir).steps.tolist() == [0, 1]
-    assert len(_messages(caplog, "cannot write to")) == 1
+    assert len(logged(caplog, "cannot write to")) == 1
 
 
 class Relay:
@@ -232,7 +178,7 @@ def test_an_object_store_that_goes_down_costs_nothing_once_it_is_back(tmp_path, 
         assert w.dropped_records == 0
         run = reader.read_logdir(url, storage_options=server.options).runs[0]
         assert run.steps.tolist() == list(range(6)) and run.problems == ()
-        assert len(_messages(caplog, "cannot write to")) == 1 and len(_messages(caplog, "works again after")) == 1
+        assert len(logged(caplog, "cannot write to")) == 1 and len(logged(caplog, "works again after")) == 1
     finally:
         relay.close()
         server.stop()
@@ -252,5 +198,5 @@ def test_the_failsafe_turns_any_host_side_failure_into_one_warning_and_a_count(c
         assert safe.run("writing a record", broken, step, records=1) is None
     assert safe.run("writing a record", lambda: 7) == 7
     assert (safe.failures, safe.dropped_records) == (5, 5)
-    assert len(_messages(caplog, "writing a record failed")) == 1
+    assert len(logged(caplog, "writing a record failed")) == 1
 

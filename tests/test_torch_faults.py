@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 from tb_gradhealth import reader, record  # noqa: E402
 from tb_gradhealth import torch as tgh  # noqa: E402
 from tb_gradhealth.writer import Writer  # noqa: E402
-from tests.test_recording_faults import Tmpfs  # noqa: E402
+from tests.write_faults import logged  # noqa: E402
 
 pytestmark = pytest.mark.torch
 STEPS = 40
@@ -51,23 +51,15 @@ def _same(a: list[np.ndarray], b: list[np.ndarray]) -> None:
         np.testing.assert_array_equal(x, y)
 
 
-def _messages(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
-    return [r.getMessage() for r in caplog.records if text in r.getMessage()]
-
-
 @pytest.mark.e2e
-def test_a_full_disk_mid_run_costs_a_warning_and_nothing_else(tmp_path, caplog, plain_weights):
+def test_a_full_disk_mid_run_costs_a_warning_and_nothing_else(tmpfs, caplog, plain_weights):
     caplog.set_level(logging.WARNING, logger="tb_gradhealth")
-    fs = Tmpfs(tmp_path, 1 << 20)
-    try:
-        log_dir = str(fs.path / "run")
-        weights, rec = _train(log_dir, on_step=lambda s: fs.fill() if s == 3 else fs.free() if s == 35 else None)
-        _same(weights, plain_weights)
-        assert rec.dropped_records == 0 and len(_messages(caplog, "cannot write to")) == 1
-        (run,) = reader.read_logdir(log_dir).runs
-        assert run.steps.tolist() == list(range(STEPS)) and run.problems == ()
-    finally:
-        fs.unmount()
+    log_dir = str(tmpfs.path / "run")
+    weights, rec = _train(log_dir, on_step=lambda s: tmpfs.fill() if s == 3 else tmpfs.free() if s == 35 else None)
+    _same(weights, plain_weights)
+    assert rec.dropped_records == 0 and len(logged(caplog, "cannot write to")) == 1
+    (run,) = reader.read_logdir(log_dir).runs
+    assert run.steps.tolist() == list(range(STEPS)) and run.problems == ()
 
 
 def test_statistics_that_raise_leave_the_optimizer_step_applied(tmp_path, caplog, monkeypatch, plain_weights):
@@ -85,7 +77,7 @@ def test_statistics_that_raise_leave_the_optimizer_step_applied(tmp_path, caplog
     weights, rec = _train(str(tmp_path))
     _same(weights, plain_weights)
     assert rec.dropped_records > 0
-    assert 1 <= len(_messages(caplog, "failed (RuntimeError: injected failure")) <= 2  # once per kind of work
+    assert 1 <= len(logged(caplog, "failed (RuntimeError: injected failure")) <= 2  # once per kind of work
     (run,) = reader.read_logdir(str(tmp_path)).runs
     assert len(run.steps) == STEPS - rec.dropped_records and run.problems == ()
 
@@ -102,6 +94,6 @@ def test_an_inconsistent_record_is_written_and_read_as_damaged(tmp_path, caplog,
     monkeypatch.setattr(tgh, "to_memory", corrupt_first_layer)
     weights, rec = _train(str(tmp_path))
     _same(weights, plain_weights)
-    assert rec.dropped_records == 0 and len(_messages(caplog, "not consistent")) == 1
+    assert rec.dropped_records == 0 and len(logged(caplog, "not consistent")) == 1
     (run,) = reader.read_logdir(str(tmp_path)).runs
     assert run.steps.tolist() == list(range(STEPS)) and len(run.problems) == 1
