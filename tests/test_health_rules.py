@@ -193,6 +193,11 @@ def test_a_run_that_ends_on_its_first_nan_is_not_healthy():
     rms[8], update[8] = np.nan, 0.0
     assert _flagged(diagnose_run(names, np.arange(steps), _run(rms, names, weight_rms=weight, update_rms=update))) \
         == {}
+    # A run with loss scaling (it skipped its first steps and went on) whose latest step is one more skip: healthy.
+    rms, weight, update = _steady(steps, 6)
+    rms[[0, 1, 11]], update[[0, 1, 11]] = np.inf, 0.0
+    assert _flagged(diagnose_run(names, np.arange(steps), _run(rms, names, weight_rms=weight, update_rms=update))) \
+        == {}
 
 
 def test_the_story_of_a_divergence_exploding_then_dead_then_nonfinite():

@@ -86,20 +86,23 @@ def _confirm(runs: list[list[int]], need: int, skip_need: int, dead_need: int) -
     divergence). ``dead_need`` is at least two logged steps even on a short run, since a zero-initialised
     multiplier (ReZero, a zero-initialised residual branch) cuts its branch's gradient at the first step by design.
     Skipped NaN/Inf steps are nonfinite when they last ``skip_need`` steps (``sustain_steps`` whatever
-    the run's length: dynamic loss scaling skips the first steps of every run), when NaN follows them, or when the
-    run ends on them after its first ``skip_need`` steps (it stopped there: a NaN update has no finite value, so it
-    looks skipped; a live run's latest step may show this until the next record shows the optimizer went on). A healthy
+    the run's length: dynamic loss scaling skips the first steps of every run), when NaN follows them, or when a
+    run that never skipped a step before ends on them after its first ``skip_need`` steps (it stopped there: a NaN
+    update has no finite value, so it looks skipped; a live run's latest step may show this until the next record
+    shows the optimizer went on). A healthy
     stretch of at most ``CHAIN_GAP`` steps between two flagged runs continues the first.
     """
     unconfirmed = None
+    scaled = False  # the run skipped a NaN/Inf step before and went on: it uses dynamic loss scaling
     for k, r in enumerate(runs):
         short = r[2] - r[1] + 1 < (dead_need if r[0] == DEAD else need)
         after_flag = k > 0 and runs[k - 1][0] in FLAG_CODES
         if r[0] == SKIPPED:
             leads_to_nan = k + 1 < len(runs) and runs[k + 1][0] == NONFINITE
-            # A run that ends on it after its first steps stopped there (stop_on, a crash): nothing shows the
-            # optimizer went on, and a NaN update leaves no finite update either. Loss scaling skips the first steps.
-            ends_on_it = k == len(runs) - 1 and r[1] >= skip_need
+            # A run without loss scaling that ends on it stopped there (stop_on, a crash): nothing shows the
+            # optimizer went on, and a NaN update leaves no finite update either.
+            ends_on_it = k == len(runs) - 1 and r[1] >= skip_need and not scaled
+            scaled = scaled or k + 1 < len(runs)
             r[0] = NONFINITE if leads_to_nan or ends_on_it or r[2] - r[1] + 1 >= skip_need else HEALTHY
 
         elif r[0] in (VANISHING, DEAD) and short and not after_flag:
