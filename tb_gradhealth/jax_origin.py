@@ -227,10 +227,5 @@ class OriginFinder:
             return None
         found = replay(self.loss_fn, params, *batch, step=int(step))
         self.origin = found
-        if self.log_dir is not None:
-            try:
-                origin.write(self.log_dir, found, self.name)
-            except Exception as e:  # noqa: BLE001 - never raise from the training loop because of the record
-                _log.warning("tb_gradhealth: could not store the NaN origin: %s", e)
-        _log.warning("tb_gradhealth: %s", found.message())
+        origin.announce(found, self.log_dir, self.name)
         return found

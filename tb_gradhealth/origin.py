@@ -10,6 +10,7 @@ TensorFlow nor torch: the reader, the plugin and the CLI use it.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -26,6 +27,7 @@ __all__ = ["NanOrigin", "PLUGIN_NAME", "write", "read_event_files", "read_provid
 
 PLUGIN_NAME = "gradhealth_origin"
 #: Tags are ``gradhealth_origin/<name>``: outside the ``gradhealth/`` prefix that record readers claim.
+_log = logging.getLogger("tb_gradhealth")
 TAG_PREFIX = PLUGIN_NAME + "/"
 FORMAT_VERSION = 1
 #: The end of the name of the event files that hold origins (see :func:`write`).
@@ -159,6 +161,18 @@ def write(logdir: str, origin: NanOrigin, name: str = "gradients") -> str:
     finally:
         out.close()
     return tag
+
+
+def announce(found: NanOrigin, logdir: str | None, name: str = "gradients") -> NanOrigin:
+    """Store ``found`` in ``logdir`` (if given) and log its message: what every finder does with its answer. A
+    failure to store costs a warning, never an exception in the training loop."""
+    if logdir is not None:
+        try:
+            write(logdir, found, name)
+        except Exception as e:  # noqa: BLE001 - never raise from the training loop because of the record
+            _log.warning("tb_gradhealth: could not store the NaN origin: %s", e)
+    _log.warning("tb_gradhealth: %s", found.message())
+    return found
 
 
 def _decode_value(value: Any, problems: list[str], where: str) -> NanOrigin | None:

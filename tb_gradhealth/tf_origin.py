@@ -90,10 +90,5 @@ class OriginFinder:
         found = replay.replay(lambda: self.loss_fn(*batch), self.variables, step=int(step), batch=names,
                                   root=self.root)
         self.origin = found
-        if self.log_dir is not None:
-            try:
-                origin.write(self.log_dir, found, self.name)
-            except Exception as e:  # noqa: BLE001 - never raise from the training loop because of the record
-                _log.warning("tb_gradhealth: could not store the NaN origin: %s", e)
-        _log.warning("tb_gradhealth: %s", found.message())
+        origin.announce(found, self.log_dir, self.name)
         return found

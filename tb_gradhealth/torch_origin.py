@@ -245,11 +245,5 @@ class OriginFinder:
         else:
             found = replay(self.model, self.loss_fn, tuple(batch), step=step)
         self.origin = found
-        where = self.log_dir or log_dir
-        if where is not None:
-            try:
-                origin.write(where, found, self.name)
-            except Exception as e:  # noqa: BLE001 - never raise from the training loop because of the record
-                _log.warning("tb_gradhealth: could not store the NaN origin: %s", e)
-        _log.warning("tb_gradhealth: %s", found.message())
+        origin.announce(found, self.log_dir or log_dir, self.name)
         return found

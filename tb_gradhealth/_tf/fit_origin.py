@@ -125,11 +125,7 @@ class FitOrigin:
                 found = NanOrigin(step=step, found=False, framework="tensorflow",
                                   reason=f"the replay failed: {type(e).__name__}: {e}")
         self.origin = found
-        try:
-            origin.write(self.log_dir, found, self.name)
-        except Exception as e:  # noqa: BLE001 - a writer never raises from inside training
-            _log.warning("tb_gradhealth: could not store the NaN origin: %s", e)
-        _log.warning("tb_gradhealth: %s", found.message())
+        origin.announce(found, self.log_dir, self.name)
         if not self.stop_after:
             self.frozen.assign(0)
         return found
