@@ -142,7 +142,7 @@ def _check_all_paths(case: tuple[str, np.ndarray]) -> None:
             raise AssertionError(f"path {path}, dtype {dtype}, size {values.size}: {e}") from e
 
 
-@settings(max_examples=40, **SETTINGS)
+@settings(max_examples=30, **SETTINGS)
 @given(gradients(FAST_SIZES))
 def test_every_tf_path_is_consistent_and_matches_the_reference(case):
     _check_all_paths(case)
