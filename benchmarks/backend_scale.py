@@ -1,6 +1,7 @@
 """Backend at scale: a real ``tensorboard`` process (started as a user starts it, with no flag) over one run of
-1,000 layers x 1,000 logged steps (1M layer-steps) and 1,000 x 10,000 (10M), optionally side by side with
-TensorBoard's own histogram route over per-variable histogram and scalar summaries of the same run (``--histograms``).
+1,000 layers x 1,000 logged steps (1M layer-steps), 1,000 x 10,000 (10M) and 1,000 x 100,000 (100M), optionally
+side by side with TensorBoard's own histogram route over per-variable histogram and scalar summaries of the same run
+(``--histograms``).
 
 For each size it measures, in one run on this machine: start of the ``tensorboard`` process → first *complete*
 ``health`` answer (every step and layer: cold), warm ``health`` / ``series`` / ``profile`` / ``histograms`` latency
@@ -8,13 +9,13 @@ For each size it measures, in one run on this machine: start of the ``tensorboar
 new thresholds (a fresh diagnosis), and the peak RSS of TensorBoard plus its data server (sampled every 0.25 s from
 start to the end of the measurements). It prints a table and the growth from the first size to the last. Goals
 (:data:`GOALS`): up to 10M layer-steps cold <= 30 s, warm health <= 0.5 s, series <= 0.1 s, peak RSS <= 2 GB; at
-100M (``--sizes 1000x100000``, skipped when this machine's available memory cannot hold it) peak RSS <= 4 GB; 100 runs
+100M (1,000 x 100,000: a 10 GB logdir, generated once into ``--data``) peak RSS <= 4 GB; 100 runs
 peak RSS <= 2.5 GB. It also appends steps to the served run and times the first answers that include them.
 
 Generated logs (the numpy ``Writer``'s layout) are cached in ``--data``. No TensorFlow is needed to generate them;
 the ``tensorboard`` process imports it if installed, as it does for users. Run it under the team's lock:
 
-    flock /tmp/gradhealth-heavy.lock python benchmarks/backend_scale.py [--sizes 1000x1000,1000x10000]
+    flock /tmp/gradhealth-heavy.lock python benchmarks/backend_scale.py [--sizes 1000x1000,1000x10000,1000x100000]
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from tb_gradhealth import eventfile, metadata, testing
+from tb_gradhealth import eventfile, metadata, testing, tiers
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -393,8 +394,9 @@ GOALS = {"cold_s": 30.0, "warm_s": 0.5, "series_s": 0.1, "rss_mb": 2048.0}
 GOALS_100M = {"rss_mb": 4096.0}
 #: Goals of the logdir of many runs.
 GOALS_MANY = {"rss_mb": 2560.0}
-#: Memory a run needs while served, measured at 10M layer-steps (bytes a layer-step: the decoded records and the
-#: diagnosis' temporaries), to skip a size this machine cannot hold rather than run it out of memory.
+#: Memory a run needs while served (bytes a layer-step kept: the decoded records and the diagnosis' temporaries; the
+#: plugin keeps at most about ``tiers.LAYER_STEPS`` of a run), to skip a size this machine cannot hold rather than
+#: run it out of memory.
 NEED_BYTES_PER_LAYER_STEP = 320
 NEED_BASE_MB = 1000
 
@@ -443,7 +445,8 @@ def print_table(results: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", default="1000x1000,1000x10000", help="LAYERSxSTEPS,... (default: %(default)s)")
+    ap.add_argument("--sizes", default="1000x1000,1000x10000,1000x100000",
+                    help="LAYERSxSTEPS,... (default: %(default)s)")
     ap.add_argument("--data", default="/tmp/gradhealth-bench-data-blocks", help="where generated logdirs are cached")
     ap.add_argument("--histograms", action="store_true", help="also time TensorBoard's histogram route on the same run")
     ap.add_argument("--limit", type=float, default=600.0, help="seconds allowed for a server to answer completely")
@@ -457,7 +460,8 @@ def main(argv: list[str] | None = None) -> int:
     for size in args.sizes.split(","):
         layers, steps = (int(x) for x in size.lower().split("x"))
         print(f"== {layers} layers x {steps} steps", flush=True)
-        need = NEED_BASE_MB + layers * steps * NEED_BYTES_PER_LAYER_STEP / 2**20
+        kept = min(layers * steps, 2 * max(tiers.LAYER_STEPS, tiers.MIN_ROWS * layers))
+        need = NEED_BASE_MB + kept * NEED_BYTES_PER_LAYER_STEP / 2**20
         if need > available_mb():
             skipped = f"not run: needs about {need / 1024:.0f} GB, {available_mb() / 1024:.0f} GB available"
             print("  " + skipped, flush=True)

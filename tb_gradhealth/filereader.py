@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from tb_gradhealth import metadata, record, storage
+from tb_gradhealth import metadata, record, storage, tiers
 from tb_gradhealth.eventfile import ScanEnd, scan_framed
 from tb_gradhealth.problems import Kind, any_of_kind
 from tb_gradhealth.reader import (
@@ -54,17 +54,30 @@ class NotAnAppend(Exception):
 @dataclass
 class _Store:
     """One series' records as :func:`reader.new_records` lays them out (``[F, capacity, L]``, lazily zeroed), of
-    which the first ``n`` steps are final: appends write only further rows."""
+    which the first ``n`` rows are final: appends write only further rows. Past :func:`tiers.row_budget` rows the
+    older ones are merged into windows (:mod:`tb_gradhealth.tiers`) in a new buffer, so a series handed out earlier
+    stays valid: ``weights`` ``[capacity, L]`` counts the steps of each row (0 where a layer has no record),
+    ``last`` the last step of each row, the first ``old`` rows are windows of about ``width`` steps."""
 
     layers: tuple[str, ...]
     buf: np.ndarray
     steps: np.ndarray
+    weights: np.ndarray
+    last: np.ndarray
+    budget: int
     n: int = 0
+    old: int = 0
+    width: int = 1
+    pinned_step: int | None = None
     touched: np.ndarray = field(default_factory=lambda: np.zeros(record.NUM_FIELDS, dtype=bool))
 
     @classmethod
-    def new(cls, layers: tuple[str, ...], capacity: int) -> _Store:
-        return cls(layers, np.zeros((record.NUM_FIELDS, capacity, len(layers))), np.zeros(capacity, np.int64))
+    def new(cls, layers: tuple[str, ...], capacity: int, budget: tuple[int, int] = (tiers.LAYER_STEPS,
+                                                                                 tiers.MIN_ROWS)) -> _Store:
+        budget = tiers.row_budget(len(layers), *budget)
+        capacity = min(capacity, budget + budget // 2)
+        return cls(layers, np.zeros((record.NUM_FIELDS, capacity, len(layers))), np.zeros(capacity, np.int64),
+                   np.zeros((capacity, len(layers)), np.int32), np.zeros(capacity, np.int64), budget)
 
     def append(self, part: RunSeries, more_steps: int) -> None:
         """Copy ``part`` (later steps, same layers) after the final rows, with room for ``more_steps`` beyond when
@@ -77,27 +90,67 @@ class _Store:
             raise NotAnAppend("steps went back")
         end = self.n + part.num_steps
         if end > self.steps.size:
-            self._grow(int((end + more_steps) * HEADROOM) + 64)
+            self._grow(min(int((end + more_steps) * HEADROOM) + 64, max(end, self.budget + self.budget // 2)))
         planes = part.records.transpose(2, 0, 1)  # [F, s, L], the part's own field-by-field layout
         for f in range(record.NUM_FIELDS):
             if self.touched[f] or np.any(planes[f] != 0):
                 self.buf[f, self.n : end] = planes[f]
                 self.touched[f] = True
         self.steps[self.n : end] = part.steps
+        self.last[self.n : end] = part.steps
+        self.weights[self.n : end] = ~np.isnan(planes[record.INDEX["size"]])
+        if self.pinned_step is None:
+            bad = np.flatnonzero(np.nan_to_num(record.nonfinite_count(part.records)).any(axis=1))
+            self.pinned_step = int(part.steps[bad[0]]) if bad.size else None
         self.n = end
+        if self.n > self.budget:
+            self._compact()
 
     def _grow(self, capacity: int) -> None:
         buf = np.zeros((record.NUM_FIELDS, capacity, len(self.layers)))
         for f in np.flatnonzero(self.touched):
             buf[f, : self.n] = self.buf[f, : self.n]
-        steps = np.zeros(capacity, np.int64)
-        steps[: self.n] = self.steps[: self.n]
-        self.buf, self.steps = buf, steps
+        self.buf = buf
+        self.steps, self.last, self.weights = (_grown(a, self.n, capacity) for a in (self.steps, self.last,
+                                                                                       self.weights))
+
+    def _compact(self) -> None:
+        """Merge the older rows into windows (:func:`tiers.plan`), into a new buffer of the same capacity."""
+        pinned = None
+        if self.pinned_step is not None:
+            pinned = int(np.searchsorted(self.steps[: self.n], self.pinned_step))
+        groups, old, width = tiers.plan(self.n, self.old, self.width, self.budget, pinned)
+        buf = np.zeros_like(self.buf)
+        steps, last, weights = np.zeros_like(self.steps), np.zeros_like(self.last), np.zeros_like(self.weights)
+        used = np.flatnonzero(self.touched)
+        for i, (s, e) in enumerate(groups):
+            steps[i], last[i] = self.steps[s], self.last[e - 1]
+            if e - s == 1:
+                buf[used, i] = self.buf[used, s]
+                weights[i] = self.weights[s]
+                continue
+            rec, weights[i] = tiers.mean_step(self.buf[:, s:e].transpose(1, 2, 0), self.weights[s:e])
+            buf[used, i] = rec[:, used].T
+        self.buf, self.steps, self.last, self.weights = buf, steps, last, weights
+        self.n, self.old, self.width = len(groups), old, width
 
     def series(self, name: str, tags: tuple[str, ...]) -> RunSeries:
+        merged = self.old > 0
+        notes = (f"steps {int(self.steps[0])}-{int(self.last[self.old - 1])} are kept as {self.old} merged windows of "
+                 f"up to {self.width} steps (a run of more than {self.budget} logged steps of "
+                 f"{len(self.layers)} layers); onsets there are exact to their window; "
+                 "tb-gradhealth report reads every step",) if merged else ()
         return RunSeries(run=name, layers=self.layers, steps=self.steps[: self.n],
-                         records=self.buf[:, : self.n, :].transpose(1, 2, 0), tags=tags,
+                         records=self.buf[:, : self.n, :].transpose(1, 2, 0), tags=tags, notes=notes,
+                         window_steps=self.weights[: self.n] if merged else None,
+                         window_last=self.last[: self.n] if merged else None,
                          resident_bytes=int(self.touched.sum()) * self.n * len(self.layers) * 8)
+
+
+def _grown(a: np.ndarray, n: int, capacity: int) -> np.ndarray:
+    out = np.zeros((capacity,) + a.shape[1:], a.dtype)
+    out[:n] = a[:n]
+    return out
 
 
 @dataclass
@@ -125,8 +178,10 @@ class FileReader:
 
     def __init__(self, logdir: str, storage_options: Mapping[str, Any] | None = None, *,
                  cache_bytes: int = CACHE_BYTES, listing_ttl: float = LISTING_TTL_S,
-                 chunk_bytes: int = CHUNK_BYTES):
+                 chunk_bytes: int = CHUNK_BYTES, layer_steps: int = tiers.LAYER_STEPS,
+                 min_rows: int = tiers.MIN_ROWS):
         self.logdir, self._options = logdir, storage_options
+        self._budget = (layer_steps, min_rows)  # records a run keeps before its older steps merge (tiers)
         self._cache_bytes, self._listing_ttl, self._chunk = cache_bytes, listing_ttl, chunk_bytes
         self._runs: OrderedDict[str, _Run] = OrderedDict()
         self._summaries: dict[str, tuple[tuple, list[dict[str, Any]]]] = {}
@@ -296,7 +351,8 @@ class FileReader:
         points = sum(len(td.points) for td in with_points)
         if state.store is None:
             (layers,) = layer_lists
-            state.store = _Store.new(tuple(layers), int(points * (1 + chunks_left) * HEADROOM) + 64)
+            state.store = _Store.new(tuple(layers), int(points * (1 + chunks_left) * HEADROOM) + 64,
+                                     self._budget)
         store = state.store
         part = assemble(run_dir, with_points, consume=True)
         if part.problems or part.notes or part.num_steps == 0:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from tensorboard import errors as tb_errors
 
-from tb_gradhealth import health, record
+from tb_gradhealth import health, record, tiers
 from tb_gradhealth.reader import RunSeries
 
 #: Points a ``series`` / ``histograms`` answer holds at most (the last step always included).
@@ -164,11 +164,19 @@ def merge_windows(rows: np.ndarray, starts: np.ndarray) -> np.ndarray:
 
 
 def _windowed(series: RunSeries, layer: str, fields: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """``(first step, last step, number of steps, merged record)`` of each chart window of a layer."""
+    """``(first step, last step, number of steps, merged record)`` of each chart window of a layer. Rows that are
+    already merged windows of a long run (``series.window_steps``) count their steps and merge as their sums."""
     steps, rows = _layer_rows(series, layer, fields)
+    last, weight = steps, np.ones(steps.size, np.int64)
+    if series.window_steps is not None and series.window_last is not None:
+        j = series.layer_index(layer)
+        present = ~np.isnan(series.records[:, j, record.INDEX["size"]])
+        last, weight = series.window_last[present], series.window_steps[present, j].astype(np.int64)
+        rows = tiers.window_sums(rows, weight)
     starts = window_starts(rows)
     ends = np.append(starts[1:], steps.size)
-    return steps[starts], steps[ends - 1], ends - starts, merge_windows(rows, starts)
+    count = np.add.reduceat(weight, starts) if starts.size else weight[:0]
+    return steps[starts], last[ends - 1], count, merge_windows(rows, starts)
 
 
 def _window_fields(first: np.ndarray, last: np.ndarray, count: np.ndarray, total: int) -> dict[str, Any]:

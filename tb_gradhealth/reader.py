@@ -85,6 +85,11 @@ class RunSeries:
     #: Bytes of ``records`` in memory when it is stored field by field (:func:`new_records`): the planes of
     #: histogram bins no record uses take none. None: all of ``records.nbytes``.
     resident_bytes: int | None = None
+    #: Where older steps were merged into windows (:mod:`tb_gradhealth.tiers`; the plugin's copy of a long run):
+    #: int ``[S, L]`` steps each row holds (its record is their mean step; 0 where the layer has no record) and
+    #: int64 ``[S]`` the last step of each row (``steps`` holds the first). None: one step a row.
+    window_steps: np.ndarray | None = None
+    window_last: np.ndarray | None = None
     _index: dict[str, int] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -108,7 +113,8 @@ class RunSeries:
     @property
     def nbytes(self) -> int:
         held = self.records.nbytes if self.resident_bytes is None else self.resident_bytes
-        return int(held + self.steps.nbytes)
+        windows = sum(a.nbytes for a in (self.window_steps, self.window_last) if a is not None)
+        return int(held + self.steps.nbytes + windows)
 
     def present(self) -> np.ndarray:
         """``[S, L]`` bool: where a layer has a record (absent rows are all-NaN; a record's size is never NaN)."""

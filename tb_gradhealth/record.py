@@ -343,6 +343,24 @@ def merge_all(records: np.ndarray, axis: int = 0) -> np.ndarray:
     return out
 
 
+#: Fields that :func:`merge` adds: the counts, the relative sums of squares, the histogram and its sample size.
+ADDITIVE: tuple[int, ...] = tuple(
+    [INDEX[name] for name in COUNT_FIELDS + ("ssq_rel", "weight_ssq_rel", "update_ssq_rel", "noise_ssq_rel",
+                                             "hist_sample")]
+    + list(range(HIST_START, NUM_FIELDS))
+)
+
+
+def scale(rec: np.ndarray, factor: float | np.ndarray) -> np.ndarray:
+    """The records with their additive fields (:data:`ADDITIVE`) times ``factor`` (broadcast over the leading
+    dimensions), the rest unchanged: ``scale(merge(a, b), 1/2)`` is the mean step of two steps, as long runs keep
+    their older steps (:mod:`tb_gradhealth.tiers`), and ``scale(mean, k)`` gives back the merge of ``k`` steps."""
+    out = np.array(rec, dtype=np.float64)
+    cols = [i for i in ADDITIVE if i < out.shape[-1]]  # rows cut before the histogram (charts) have fewer fields
+    out[..., cols] *= np.asarray(factor, dtype=np.float64)[..., None]
+    return out
+
+
 # --- derived quantities ---------------------------------------------------------------------------------------
 
 
