@@ -120,7 +120,7 @@ class _Store:
         if self.pinned_step is not None:
             pinned = int(np.searchsorted(self.steps[: self.n], self.pinned_step))
         groups, old, width = tiers.plan(self.n, self.old, self.width, self.budget, pinned)
-        buf = np.zeros_like(self.buf)
+        buf = np.zeros(self.buf.shape)  # lazily zeroed (zeros_like writes every page: the untouched planes too)
         steps, last, weights = np.zeros_like(self.steps), np.zeros_like(self.last), np.zeros_like(self.weights)
         used = np.flatnonzero(self.touched)
         for i, (s, e) in enumerate(groups):
