@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from tb_gradhealth import record
-from tb_gradhealth.health.rules import _Steps, layerwise_common
+from tb_gradhealth.health.levels import layerwise_common
+from tb_gradhealth.health.rules import _Steps
 
 #: Logged steps at which a variable's gradient norm must repeat (to float32 precision) to read as clipped.
 CLIP_STEPS = 3

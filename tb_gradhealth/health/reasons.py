@@ -10,31 +10,19 @@ from typing import Any
 import numpy as np
 
 from tb_gradhealth import record
+from tb_gradhealth.health import thresholds as th
 from tb_gradhealth.health.episodes import _episodes, _Track
 from tb_gradhealth.health.fixes import fixes
 from tb_gradhealth.health.optimizer import optimizer_notes
 from tb_gradhealth.health.result import _BASE, _SPAN, LayerHealth
 from tb_gradhealth.health.rules import ROUNDOFF, _Steps
-from tb_gradhealth.health.thresholds import (
-    DEAD,
-    EXPLODING,
-    FLAG_CODES,
-    FLAGS,
-    HEALTHY,
-    INERT,
-    MISSING,
-    NONFINITE,
-    STATUSES,
-    VANISHING,
-    Thresholds,
-)
 
 
 def _layer_health(ev: _Steps, steps: np.ndarray, layers: Sequence[str], i: int, d: dict[str, np.ndarray],
-                  origin: tuple[int, int, int] | None, t: Thresholds, track: _Track | None) -> LayerHealth:
+                  origin: tuple[int, int, int] | None, t: th.Thresholds, track: _Track | None) -> LayerHealth:
     name = layers[i]
     if track is None:
-        return LayerHealth(name, i, "missing", _BASE[MISSING] + 1.0,
+        return LayerHealth(name, i, "missing", _BASE[th.MISSING] + 1.0,
                            [f"no record of this layer at or before step {int(steps[-1])}"], None, None)
     code = track.code
     s = int(track.rows[-1])
@@ -44,32 +32,32 @@ def _layer_health(ev: _Steps, steps: np.ndarray, layers: Sequence[str], i: int, 
                int(track.rows[last[1] - 1]) if last[1] > 0 else int(track.rows[0]))
     reasons, excess = _reasons(code, ctx, d, i)
     if track.unconfirmed is not None:
-        need = max(2, track.need) if track.unconfirmed[0] == DEAD else track.need
+        need = max(2, track.need) if track.unconfirmed[0] == th.DEAD else track.need
         reasons.append(_unconfirmed_note(track.unconfirmed, ctx, min(need, t.sustain_steps)))
-    if code in (VANISHING, DEAD) and track.need < t.sustain_steps:
+    if code in (th.VANISHING, th.DEAD) and track.need < t.sustain_steps:
         reasons.append(f"note: a short run ({len(track.rows)} logged step(s)): confirmed over {track.need} logged "
                        f"step(s) instead of {t.sustain_steps}, so less certain; more logged steps would confirm it")
     ever_nonfinite = ev.nonfinite[:, i]
-    if code != NONFINITE and ever_nonfinite.any():
+    if code != th.NONFINITE and ever_nonfinite.any():
         reasons.append(_past_nonfinite_note(ever_nonfinite, ev.skipped[:, i], steps))
-    if origin is not None and (code == NONFINITE or (origin[1] == i and code in FLAG_CODES)):
+    if origin is not None and (code == th.NONFINITE or (origin[1] == i and code in th.FLAG_CODES)):
         reasons.append(_origin_note(origin, i, layers, steps))
-    if code in (EXPLODING, VANISHING, HEALTHY):  # a dead, NaN or missing gradient makes the ratios moot
+    if code in (th.EXPLODING, th.VANISHING, th.HEALTHY):  # a dead, NaN or missing gradient makes the ratios moot
         reasons.extend(_ratio_notes(d, i, t))
         reasons.extend(optimizer_notes(ev, s, i))
-    flagged = code not in (HEALTHY, INERT)
+    flagged = code not in (th.HEALTHY, th.INERT)
     persistence = last[2] - chain + 1
     severity = 0.0 if not flagged else _BASE[code] + min(_SPAN - 2.0, (1.0 + excess) * persistence)
-    if code == INERT:
-        severity = _BASE[INERT] + 1.0
+    if code == th.INERT:
+        severity = _BASE[th.INERT] + 1.0
     if flagged and origin is not None and origin[1] == i and track.rows[chain] <= origin[0]:
         # The layer where NaN/Inf started ranks first while it is flagged, whatever it turned into since (a layer
         # whose weights became NaN often has an all-zero gradient afterwards).
-        severity = _BASE[NONFINITE] + _SPAN - 1.0
+        severity = _BASE[th.NONFINITE] + _SPAN - 1.0
     nan_here = origin is not None and origin[1] == i
     return LayerHealth(
-        layer=name, index=i, status=STATUSES[code], severity=float(severity), reasons=reasons,
-        fixes=fixes(code, ev, track, i, nan_here) if code not in (HEALTHY,) else [],
+        layer=name, index=i, status=th.STATUSES[code], severity=float(severity), reasons=reasons,
+        fixes=fixes(code, ev, track, i, nan_here) if code not in (th.HEALTHY,) else [],
         first_step=int(steps[track.rows[chain]]) if flagged else None, step=int(steps[s]),
         status_since=int(steps[track.rows[max(last[1], chain)]]) if flagged else None,
         episodes=_episodes(track, steps),
@@ -84,7 +72,7 @@ def cause_first(ranked: list[LayerHealth]) -> tuple[list[LayerHealth], dict[str,
     one whose chain of episodes began first (ties: see :func:`_culprit`). A learning rate that explodes every layer
     at step 1 and kills their ReLUs by step 3 is told as "exploding from step 1 -> dead from 3", not as "dead since
     1"."""
-    if not ranked or ranked[0].status not in FLAGS:
+    if not ranked or ranked[0].status not in th.FLAGS:
         return ranked, None
     worst = ranked[0].status
     chains = [lh for lh in ranked if lh.status == worst and lh.first_step is not None]
@@ -118,7 +106,7 @@ def _culprit(tied: list[LayerHealth], status: str) -> LayerHealth:
 def _first_bad(ranked: list[LayerHealth]) -> dict[str, Any] | None:
     """The layer ranked first, when it is flagged, with the onset of its episode chain."""
     top = ranked[0] if ranked else None
-    if top is None or top.status not in FLAGS:
+    if top is None or top.status not in th.FLAGS:
         return None
     return {"layer": top.layer, "status": top.status, "step": top.first_step}
 
@@ -131,7 +119,7 @@ class _Ctx:
     i: int  # layer
     run_len: int
     run_first_step: int
-    t: Thresholds
+    t: th.Thresholds
     before_row: int = 0  # row just before the current run (its first row when it starts the layer's history)
 
     def lasting(self) -> str:
@@ -229,22 +217,22 @@ def _inert_reason(c: _Ctx) -> str:
 
 def _reasons(code: int, c: _Ctx, d: dict[str, np.ndarray], i: int) -> tuple[list[str], float]:
     """Plain-language reasons for the status and the excess (decades beyond the threshold) for the severity."""
-    if code == NONFINITE:
+    if code == th.NONFINITE:
         nan, inf, size = int(d["nan"][i]), int(d["inf"][i]), int(d["size"][i])
         frac = (nan + inf) / size if size else 1.0
         return [f"{nan:,} NaN and {inf:,} Inf of {size:,} gradient values at step {int(c.steps[c.s])}; NaN/Inf "
                 f"{c.lasting()}"], frac
-    if code == EXPLODING:
+    if code == th.EXPLODING:
         return _exploding_reasons(c, d)
-    if code == VANISHING:
+    if code == th.VANISHING:
         return _vanishing_reasons(c, d)
-    if code == DEAD:
+    if code == th.DEAD:
         size = int(d["size"][i])
         return [f"all {size:,} gradient values are exactly zero {c.lasting()}: no signal reaches this variable "
                 f"(e.g. a dead ReLU, or a path cut by stop_gradient)"], 0.0
-    if code == MISSING:
+    if code == th.MISSING:
         return [f"no gradient reached this variable (None gradient) {c.lasting()}"], 0.0
-    if code == INERT:
+    if code == th.INERT:
         return [_inert_reason(c)], 0.0
     dec = c.ev.dec(c.s, i)
     if c.ev.learns[c.s, i] and dec <= -c.t.vanish_decades:
@@ -261,8 +249,8 @@ def _reasons(code: int, c: _Ctx, d: dict[str, np.ndarray], i: int) -> tuple[list
 
 def _unconfirmed_note(unconfirmed: tuple[int, int], c: _Ctx, need: int) -> str:
     code, length = unconfirmed
-    what = "vanishing-level RMS" if code == VANISHING else "all-zero gradient"
-    return (f"note: {what} at the last {length} logged step(s); flagged as {STATUSES[code]} once it lasts {need}")
+    what = "vanishing-level RMS" if code == th.VANISHING else "all-zero gradient"
+    return (f"note: {what} at the last {length} logged step(s); flagged as {th.STATUSES[code]} once it lasts {need}")
 
 
 def _past_nonfinite_note(col: np.ndarray, skipped: np.ndarray, steps: np.ndarray) -> str:
@@ -286,7 +274,7 @@ def _origin_note(origin: tuple[int, int, int], i: int, layers: Sequence[str], st
     return f"the first nonfinite layer was {layers[first]} at step {step} (deepest nonfinite layer, backprop order)"
 
 
-#: (ratio key, label, Thresholds field above, field below, why above, why below); ``{r}`` is the weight change of
+#: (ratio key, label, th.Thresholds field above, field below, why above, why below); ``{r}`` is the weight change of
 #: one SGD step at lr 1e-3 in units of the weight norm.
 _RATIO_RULES = (
     ("update_to_weight", "update/weight", "update_ratio_above", "update_ratio_below",
@@ -298,7 +286,7 @@ _RATIO_RULES = (
 )
 
 
-def _ratio_notes(d: dict[str, np.ndarray], i: int, t: Thresholds) -> list[str]:
+def _ratio_notes(d: dict[str, np.ndarray], i: int, t: th.Thresholds) -> list[str]:
     notes = []
     if not float(d["weight_norm"][i]) > 0:
         return notes
