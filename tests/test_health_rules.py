@@ -299,3 +299,35 @@ def test_weights_blown_up_in_one_step_stay_exploding_until_undone():
     assert lh.status == "exploding" and lh.first_step == 1 and lh.episodes == [
         {"status": "exploding", "from": 1, "to": 9}]
     assert h["dense_01/kernel"].status == "healthy"
+
+
+def test_a_bias_far_below_its_exploding_kernel_is_judged_by_its_own_trend():
+    # A learning-rate divergence: every kernel's gradient grows 100x per logged step from step 10; a hidden layer's
+    # bias stays put, then grows 10,000x at step 13 (still 4 decades below its kernel, which rules out round-off
+    # only because the kernel explodes); every gradient is NaN from step 14.
+    names = _layers(4)
+    steps = 18
+    rms = np.full((steps, 8), 1e-2)
+    rms[10:14, 0::2] = 1e-2 * 100.0 ** np.arange(1, 5)[:, None]
+    rms[13, 3] = 1e2  # dense_01/bias: grew 4 decades in one step
+    rms[14:] = np.nan
+    lh = diagnose_run(names, np.arange(steps), _run(rms, names)).by_layer()["dense_01/bias"]
+    assert lh.status == "nonfinite"
+    assert lh.episodes[0] == {"status": "exploding", "from": 13, "to": 13} and lh.first_step == 13
+
+
+def test_a_small_bias_that_took_its_layers_onset_is_not_the_cause():
+    # A recurrent gain that overflows in two steps: at step 0 the updates of the kernels replace their weights 50x
+    # over (exploding), the small output bias's gradient is ordinary; from step 1 every gradient is NaN. The bias
+    # takes its layer's onset (step 0), but the explosion is the kernels': the cause is the deepest of them.
+    names = ["rnn/kernel", "rnn/recurrent_kernel", "rnn/bias", "logits/kernel", "logits/bias"]
+    steps = 6
+    rms, weight, update = _steady(steps, 5)
+    update[0, [0, 1, 3]] = 5.0
+    rms[1:], weight[1:], update[1:] = np.nan, np.nan, np.nan
+    recs = _run(rms, names, weight_rms=weight, update_rms=update, sizes=[64, 64, 32, 64, 4])
+    h = diagnose_run(names, np.arange(steps), recs)
+    assert h.by_layer()["logits/bias"].first_step == 0  # its layer's onset
+    assert h.layers[0].layer == "logits/kernel" and h.first_bad == {
+        "layer": "logits/kernel", "status": "nonfinite", "step": 0}
+    assert h.cause["story"] == "exploding from step 0 -> nonfinite from step 1"

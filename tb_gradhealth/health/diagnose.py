@@ -56,9 +56,9 @@ def diagnose_run(
         out = [LayerHealth(name, i, "missing", _BASE[MISSING], ["no record of this layer"], None, None)
                for i, name in enumerate(layers)]
         return RunHealth(None, t, out)
-    out = _layer_healths(_evaluate(records, layers, t), steps, records, layers, t)
+    out, borrowed = _layer_healths(_evaluate(records, layers, t), steps, records, layers, t)
     _add_evidence(out, records, int(steps[-1]), t, progress, layer_info)
-    ranked, cause = cause_first(sorted(out, key=lambda lh: (-lh.severity, lh.index)))
+    ranked, cause = cause_first(sorted(out, key=lambda lh: (-lh.severity, lh.index)), borrowed)
     return RunHealth(int(steps[-1]), t, ranked, _first_bad(ranked), _onset(out), _timeline(out), cause)
 
 
@@ -73,8 +73,9 @@ def _up_to(steps: np.ndarray, records: np.ndarray, at_step: int | None) -> tuple
 
 
 def _layer_healths(ev: _Steps, steps: np.ndarray, records: np.ndarray, layers: Sequence[str],
-                   t: Thresholds) -> list[LayerHealth]:
-    """Each layer's episodes, status, reasons and severity, in network order."""
+                   t: Thresholds) -> tuple[list[LayerHealth], frozenset[str]]:
+    """Each layer's episodes, status, reasons and severity, in network order, and the layers whose onset is that of
+    a larger variable of their layer."""
     # A skipped NaN/Inf step counts when NaN/Inf follows it at the next step (the update was NaN, not skipped).
     follows = np.zeros_like(ev.nonfinite)
     follows[:-1] = ev.nonfinite[1:]
@@ -83,8 +84,8 @@ def _layer_healths(ev: _Steps, steps: np.ndarray, records: np.ndarray, layers: S
     last_rows = np.where(present.any(axis=0), present.shape[0] - 1 - np.argmax(present[::-1], axis=0), 0)
     d = record.derived(records[last_rows, np.arange(len(layers))])
     tracks = [_track(ev, i, t) if ev.columns("present")[i].any() else None for i in range(len(layers))]
-    _follow_siblings(tracks, ev, layers)
-    return [_layer_health(ev, steps, layers, i, d, origin, t, tracks[i]) for i in range(len(layers))]
+    borrowed = _follow_siblings(tracks, ev, layers)
+    return [_layer_health(ev, steps, layers, i, d, origin, t, tracks[i]) for i in range(len(layers))], borrowed
 
 
 def _add_evidence(out: list[LayerHealth], records: np.ndarray, last_step: int, t: Thresholds,

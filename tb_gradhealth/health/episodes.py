@@ -171,10 +171,11 @@ def _episodes(track: _Track, steps: np.ndarray) -> list[dict[str, Any]]:
             for code, a, b in track.runs if code not in (th.HEALTHY, th.INERT)]
 
 
-def _follow_siblings(tracks: list[_Track | None], ev: _Steps, layers: Sequence[str]) -> None:
+def _follow_siblings(tracks: list[_Track | None], ev: _Steps, layers: Sequence[str]) -> frozenset[str]:
     """A tensor too small for a trend (a one-element bias) has an RMS of one or a few numbers, so its own onset is
     noise: when a larger variable of its layer has a flagged chain overlapping its current one, its chain starts
-    where theirs did."""
+    where theirs did. Returns the layers whose onset was taken that way."""
+    borrowed = set()
     small = ev.size.max(axis=0) < TREND_MIN_SIZE
     for cols in layer_groups(layers):
         big = [tracks[int(c)] for c in cols if not small[c] and tracks[int(c)] is not None]
@@ -191,6 +192,8 @@ def _follow_siblings(tracks: list[_Track | None], ev: _Steps, layers: Sequence[s
                         starts.append(oa)
             if starts:
                 track.chain_from = min(int(np.searchsorted(track.rows, min(starts))), len(track.rows) - 1)
+                borrowed.add(layers[c])
+    return frozenset(borrowed)
 
 
 def _onset(layers: list[LayerHealth]) -> dict[str, Any] | None:

@@ -67,17 +67,21 @@ def _layer_health(ev: _Steps, steps: np.ndarray, layers: Sequence[str], i: int, 
     )
 
 
-def cause_first(ranked: list[LayerHealth]) -> tuple[list[LayerHealth], dict[str, Any] | None]:
+def cause_first(ranked: list[LayerHealth], borrowed: frozenset[str] = frozenset()
+                ) -> tuple[list[LayerHealth], dict[str, Any] | None]:
     """The ranking with the cause first, and the cause: among the layers with the most severe current status, the
     one whose chain of episodes began first (ties: see :func:`_culprit`). A learning rate that explodes every layer
     at step 1 and kills their ReLUs by step 3 is told as "exploding from step 1 -> dead from 3", not as "dead since
-    1"."""
+    1". ``borrowed``: layers whose onset is a larger variable's of their layer (a small tensor follows its layer);
+    the onset is their layer's, not evidence of their own, so they are the cause only when nothing else ties."""
     if not ranked or ranked[0].status not in th.FLAGS:
         return ranked, None
     worst = ranked[0].status
     chains = [lh for lh in ranked if lh.status == worst and lh.first_step is not None]
     began = min((lh.first_step for lh in chains), default=None)
-    top = _culprit([lh for lh in chains if lh.first_step == began], worst) if chains else ranked[0]
+    tied = [lh for lh in chains if lh.first_step == began]
+    tied = [lh for lh in tied if lh.layer not in borrowed] or tied
+    top = _culprit(tied, worst) if chains else ranked[0]
     chain = [e for e in top.episodes if top.first_step is not None and e["from"] >= top.first_step]
     first = chain[0] if chain else {"status": top.status, "from": top.first_step}
     story = " -> ".join(f"{e['status']} from step {e['from']}" for e in chain) or f"{top.status}"

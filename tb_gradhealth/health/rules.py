@@ -274,8 +274,12 @@ def _evaluate(records: np.ndarray, layers: Sequence[str], t: th.Thresholds) -> _
     lv = _levels(records, len(layers), v, groups, t)
     g = _guards(lv, v["size"], t)
     exp, base = _exploding(lv, v, lv.signal, g, groups, t)
-    # A variable far quieter than an exploding sibling is not receiving round-off: its layer's inputs are huge.
+    # A variable far quieter than an exploding sibling is not receiving round-off: its layer's inputs are huge. It
+    # is then judged by the exploding rules like any live variable (its own trend grows with its layer's); it stays
+    # out of the vanishing rules, whose reference its layer's explosion has lifted.
     inert = lv.inert & ~_in_layer(np.logical_or.reduce([exp[k] for k in EXPLODING_RULES]), groups)
+    if (inert != lv.inert).any():
+        exp, base = _exploding(lv, v, v["live"] & ~inert, g, groups, t)
     flags = {"present": v["present"], "nonfinite": v["nonfinite"], "skipped": _skipped(v["nonfinite"], lv),
              "inert": inert, "learns": g.learns, "calm": g.calm, "small": g.small, "converged": g.converged,
              **exp, **_vanishing(lv, v["rms"], g, t)}
