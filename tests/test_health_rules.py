@@ -331,3 +331,57 @@ def test_a_small_bias_that_took_its_layers_onset_is_not_the_cause():
     assert h.layers[0].layer == "logits/kernel" and h.first_bad == {
         "layer": "logits/kernel", "status": "nonfinite", "step": 0}
     assert h.cause["story"] == "exploding from step 0 -> nonfinite from step 1"
+
+
+def _clipped_run(steps: int, ratio: np.ndarray, names: list[str], clip: float = 1.0) -> np.ndarray:
+    """Records of SGD under per-variable ``clipnorm=clip`` whose raw gradient is always larger than the clip: every
+    recorded gradient has norm ``clip`` (what the Keras callback records); each step's update moves the weights by
+    ``ratio[s]`` of their norm."""
+    rng = np.random.default_rng(3)
+    out = np.empty((steps, len(names), record.NUM_FIELDS))
+    for s in range(steps):
+        for i in range(len(names)):
+            g = rng.normal(size=64)
+            g *= clip / np.linalg.norm(g)
+            w = rng.normal(size=64) * 0.1
+            out[s, i] = record.compute(g, w, g * ratio[s] * np.linalg.norm(w) / clip, hist_sample=None)
+    return out
+
+
+def test_an_explosion_held_back_by_per_variable_clipping_shows_in_the_steps_it_takes():
+    # lr x1000 under clipnorm: the clip caps every recorded gradient at its norm, and every clipped step moves the
+    # weights by half their norm; the same clipped gradients at a sane learning rate move them by 1e-3 a step.
+    names = _layers(3)
+    steps = 8
+    recs = _clipped_run(steps, np.full(steps, 0.5), names)
+    h = diagnose_run(names, np.arange(steps), recs)
+    assert set(h.statuses()) == {"exploding"} and {lh.first_step for lh in h.layers} == {0}
+    assert "sits at its clip (1.0e+00)" in h.layers[0].reasons[0]
+    # flagged once it lasts sustain_steps (5) logged steps, dated from its first
+    assert _flagged(diagnose_run(names, np.arange(steps), recs, at_step=3)) == {}
+    assert set(_flagged(diagnose_run(names, np.arange(steps), recs, at_step=4)).values()) == {"exploding"}
+    assert _flagged(diagnose_run(names, np.arange(steps), _clipped_run(steps, np.full(steps, 1e-3), names))) == {}
+
+
+def test_a_few_large_clipped_steps_that_calm_down_are_not_an_explosion():
+    # lr x100 under clipnorm: the first 3 steps are clipped and move the weights by a quarter of their norm, then the
+    # loss falls, the gradient drops below the clip and the steps shrink with it.
+    names = _layers(3)
+    steps = 12
+    recs = _clipped_run(steps, np.r_[np.full(3, 0.25), np.full(steps - 3, 0.01)], names)
+    recs[3:] = _run(np.full((steps - 3, 6), 0.05), names, weight_rms=np.full((steps - 3, 6), 0.1),
+                    update_rms=np.full((steps - 3, 6), 1e-3))
+    assert _flagged(diagnose_run(names, np.arange(steps), recs)) == {}
+
+
+def test_a_clipped_gradient_with_zeros_is_read_at_its_norm():
+    # Behind ReLUs half of a kernel's gradient is exactly zero; clipnorm=1 caps the norm of all its values.
+    names = _layers(3)
+    steps = 6
+    recs = _clipped_run(steps, np.full(steps, 1e-3), names)
+    rng = np.random.default_rng(4)
+    for s in range(steps):
+        g = rng.normal(size=64) * (np.arange(64) % 2)
+        recs[s, 0] = record.compute(g / np.linalg.norm(g), rng.normal(size=64) * 0.1, g * 1e-4, hist_sample=None)
+    lh = diagnose_run(names, np.arange(steps), recs).by_layer()["dense_00/kernel"]
+    assert lh.status == "healthy" and any(r.startswith("note: its gradient norm is 1 at several") for r in lh.reasons)

@@ -22,6 +22,10 @@ SMALL_WEIGHT_DECADES = 2.0
 LAYERWISE_SPREAD = 0.05
 #: ... while the variables' weight RMS spread over at least this many decades (else Adam would look the same).
 WEIGHT_SPREAD = 0.3
+#: Logged steps at which a variable's gradient norm must repeat (to float32 precision) to read as clipped.
+CLIP_STEPS = 3
+#: Relative difference under which two recorded norms are the same number (float32 rounding of the clip).
+CLIP_SAME = 1e-5
 #: Logged steps evaluated together: keeps the temporaries of one block in cache.
 _BLOCK = 64
 
@@ -184,7 +188,8 @@ def _window_stats(log_rms: np.ndarray, window: int) -> tuple[np.ndarray, np.ndar
 
 
 def _live(records: np.ndarray) -> dict[str, np.ndarray]:
-    """Per (step, layer): presence, missing, NaN/Inf, all-zero and the RMS of the nonzero finite values."""
+    """Per (step, layer): presence, missing, NaN/Inf, all-zero, the RMS of the nonzero finite values and the norm
+    of all finite values."""
     size, missing, nonfinite_count, zero, _, max_abs = _history(records)
     present = ~np.isnan(size)
     missing = present & (missing > 0.5)
@@ -196,5 +201,31 @@ def _live(records: np.ndarray) -> dict[str, np.ndarray]:
         ssq = records[..., record.INDEX["ssq_rel"]]
         rms = np.where(nonzero > 0, max_abs * np.sqrt(ssq / np.where(nonzero > 0, nonzero, 1)), np.nan)
     live = values & ~nonfinite & ~dead & (rms > 0)
+    norm = max_abs * np.sqrt(records[..., record.INDEX["ssq_rel"]])  # over every finite value
     return {"present": present, "missing": missing, "nonfinite": nonfinite, "dead": dead, "live": live,
-            "size": np.where(present, size, 0.0), "rms": rms, "max_abs": max_abs}
+            "size": np.where(present, size, 0.0), "rms": rms, "max_abs": max_abs, "norm": norm}
+
+
+def pinned_at_clip(norm: np.ndarray) -> np.ndarray:
+    """``[S, L]``: the variable's gradient norm sits at its clip: it equals, to float32 rounding, the largest norm
+    the variable has had, which it does at ``CLIP_STEPS`` or more logged steps (per-variable ``clipnorm``: the
+    record holds the clipped gradient, so a gradient larger than the clip is recorded at the clip)."""
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns
+        top = np.nanmax(np.where(norm > 0, norm, np.nan), axis=0)
+        at_top = (norm > 0) & (np.abs(norm - top) <= CLIP_SAME * top)
+    return at_top & (at_top.sum(axis=0) >= CLIP_STEPS)
+
+
+def in_runs_of(mask: np.ndarray, need: int) -> np.ndarray:
+    """``[S, L]``: the elements of ``mask`` that belong to a run of at least ``need`` consecutive rows."""
+    out = np.zeros(mask.shape, dtype=bool)
+    if not mask.any():
+        return out
+    length = np.zeros(mask.shape, dtype=np.int64)  # length of the run so far
+    for s in range(mask.shape[0]):
+        length[s] = np.where(mask[s], (length[s - 1] if s else 0) + 1, 0)
+    total = length.copy()  # length of the whole run, carried back from its last row
+    for s in range(mask.shape[0] - 2, -1, -1):
+        total[s] = np.where(mask[s] & mask[s + 1], total[s + 1], total[s])
+    return mask & (total >= need)

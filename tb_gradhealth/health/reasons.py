@@ -184,6 +184,13 @@ def _exploding_reasons(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], fl
         reasons.append(f"RMS grew {10.0 ** g:,.0f}x ({g:.1f} decades) within the last {t.growth_window} logged "
                        f"steps, from {_e(10.0 ** float(ev.base[s, i]))} to {_e(rms)} at step {int(c.steps[s])}")
         excess = max(excess, g - t.growth_decades)
+    if ev.exp_capped[s, i]:
+        r = 10.0 ** float(ev.log_upd[s, i])
+        reasons.append(f"its gradient norm sits at its clip ({_e(float(ev.norm[s, i]))}) and each clipped update "
+                       f"moves the weights by {r:.2g}x their RMS, for at least {t.sustain_steps} logged steps: the "
+                       f"clip, not the gradient, sets every step (the gradient before clipping is not recorded); a "
+                       f"learning rate too high, held back by the clip")
+        excess = max(excess, math.log10(r / t.update_ratio_above))
     if not reasons:  # the episode goes on because the weights it blew up were not brought back
         w, w0 = float(ev.weight_norm[s, i]), float(ev.weight_norm[c.before_row, i])
         reasons.append(f"its weight norm {_e(w)} is still {w / w0:,.0f}x what it was before this episode began at "

@@ -23,8 +23,10 @@ from tb_gradhealth.health.levels import (
     _small_weights,
     _update_stats,
     _window_stats,
+    in_runs_of,
     layer_groups,
     layerwise_common,
+    pinned_at_clip,
 )
 
 #: Trend and update rules skip tensors smaller than this: a one-element bias crossing zero has an RMS that dips by
@@ -83,6 +85,7 @@ class _Steps:
     size: np.ndarray
     rms: np.ndarray  # RMS of the nonzero finite values: a sparse gradient is judged on the rows that got one
     max_abs: np.ndarray
+    norm: np.ndarray  # L2 norm of the finite values (what a clip caps)
     log_rms: np.ndarray  # NaN where the gradient is not live (absent, missing, nonfinite, all-zero)
     ref: np.ndarray  # [S] log10 RMS of the reference layers (nearest the loss)
     log_upd: np.ndarray  # log10 learning rate: update RMS / weight RMS of its layer, NaN where not recorded
@@ -123,6 +126,7 @@ class _Levels(NamedTuple):
     upd_rms: np.ndarray
     upd_ratio: np.ndarray  # ||update|| / ||weight||
     weight_norm: np.ndarray
+    clipped: np.ndarray  # the gradient norm sits at its clip (per-variable clipping)
 
     def dec(self) -> np.ndarray:
         """``[S, L]`` decades above (+) or below (-) the reference."""
@@ -164,7 +168,8 @@ def _levels(records: np.ndarray, n_layers: int, v: dict[str, np.ndarray], groups
     upd_rms, upd_ratio, weight_norm = _update_stats(records)
     log_upd = _log10(upd_rms) - _layer_weight_scale(weight_norm, v["size"], groups)
     ref, ref_upd = _references(ref, log_rms, log_upd, signal, t)
-    return _Levels(log_rms, sibling, inert, signal, ref, log_upd, ref_upd, upd_rms, upd_ratio, weight_norm)
+    return _Levels(log_rms, sibling, inert, signal, ref, log_upd, ref_upd, upd_rms, upd_ratio, weight_norm,
+                   pinned_at_clip(v["norm"]))
 
 
 def _skipped(nonfinite: np.ndarray, lv: _Levels) -> np.ndarray:
@@ -235,11 +240,23 @@ def _exploding(lv: _Levels, v: dict[str, np.ndarray], signal: np.ndarray, g: _Gu
             # A tensor too small for a trend of its own (a one-element bias) grows with its layer: its trend counts
             # while a larger variable of the layer grows by the trend rule too.
             "exp_trend": trend & (g.big | _in_layer(trend & g.big, groups)),
+            "exp_capped": _capped(lv, g, t),
         }
     return flags, base
 
 
-EXPLODING_RULES = ("exp_rel", "exp_rms", "exp_max", "exp_update", "exp_feedback", "exp_trend")
+def _capped(lv: _Levels, g: _Guards, t: th.Thresholds) -> np.ndarray:
+    """``[S, L]`` exploding under per-variable clipping, which hides the gradient's size from every other rule: at
+    each of ``sustain_steps`` consecutive logged steps the gradient sits at its clip and the clipped update moves
+    the layer's weights by more than ``update_ratio_above`` of their RMS (``log_upd``, as the feedback rule reads
+    it: a zero-initialised bias moves by little next to its kernel). The clip, not the gradient, sets every step,
+    and every step replaces a large part of the weights: a learning rate too high, held back only by the clip."""
+    with np.errstate(invalid="ignore"):
+        step = lv.clipped & (lv.log_upd > np.log10(t.update_ratio_above)) & g.big & ~g.small
+    return in_runs_of(step, t.sustain_steps)
+
+
+EXPLODING_RULES = ("exp_rel", "exp_rms", "exp_max", "exp_update", "exp_feedback", "exp_trend", "exp_capped")
 
 
 def _vanishing(lv: _Levels, rms: np.ndarray, g: _Guards, t: th.Thresholds) -> dict[str, np.ndarray]:
@@ -284,6 +301,7 @@ def _evaluate(records: np.ndarray, layers: Sequence[str], t: th.Thresholds) -> _
              "inert": inert, "learns": g.learns, "calm": g.calm, "small": g.small, "converged": g.converged,
              **exp, **_vanishing(lv, v["rms"], g, t)}
     exploding = np.logical_or.reduce([flags[k] for k in EXPLODING_RULES])
-    return _Steps(raw=_raw(v, flags, exploding), size=v["size"], rms=v["rms"], max_abs=v["max_abs"],
+    flags["clipped"] = lv.clipped
+    return _Steps(raw=_raw(v, flags, exploding), size=v["size"], rms=v["rms"], max_abs=v["max_abs"], norm=v["norm"],
                   log_rms=lv.log_rms, ref=lv.ref, log_upd=lv.log_upd, upd_ratio=lv.upd_ratio,
                   weight_norm=lv.weight_norm, ref_upd=lv.ref_upd, sibling=lv.sibling, base=base, flags=flags)
