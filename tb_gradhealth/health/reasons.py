@@ -148,55 +148,78 @@ def _rms_text(c: _Ctx, d: dict[str, np.ndarray]) -> str:
     return f"RMS {_e(rms)}" + (f" (over its {1 - zero:.0%} nonzero values)" if zero > 0.5 else "")
 
 
-def _exploding_reasons(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], float]:
+def _relative_why(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], float]:
+    ev, s, i = c.ev, c.s, c.i
+    above = ev.dec(s, i)
+    reasons = [f"{_rms_text(c, d)} is {above:.1f} decades above {c.ref_text()} {c.lasting()}: the gradient grows on "
+               f"its way back from the loss"]
+    lu, ru = float(ev.log_upd[s, i]), float(ev.ref_upd[s])
+    if math.isfinite(lu) and math.isfinite(ru):
+        reasons.append(f"it learns {lu - ru:.1f} decades faster than the layers nearest the loss (update RMS / "
+                       f"weight RMS {_e(10.0 ** lu)} against {_e(10.0 ** ru)})")
+    return reasons, above - c.t.explode_decades
+
+
+def _rms_bound_why(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], float]:
+    rms = float(c.ev.rms[c.s, c.i])
+    return ([f"{_rms_text(c, d)} is above the absolute bound {c.t.explode_rms_above:g}"],
+            math.log10(rms / c.t.explode_rms_above))
+
+
+def _max_bound_why(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], float]:
+    m = float(c.ev.max_abs[c.s, c.i])
+    return ([f"max |g| {_e(m)} is above the absolute bound {c.t.explode_max_abs_above:g}"],
+            math.log10(m / c.t.explode_max_abs_above))
+
+
+def _update_why(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], float]:
+    r = float(c.ev.upd_ratio[c.s, c.i])
+    return ([f"the applied update is {r:,.3g}x the weight's norm: the weights are blowing up (learning rate too high "
+             f"for this layer)"], math.log10(r / c.t.explode_update_ratio))
+
+
+def _feedback_why(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], float]:
+    r = 10.0 ** float(c.ev.log_upd[c.s, c.i])
+    return ([f"each update moves the weights by {r:.2g}x their RMS and the gradient and the update have both grown "
+             f"at every one of the last logged steps: the step feeds the next gradient (a learning rate too high "
+             f"for this layer)"], math.log10(r / c.t.update_ratio_above))
+
+
+def _trend_why(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], float]:
     ev, s, i, t = c.ev, c.s, c.i, c.t
-    rms = float(ev.rms[s, i])
+    g = float(ev.log_rms[s, i] - ev.base[s, i])
+    return ([f"RMS grew {10.0 ** g:,.0f}x ({g:.1f} decades) within the last {t.growth_window} logged steps, from "
+             f"{_e(10.0 ** float(ev.base[s, i]))} to {_e(float(ev.rms[s, i]))} at step {int(c.steps[s])}"],
+            g - t.growth_decades)
+
+
+def _capped_why(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], float]:
+    r = 10.0 ** float(c.ev.log_upd[c.s, c.i])
+    return ([f"its gradient norm sits at its clip ({_e(float(c.ev.norm[c.s, c.i]))}) and each clipped update moves "
+             f"the weights by {r:.2g}x their RMS, for at least {c.t.sustain_steps} logged steps: the clip, not the "
+             f"gradient, sets every step (the gradient before clipping is not recorded); a learning rate too high, "
+             f"held back by the clip"], math.log10(r / c.t.update_ratio_above))
+
+
+#: Each exploding rule's flag and its reason with its excess (decades beyond its line), in the order they are told.
+_EXPLODING_WHY = (("exp_rel", _relative_why), ("exp_rms", _rms_bound_why), ("exp_max", _max_bound_why),
+                  ("exp_update", _update_why), ("exp_feedback", _feedback_why), ("exp_trend", _trend_why),
+                  ("exp_capped", _capped_why))
+
+
+def _exploding_reasons(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], float]:
     reasons, excess = [], 0.0
-    if ev.exp_rel[s, i]:
-        above = c.ev.dec(s, i)
-        reasons.append(f"{_rms_text(c, d)} is {above:.1f} decades above {c.ref_text()} {c.lasting()}: the "
-                       f"gradient grows on its way back from the loss")
-        lu, ru = float(ev.log_upd[s, i]), float(ev.ref_upd[s])
-        if math.isfinite(lu) and math.isfinite(ru):
-            reasons.append(f"it learns {lu - ru:.1f} decades faster than the layers nearest the loss (update RMS / "
-                           f"weight RMS {_e(10.0 ** lu)} against {_e(10.0 ** ru)})")
-        excess = max(excess, above - t.explode_decades)
-    if ev.exp_rms[s, i]:
-        reasons.append(f"{_rms_text(c, d)} is above the absolute bound {t.explode_rms_above:g}")
-        excess = max(excess, math.log10(rms / t.explode_rms_above))
-    if ev.exp_max[s, i]:
-        m = float(ev.max_abs[s, i])
-        reasons.append(f"max |g| {_e(m)} is above the absolute bound {t.explode_max_abs_above:g}")
-        excess = max(excess, math.log10(m / t.explode_max_abs_above))
-    if ev.exp_update[s, i]:
-        r = float(ev.upd_ratio[s, i])
-        reasons.append(f"the applied update is {r:,.3g}x the weight's norm: the weights are blowing up (learning "
-                       f"rate too high for this layer)")
-        excess = max(excess, math.log10(r / t.explode_update_ratio))
-    if ev.exp_feedback[s, i]:
-        r = 10.0 ** float(ev.log_upd[s, i])
-        reasons.append(f"each update moves the weights by {r:.2g}x their RMS and the gradient and the update have "
-                       f"both grown at every one of the last logged steps: the step feeds the next gradient (a "
-                       f"learning rate too high for this layer)")
-        excess = max(excess, math.log10(r / t.update_ratio_above))
-    if ev.exp_trend[s, i]:
-        g = float(ev.log_rms[s, i] - ev.base[s, i])
-        reasons.append(f"RMS grew {10.0 ** g:,.0f}x ({g:.1f} decades) within the last {t.growth_window} logged "
-                       f"steps, from {_e(10.0 ** float(ev.base[s, i]))} to {_e(rms)} at step {int(c.steps[s])}")
-        excess = max(excess, g - t.growth_decades)
-    if ev.exp_capped[s, i]:
-        r = 10.0 ** float(ev.log_upd[s, i])
-        reasons.append(f"its gradient norm sits at its clip ({_e(float(ev.norm[s, i]))}) and each clipped update "
-                       f"moves the weights by {r:.2g}x their RMS, for at least {t.sustain_steps} logged steps: the "
-                       f"clip, not the gradient, sets every step (the gradient before clipping is not recorded); a "
-                       f"learning rate too high, held back by the clip")
-        excess = max(excess, math.log10(r / t.update_ratio_above))
-    if not reasons:  # the episode goes on because the weights it blew up were not brought back
-        w, w0 = float(ev.weight_norm[s, i]), float(ev.weight_norm[c.before_row, i])
-        reasons.append(f"its weight norm {_e(w)} is still {w / w0:,.0f}x what it was before this episode began at "
-                       f"step {c.run_first_step} ({_e(w0)}): the blow-up was not undone")
-        excess = math.log10(w / w0) - 1.0
-    return reasons, excess
+    for flag, why in _EXPLODING_WHY:
+        if getattr(c.ev, flag)[c.s, c.i]:
+            texts, x = why(c, d)
+            reasons += texts
+            excess = max(excess, x)
+    if reasons:
+        return reasons, excess
+    # The episode goes on because the weights it blew up were not brought back.
+    w, w0 = float(c.ev.weight_norm[c.s, c.i]), float(c.ev.weight_norm[c.before_row, c.i])
+    return ([f"its weight norm {_e(w)} is still {w / w0:,.0f}x what it was before this episode began at step "
+             f"{c.run_first_step} ({_e(w0)}): the blow-up was not undone"], math.log10(w / w0) - 1.0)
 
 
 def _vanishing_reasons(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], float]:
