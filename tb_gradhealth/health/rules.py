@@ -157,6 +157,8 @@ def _references(ref: np.ndarray, log_rms: np.ndarray, log_upd: np.ndarray, signa
 
 def _levels(records: np.ndarray, n_layers: int, v: dict[str, np.ndarray], groups: list[np.ndarray],
             t: th.Thresholds) -> _Levels:
+    """Each variable's live log RMS against the reference and its siblings (round-off candidates out of the
+    reference), its learning rate against the reference layers', and whether its gradient sits at a clip."""
     live, rms = v["live"], v["rms"]
     log_rms = np.where(live, _log10(rms), np.nan)
     sibling = _loudest_sibling(log_rms, groups)
