@@ -63,6 +63,8 @@ SICK_STATUSES = ("vanishing", "exploding", "dead", "nonfinite")
 #: Diagnosed statuses that do not count as a flag (``inert`` is informational: round-off only).
 NOT_FLAGGED = frozenset({"healthy", "inert", "missing"})
 STOP_ON = ("nonfinite", "exploding")
+#: The lead (logged steps between the halt and the first NaN) the stop_on goal asks for.
+LEAD = 3
 DEFAULT_CACHE = Path(__file__).resolve().parent / ".zoo-cache"
 
 
@@ -181,6 +183,8 @@ class RunScore:
     first_nan: int | None = None
     lead: int | None = None
     lead_at_least: bool = False
+    #: logged steps before the first NaN: the largest lead the run allows (None without a NaN)
+    lead_possible: int | None = None
     #: a divergence halted more than one logged step before its labelled onset
     premature: bool = False
     train_s: float | None = None
@@ -250,10 +254,12 @@ def score_run(labels: Mapping[str, Any], d: Diagnosed) -> RunScore:
     if r.diverges and halts and r.run_onset_label is not None:
         oi = _index_at_or_after(steps, r.run_onset_label)
         r.premature = oi is not None and halts[0] < oi - 1  # halted while training was still sound
+    if r.diverges and r.first_nan is not None:
+        ni = _index_at_or_after(steps, r.first_nan)
+        r.lead_possible = len(steps) if ni is None else ni
     if r.diverges and halts:
-        if r.first_nan is not None:
-            ni = _index_at_or_after(steps, r.first_nan)
-            r.lead = (len(steps) if ni is None else ni) - halts[0]
+        if r.lead_possible is not None:
+            r.lead = r.lead_possible - halts[0]
         else:  # no NaN within the run: the lead is at least the logged steps from the halt to the end
             r.lead, r.lead_at_least = len(steps) - halts[0], True
     return r
@@ -375,10 +381,12 @@ def goals(runs: Sequence[RunScore]) -> list[dict[str, Any]]:
     add("onset (first_step, the table's 'since') within one logged step of the label",
         within == len(errs), f"{within} of {len(errs)} labelled sick layers; max error "
         f"{max(finite) if finite else '-'}; {len(errs) - len(finite)} never found")
-    good = [r for r in div if r.lead is not None and r.lead >= 3 and not r.premature]
-    add("stop_on halts every divergence >= 3 logged steps before the first NaN (and not before its onset - 1)",
-        len(good) == len(div),
-        f"{len(good)} of {len(div)} divergences; leads "
+    # A run whose first NaN comes before LEAD logged steps have passed cannot show that lead: not measurable.
+    measurable = [r for r in div if not _too_early(r)]
+    good = [r for r in measurable if r.lead is not None and r.lead >= LEAD and not r.premature]
+    add(f"stop_on halts every divergence >= {LEAD} logged steps before the first NaN (and not before its onset - 1)",
+        len(good) == len(measurable),
+        f"{len(good)} of {len(measurable)} measurable divergences; leads "
         + ", ".join(f"{r.case}: {_lead_text(r)}" for r in div))
     halted = [r for r in healthy if r.halt is not None]
     add("stop_on never halts a healthy run", not halted,
@@ -404,7 +412,14 @@ def goals(runs: Sequence[RunScore]) -> list[dict[str, Any]]:
     return out
 
 
+def _too_early(r: RunScore) -> bool:
+    return r.lead_possible is not None and r.lead_possible < LEAD
+
+
 def _lead_text(r: RunScore) -> str:
+    if _too_early(r):
+        return (f"not measurable (first NaN at step {r.first_nan}, after {r.lead_possible} logged step(s); "
+                f"halted {'at ' + str(r.halt) if r.halt is not None else 'never'})")
     if r.halt is None:
         return "no halt"
     return f"{'>=' if r.lead_at_least else ''}{r.lead}" + (" (premature: before the onset)" if r.premature else "")

@@ -119,6 +119,21 @@ def test_pair_counts_precision_recall_onsets_and_halt():
     assert g["precision >="] is False
 
 
+def test_a_divergence_whose_first_nan_comes_too_early_for_the_lead_is_not_measurable():
+    labels = _labels(sick=True)
+    labels["first_nan"] = 20  # the second logged step: at most 1 logged step of lead is possible
+    d = zoo.diagnose_steps(LAYERS, STEPS, _records(), diagnose=_fake_diagnose, thresholds=object())
+    r = zoo.score_run(labels, d)
+    assert r.lead_possible == 1
+    goal = next(g for g in zoo.goals([r]) if g["goal"].startswith("stop_on halts"))
+    assert goal["pass"] and goal["figure"].startswith("0 of 0 measurable divergences")
+    assert "tiny: not measurable (first NaN at step 20, after 1 logged step(s); halted at 50)" in goal["figure"]
+    labels["first_nan"] = 40  # three logged steps before it: measurable, and a halt at 50 is no lead
+    r = zoo.score_run(labels, d)
+    goal = next(g for g in zoo.goals([r]) if g["goal"].startswith("stop_on halts"))
+    assert not goal["pass"] and goal["figure"].startswith("0 of 1 measurable divergences")
+
+
 def test_healthy_run_flag_counts():
     r = _scored(sick=False)
     assert r.flagged_last == ["a/kernel", "b/kernel", "c/kernel"]

@@ -299,3 +299,89 @@ def test_weights_blown_up_in_one_step_stay_exploding_until_undone():
     assert lh.status == "exploding" and lh.first_step == 1 and lh.episodes == [
         {"status": "exploding", "from": 1, "to": 9}]
     assert h["dense_01/kernel"].status == "healthy"
+
+
+def test_a_bias_far_below_its_exploding_kernel_is_judged_by_its_own_trend():
+    # A learning-rate divergence: every kernel's gradient grows 100x per logged step from step 10; a hidden layer's
+    # bias stays put, then grows 10,000x at step 13 (still 4 decades below its kernel, which rules out round-off
+    # only because the kernel explodes); every gradient is NaN from step 14.
+    names = _layers(4)
+    steps = 18
+    rms = np.full((steps, 8), 1e-2)
+    rms[10:14, 0::2] = 1e-2 * 100.0 ** np.arange(1, 5)[:, None]
+    rms[13, 3] = 1e2  # dense_01/bias: grew 4 decades in one step
+    rms[14:] = np.nan
+    lh = diagnose_run(names, np.arange(steps), _run(rms, names)).by_layer()["dense_01/bias"]
+    assert lh.status == "nonfinite"
+    assert lh.episodes[0] == {"status": "exploding", "from": 13, "to": 13} and lh.first_step == 13
+
+
+def test_a_small_bias_that_took_its_layers_onset_is_not_the_cause():
+    # A recurrent gain that overflows in two steps: at step 0 the updates of the kernels replace their weights 50x
+    # over (exploding), the small output bias's gradient is ordinary; from step 1 every gradient is NaN. The bias
+    # takes its layer's onset (step 0), but the explosion is the kernels': the cause is the deepest of them.
+    names = ["rnn/kernel", "rnn/recurrent_kernel", "rnn/bias", "logits/kernel", "logits/bias"]
+    steps = 6
+    rms, weight, update = _steady(steps, 5)
+    update[0, [0, 1, 3]] = 5.0
+    rms[1:], weight[1:], update[1:] = np.nan, np.nan, np.nan
+    recs = _run(rms, names, weight_rms=weight, update_rms=update, sizes=[64, 64, 32, 64, 4])
+    h = diagnose_run(names, np.arange(steps), recs)
+    assert h.by_layer()["logits/bias"].first_step == 0  # its layer's onset
+    assert h.layers[0].layer == "logits/kernel" and h.first_bad == {
+        "layer": "logits/kernel", "status": "nonfinite", "step": 0}
+    assert h.cause["story"] == "exploding from step 0 -> nonfinite from step 1"
+
+
+def _clipped_run(steps: int, ratio: np.ndarray, names: list[str], clip: float = 1.0) -> np.ndarray:
+    """Records of SGD under per-variable ``clipnorm=clip`` whose raw gradient is always larger than the clip: every
+    recorded gradient has norm ``clip`` (what the Keras callback records); each step's update moves the weights by
+    ``ratio[s]`` of their norm."""
+    rng = np.random.default_rng(3)
+    out = np.empty((steps, len(names), record.NUM_FIELDS))
+    for s in range(steps):
+        for i in range(len(names)):
+            g = rng.normal(size=64)
+            g *= clip / np.linalg.norm(g)
+            w = rng.normal(size=64) * 0.1
+            out[s, i] = record.compute(g, w, g * ratio[s] * np.linalg.norm(w) / clip, hist_sample=None)
+    return out
+
+
+def test_an_explosion_held_back_by_per_variable_clipping_shows_in_the_steps_it_takes():
+    # lr x1000 under clipnorm: the clip caps every recorded gradient at its norm, and every clipped step moves the
+    # weights by half their norm; the same clipped gradients at a sane learning rate move them by 1e-3 a step.
+    names = _layers(3)
+    steps = 8
+    recs = _clipped_run(steps, np.full(steps, 0.5), names)
+    h = diagnose_run(names, np.arange(steps), recs)
+    assert set(h.statuses()) == {"exploding"} and {lh.first_step for lh in h.layers} == {0}
+    assert "sits at its clip (1.0e+00)" in h.layers[0].reasons[0]
+    # flagged once it lasts sustain_steps (5) logged steps, dated from its first
+    assert _flagged(diagnose_run(names, np.arange(steps), recs, at_step=3)) == {}
+    assert set(_flagged(diagnose_run(names, np.arange(steps), recs, at_step=4)).values()) == {"exploding"}
+    assert _flagged(diagnose_run(names, np.arange(steps), _clipped_run(steps, np.full(steps, 1e-3), names))) == {}
+
+
+def test_a_few_large_clipped_steps_that_calm_down_are_not_an_explosion():
+    # lr x100 under clipnorm: the first 3 steps are clipped and move the weights by a quarter of their norm, then the
+    # loss falls, the gradient drops below the clip and the steps shrink with it.
+    names = _layers(3)
+    steps = 12
+    recs = _clipped_run(steps, np.r_[np.full(3, 0.25), np.full(steps - 3, 0.01)], names)
+    recs[3:] = _run(np.full((steps - 3, 6), 0.05), names, weight_rms=np.full((steps - 3, 6), 0.1),
+                    update_rms=np.full((steps - 3, 6), 1e-3))
+    assert _flagged(diagnose_run(names, np.arange(steps), recs)) == {}
+
+
+def test_a_clipped_gradient_with_zeros_is_read_at_its_norm():
+    # Behind ReLUs half of a kernel's gradient is exactly zero; clipnorm=1 caps the norm of all its values.
+    names = _layers(3)
+    steps = 6
+    recs = _clipped_run(steps, np.full(steps, 1e-3), names)
+    rng = np.random.default_rng(4)
+    for s in range(steps):
+        g = rng.normal(size=64) * (np.arange(64) % 2)
+        recs[s, 0] = record.compute(g / np.linalg.norm(g), rng.normal(size=64) * 0.1, g * 1e-4, hist_sample=None)
+    lh = diagnose_run(names, np.arange(steps), recs).by_layer()["dense_00/kernel"]
+    assert lh.status == "healthy" and any(r.startswith("note: its gradient norm is 1 at several") for r in lh.reasons)

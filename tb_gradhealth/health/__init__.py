@@ -10,20 +10,21 @@ disease. The per-step statuses become *episodes* (runs of one status, slow disea
 steps); a layer's status is that of its last record, and ``first_step`` is the onset of its current chain of
 episodes. ``layers`` are in network (forward) order: backprop computes gradients deepest layer first.
 
-The package's modules follow that design: ``thresholds`` (status words, knobs), ``rules`` (per-step rules), ``episodes``
-(runs of one status, onset, timeline), ``reasons`` (text, severity, the cause, first_bad), ``fixes`` (what to do),
-``optimizer`` (clipping and layer-wise updates read from the records), ``progress`` (the loss as evidence), ``kinds``
-(layer kind and activation in reasons and fixes),
-``result`` (the public result), ``diagnose`` (``diagnose_run``) and ``profile`` (one step).
+The package's modules follow that design: ``thresholds`` (status words, knobs), ``levels`` (what the rules read),
+``rules`` (per-step rules), ``episodes`` (runs of one status, onset, timeline), ``reasons`` (text, severity, the cause,
+first_bad), ``fixes`` (what to do), ``optimizer`` (clipping and layer-wise updates read from the records),
+``progress`` (the loss as evidence), ``kinds`` (layer kind and activation in reasons and fixes), ``result`` (the
+public result), ``diagnose`` (``diagnose_run``) and ``profile`` (one step).
 """
 
 from __future__ import annotations
 
 from tb_gradhealth.health.diagnose import diagnose_run
 from tb_gradhealth.health.episodes import BLOWN_UP, CHAIN_GAP
+from tb_gradhealth.health.levels import REFERENCE_FRACTION, REFERENCE_MIN, _history, layer_groups
 from tb_gradhealth.health.profile import profile
 from tb_gradhealth.health.result import LayerHealth, RunHealth
-from tb_gradhealth.health.rules import REFERENCE_FRACTION, REFERENCE_MIN, TREND_MIN_SIZE, _history, layer_groups
+from tb_gradhealth.health.rules import TREND_MIN_SIZE
 from tb_gradhealth.health.thresholds import (
     DEAD,
     EXPLODING,

@@ -13,7 +13,7 @@ from tb_gradhealth.health.optimizer import global_clip_note
 from tb_gradhealth.health.progress import loss_trend, weigh_progress
 from tb_gradhealth.health.reasons import _first_bad, _layer_health, cause_first
 from tb_gradhealth.health.result import _BASE, LayerHealth, RunHealth
-from tb_gradhealth.health.rules import _evaluate
+from tb_gradhealth.health.rules import _evaluate, _Steps
 from tb_gradhealth.health.thresholds import MISSING, Thresholds
 
 
@@ -50,36 +50,53 @@ def diagnose_run(
     ``layer_info``: ``{layer: (kind, activation)}`` where the writer knew the model (:mod:`tb_gradhealth.layerinfo`),
     named in the reasons and used to pick the fixes.
     """
-    steps, records = _check_inputs(layers, steps, records)
+    steps, records = _up_to(*_check_inputs(layers, steps, records), at_step)
     t = thresholds
-    if at_step is not None:
-        end = int(np.searchsorted(steps, at_step, side="right"))
-        if end == 0 and steps.size:
-            raise ValueError(f"step {at_step} is before the first logged step {int(steps[0])}")
-        steps, records = steps[:end], records[:end]
     if steps.size == 0 or len(layers) == 0:
         out = [LayerHealth(name, i, "missing", _BASE[MISSING], ["no record of this layer"], None, None)
                for i, name in enumerate(layers)]
         return RunHealth(None, t, out)
-    ev = _evaluate(records, layers, t)
+    out, borrowed = _layer_healths(_evaluate(records, layers, t), steps, records, layers, t)
+    _add_evidence(out, records, int(steps[-1]), t, progress, layer_info)
+    ranked, cause = cause_first(sorted(out, key=lambda lh: (-lh.severity, lh.index)), borrowed)
+    return RunHealth(int(steps[-1]), t, ranked, _first_bad(ranked), _onset(out), _timeline(out), cause)
+
+
+def _up_to(steps: np.ndarray, records: np.ndarray, at_step: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """The logged steps at or before ``at_step`` (all of them when it is None) and their records."""
+    if at_step is None:
+        return steps, records
+    end = int(np.searchsorted(steps, at_step, side="right"))
+    if end == 0 and steps.size:
+        raise ValueError(f"step {at_step} is before the first logged step {int(steps[0])}")
+    return steps[:end], records[:end]
+
+
+def _layer_healths(ev: _Steps, steps: np.ndarray, records: np.ndarray, layers: Sequence[str],
+                   t: Thresholds) -> tuple[list[LayerHealth], frozenset[str]]:
+    """Each layer's episodes, status, reasons and severity, in network order, and the layers whose onset is that of
+    a larger variable of their layer."""
     # A skipped NaN/Inf step counts when NaN/Inf follows it at the next step (the update was NaN, not skipped).
     follows = np.zeros_like(ev.nonfinite)
     follows[:-1] = ev.nonfinite[1:]
     origin = _nonfinite_origin(ev.nonfinite & ~(ev.skipped & ~follows))
     present = ev.present
-    s_count = present.shape[0]
-    last_rows = np.where(present.any(axis=0), s_count - 1 - np.argmax(present[::-1], axis=0), 0)
+    last_rows = np.where(present.any(axis=0), present.shape[0] - 1 - np.argmax(present[::-1], axis=0), 0)
     d = record.derived(records[last_rows, np.arange(len(layers))])
     tracks = [_track(ev, i, t) if ev.columns("present")[i].any() else None for i in range(len(layers))]
-    _follow_siblings(tracks, ev, layers)
-    out = [_layer_health(ev, steps, layers, i, d, origin, t, tracks[i]) for i in range(len(layers))]
+    borrowed = _follow_siblings(tracks, ev, layers)
+    return [_layer_health(ev, steps, layers, i, d, origin, t, tracks[i]) for i in range(len(layers))], borrowed
+
+
+def _add_evidence(out: list[LayerHealth], records: np.ndarray, last_step: int, t: Thresholds,
+                  progress: tuple[np.ndarray, np.ndarray] | None,
+                  layer_info: Mapping[str, tuple[str, str]] | None) -> None:
+    """What the records alone do not hold: the training loss, the layers' kinds, the optimizer's global clip."""
     if progress is not None:
-        weigh_progress(out, loss_trend(progress[0], progress[1], int(steps[-1])), t)
+        weigh_progress(out, loss_trend(progress[0], progress[1], last_step), t)
     if layer_info:
         explain_kinds(out, layer_info)
     clip = global_clip_note(records)
     for lh in out if clip else ():
         if lh.status in ("exploding", "vanishing", "healthy"):
             lh.reasons.append(clip)
-    ranked, cause = cause_first(sorted(out, key=lambda lh: (-lh.severity, lh.index)))
-    return RunHealth(int(steps[-1]), t, ranked, _first_bad(ranked), _onset(out), _timeline(out), cause)

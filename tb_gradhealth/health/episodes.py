@@ -9,21 +9,10 @@ from typing import Any
 
 import numpy as np
 
+from tb_gradhealth.health import thresholds as th
+from tb_gradhealth.health.levels import layer_groups
 from tb_gradhealth.health.result import LayerHealth
-from tb_gradhealth.health.rules import TREND_MIN_SIZE, _Steps, layer_groups
-from tb_gradhealth.health.thresholds import (
-    DEAD,
-    EXPLODING,
-    FLAG_CODES,
-    HEALTHY,
-    INERT,
-    MISSING,
-    NONFINITE,
-    SKIPPED,
-    STATUSES,
-    VANISHING,
-    Thresholds,
-)
+from tb_gradhealth.health.rules import TREND_MIN_SIZE, _Steps
 
 #: An exploding episode goes on while the layer's weight norm stays this many times its norm before the episode:
 #: a blow-up of the weights that is not undone leaves the layer damaged even when its gradient looks normal again.
@@ -42,14 +31,14 @@ class _Track:
 
     @property
     def code(self) -> int:
-        return self.runs[-1][0] if self.runs else MISSING
+        return self.runs[-1][0] if self.runs else th.MISSING
 
     def chain_start(self) -> int:
         """Position where the trailing chain of flagged runs starts (the last run's start when it is not flagged)."""
         k = len(self.runs) - 1
-        if self.runs[k][0] not in FLAG_CODES:
+        if self.runs[k][0] not in th.FLAG_CODES:
             return self.runs[k][1]
-        while k > 0 and self.runs[k - 1][0] in FLAG_CODES:
+        while k > 0 and self.runs[k - 1][0] in th.FLAG_CODES:
             k -= 1
         return self.runs[k][1] if self.chain_from is None else self.chain_from
 
@@ -95,29 +84,29 @@ def _confirm(runs: list[list[int]], need: int, skip_need: int, dead_need: int) -
     unconfirmed = None
     scaled = False  # the run skipped a NaN/Inf step before and went on: it uses dynamic loss scaling
     for k, r in enumerate(runs):
-        short = r[2] - r[1] + 1 < (dead_need if r[0] == DEAD else need)
-        after_flag = k > 0 and runs[k - 1][0] in FLAG_CODES
-        if r[0] == SKIPPED:
-            leads_to_nan = k + 1 < len(runs) and runs[k + 1][0] == NONFINITE
+        short = r[2] - r[1] + 1 < (dead_need if r[0] == th.DEAD else need)
+        after_flag = k > 0 and runs[k - 1][0] in th.FLAG_CODES
+        if r[0] == th.SKIPPED:
+            leads_to_nan = k + 1 < len(runs) and runs[k + 1][0] == th.NONFINITE
             # A run without loss scaling that ends on it stopped there (stop_on, a crash): nothing shows the
             # optimizer went on, and a NaN update leaves no finite update either.
             ends_on_it = k == len(runs) - 1 and r[1] >= skip_need and not scaled
             scaled = scaled or k + 1 < len(runs)
-            r[0] = NONFINITE if leads_to_nan or ends_on_it or r[2] - r[1] + 1 >= skip_need else HEALTHY
+            r[0] = th.NONFINITE if leads_to_nan or ends_on_it or r[2] - r[1] + 1 >= skip_need else th.HEALTHY
 
-        elif r[0] in (VANISHING, DEAD) and short and not after_flag:
+        elif r[0] in (th.VANISHING, th.DEAD) and short and not after_flag:
             if k == len(runs) - 1:
                 unconfirmed = (r[0], r[2] - r[1] + 1)
-            r[0] = HEALTHY
+            r[0] = th.HEALTHY
     for k in range(1, len(runs) - 1):
         r = runs[k]
-        if r[0] == HEALTHY and r[2] - r[1] + 1 <= CHAIN_GAP and runs[k - 1][0] in FLAG_CODES \
-                and runs[k + 1][0] in FLAG_CODES:
+        if r[0] == th.HEALTHY and r[2] - r[1] + 1 <= CHAIN_GAP and runs[k - 1][0] in th.FLAG_CODES \
+                and runs[k + 1][0] in th.FLAG_CODES:
             r[0] = runs[k - 1][0]
     return unconfirmed
 
 
-def _backdate(runs: list[list[int]], col: np.ndarray, t: Thresholds) -> None:
+def _backdate(runs: list[list[int]], col: np.ndarray, t: th.Thresholds) -> None:
     """An exploding run after a healthy one starts where the layer's RMS left its floor: the step after the last
     one within twice the trend's own per-step slope (``2 * growth_decades / growth_window``, 0.4 decades) of the
     lowest RMS of the ``growth_window`` steps before the run. A quiet minibatch in the middle of the rise does not
@@ -127,7 +116,7 @@ def _backdate(runs: list[list[int]], col: np.ndarray, t: Thresholds) -> None:
     for k in range(1, len(runs)):
         code, first, _ = runs[k]
         prev = runs[k - 1]
-        if code != EXPLODING or prev[0] != HEALTHY:
+        if code != th.EXPLODING or prev[0] != th.HEALTHY:
             continue
         lo = max(prev[1], first - w)
         window = col[lo:first]
@@ -146,7 +135,7 @@ def _blown_up(runs: list[list[int]], weight: np.ndarray, small: np.ndarray) -> N
     for k in range(len(runs) - 1):
         code, first, last = runs[k]
         nxt = runs[k + 1]
-        if code != EXPLODING or nxt[0] != HEALTHY:
+        if code != th.EXPLODING or nxt[0] != th.HEALTHY:
             continue
         before = weight[first - 1] if first > 0 else weight[first]
         if not before > 0 or small[first - 1 if first > 0 else first]:
@@ -164,7 +153,7 @@ def sustain_needed(logged: int, sustain_steps: int) -> int:
     return max(1, min(sustain_steps, (logged + 1) // 2))
 
 
-def _track(ev: _Steps, i: int, t: Thresholds) -> _Track:
+def _track(ev: _Steps, i: int, t: th.Thresholds) -> _Track:
     """The layer's confirmed runs over the steps where it has a record."""
     rows = np.flatnonzero(ev.columns("present")[i])
     runs = _runs(ev.columns("raw")[i, rows].astype(np.int64))
@@ -178,30 +167,33 @@ def _track(ev: _Steps, i: int, t: Thresholds) -> _Track:
 
 
 def _episodes(track: _Track, steps: np.ndarray) -> list[dict[str, Any]]:
-    return [{"status": STATUSES[code], "from": int(steps[track.rows[a]]), "to": int(steps[track.rows[b]])}
-            for code, a, b in track.runs if code not in (HEALTHY, INERT)]
+    return [{"status": th.STATUSES[code], "from": int(steps[track.rows[a]]), "to": int(steps[track.rows[b]])}
+            for code, a, b in track.runs if code not in (th.HEALTHY, th.INERT)]
 
 
-def _follow_siblings(tracks: list[_Track | None], ev: _Steps, layers: Sequence[str]) -> None:
+def _follow_siblings(tracks: list[_Track | None], ev: _Steps, layers: Sequence[str]) -> frozenset[str]:
     """A tensor too small for a trend (a one-element bias) has an RMS of one or a few numbers, so its own onset is
     noise: when a larger variable of its layer has a flagged chain overlapping its current one, its chain starts
-    where theirs did."""
+    where theirs did. Returns the layers whose onset was taken that way."""
+    borrowed = set()
     small = ev.size.max(axis=0) < TREND_MIN_SIZE
     for cols in layer_groups(layers):
         big = [tracks[int(c)] for c in cols if not small[c] and tracks[int(c)] is not None]
         for c in (int(c) for c in cols if small[c] and tracks[c] is not None):
             track = tracks[c]
-            if track.code not in FLAG_CODES:
+            if track.code not in th.FLAG_CODES:
                 continue
             a, z = track.rows[track.chain_start()], track.rows[track.runs[-1][2]]
             starts = []
             for other in big:
-                if other.code in FLAG_CODES:
+                if other.code in th.FLAG_CODES:
                     oa = other.rows[other.chain_start()]
                     if oa <= z and a <= other.rows[other.runs[-1][2]]:
                         starts.append(oa)
             if starts:
                 track.chain_from = min(int(np.searchsorted(track.rows, min(starts))), len(track.rows) - 1)
+                borrowed.add(layers[c])
+    return frozenset(borrowed)
 
 
 def _onset(layers: list[LayerHealth]) -> dict[str, Any] | None:

@@ -38,7 +38,8 @@ def fixes(code: int, ev: _Steps, track: _Track, i: int, nan_here: bool) -> list[
     out: list[str] = []
     for c in dict.fromkeys(chain):
         if c == EXPLODING:
-            lr = (ev.exp_feedback[rows, i] | ev.exp_update[rows, i] | ev.exp_trend[rows, i]).any()
+            lr = (ev.exp_feedback[rows, i] | ev.exp_update[rows, i] | ev.exp_trend[rows, i]
+                  | ev.exp_capped[rows, i]).any()
             depth = ev.exp_rel[rows, i].any()
             out += ([_LEARNING_RATE] if lr or not depth else []) + ([_DEPTH_GROWTH] if depth else [])
         elif c == VANISHING:

@@ -10,21 +10,15 @@ from __future__ import annotations
 import numpy as np
 
 from tb_gradhealth import record
-from tb_gradhealth.health.rules import _Steps, layerwise_common
+from tb_gradhealth.health.levels import CLIP_STEPS, layerwise_common
+from tb_gradhealth.health.rules import _Steps
 
-#: Logged steps at which a variable's gradient norm must repeat (to float32 precision) to read as clipped.
-CLIP_STEPS = 3
-#: Relative difference under which two recorded norms are the same number (float32 rounding of the clip).
-_SAME = 1e-5
+
 def clipped_norm(ev: _Steps, i: int) -> float | None:
-    """The norm a variable's gradient is clipped to, when it is the same at ``CLIP_STEPS`` or more of its logged steps
-    (the largest value it ever had, repeated), else None."""
-    norm = ev.rms[:, i] * np.sqrt(np.where(ev.size[:, i] > 0, ev.size[:, i], np.nan))
-    norm = norm[np.isfinite(norm) & (norm > 0)]
-    if norm.size < CLIP_STEPS:
-        return None
-    top = float(norm.max())
-    return top if int(np.sum(np.abs(norm - top) <= _SAME * top)) >= CLIP_STEPS else None
+    """The norm a variable's gradient is clipped to, when it sits there at ``CLIP_STEPS`` or more of its logged
+    steps (:func:`~tb_gradhealth.health.levels.pinned_at_clip`), else None."""
+    pinned = ev.clipped[:, i]
+    return float(ev.norm[pinned, i].max()) if pinned.any() else None
 
 
 def layerwise_adaptive(ev: _Steps, s: int) -> float | None:
@@ -62,7 +56,8 @@ def global_clip(records: np.ndarray) -> tuple[float, int] | None:
     Under SGD with ``global_clipnorm`` every variable's update is its gradient times one factor, ``lr x clip / G``
     (``G`` the norm of the whole gradient) at the steps where ``G`` exceeds the clip: the factor is common to all
     variables, it changes from step to step, and factor x ``G`` is the same number. Needs the updates recorded and
-    the gradient recorded before clipping (as the Keras callback does under ``global_clipnorm``)."""
+    the gradient recorded before clipping (a loop that records the gradient it passes to the optimizer; the Keras
+    callback records the clipped gradient the optimizer applies)."""
     d = record.derived(records)
     with np.errstate(invalid="ignore", divide="ignore"):
         factor = np.log10(d["update_norm"] / d["norm"])

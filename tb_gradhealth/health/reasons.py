@@ -10,31 +10,19 @@ from typing import Any
 import numpy as np
 
 from tb_gradhealth import record
+from tb_gradhealth.health import thresholds as th
 from tb_gradhealth.health.episodes import _episodes, _Track
 from tb_gradhealth.health.fixes import fixes
 from tb_gradhealth.health.optimizer import optimizer_notes
 from tb_gradhealth.health.result import _BASE, _SPAN, LayerHealth
 from tb_gradhealth.health.rules import ROUNDOFF, _Steps
-from tb_gradhealth.health.thresholds import (
-    DEAD,
-    EXPLODING,
-    FLAG_CODES,
-    FLAGS,
-    HEALTHY,
-    INERT,
-    MISSING,
-    NONFINITE,
-    STATUSES,
-    VANISHING,
-    Thresholds,
-)
 
 
 def _layer_health(ev: _Steps, steps: np.ndarray, layers: Sequence[str], i: int, d: dict[str, np.ndarray],
-                  origin: tuple[int, int, int] | None, t: Thresholds, track: _Track | None) -> LayerHealth:
+                  origin: tuple[int, int, int] | None, t: th.Thresholds, track: _Track | None) -> LayerHealth:
     name = layers[i]
     if track is None:
-        return LayerHealth(name, i, "missing", _BASE[MISSING] + 1.0,
+        return LayerHealth(name, i, "missing", _BASE[th.MISSING] + 1.0,
                            [f"no record of this layer at or before step {int(steps[-1])}"], None, None)
     code = track.code
     s = int(track.rows[-1])
@@ -44,32 +32,32 @@ def _layer_health(ev: _Steps, steps: np.ndarray, layers: Sequence[str], i: int, 
                int(track.rows[last[1] - 1]) if last[1] > 0 else int(track.rows[0]))
     reasons, excess = _reasons(code, ctx, d, i)
     if track.unconfirmed is not None:
-        need = max(2, track.need) if track.unconfirmed[0] == DEAD else track.need
+        need = max(2, track.need) if track.unconfirmed[0] == th.DEAD else track.need
         reasons.append(_unconfirmed_note(track.unconfirmed, ctx, min(need, t.sustain_steps)))
-    if code in (VANISHING, DEAD) and track.need < t.sustain_steps:
+    if code in (th.VANISHING, th.DEAD) and track.need < t.sustain_steps:
         reasons.append(f"note: a short run ({len(track.rows)} logged step(s)): confirmed over {track.need} logged "
                        f"step(s) instead of {t.sustain_steps}, so less certain; more logged steps would confirm it")
     ever_nonfinite = ev.nonfinite[:, i]
-    if code != NONFINITE and ever_nonfinite.any():
+    if code != th.NONFINITE and ever_nonfinite.any():
         reasons.append(_past_nonfinite_note(ever_nonfinite, ev.skipped[:, i], steps))
-    if origin is not None and (code == NONFINITE or (origin[1] == i and code in FLAG_CODES)):
+    if origin is not None and (code == th.NONFINITE or (origin[1] == i and code in th.FLAG_CODES)):
         reasons.append(_origin_note(origin, i, layers, steps))
-    if code in (EXPLODING, VANISHING, HEALTHY):  # a dead, NaN or missing gradient makes the ratios moot
+    if code in (th.EXPLODING, th.VANISHING, th.HEALTHY):  # a dead, NaN or missing gradient makes the ratios moot
         reasons.extend(_ratio_notes(d, i, t))
         reasons.extend(optimizer_notes(ev, s, i))
-    flagged = code not in (HEALTHY, INERT)
+    flagged = code not in (th.HEALTHY, th.INERT)
     persistence = last[2] - chain + 1
     severity = 0.0 if not flagged else _BASE[code] + min(_SPAN - 2.0, (1.0 + excess) * persistence)
-    if code == INERT:
-        severity = _BASE[INERT] + 1.0
+    if code == th.INERT:
+        severity = _BASE[th.INERT] + 1.0
     if flagged and origin is not None and origin[1] == i and track.rows[chain] <= origin[0]:
         # The layer where NaN/Inf started ranks first while it is flagged, whatever it turned into since (a layer
         # whose weights became NaN often has an all-zero gradient afterwards).
-        severity = _BASE[NONFINITE] + _SPAN - 1.0
+        severity = _BASE[th.NONFINITE] + _SPAN - 1.0
     nan_here = origin is not None and origin[1] == i
     return LayerHealth(
-        layer=name, index=i, status=STATUSES[code], severity=float(severity), reasons=reasons,
-        fixes=fixes(code, ev, track, i, nan_here) if code not in (HEALTHY,) else [],
+        layer=name, index=i, status=th.STATUSES[code], severity=float(severity), reasons=reasons,
+        fixes=fixes(code, ev, track, i, nan_here) if code not in (th.HEALTHY,) else [],
         first_step=int(steps[track.rows[chain]]) if flagged else None, step=int(steps[s]),
         status_since=int(steps[track.rows[max(last[1], chain)]]) if flagged else None,
         episodes=_episodes(track, steps),
@@ -79,17 +67,21 @@ def _layer_health(ev: _Steps, steps: np.ndarray, layers: Sequence[str], i: int, 
     )
 
 
-def cause_first(ranked: list[LayerHealth]) -> tuple[list[LayerHealth], dict[str, Any] | None]:
+def cause_first(ranked: list[LayerHealth], borrowed: frozenset[str] = frozenset()
+                ) -> tuple[list[LayerHealth], dict[str, Any] | None]:
     """The ranking with the cause first, and the cause: among the layers with the most severe current status, the
     one whose chain of episodes began first (ties: see :func:`_culprit`). A learning rate that explodes every layer
     at step 1 and kills their ReLUs by step 3 is told as "exploding from step 1 -> dead from 3", not as "dead since
-    1"."""
-    if not ranked or ranked[0].status not in FLAGS:
+    1". ``borrowed``: layers whose onset is a larger variable's of their layer (a small tensor follows its layer);
+    the onset is their layer's, not evidence of their own, so they are the cause only when nothing else ties."""
+    if not ranked or ranked[0].status not in th.FLAGS:
         return ranked, None
     worst = ranked[0].status
     chains = [lh for lh in ranked if lh.status == worst and lh.first_step is not None]
     began = min((lh.first_step for lh in chains), default=None)
-    top = _culprit([lh for lh in chains if lh.first_step == began], worst) if chains else ranked[0]
+    tied = [lh for lh in chains if lh.first_step == began]
+    tied = [lh for lh in tied if lh.layer not in borrowed] or tied
+    top = _culprit(tied, worst) if chains else ranked[0]
     chain = [e for e in top.episodes if top.first_step is not None and e["from"] >= top.first_step]
     first = chain[0] if chain else {"status": top.status, "from": top.first_step}
     story = " -> ".join(f"{e['status']} from step {e['from']}" for e in chain) or f"{top.status}"
@@ -118,7 +110,7 @@ def _culprit(tied: list[LayerHealth], status: str) -> LayerHealth:
 def _first_bad(ranked: list[LayerHealth]) -> dict[str, Any] | None:
     """The layer ranked first, when it is flagged, with the onset of its episode chain."""
     top = ranked[0] if ranked else None
-    if top is None or top.status not in FLAGS:
+    if top is None or top.status not in th.FLAGS:
         return None
     return {"layer": top.layer, "status": top.status, "step": top.first_step}
 
@@ -131,7 +123,7 @@ class _Ctx:
     i: int  # layer
     run_len: int
     run_first_step: int
-    t: Thresholds
+    t: th.Thresholds
     before_row: int = 0  # row just before the current run (its first row when it starts the layer's history)
 
     def lasting(self) -> str:
@@ -156,48 +148,78 @@ def _rms_text(c: _Ctx, d: dict[str, np.ndarray]) -> str:
     return f"RMS {_e(rms)}" + (f" (over its {1 - zero:.0%} nonzero values)" if zero > 0.5 else "")
 
 
-def _exploding_reasons(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], float]:
+def _relative_why(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], float]:
+    ev, s, i = c.ev, c.s, c.i
+    above = ev.dec(s, i)
+    reasons = [f"{_rms_text(c, d)} is {above:.1f} decades above {c.ref_text()} {c.lasting()}: the gradient grows on "
+               f"its way back from the loss"]
+    lu, ru = float(ev.log_upd[s, i]), float(ev.ref_upd[s])
+    if math.isfinite(lu) and math.isfinite(ru):
+        reasons.append(f"it learns {lu - ru:.1f} decades faster than the layers nearest the loss (update RMS / "
+                       f"weight RMS {_e(10.0 ** lu)} against {_e(10.0 ** ru)})")
+    return reasons, above - c.t.explode_decades
+
+
+def _rms_bound_why(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], float]:
+    rms = float(c.ev.rms[c.s, c.i])
+    return ([f"{_rms_text(c, d)} is above the absolute bound {c.t.explode_rms_above:g}"],
+            math.log10(rms / c.t.explode_rms_above))
+
+
+def _max_bound_why(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], float]:
+    m = float(c.ev.max_abs[c.s, c.i])
+    return ([f"max |g| {_e(m)} is above the absolute bound {c.t.explode_max_abs_above:g}"],
+            math.log10(m / c.t.explode_max_abs_above))
+
+
+def _update_why(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], float]:
+    r = float(c.ev.upd_ratio[c.s, c.i])
+    return ([f"the applied update is {r:,.3g}x the weight's norm: the weights are blowing up (learning rate too high "
+             f"for this layer)"], math.log10(r / c.t.explode_update_ratio))
+
+
+def _feedback_why(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], float]:
+    r = 10.0 ** float(c.ev.log_upd[c.s, c.i])
+    return ([f"each update moves the weights by {r:.2g}x their RMS and the gradient and the update have both grown "
+             f"at every one of the last logged steps: the step feeds the next gradient (a learning rate too high "
+             f"for this layer)"], math.log10(r / c.t.update_ratio_above))
+
+
+def _trend_why(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], float]:
     ev, s, i, t = c.ev, c.s, c.i, c.t
-    rms = float(ev.rms[s, i])
+    g = float(ev.log_rms[s, i] - ev.base[s, i])
+    return ([f"RMS grew {10.0 ** g:,.0f}x ({g:.1f} decades) within the last {t.growth_window} logged steps, from "
+             f"{_e(10.0 ** float(ev.base[s, i]))} to {_e(float(ev.rms[s, i]))} at step {int(c.steps[s])}"],
+            g - t.growth_decades)
+
+
+def _capped_why(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], float]:
+    r = 10.0 ** float(c.ev.log_upd[c.s, c.i])
+    return ([f"its gradient norm sits at its clip ({_e(float(c.ev.norm[c.s, c.i]))}) and each clipped update moves "
+             f"the weights by {r:.2g}x their RMS, for at least {c.t.sustain_steps} logged steps: the clip, not the "
+             f"gradient, sets every step (the gradient before clipping is not recorded); a learning rate too high, "
+             f"held back by the clip"], math.log10(r / c.t.update_ratio_above))
+
+
+#: Each exploding rule's flag and its reason with its excess (decades beyond its line), in the order they are told.
+_EXPLODING_WHY = (("exp_rel", _relative_why), ("exp_rms", _rms_bound_why), ("exp_max", _max_bound_why),
+                  ("exp_update", _update_why), ("exp_feedback", _feedback_why), ("exp_trend", _trend_why),
+                  ("exp_capped", _capped_why))
+
+
+def _exploding_reasons(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], float]:
     reasons, excess = [], 0.0
-    if ev.exp_rel[s, i]:
-        above = c.ev.dec(s, i)
-        reasons.append(f"{_rms_text(c, d)} is {above:.1f} decades above {c.ref_text()} {c.lasting()}: the "
-                       f"gradient grows on its way back from the loss")
-        lu, ru = float(ev.log_upd[s, i]), float(ev.ref_upd[s])
-        if math.isfinite(lu) and math.isfinite(ru):
-            reasons.append(f"it learns {lu - ru:.1f} decades faster than the layers nearest the loss (update RMS / "
-                           f"weight RMS {_e(10.0 ** lu)} against {_e(10.0 ** ru)})")
-        excess = max(excess, above - t.explode_decades)
-    if ev.exp_rms[s, i]:
-        reasons.append(f"{_rms_text(c, d)} is above the absolute bound {t.explode_rms_above:g}")
-        excess = max(excess, math.log10(rms / t.explode_rms_above))
-    if ev.exp_max[s, i]:
-        m = float(ev.max_abs[s, i])
-        reasons.append(f"max |g| {_e(m)} is above the absolute bound {t.explode_max_abs_above:g}")
-        excess = max(excess, math.log10(m / t.explode_max_abs_above))
-    if ev.exp_update[s, i]:
-        r = float(ev.upd_ratio[s, i])
-        reasons.append(f"the applied update is {r:,.3g}x the weight's norm: the weights are blowing up (learning "
-                       f"rate too high for this layer)")
-        excess = max(excess, math.log10(r / t.explode_update_ratio))
-    if ev.exp_feedback[s, i]:
-        r = 10.0 ** float(ev.log_upd[s, i])
-        reasons.append(f"each update moves the weights by {r:.2g}x their RMS and the gradient and the update have "
-                       f"both grown at every one of the last logged steps: the step feeds the next gradient (a "
-                       f"learning rate too high for this layer)")
-        excess = max(excess, math.log10(r / t.update_ratio_above))
-    if ev.exp_trend[s, i]:
-        g = float(ev.log_rms[s, i] - ev.base[s, i])
-        reasons.append(f"RMS grew {10.0 ** g:,.0f}x ({g:.1f} decades) within the last {t.growth_window} logged "
-                       f"steps, from {_e(10.0 ** float(ev.base[s, i]))} to {_e(rms)} at step {int(c.steps[s])}")
-        excess = max(excess, g - t.growth_decades)
-    if not reasons:  # the episode goes on because the weights it blew up were not brought back
-        w, w0 = float(ev.weight_norm[s, i]), float(ev.weight_norm[c.before_row, i])
-        reasons.append(f"its weight norm {_e(w)} is still {w / w0:,.0f}x what it was before this episode began at "
-                       f"step {c.run_first_step} ({_e(w0)}): the blow-up was not undone")
-        excess = math.log10(w / w0) - 1.0
-    return reasons, excess
+    for flag, why in _EXPLODING_WHY:
+        if getattr(c.ev, flag)[c.s, c.i]:
+            texts, x = why(c, d)
+            reasons += texts
+            excess = max(excess, x)
+    if reasons:
+        return reasons, excess
+    # The episode goes on because the weights it blew up were not brought back.
+    w, w0 = float(c.ev.weight_norm[c.s, c.i]), float(c.ev.weight_norm[c.before_row, c.i])
+    return ([f"its weight norm {_e(w)} is still {w / w0:,.0f}x what it was before this episode began at step "
+             f"{c.run_first_step} ({_e(w0)}): the blow-up was not undone"], math.log10(w / w0) - 1.0)
 
 
 def _vanishing_reasons(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], float]:
@@ -229,22 +251,22 @@ def _inert_reason(c: _Ctx) -> str:
 
 def _reasons(code: int, c: _Ctx, d: dict[str, np.ndarray], i: int) -> tuple[list[str], float]:
     """Plain-language reasons for the status and the excess (decades beyond the threshold) for the severity."""
-    if code == NONFINITE:
+    if code == th.NONFINITE:
         nan, inf, size = int(d["nan"][i]), int(d["inf"][i]), int(d["size"][i])
         frac = (nan + inf) / size if size else 1.0
         return [f"{nan:,} NaN and {inf:,} Inf of {size:,} gradient values at step {int(c.steps[c.s])}; NaN/Inf "
                 f"{c.lasting()}"], frac
-    if code == EXPLODING:
+    if code == th.EXPLODING:
         return _exploding_reasons(c, d)
-    if code == VANISHING:
+    if code == th.VANISHING:
         return _vanishing_reasons(c, d)
-    if code == DEAD:
+    if code == th.DEAD:
         size = int(d["size"][i])
         return [f"all {size:,} gradient values are exactly zero {c.lasting()}: no signal reaches this variable "
                 f"(e.g. a dead ReLU, or a path cut by stop_gradient)"], 0.0
-    if code == MISSING:
+    if code == th.MISSING:
         return [f"no gradient reached this variable (None gradient) {c.lasting()}"], 0.0
-    if code == INERT:
+    if code == th.INERT:
         return [_inert_reason(c)], 0.0
     dec = c.ev.dec(c.s, i)
     if c.ev.learns[c.s, i] and dec <= -c.t.vanish_decades:
@@ -261,8 +283,8 @@ def _reasons(code: int, c: _Ctx, d: dict[str, np.ndarray], i: int) -> tuple[list
 
 def _unconfirmed_note(unconfirmed: tuple[int, int], c: _Ctx, need: int) -> str:
     code, length = unconfirmed
-    what = "vanishing-level RMS" if code == VANISHING else "all-zero gradient"
-    return (f"note: {what} at the last {length} logged step(s); flagged as {STATUSES[code]} once it lasts {need}")
+    what = "vanishing-level RMS" if code == th.VANISHING else "all-zero gradient"
+    return (f"note: {what} at the last {length} logged step(s); flagged as {th.STATUSES[code]} once it lasts {need}")
 
 
 def _past_nonfinite_note(col: np.ndarray, skipped: np.ndarray, steps: np.ndarray) -> str:
@@ -286,7 +308,7 @@ def _origin_note(origin: tuple[int, int, int], i: int, layers: Sequence[str], st
     return f"the first nonfinite layer was {layers[first]} at step {step} (deepest nonfinite layer, backprop order)"
 
 
-#: (ratio key, label, Thresholds field above, field below, why above, why below); ``{r}`` is the weight change of
+#: (ratio key, label, th.Thresholds field above, field below, why above, why below); ``{r}`` is the weight change of
 #: one SGD step at lr 1e-3 in units of the weight norm.
 _RATIO_RULES = (
     ("update_to_weight", "update/weight", "update_ratio_above", "update_ratio_below",
@@ -298,7 +320,7 @@ _RATIO_RULES = (
 )
 
 
-def _ratio_notes(d: dict[str, np.ndarray], i: int, t: Thresholds) -> list[str]:
+def _ratio_notes(d: dict[str, np.ndarray], i: int, t: th.Thresholds) -> list[str]:
     notes = []
     if not float(d["weight_norm"][i]) > 0:
         return notes

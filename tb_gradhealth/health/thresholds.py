@@ -27,6 +27,16 @@ def _meta(default: float | int, lo: float, hi: float, step: float, description: 
     return field(default=default, metadata={"min": lo, "max": hi, "step": step, "log": log, "doc": description})
 
 
+def _note_above(default: float, step: float, ratio: str, why: str) -> Any:
+    """A ratio note's upper line (never a status), edited on a log scale."""
+    return _meta(default, 1e-30, 1e38, step, f"Note when {ratio} is above this{why}.", log=True)
+
+
+def _note_below(default: float, step: float, ratio: str, why: str) -> Any:
+    """A ratio note's lower line (never a status); 0 turns the note off."""
+    return _meta(default, 0.0, 1.0, step, f"Note when {ratio} is below this{why} (0 turns it off).", log=True)
+
+
 @dataclass(frozen=True)
 class Thresholds:
     """Every knob of the diagnosis, with defaults justified in docs/DIAGNOSIS.md.
@@ -74,18 +84,15 @@ class Thresholds:
     sustain_steps: int = _meta(
         5, 1, 100000, 1, "Vanishing, dead and optimizer-skipped NaN/Inf steps must hold for this many consecutive "
         "logged steps (not when they follow another flag): one quiet step is not a disease.")
-    update_ratio_above: float = _meta(
-        1e-1, 1e-30, 1e38, 1e-3, "Note when ||update||/||weight|| is above this (rule of thumb ~1e-3, Karpathy): the "
-        "learning rate is likely too high for the layer.", log=True)
-    update_ratio_below: float = _meta(
-        1e-5, 0.0, 1.0, 1e-6, "Note when ||update||/||weight|| is below this (rule of thumb ~1e-3): the layer "
-        "barely learns (0 turns it off).", log=True)
-    grad_ratio_above: float = _meta(
-        1e2, 1e-30, 1e38, 1.0, "Note when ||grad||/||weight|| is above this: even SGD at lr 1e-3 would change the "
-        "weights by 10% a step.", log=True)
-    grad_ratio_below: float = _meta(
-        1e-6, 0.0, 1.0, 1e-7, "Note when ||grad||/||weight|| is below this: even SGD at lr 1 would change the "
-        "weights by less than 1e-6 a step (0 turns it off).", log=True)
+    update_ratio_above: float = _note_above(
+        1e-1, 1e-3, "||update||/||weight||", " (rule of thumb ~1e-3, Karpathy): the learning rate is likely too high "
+        "for the layer")
+    update_ratio_below: float = _note_below(
+        1e-5, 1e-6, "||update||/||weight||", " (rule of thumb ~1e-3): the layer barely learns")
+    grad_ratio_above: float = _note_above(
+        1e2, 1.0, "||grad||/||weight||", ": even SGD at lr 1e-3 would change the weights by 10% a step")
+    grad_ratio_below: float = _note_below(
+        1e-6, 1e-7, "||grad||/||weight||", ": even SGD at lr 1 would change the weights by less than 1e-6 a step")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -1,0 +1,231 @@
+"""What the rules read at every (logged step, layer): the live gradient's RMS, the reference (the layers nearest the
+loss), the loudest other variable of a layer, how fast a layer learns against its weights, trend windows. Pure numpy
+statistics over ``[S, L]`` arrays; the rules themselves are in :mod:`tb_gradhealth.health.rules`."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import numpy as np
+
+from tb_gradhealth import record
+
+#: The reference layers are the last ``REFERENCE_FRACTION`` of the layers with a live gradient at a step, at least
+#: ``REFERENCE_MIN`` of them: the layers nearest the loss, whose gradient has gone through the fewest Jacobians.
+REFERENCE_FRACTION = 0.1
+REFERENCE_MIN = 3
+#: A variable whose weight RMS is this many decades below the median of the run's variables started near zero on
+#: purpose (LayerScale at 1e-6, ReZero at 0, a zero-initialised bias); its relative growth is by design.
+SMALL_WEIGHT_DECADES = 2.0
+#: Spread (decades) under which every layer's update/weight ratio is one number: a layer-wise adaptive optimizer.
+LAYERWISE_SPREAD = 0.05
+#: ... while the variables' weight RMS spread over at least this many decades (else Adam would look the same).
+WEIGHT_SPREAD = 0.3
+#: Logged steps at which a variable's gradient norm must repeat (to float32 precision) to read as clipped.
+CLIP_STEPS = 3
+#: Relative difference under which two recorded norms are the same number (float32 rounding of the clip).
+CLIP_SAME = 1e-5
+#: Logged steps evaluated together: keeps the temporaries of one block in cache.
+_BLOCK = 64
+
+
+def _log10(x: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where((x > 0) & np.isfinite(x), np.log10(np.where(x > 0, x, 1.0)), np.nan)
+
+
+def _sorted_quantile(sorted_rows: np.ndarray, q: float) -> np.ndarray:
+    """Quantile ``q`` of each row of a row-sorted array, ignoring NaN (sorted last); NaN for an all-NaN row.
+
+    Linear interpolation between order statistics, as ``np.nanquantile`` does, without its per-row Python loop.
+    """
+    n = np.sum(~np.isnan(sorted_rows), axis=-1)
+    pos = q * np.maximum(n - 1, 0)
+    lo_i = np.floor(pos).astype(np.int64)
+    hi_i = np.minimum(lo_i + 1, np.maximum(n - 1, 0))
+    lo = np.take_along_axis(sorted_rows, lo_i[..., None], axis=-1)[..., 0]
+    hi = np.take_along_axis(sorted_rows, hi_i[..., None], axis=-1)[..., 0]
+    return np.where(n > 0, lo + (hi - lo) * (pos - lo_i), np.nan)
+
+
+def _median_where(values: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Median over the last axis of ``values`` where ``mask`` (NaN where nothing is selected)."""
+    rows = np.where(mask, values, np.nan)
+    rows.sort(axis=-1)
+    return _sorted_quantile(rows, 0.5)
+
+
+def _history(records: np.ndarray) -> tuple[np.ndarray, ...]:
+    """size, missing, NaN+Inf count, zero count, RMS and max|g| over ``[S, L]``: the few fields the rules need.
+
+    The same formulas as :func:`record.derived` (a test checks they agree), computed without the other ~15
+    quantities ``derived`` returns: this is the bulk of the diagnosis on large runs.
+    """
+    f = record.INDEX
+    size = records[..., f["size"]]
+    n = record.finite_count(records)
+    m = record.max_abs(records)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rms = np.where(n > 0, m * np.sqrt(records[..., f["ssq_rel"]] / np.where(n > 0, n, 1)), np.nan)
+    return size, records[..., f["missing"]], size - n, records[..., f["zero"]], rms, m
+
+
+def _update_stats(records: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """RMS of the applied update, ||update|| / ||weight|| and ||weight||, NaN where not recorded (the ratio also
+    where the weight is 0)."""
+    f = record.INDEX
+    if np.isnan(records[..., f["update_max_abs"]]).all() and np.isnan(records[..., f["weight_max_abs"]]).all():
+        nan = np.full(records.shape[:-1], np.nan)
+        return nan, nan, nan
+    with np.errstate(invalid="ignore", divide="ignore"):
+        upd = records[..., f["update_max_abs"]] * np.sqrt(records[..., f["update_ssq_rel"]])
+        weight = records[..., f["weight_max_abs"]] * np.sqrt(records[..., f["weight_ssq_rel"]])
+        size = records[..., f["size"]]
+        rms = np.where(size > 0, upd / np.sqrt(np.where(size > 0, size, 1.0)), np.nan)
+        ok = (weight > 0) & np.isfinite(weight) & np.isfinite(upd)
+        return rms, np.where(ok, upd / np.where(ok, weight, 1.0), np.nan), weight
+
+
+def layerwise_common(upd_ratio: np.ndarray, weight_norm: np.ndarray, size: np.ndarray) -> np.ndarray:
+    """Per step ``[S]``: the common update/weight ratio when every variable with weights has the same one although
+    their weights' scales differ (LAMB, LARS: update = lr x ||w|| x direction; under Adam or SGD layers of different
+    weight scales move by different fractions), else NaN."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratios = _log10(upd_ratio)
+        scale = _log10(weight_norm / np.sqrt(np.where(size > 0, size, np.nan)))
+    ok = np.isfinite(ratios) & np.isfinite(scale)
+    r = np.where(ok, ratios, np.nan)
+    w = np.where(ok, scale, np.nan)
+    n = ok.sum(axis=1)
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN rows
+        spread = np.nanmax(r, axis=1) - np.nanmin(r, axis=1)
+        wspread = np.nanmax(w, axis=1) - np.nanmin(w, axis=1)
+        common = 10.0 ** np.nanmedian(r, axis=1)
+    layerwise = (n >= 3) & (spread <= 2 * LAYERWISE_SPREAD) & (wspread >= WEIGHT_SPREAD)
+    return np.where(layerwise, common, np.nan)
+
+
+def layer_groups(layers: Sequence[str]) -> list[np.ndarray]:
+    """Column indices of the variables of one layer (same name up to the last ``/`` or ``.``), for layers with two
+    or more variables: ``conv1/kernel`` and ``conv1/bias`` receive the same upstream gradient."""
+    by: dict[str, list[int]] = {}
+    for i, name in enumerate(layers):
+        cut = max(name.rfind("/"), name.rfind("."))
+        if cut > 0:
+            by.setdefault(name[:cut], []).append(i)
+    return [np.array(v) for v in by.values() if len(v) > 1]
+
+
+def _loudest_sibling(log_rms: np.ndarray, groups: list[np.ndarray]) -> np.ndarray:
+    """``[S, L]``: the largest log RMS among the *other* variables of each variable's layer (NaN if none)."""
+    out = np.full(log_rms.shape, np.nan)
+    for cols in groups:
+        sub = np.where(np.isnan(log_rms[:, cols]), -np.inf, log_rms[:, cols])
+        order = np.sort(sub, axis=1)
+        top, second = order[:, -1], order[:, -2]
+        others = np.where(sub >= top[:, None], second[:, None], top[:, None])
+        out[:, cols] = np.where(np.isfinite(others), others, np.nan)
+    return out
+
+
+def _layer_weight_scale(weight_norm: np.ndarray, size: np.ndarray, groups: list[np.ndarray]) -> np.ndarray:
+    """``[S, L]`` log10 of the largest weight RMS among the variables of each variable's layer: the scale its
+    update is measured against (a bias that starts at zero moves relative to its kernel, not to itself)."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        own = _log10(weight_norm / np.sqrt(np.where(size > 0, size, np.nan)))
+    out = own.copy()
+    for cols in groups:
+        out[:, cols] = np.nanmax(np.where(np.isnan(own[:, cols]), -np.inf, own[:, cols]), axis=1)[:, None]
+    return np.where(np.isfinite(out), out, np.nan)
+
+
+def _in_layer(mask: np.ndarray, groups: list[np.ndarray]) -> np.ndarray:
+    """``[S, L]``: some *other* variable of the same layer has ``mask`` at that step."""
+    out = np.zeros(mask.shape, dtype=bool)
+    for cols in groups:
+        count = mask[:, cols].sum(axis=1, keepdims=True)
+        out[:, cols] = (count - mask[:, cols]) > 0
+    return out
+
+
+def _small_weights(weight_norm: np.ndarray, size: np.ndarray) -> np.ndarray:
+    """``[S, L]``: the variable's weight RMS is at least ``SMALL_WEIGHT_DECADES`` below the median weight RMS of the
+    run's variables at that step (a parameter initialised near zero), False where weights are not recorded."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        w = _log10(weight_norm / np.sqrt(np.where(size > 0, size, np.nan)))
+        zero = weight_norm == 0
+        typical = _median_where(w, np.isfinite(w))
+        return zero | (w < typical[:, None] - SMALL_WEIGHT_DECADES)
+
+
+def _reference(log_values: np.ndarray, signal: np.ndarray) -> np.ndarray:
+    """``[S]``: median of ``log_values`` over the reference layers: the last ``REFERENCE_FRACTION`` (at least
+    ``REFERENCE_MIN``) of the layers with ``signal`` at each step, i.e. those nearest the loss."""
+    n = signal.sum(axis=1)
+    k = np.maximum(REFERENCE_MIN, np.ceil(REFERENCE_FRACTION * n)).astype(np.int64)
+    from_end = np.cumsum(signal[:, ::-1], axis=1)[:, ::-1]
+    return _median_where(log_values, signal & (from_end <= k[:, None]))
+
+
+def _window_stats(log_rms: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
+    """``[S, L]`` minimum and mean of each column over the previous ``window`` rows (not the row itself), NaN
+    ignored (NaN where the window has no value)."""
+    padded = np.concatenate([np.full((window,) + log_rms.shape[1:], np.nan), log_rms])
+    low = np.empty(log_rms.shape)
+    for a in range(0, log_rms.shape[0], _BLOCK):
+        b = min(a + _BLOCK, log_rms.shape[0])
+        win = np.lib.stride_tricks.sliding_window_view(padded[a:b + window - 1], window, axis=0)
+        low[a:b] = np.fmin.reduce(win, axis=-1)
+    known = ~np.isnan(padded)
+    total = np.concatenate([np.zeros((1,) + log_rms.shape[1:]), np.cumsum(np.where(known, padded, 0.0), axis=0)])
+    count = np.concatenate([np.zeros((1,) + log_rms.shape[1:]), np.cumsum(known, axis=0)])
+    n = count[window:-1] - count[:-window - 1]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.where(n > 0, (total[window:-1] - total[:-window - 1]) / np.where(n > 0, n, 1), np.nan)
+    return low, mean
+
+
+def _live(records: np.ndarray) -> dict[str, np.ndarray]:
+    """Per (step, layer): presence, missing, NaN/Inf, all-zero, the RMS of the nonzero finite values and the norm
+    of all finite values."""
+    size, missing, nonfinite_count, zero, _, max_abs = _history(records)
+    present = ~np.isnan(size)
+    missing = present & (missing > 0.5)
+    values = present & ~missing
+    nonfinite = values & (nonfinite_count > 0)
+    dead = values & ~nonfinite & (size > 0) & (zero >= size)
+    nonzero = size - nonfinite_count - zero
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ssq = records[..., record.INDEX["ssq_rel"]]
+        rms = np.where(nonzero > 0, max_abs * np.sqrt(ssq / np.where(nonzero > 0, nonzero, 1)), np.nan)
+    live = values & ~nonfinite & ~dead & (rms > 0)
+    norm = max_abs * np.sqrt(records[..., record.INDEX["ssq_rel"]])  # over every finite value
+    return {"present": present, "missing": missing, "nonfinite": nonfinite, "dead": dead, "live": live,
+            "size": np.where(present, size, 0.0), "rms": rms, "max_abs": max_abs, "norm": norm}
+
+
+def pinned_at_clip(norm: np.ndarray) -> np.ndarray:
+    """``[S, L]``: the variable's gradient norm sits at its clip: it equals, to float32 rounding, the largest norm
+    the variable has had, which it does at ``CLIP_STEPS`` or more logged steps (per-variable ``clipnorm``: the
+    record holds the clipped gradient, so a gradient larger than the clip is recorded at the clip)."""
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns
+        top = np.nanmax(np.where(norm > 0, norm, np.nan), axis=0)
+        at_top = (norm > 0) & (np.abs(norm - top) <= CLIP_SAME * top)
+    return at_top & (at_top.sum(axis=0) >= CLIP_STEPS)
+
+
+def in_runs_of(mask: np.ndarray, need: int) -> np.ndarray:
+    """``[S, L]``: the elements of ``mask`` that belong to a run of at least ``need`` consecutive rows."""
+    out = np.zeros(mask.shape, dtype=bool)
+    if not mask.any():
+        return out
+    length = np.zeros(mask.shape, dtype=np.int64)  # length of the run so far
+    for s in range(mask.shape[0]):
+        length[s] = np.where(mask[s], (length[s - 1] if s else 0) + 1, 0)
+    total = length.copy()  # length of the whole run, carried back from its last row
+    for s in range(mask.shape[0] - 2, -1, -1):
+        total[s] = np.where(mask[s] & mask[s + 1], total[s + 1], total[s])
+    return mask & (total >= need)
