@@ -35,7 +35,8 @@ def read_long_description() -> str:
 #: 3.0.5) and the newest of it; the private TF/Keras internals they use are listed in tb_gradhealth/_tf/compat.py.
 TF_REQUIREMENTS = ["tensorflow>=2.16,<2.22", "keras>=3.0,<3.16"]
 
-TEST = ["pytest", "pytest-xdist", "playwright", "ruff", "hypothesis", "fsspec", "gcsfs", "s3fs", "moto[server]", "gcp-storage-emulator"]
+TEST = ["pytest", "pytest-xdist", "playwright", "ruff", "hypothesis", "fsspec", "gcsfs", "s3fs", "moto[server]",
+        "gcp-storage-emulator"]
 
 #: Test-only libraries of the torch and jax tiers: the loops the integrations plug into, the peers the overhead
 #: benchmark compares with.
