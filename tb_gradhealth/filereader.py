@@ -43,6 +43,8 @@ CHUNK_BYTES = 32 << 20
 #: Decoded runs kept (bytes of their records); beyond it the least recently used run is dropped and read again
 #: when asked for (the run last read is always kept, whatever its size).
 CACHE_BYTES = 1 << 30
+#: Rows of the old buffer merged at a time when a long run's older steps merge into windows (bounds the temporaries).
+_MERGE_ROWS = 4
 #: A run still being written grows in place into this much room beyond its steps (untouched room costs no memory).
 HEADROOM = 1.25
 
@@ -123,14 +125,20 @@ class _Store:
         buf = np.zeros(self.buf.shape)  # lazily zeroed (zeros_like writes every page: the untouched planes too)
         steps, last, weights = np.zeros_like(self.steps), np.zeros_like(self.last), np.zeros_like(self.weights)
         used = np.flatnonzero(self.touched)
-        for i, (s, e) in enumerate(groups):
-            steps[i], last[i] = self.steps[s], self.last[e - 1]
-            if e - s == 1:
-                buf[used, i] = self.buf[used, s]
-                weights[i] = self.weights[s]
-                continue
-            rec, weights[i] = tiers.mean_step(self.buf[:, s:e].transpose(1, 2, 0), self.weights[s:e])
-            buf[used, i] = rec[:, used].T
+        starts = np.array([s for s, _ in groups])
+        lengths = np.array([e - s for s, e in groups])
+        steps[: len(groups)], last[: len(groups)] = self.steps[starts], self.last[starts + lengths - 1]
+        for k in np.unique(lengths):
+            new = np.flatnonzero(lengths == k)
+            for block in np.array_split(new, max(1, new.size * k // _MERGE_ROWS)):
+                rows = starts[block][:, None] + np.arange(k)  # [B, k] rows of the old buffer
+                if k == 1:
+                    rec, weights[block] = self.buf[:, rows[:, 0]].transpose(1, 2, 0), self.weights[rows[:, 0]]
+                else:
+                    rec, weights[block] = tiers.mean_step(self.buf[:, rows].transpose(2, 1, 3, 0),
+                                                          self.weights[rows].transpose(1, 0, 2))
+                for f in used:
+                    buf[f, block] = rec[..., f]
         self.buf, self.steps, self.last, self.weights = buf, steps, last, weights
         self.n, self.old, self.width = len(groups), old, width
 
