@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from tb_gradhealth import eventfile, metadata, testing
+from tb_gradhealth import _eventfile, metadata, testing
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -240,7 +240,7 @@ def append_steps(path: Path, layers: list[str], first: int, count: int = 1) -> N
             tag = metadata.tag_for(layers, step=step)
             new_block = tag != metadata.tag_for(layers, step=step - 1)
             records = testing.synthetic_records(rms)
-            f.write(eventfile.frame(testing.record_event(step, tag, records, layers=layers if new_block else None)))
+            f.write(_eventfile.frame(testing.record_event(step, tag, records, layers=layers if new_block else None)))
 
 
 #: Steps appended to the run while it is served.

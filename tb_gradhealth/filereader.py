@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from tb_gradhealth import metadata, record, storage
-from tb_gradhealth.eventfile import ScanEnd, scan_framed
+from tb_gradhealth._eventfile import ScanEnd, scan_framed
 from tb_gradhealth.problems import Kind, any_of_kind
 from tb_gradhealth.reader import (
     LISTING_TTL_S,

@@ -32,7 +32,7 @@ from tensorboard.data import provider as tb_provider
 from tensorboard.util import tensor_util
 
 from tb_gradhealth import metadata, record, storage
-from tb_gradhealth.eventfile import iter_framed
+from tb_gradhealth._eventfile import iter_framed
 from tb_gradhealth.problems import Kind, Problem, any_of_kind
 
 #: ``downsample`` meaning "every sample the loader kept": TensorBoard's hint 0 means all, but a data provider

@@ -21,7 +21,7 @@ FRAMEWORKS = {"tensorflow": "tensorflow", "keras": "keras", "torch": "torch", "j
               "flax": "jax", "lightning": "torch", "pytorch_lightning": "torch", "transformers": "torch"}
 #: The side that must run without any framework: the plugin and CLI, their readers and the diagnosis, the record
 #: and the TF-free writer.
-FRAMEWORK_FREE = ("plugin", "cli", "payloads", "reader", "health", "record", "metadata", "writer", "eventfile",
+FRAMEWORK_FREE = ("plugin", "cli", "payloads", "reader", "health", "record", "metadata", "writer", "_eventfile",
                   "storage", "testing", "failsafe")
 
 
