@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from tb_gradhealth import metadata, record, storage
+from tb_gradhealth import _storage, metadata, record
 from tb_gradhealth._eventfile import ScanEnd, scan_framed
 from tb_gradhealth.problems import Kind, any_of_kind
 from tb_gradhealth.reader import (
@@ -151,7 +151,7 @@ class FileReader:
                 if got is not None:
                     return got
             return None
-        except (OSError, storage.StorageError) as e:
+        except (OSError, _storage.StorageError) as e:
             raise ProviderError(f"could not read the event files: {e}") from e
 
     def summaries(self, ctx: Any = None, experiment_id: str = "") -> list[dict[str, Any]]:
@@ -159,7 +159,7 @@ class FileReader:
         change, so listing many large runs does not read again the runs the cache let go."""
         try:
             return self._summaries_now()
-        except (OSError, storage.StorageError) as e:
+        except (OSError, _storage.StorageError) as e:
             raise ProviderError(f"could not read the event files: {e}") from e
 
     def _summaries_now(self) -> list[dict[str, Any]]:
@@ -191,7 +191,7 @@ class FileReader:
         return list(dict.fromkeys(d for d in guesses if d is not None and d in listing))
 
     def _sizes(self, paths: Sequence[str]) -> tuple[tuple[str, int], ...]:
-        return tuple((p, storage.size(p, self._options)) for p in paths)
+        return tuple((p, _storage.size(p, self._options)) for p in paths)
 
     def _read(self, run_dir: str, paths: Sequence[str]) -> dict[str, RunSeries]:
         """The run's series, after reading what was appended to its files since the last read."""
@@ -251,7 +251,7 @@ class FileReader:
                 raise NotAnAppend("a file shrank")
             length = self._chunk
             while offset < size:
-                data = storage.read_range(path, offset, length, self._options)
+                data = _storage.read_range(path, offset, length, self._options)
                 if not data:  # the file shrank since it was listed
                     break
                 tags = {tag: TagData(tag, content) for tag, content in state.known.items()}

@@ -31,7 +31,7 @@ from tensorboard.compat.proto import event_pb2
 from tensorboard.data import provider as tb_provider
 from tensorboard.util import tensor_util
 
-from tb_gradhealth import metadata, record, storage
+from tb_gradhealth import _storage, metadata, record
 from tb_gradhealth._eventfile import iter_framed
 from tb_gradhealth.problems import Kind, Problem, any_of_kind
 
@@ -786,14 +786,14 @@ def read_run_dir(paths: Sequence[str], problems: list[str],
 
 def find_runs(logdir: str, storage_options: Mapping[str, Any] | None = None) -> dict[str, list[str]]:
     """``{run: [event file paths]}``; runs are directories relative to ``logdir`` (``.`` for the logdir itself),
-    named as TensorBoard names them. ``logdir`` may be a URL (:mod:`tb_gradhealth.storage`)."""
+    named as TensorBoard names them. ``logdir`` may be a URL (:mod:`tb_gradhealth._storage`)."""
     runs: dict[str, list[str]] = {}
-    for dirpath, dirnames, filenames in storage.walk(logdir, storage_options):
+    for dirpath, dirnames, filenames in _storage.walk(logdir, storage_options):
         dirnames.sort()
         files = sorted(f for f in filenames if is_event_file(f))
         if not files:
             continue
-        runs[storage.relpath(dirpath, logdir)] = [storage.join(dirpath, f) for f in files]
+        runs[_storage.relpath(dirpath, logdir)] = [_storage.join(dirpath, f) for f in files]
     return runs
 
 
@@ -802,12 +802,12 @@ def read_logdir(logdir: str, runs: Sequence[str] | None = None,
     """Every run of ``logdir`` that holds gradient-health data (or only ``runs``), read without a server.
 
     ``logdir`` is a local path or a ``gs://``, ``s3://`` or other fsspec URL (``storage_options`` go to fsspec).
-    Raises FileNotFoundError / NotADirectoryError when ``logdir`` is not a readable directory, and
-    :class:`~tb_gradhealth.storage.StorageError` for a URL that cannot be used (no fsspec or backend installed).
+    Raises FileNotFoundError / NotADirectoryError when ``logdir`` is not a readable directory, and an OSError
+    (:class:`~tb_gradhealth._storage.StorageError`) for a URL that cannot be used (no fsspec or backend installed).
     """
-    logdir = storage.check(logdir)
-    if not storage.isdir(logdir, storage_options):
-        if not storage.exists(logdir, storage_options):
+    logdir = _storage.check(logdir)
+    if not _storage.isdir(logdir, storage_options):
+        if not _storage.exists(logdir, storage_options):
             raise FileNotFoundError(f"logdir {logdir!r} does not exist")
         raise NotADirectoryError(f"logdir {logdir!r} is not a directory")
     problems: list[str] = []

@@ -107,7 +107,7 @@ def _names(keys: Any, what: str) -> list[str]:
 class Writer:
     """Writes gradient-health records (and plain scalars) to an event file in ``logdir``, without TensorFlow.
 
-    ``logdir`` is a local path or a ``gs://``, ``s3://`` or other fsspec URL (:mod:`tb_gradhealth.storage`;
+    ``logdir`` is a local path or a ``gs://``, ``s3://`` or other fsspec URL (:mod:`tb_gradhealth._storage`;
     ``storage_options`` go to the fsspec filesystem). Records are visible to readers at most ``flush_secs`` after
     they were added (or at :meth:`flush` / :meth:`close`); on object storage each flush writes one new object, so
     nothing flushed is lost if the process is killed.

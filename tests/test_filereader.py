@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from tb_gradhealth import filereader, health, metadata, payloads, reader, record, storage
+from tb_gradhealth import _storage, filereader, health, metadata, payloads, reader, record
 from tb_gradhealth import testing as gl
 
 pytestmark = [pytest.mark.unit]
@@ -67,7 +67,7 @@ def varied(tmp_path_factory) -> str:
     gl.write_events(path, [gl.record_event(1, tag, rows[1])], with_version=False)
     cut = gl.write_records(str(root / "truncated"), LAYERS, range(6), _records(6, 30))
     with open(cut, "r+b") as f:
-        f.truncate(storage.size(cut) - 30)
+        f.truncate(_storage.size(cut) - 30)
     return str(root)
 
 
@@ -101,14 +101,14 @@ def test_only_appended_bytes_are_read_and_earlier_series_stay_valid(tmp_path, mo
     rows = _records(30)
     _append(path, range(10), rows[:10], first=True)
     read: list[tuple[int, int]] = []
-    real = storage.read_range
-    monkeypatch.setattr(storage, "read_range", lambda p, start, n, opts=None: read.append((start, n)) or real(
+    real = _storage.read_range
+    monkeypatch.setattr(_storage, "read_range", lambda p, start, n, opts=None: read.append((start, n)) or real(
         p, start, n, opts))
     fr = filereader.FileReader(str(tmp_path), listing_ttl=0.0, chunk_bytes=1 << 20)
     before = fr.run(None, "", "live")
     kept = before.records.copy()
     assert before.steps.tolist() == list(range(10)) and [s for s, _ in read] == [0]
-    size = storage.size(path)
+    size = _storage.size(path)
     _append(path, range(10, 30), rows[10:])
     after = fr.run(None, "", "live")
     assert [s for s, _ in read] == [0, size]  # the second read starts where the first stopped
