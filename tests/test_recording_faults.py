@@ -186,7 +186,7 @@ def test_an_object_store_that_goes_down_costs_nothing_once_it_is_back(tmp_path, 
 
 @pytest.mark.unit
 def test_the_failsafe_turns_any_host_side_failure_into_one_warning_and_a_count(caplog):
-    from tb_gradhealth.failsafe import Failsafe
+    from tb_gradhealth._failsafe import Failsafe
 
     caplog.set_level(logging.WARNING, logger="tb_gradhealth")
     safe = Failsafe()

@@ -22,7 +22,7 @@ FRAMEWORKS = {"tensorflow": "tensorflow", "keras": "keras", "torch": "torch", "j
 #: The side that must run without any framework: the plugin and CLI, their readers and the diagnosis, the record
 #: and the TF-free writer.
 FRAMEWORK_FREE = ("plugin", "cli", "payloads", "reader", "health", "record", "metadata", "writer", "_eventfile",
-                  "_storage", "testing", "failsafe")
+                  "_storage", "testing", "_failsafe")
 
 
 def _modules() -> dict[str, Path]:
