@@ -30,7 +30,7 @@ from tensorboard.plugins import base_plugin
 from werkzeug import wrappers
 
 from tb_gradhealth import health, metadata, origin
-from tb_gradhealth.filereader import FileReader
+from tb_gradhealth._filereader import FileReader
 from tb_gradhealth.payloads import (
     RequestError,
     at_index,
@@ -395,7 +395,7 @@ def serves_one_logdir(flags: Any) -> bool:
 def keep_every_step_by_default(flags: Any) -> None:
     """Every gradient-health step is served unless the user gave ``--samples_per_plugin=gradhealth=N``.
 
-    When TensorBoard serves one logdir, the plugin reads its event files itself (:mod:`tb_gradhealth.filereader`,
+    When TensorBoard serves one logdir, the plugin reads its event files itself (:mod:`tb_gradhealth._filereader`,
     every step, incrementally) and the data server is told to keep one record per tag (``gradhealth=1``), only so
     that it lists the tab: its copy of every record would otherwise be about the logdir's size in memory. Otherwise
     (``--logdir_spec``, an external data server) the data server keeps every record (``gradhealth=0``): its loaders

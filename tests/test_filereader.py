@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from tb_gradhealth import _storage, filereader, health, metadata, payloads, reader, record
+from tb_gradhealth import _filereader, _storage, health, metadata, payloads, reader, record
 from tb_gradhealth import testing as gl
 
 pytestmark = [pytest.mark.unit]
@@ -29,7 +29,7 @@ def _cli(logdir: str) -> dict[str, reader.RunSeries]:
     return {s.run: s for s in reader.read_logdir(logdir).runs}
 
 
-def _served(fr: filereader.FileReader) -> dict[str, reader.RunSeries]:
+def _served(fr: _filereader.FileReader) -> dict[str, reader.RunSeries]:
     return {s["run"]: fr.run(None, "", s["run"]) for s in fr.summaries()}
 
 
@@ -74,14 +74,14 @@ def varied(tmp_path_factory) -> str:
 @pytest.mark.parametrize("chunk", [64, 4096, 1 << 20])
 def test_every_kind_of_run_is_read_as_the_cli_reads_it(varied, chunk):
     cli = _cli(varied)
-    served = _served(filereader.FileReader(varied, chunk_bytes=chunk))
+    served = _served(_filereader.FileReader(varied, chunk_bytes=chunk))
     assert set(served) == set(cli)
     for name, series in served.items():
         _assert_same(series, cli[name])
 
 
 def test_the_diagnosis_is_the_clis(varied):
-    cli, served = _cli(varied), _served(filereader.FileReader(varied, chunk_bytes=4096))
+    cli, served = _cli(varied), _served(_filereader.FileReader(varied, chunk_bytes=4096))
     for name in ("exploding", "vanishing", "long", "multi"):
         t = health.Thresholds()
         assert json.dumps(payloads.health_payload(served[name], t, None)) == json.dumps(
@@ -104,7 +104,7 @@ def test_only_appended_bytes_are_read_and_earlier_series_stay_valid(tmp_path, mo
     real = _storage.read_range
     monkeypatch.setattr(_storage, "read_range", lambda p, start, n, opts=None: read.append((start, n)) or real(
         p, start, n, opts))
-    fr = filereader.FileReader(str(tmp_path), listing_ttl=0.0, chunk_bytes=1 << 20)
+    fr = _filereader.FileReader(str(tmp_path), listing_ttl=0.0, chunk_bytes=1 << 20)
     before = fr.run(None, "", "live")
     kept = before.records.copy()
     assert before.steps.tolist() == list(range(10)) and [s for s, _ in read] == [0]
@@ -121,7 +121,7 @@ def test_only_appended_bytes_are_read_and_earlier_series_stay_valid(tmp_path, mo
 def test_a_restart_appended_later_is_read_whole_like_the_cli(tmp_path):
     path = gl.write_events(gl.event_file_path(str(tmp_path / "job")), [])
     _append(path, range(20), _records(20), first=True)
-    fr = filereader.FileReader(str(tmp_path), listing_ttl=0.0, chunk_bytes=256)
+    fr = _filereader.FileReader(str(tmp_path), listing_ttl=0.0, chunk_bytes=256)
     assert fr.run(None, "", "job").num_steps == 20
     _append(path, range(15, 25), _records(10, 100, 1e1))  # the job restarted from a checkpoint at step 15
     got = fr.run(None, "", "job")
@@ -136,7 +136,7 @@ def test_a_half_written_record_waits_for_the_next_read(tmp_path):
     framed = gl.frame(gl.record_event(3, tag, _records(1, 50)[0], wall_time=gl.WALL_TIME0 + 3))
     with open(path, "ab") as f:
         f.write(framed[:25])
-    fr = filereader.FileReader(str(tmp_path), listing_ttl=0.0)
+    fr = _filereader.FileReader(str(tmp_path), listing_ttl=0.0)
     s = fr.run(None, "", "live")
     assert s.steps.tolist() == [0, 1, 2] and s.problems == ()
     with open(path, "ab") as f:
@@ -147,7 +147,7 @@ def test_a_half_written_record_waits_for_the_next_read(tmp_path):
 def test_unknown_run_and_eviction(tmp_path):
     for i in range(3):
         gl.write_records(str(tmp_path / f"r{i}"), LAYERS, range(4), _records(4, i))
-    fr = filereader.FileReader(str(tmp_path), cache_bytes=1)
+    fr = _filereader.FileReader(str(tmp_path), cache_bytes=1)
     assert fr.run(None, "", "nope") is None
     first = fr.run(None, "", "r0").generation
     assert [s["run"] for s in fr.summaries()] == ["r0", "r1", "r2"]
