@@ -20,8 +20,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
-from tb_gradhealth import __version__, _storage, health, layerinfo, origin, payloads, progress, reader
-from tb_gradhealth.payloads import RequestError, health_payload, parse_step, parse_thresholds
+from tb_gradhealth import __version__, _payloads, _storage, health, layerinfo, origin, progress, reader
+from tb_gradhealth._payloads import RequestError, health_payload, parse_step, parse_thresholds
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_UNREADABLE = 0, 1, 2, 3
 DEFAULT_FAIL_ON = "nonfinite"
@@ -197,7 +197,8 @@ def _diagnose(data: reader.LogdirData, thresholds: health.Thresholds, step: int 
             paths = progress.run_paths(event_files, series.run) if event_files else ()
             loss, info = progress.read_loss(paths), layerinfo.read_layer_info(paths)
             kw = {k: v for k, v in (("progress", loss), ("layer_info", info)) if v}
-            body = health_payload(series, thresholds, step, diagnosis=payloads.diagnose(series, thresholds, step, **kw))
+            diagnosis = _payloads.diagnose(series, thresholds, step, **kw)
+            body = health_payload(series, thresholds, step, diagnosis=diagnosis)
         except RequestError as e:
             raise UsageError(f"--step: run {series.run!r}: {e.message}") from e
         except Exception as e:  # a bug must not hide the other runs: this one is reported as unreadable

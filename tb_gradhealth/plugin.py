@@ -1,6 +1,6 @@
 """The ``gradhealth`` TensorBoard plugin: thin HTTP routes over :mod:`reader` (data) and :mod:`health` (diagnosis).
 
-Every route validates its query, calls a pure function of :mod:`payloads` that turns a
+Every route validates its query, calls a pure function of :mod:`_payloads` that turns a
 :class:`~tb_gradhealth.reader.RunSeries` into JSON, and answers through ``http_util.Respond``. Every failure mode
 is explicit: a bad parameter is a 400 naming it, an unknown run or layer a 404, a data provider that fails a 503; a
 corrupt or truncated file is a problem line in ``runs``, not an error. The routes are documented in docs/API.md.
@@ -31,7 +31,7 @@ from werkzeug import wrappers
 
 from tb_gradhealth import health, metadata, origin
 from tb_gradhealth._filereader import FileReader
-from tb_gradhealth.payloads import (
+from tb_gradhealth._payloads import (
     RequestError,
     at_index,
     diagnose,

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from tb_gradhealth import _filereader, _storage, health, metadata, payloads, reader, record
+from tb_gradhealth import _filereader, _payloads, _storage, health, metadata, reader, record
 from tb_gradhealth import testing as gl
 
 pytestmark = [pytest.mark.unit]
@@ -84,8 +84,8 @@ def test_the_diagnosis_is_the_clis(varied):
     cli, served = _cli(varied), _served(_filereader.FileReader(varied, chunk_bytes=4096))
     for name in ("exploding", "vanishing", "long", "multi"):
         t = health.Thresholds()
-        assert json.dumps(payloads.health_payload(served[name], t, None)) == json.dumps(
-            payloads.health_payload(cli[name], t, None))
+        assert json.dumps(_payloads.health_payload(served[name], t, None)) == json.dumps(
+            _payloads.health_payload(cli[name], t, None))
 
 
 def _append(path: str, steps: range, rows: np.ndarray, first: bool = False) -> None:

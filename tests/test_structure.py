@@ -21,7 +21,7 @@ FRAMEWORKS = {"tensorflow": "tensorflow", "keras": "keras", "torch": "torch", "j
               "flax": "jax", "lightning": "torch", "pytorch_lightning": "torch", "transformers": "torch"}
 #: The side that must run without any framework: the plugin and CLI, their readers and the diagnosis, the record
 #: and the TF-free writer.
-FRAMEWORK_FREE = ("plugin", "cli", "payloads", "reader", "health", "record", "metadata", "writer", "_eventfile",
+FRAMEWORK_FREE = ("plugin", "cli", "_payloads", "reader", "health", "record", "metadata", "writer", "_eventfile",
                   "_storage", "testing", "_failsafe")
 
 
@@ -111,7 +111,7 @@ def test_the_classification_is_not_empty():
     reach = _reach()
     assert "tensorflow" in reach["summary"][1] and "tensorflow" in reach["keras"][1]
     assert "torch" in reach["torch"][1] and "jax" in reach["jax"][1]
-    assert {"record", "health"} <= reach["payloads"][0]
+    assert {"record", "health"} <= reach["_payloads"][0]
 
 
 def test_import_tb_gradhealth_exposes_every_module():
