@@ -654,6 +654,22 @@ class ProviderReader:
         problem line saying so. The provider decodes every tensor of an answer and fails on the first malformed one: a
         group that fails so is read tag by tag, and only the tag holding it is lost (with a problem line).
         """
+        points, problems, sampled, failure = self._read_points(ctx, experiment_id, run, tag_map)
+        if failure is not None:
+            unread = Problem(Kind.PROVIDER, f"data provider could not read this run: {failure}")
+            return assemble(name, [], sample_limit=self.sample_limit, problems=[unread]), False
+        tags = [TagData(tag, ts.plugin_content, points[tag]) for tag, ts in tag_map.items() if tag in points]
+        del points
+        series = assemble(name, tags, sample_limit=self.sample_limit, problems=problems, consume=True)
+        if sampled:
+            series = dataclasses.replace(series, maybe_downsampled=True)
+        return series, True
+
+    def _read_points(self, ctx: Any, experiment_id: str, run: str, tag_map: Mapping[str, Any]
+                     ) -> tuple[dict[str, list[tuple[int, float, Any]]], list[str], bool, BaseException | None]:
+        """``(points, problems, sampled, failure)``: each tag's ``(step, wall_time, tensor)`` points, read group by
+        group as :meth:`_read` says; whether a tag was read with evenly spaced steps; and the provider's error when
+        it could not read the run at all (then nothing else counts)."""
         points: dict[str, list[tuple[int, float, Any]]] = {}
         problems: list[str] = []
         sampled = False
@@ -671,8 +687,7 @@ class ProviderReader:
                 continue
             except PROVIDER_ERRORS as e:
                 if not _too_large(e) or (len(group) == 1 and downsample <= 1):
-                    unread = Problem(Kind.PROVIDER, f"data provider could not read this run: {e}")
-                    return assemble(name, [], sample_limit=self.sample_limit, problems=[unread]), False
+                    return points, problems, sampled, e
                 if len(group) > 1:  # the estimate was wrong (an unexpected tag size): one tag at a time
                     todo[:0] = [([tag], downsample) for tag in group]
                     continue
@@ -688,12 +703,7 @@ class ProviderReader:
             for tag in group:
                 points.setdefault(tag, []).extend((d.step, d.wall_time, d.numpy) for d in answer.get(tag, ()))
             del answer  # the answer's arrays now live in ``points``
-        tags = [TagData(tag, ts.plugin_content, points[tag]) for tag, ts in tag_map.items() if tag in points]
-        del points
-        series = assemble(name, tags, sample_limit=self.sample_limit, problems=problems, consume=True)
-        if sampled:
-            series = dataclasses.replace(series, maybe_downsampled=True)
-        return series, True
+        return points, problems, sampled, None
 
     def _read_tags(self, ctx: Any, experiment_id: str, run: str, tags: list[str], downsample: int
                    ) -> dict[str, Any]:
