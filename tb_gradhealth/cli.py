@@ -20,8 +20,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
-from tb_gradhealth import __version__, health, layerinfo, origin, payloads, progress, reader, storage
-from tb_gradhealth.payloads import RequestError, health_payload, parse_step, parse_thresholds
+from tb_gradhealth import __version__, _payloads, _storage, health, layerinfo, origin, progress, reader
+from tb_gradhealth._payloads import RequestError, health_payload, parse_step, parse_thresholds
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_UNREADABLE = 0, 1, 2, 3
 DEFAULT_FAIL_ON = "nonfinite"
@@ -161,7 +161,7 @@ def _read(args: argparse.Namespace, err: TextIO) -> reader.LogdirData:
     """The logdir's runs (only ``--run`` ones when given); warnings on ``err``; a usage error when there is none."""
     try:
         data = reader.read_logdir(args.logdir, runs=args.run)
-    except (FileNotFoundError, NotADirectoryError, PermissionError, storage.StorageError) as e:
+    except (FileNotFoundError, NotADirectoryError, PermissionError, _storage.StorageError) as e:
         raise UsageError(str(e)) from e
     for p in data.problems:
         print(f"tb-gradhealth: warning: {_text(p)}", file=err)
@@ -197,7 +197,8 @@ def _diagnose(data: reader.LogdirData, thresholds: health.Thresholds, step: int 
             paths = progress.run_paths(event_files, series.run) if event_files else ()
             loss, info = progress.read_loss(paths), layerinfo.read_layer_info(paths)
             kw = {k: v for k, v in (("progress", loss), ("layer_info", info)) if v}
-            body = health_payload(series, thresholds, step, diagnosis=payloads.diagnose(series, thresholds, step, **kw))
+            diagnosis = _payloads.diagnose(series, thresholds, step, **kw)
+            body = health_payload(series, thresholds, step, diagnosis=diagnosis)
         except RequestError as e:
             raise UsageError(f"--step: run {series.run!r}: {e.message}") from e
         except Exception as e:  # a bug must not hide the other runs: this one is reported as unreadable

@@ -16,7 +16,7 @@ import lightning.pytorch as pl
 
 from tb_gradhealth import record
 from tb_gradhealth import torch as tgh
-from tb_gradhealth.failsafe import Failsafe
+from tb_gradhealth._failsafe import Failsafe
 from tb_gradhealth.writer import Writer
 
 __all__ = ["GradHealth"]
@@ -39,7 +39,7 @@ class GradHealth(pl.Callback):
         self.writer: Writer | None = None
         self._pending: Any = None
         self._step = 0
-        #: what failed on the host costs a warning and a count, never the training (:mod:`tb_gradhealth.failsafe`)
+        #: what failed on the host costs a warning and a count, never the training (:mod:`tb_gradhealth._failsafe`)
         self.failsafe = Failsafe()
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

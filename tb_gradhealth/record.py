@@ -354,7 +354,7 @@ ADDITIVE: tuple[int, ...] = tuple(
 def scale(rec: np.ndarray, factor: float | np.ndarray) -> np.ndarray:
     """The records with their additive fields (:data:`ADDITIVE`) times ``factor`` (broadcast over the leading
     dimensions), the rest unchanged: ``scale(merge(a, b), 1/2)`` is the mean step of two steps, as long runs keep
-    their older steps (:mod:`tb_gradhealth.tiers`), and ``scale(mean, k)`` gives back the merge of ``k`` steps."""
+    their older steps (:mod:`tb_gradhealth._tiers`), and ``scale(mean, k)`` gives back the merge of ``k`` steps."""
     out = np.array(rec, dtype=np.float64)
     cols = [i for i in ADDITIVE if i < out.shape[-1]]  # rows cut before the histogram (charts) have fewer fields
     out[..., cols] *= np.asarray(factor, dtype=np.float64)[..., None]
