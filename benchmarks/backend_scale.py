@@ -60,13 +60,28 @@ def entry_point_installed() -> bool:
     return any(ep.name == "gradhealth" for ep in importlib_metadata.entry_points().select(group="tensorboard_plugins"))
 
 
-def start_tensorboard(logdir: str, port: int, samples: str | None) -> subprocess.Popen:
+#: The installed ``tensorboard`` with a longer listen queue for its HTTP server (werkzeug's is 128 connections).
+_WRAPPER_QUEUE = """
+import sys
+import werkzeug.serving
+werkzeug.serving.BaseWSGIServer.request_queue_size = {queue}
+from tensorboard import main
+sys.argv = ["tensorboard"] + sys.argv[1:]
+main.run_main()
+"""
+
+
+def start_tensorboard(logdir: str, port: int, samples: str | None, listen_queue: int | None = None
+                      ) -> subprocess.Popen:
     """The installed ``tensorboard`` when the package's entry point is installed, else the same TensorBoard
-    program with the plugin added by a wrapper (the repository on PYTHONPATH)."""
+    program with the plugin added by a wrapper (the repository on PYTHONPATH). ``listen_queue``: the server's
+    listen queue instead of werkzeug's 128 (what a deployment could change; needs the entry point installed)."""
     args = ["--logdir", logdir, "--port", str(port), "--host", "127.0.0.1", "--reload_interval", "5"]
     if samples:
         args += ["--samples_per_plugin", samples]
-    if entry_point_installed():
+    if listen_queue is not None and entry_point_installed():
+        cmd = [sys.executable, "-c", _WRAPPER_QUEUE.format(queue=int(listen_queue)), *args]
+    elif entry_point_installed():
         cmd = [sys.executable, "-m", "tensorboard.main", *args]
     else:
         cmd = [sys.executable, "-c", _WRAPPER.format(root=str(ROOT)), *args]

@@ -44,7 +44,7 @@ CHUNK_BYTES = 32 << 20
 #: when asked for (the run last read is always kept, whatever its size).
 CACHE_BYTES = 1 << 30
 #: Rows of the old buffer merged at a time when a long run's older steps merge into windows (bounds the temporaries).
-_MERGE_ROWS = 4
+_MERGE_ROWS = 8
 #: A run still being written grows in place into this much room beyond its steps (untouched room costs no memory).
 HEADROOM = 1.25
 
