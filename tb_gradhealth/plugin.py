@@ -172,6 +172,7 @@ class GradHealthPlugin(base_plugin.TBPlugin):
         self._health_lock = threading.Lock()
         self._flights: dict[tuple, _Flight] = {}
         self._slots = threading.BoundedSemaphore(DIAGNOSES_AT_ONCE)
+        self._losses = progress.ProviderLosses(context.data_provider) if context.data_provider is not None else None
 
     # TBPlugin API
     def get_plugin_apps(self) -> dict[str, Callable]:
@@ -253,11 +254,11 @@ class GradHealthPlugin(base_plugin.TBPlugin):
     def _loss(self, request: Any, run: str) -> tuple[np.ndarray, np.ndarray] | None:
         """The run's training loss where a writer recorded it (:mod:`tb_gradhealth.progress`), else None; a data
         provider that cannot answer costs the evidence, not the diagnosis."""
-        if self._context.data_provider is None:
+        if self._losses is None:
             return None
         try:
-            return progress.read_provider(self._context.data_provider, plugin_util.context(request.environ),
-                                          plugin_util.experiment_id(request.environ), run.split(" [", 1)[0])
+            return self._losses.get(plugin_util.context(request.environ), plugin_util.experiment_id(request.environ),
+                                    run.split(" [", 1)[0])
         except Exception:  # noqa: BLE001 - the data provider's own failure: the gradients alone speak
             _log.warning("gradhealth: reading the loss of run %r failed", run, exc_info=True)
             return None

@@ -11,6 +11,8 @@ progress, and the diagnosis uses the gradients alone.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -75,6 +77,40 @@ def read_provider(data_provider: Any, ctx: Any, experiment_id: str, run: str, do
             steps = np.array(sorted(by_step), dtype=np.int64)
             return steps, np.array([by_step[int(s)] for s in steps], dtype=np.float64)
     return None
+
+
+class ProviderLosses:
+    """:func:`read_provider` for the plugin, read again only when the data provider lists new loss data for the run:
+    listing a run's loss tags (their last step and wall time) is much cheaper than reading their values, and the tab
+    asks for a run's diagnosis on every view. Thread-safe; keeps the last ``entries`` runs."""
+
+    def __init__(self, data_provider: Any, entries: int = 64) -> None:
+        self._provider, self._entries = data_provider, entries
+        self._cache: OrderedDict[tuple[str, str], tuple[tuple, tuple[np.ndarray, np.ndarray] | None]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, ctx: Any, experiment_id: str, run: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """The loss of ``run`` (a run directory) as :func:`read_provider` gives it."""
+        from tensorboard.data import provider
+
+        listing = self._provider.list_scalars(ctx, experiment_id=experiment_id, plugin_name=SCALARS_PLUGIN,
+                                              run_tag_filter=provider.RunTagFilter(runs=[run], tags=list(LOSS_TAGS)))
+        tags = (listing or {}).get(run, {})
+        if not tags:
+            return None
+        key, seen = (experiment_id, run), tuple(sorted((t, ts.max_step, ts.max_wall_time) for t, ts in tags.items()))
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None and hit[0] == seen:
+                self._cache.move_to_end(key)
+                return hit[1]
+        loss = read_provider(self._provider, ctx, experiment_id, run)
+        with self._lock:
+            self._cache[key] = (seen, loss)
+            self._cache.move_to_end(key)
+            while len(self._cache) > self._entries:
+                self._cache.popitem(last=False)
+        return loss
 
 
 def run_paths(runs: Mapping[str, Sequence[str]], run: str) -> Sequence[str]:
