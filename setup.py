@@ -63,7 +63,7 @@ setup(
         "tf": TF_REQUIREMENTS,
         # Kept for old install commands: google-crc32c is now a dependency (the reader checks every data checksum).
         "fast": [],
-        # Logdirs on object storage (tb_gradhealth/storage.py): fsspec with its GCS or S3 backend, imported lazily.
+        # Logdirs on object storage (tb_gradhealth/_storage.py): fsspec with its GCS or S3 backend, imported lazily.
         "gcs": ["fsspec", "gcsfs"],
         "s3": ["fsspec", "s3fs"],
         # Device-side records for PyTorch (tb_gradhealth.torch) and JAX (tb_gradhealth.jax); imported lazily.

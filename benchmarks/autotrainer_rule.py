@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tb_gradhealth import eventfile, reader, record
+from tb_gradhealth import _eventfile, reader, record
 
 BETA_1, BETA_2, BETA_3, GAMMA = 1e-3, 1e-4, 70.0, 0.7
 #: Loss improvement (first quarter -> last quarter of the logged steps) that counts as progress.
@@ -63,7 +63,7 @@ def losses(run_dir: str) -> np.ndarray:
     for name in sorted(os.listdir(run_dir)):
         if not reader.is_event_file(name):
             continue
-        for payload in eventfile.iter_records(os.path.join(run_dir, name), []):
+        for payload in _eventfile.iter_records(os.path.join(run_dir, name), []):
             event = event_pb2.Event.FromString(payload)
             for value in event.summary.value:
                 if value.tag == "loss":

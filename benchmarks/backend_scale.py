@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from tb_gradhealth import eventfile, metadata, testing, tiers
+from tb_gradhealth import _eventfile, _tiers, metadata, testing
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -60,13 +60,28 @@ def entry_point_installed() -> bool:
     return any(ep.name == "gradhealth" for ep in importlib_metadata.entry_points().select(group="tensorboard_plugins"))
 
 
-def start_tensorboard(logdir: str, port: int, samples: str | None) -> subprocess.Popen:
+#: The installed ``tensorboard`` with a longer listen queue for its HTTP server (werkzeug's is 128 connections).
+_WRAPPER_QUEUE = """
+import sys
+import werkzeug.serving
+werkzeug.serving.BaseWSGIServer.request_queue_size = {queue}
+from tensorboard import main
+sys.argv = ["tensorboard"] + sys.argv[1:]
+main.run_main()
+"""
+
+
+def start_tensorboard(logdir: str, port: int, samples: str | None, listen_queue: int | None = None
+                      ) -> subprocess.Popen:
     """The installed ``tensorboard`` when the package's entry point is installed, else the same TensorBoard
-    program with the plugin added by a wrapper (the repository on PYTHONPATH)."""
+    program with the plugin added by a wrapper (the repository on PYTHONPATH). ``listen_queue``: the server's
+    listen queue instead of werkzeug's 128 (what a deployment could change; needs the entry point installed)."""
     args = ["--logdir", logdir, "--port", str(port), "--host", "127.0.0.1", "--reload_interval", "5"]
     if samples:
         args += ["--samples_per_plugin", samples]
-    if entry_point_installed():
+    if listen_queue is not None and entry_point_installed():
+        cmd = [sys.executable, "-c", _WRAPPER_QUEUE.format(queue=int(listen_queue)), *args]
+    elif entry_point_installed():
         cmd = [sys.executable, "-m", "tensorboard.main", *args]
     else:
         cmd = [sys.executable, "-c", _WRAPPER.format(root=str(ROOT)), *args]
@@ -241,7 +256,7 @@ def append_steps(path: Path, layers: list[str], first: int, count: int = 1) -> N
             tag = metadata.tag_for(layers, step=step)
             new_block = tag != metadata.tag_for(layers, step=step - 1)
             records = testing.synthetic_records(rms)
-            f.write(eventfile.frame(testing.record_event(step, tag, records, layers=layers if new_block else None)))
+            f.write(_eventfile.frame(testing.record_event(step, tag, records, layers=layers if new_block else None)))
 
 
 #: Steps appended to the run while it is served.
@@ -395,7 +410,7 @@ GOALS_100M = {"rss_mb": 4096.0}
 #: Goals of the logdir of many runs.
 GOALS_MANY = {"rss_mb": 2560.0}
 #: Memory a run needs while served (bytes a layer-step kept: the decoded records and the diagnosis' temporaries; the
-#: plugin keeps at most about ``tiers.LAYER_STEPS`` of a run), to skip a size this machine cannot hold rather than
+#: plugin keeps at most about ``_tiers.LAYER_STEPS`` of a run), to skip a size this machine cannot hold rather than
 #: run it out of memory.
 NEED_BYTES_PER_LAYER_STEP = 320
 NEED_BASE_MB = 1000
@@ -460,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     for size in args.sizes.split(","):
         layers, steps = (int(x) for x in size.lower().split("x"))
         print(f"== {layers} layers x {steps} steps", flush=True)
-        kept = min(layers * steps, 2 * max(tiers.LAYER_STEPS, tiers.MIN_ROWS * layers))
+        kept = min(layers * steps, 2 * max(_tiers.LAYER_STEPS, _tiers.MIN_ROWS * layers))
         need = NEED_BASE_MB + kept * NEED_BYTES_PER_LAYER_STEP / 2**20
         if need > available_mb():
             skipped = f"not run: needs about {need / 1024:.0f} GB, {available_mb() / 1024:.0f} GB available"

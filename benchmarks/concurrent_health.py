@@ -125,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("-n", type=int, default=200, help="concurrent requests")
     ap.add_argument("--data", default="/tmp/gradhealth-bench-data")
+    ap.add_argument("--listen-queue", type=int, default=None,
+                    help="TensorBoard's listen queue (default: werkzeug's 128, as users run it): what of the tail "
+                         "is TensorBoard's server")
     args = ap.parse_args(argv)
 
     cached = Path(args.data) / f"concurrent_{args.layers}x{args.steps}"
@@ -136,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     # The generator's layer names (make_scale_logdir).
     layers = [f"block_{i // 2:04d}/{'kernel' if i % 2 == 0 else 'bias'}" for i in range(args.layers)]
     port = testing.free_port()
-    proc = bs.start_tensorboard(str(work / "logs"), port, None)  # as users start it
+    proc = bs.start_tensorboard(str(work / "logs"), port, None, args.listen_queue)  # as users start it
     base = f"http://127.0.0.1:{port}/data/plugin/gradhealth"
     try:
         bs.wait_until(bs.json_when(f"{base}/runs", lambda b: any(r["num_steps"] == args.steps for r in b["runs"])),
@@ -153,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
 
     print(f"{args.n} concurrent cold health requests, {args.layers} layers x {args.steps} steps, "
-          f"real tensorboard process ({time.strftime('%Y-%m-%d')})")
+          f"real tensorboard process ({time.strftime('%Y-%m-%d')}), listen queue "
+          f"{args.listen_queue or 'werkzeug default (128)'}")
     print(f"{'scenario':<8} {'n':>4} {'p50 s':>7} {'p99 s':>7} {'max s':>7} {'RSS before MB':>14} "
           f"{'RSS peak MB':>12} {'+data server MB':>16}")
     for name, r in results.items():

@@ -157,6 +157,20 @@ def _sick_entries(labels: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
 
 
 @dataclass
+class Halt:
+    """Where a ``stop_on=STOP_ON`` callback would have halted a run, against its first NaN."""
+
+    halt: int | None = None
+    first_nan: int | None = None
+    lead: int | None = None
+    lead_at_least: bool = False
+    #: logged steps before the first NaN: the largest lead the run allows (None without a NaN)
+    lead_possible: int | None = None
+    #: a divergence halted more than one logged step before its labelled onset
+    premature: bool = False
+
+
+@dataclass
 class RunScore:
     case: str
     sick: bool
@@ -179,14 +193,8 @@ class RunScore:
     run_onset_label: int | None = None
     run_onset_diag: int | None = None
     run_onset_error: int | None = None
-    halt: int | None = None
-    first_nan: int | None = None
-    lead: int | None = None
-    lead_at_least: bool = False
-    #: logged steps before the first NaN: the largest lead the run allows (None without a NaN)
-    lead_possible: int | None = None
-    #: a divergence halted more than one logged step before its labelled onset
-    premature: bool = False
+    #: the ``stop_on`` simulation
+    stop: Halt = field(default_factory=Halt)
     train_s: float | None = None
     train_cpu_s: float | None = None
     #: the per-model baseline (benchmarks/autotrainer_rule.py): with and without its training-progress gate
@@ -249,19 +257,19 @@ def score_run(labels: Mapping[str, Any], d: Diagnosed) -> RunScore:
         li = _index_at_or_after(steps, r.run_onset_label)
         r.run_onset_error = None if li is None else abs(flagged_steps[0] - li)
     halts = [i for i in range(len(steps)) if any(v in STOP_ON for v in d.status[i].values())]
-    r.halt = steps[halts[0]] if halts else None
-    r.first_nan = labels.get("first_nan")
+    r.stop.halt = steps[halts[0]] if halts else None
+    r.stop.first_nan = labels.get("first_nan")
     if r.diverges and halts and r.run_onset_label is not None:
         oi = _index_at_or_after(steps, r.run_onset_label)
-        r.premature = oi is not None and halts[0] < oi - 1  # halted while training was still sound
-    if r.diverges and r.first_nan is not None:
-        ni = _index_at_or_after(steps, r.first_nan)
-        r.lead_possible = len(steps) if ni is None else ni
+        r.stop.premature = oi is not None and halts[0] < oi - 1  # halted while training was still sound
+    if r.diverges and r.stop.first_nan is not None:
+        ni = _index_at_or_after(steps, r.stop.first_nan)
+        r.stop.lead_possible = len(steps) if ni is None else ni
     if r.diverges and halts:
-        if r.lead_possible is not None:
-            r.lead = r.lead_possible - halts[0]
+        if r.stop.lead_possible is not None:
+            r.stop.lead = r.stop.lead_possible - halts[0]
         else:  # no NaN within the run: the lead is at least the logged steps from the halt to the end
-            r.lead, r.lead_at_least = len(steps) - halts[0], True
+            r.stop.lead, r.stop.lead_at_least = len(steps) - halts[0], True
     return r
 
 
@@ -383,15 +391,15 @@ def goals(runs: Sequence[RunScore]) -> list[dict[str, Any]]:
         f"{max(finite) if finite else '-'}; {len(errs) - len(finite)} never found")
     # A run whose first NaN comes before LEAD logged steps have passed cannot show that lead: not measurable.
     measurable = [r for r in div if not _too_early(r)]
-    good = [r for r in measurable if r.lead is not None and r.lead >= LEAD and not r.premature]
+    good = [r for r in measurable if r.stop.lead is not None and r.stop.lead >= LEAD and not r.stop.premature]
     add(f"stop_on halts every divergence >= {LEAD} logged steps before the first NaN (and not before its onset - 1)",
         len(good) == len(measurable),
         f"{len(good)} of {len(measurable)} measurable divergences; leads "
         + ", ".join(f"{r.case}: {_lead_text(r)}" for r in div))
-    halted = [r for r in healthy if r.halt is not None]
+    halted = [r for r in healthy if r.stop.halt is not None]
     add("stop_on never halts a healthy run", not halted,
         f"{len(halted)} of {len(healthy)} healthy runs halted"
-        + (f" ({', '.join(f'{r.case} at {r.halt}' for r in halted)})" if halted else ""))
+        + (f" ({', '.join(f'{r.case} at {r.stop.halt}' for r in halted)})" if halted else ""))
     flags = sum(c["tp"] + c["fp"] for r in sick for c in r.pairs.values())
     right = sum(c["tp"] for r in sick for c in r.pairs.values())
     precision = right / flags if flags else None
@@ -413,16 +421,17 @@ def goals(runs: Sequence[RunScore]) -> list[dict[str, Any]]:
 
 
 def _too_early(r: RunScore) -> bool:
-    return r.lead_possible is not None and r.lead_possible < LEAD
+    return r.stop.lead_possible is not None and r.stop.lead_possible < LEAD
 
 
 def _lead_text(r: RunScore) -> str:
     if _too_early(r):
-        return (f"not measurable (first NaN at step {r.first_nan}, after {r.lead_possible} logged step(s); "
-                f"halted {'at ' + str(r.halt) if r.halt is not None else 'never'})")
-    if r.halt is None:
+        return (f"not measurable (first NaN at step {r.stop.first_nan}, after {r.stop.lead_possible} logged step(s); "
+                f"halted {'at ' + str(r.stop.halt) if r.stop.halt is not None else 'never'})")
+    if r.stop.halt is None:
         return "no halt"
-    return f"{'>=' if r.lead_at_least else ''}{r.lead}" + (" (premature: before the onset)" if r.premature else "")
+    premature = " (premature: before the onset)" if r.stop.premature else ""
+    return f"{'>=' if r.stop.lead_at_least else ''}{r.stop.lead}{premature}"
 
 
 # --- printing --------------------------------------------------------------------------------------------------
@@ -492,8 +501,8 @@ def report(runs: Sequence[RunScore], markdown: bool = False) -> str:
                    f"flags it): median {latency[len(latency) // 2]}, max {latency[-1]}, over {len(latency)} layers")
     out.append(h("(e) stop_on=('nonfinite', 'exploding') simulation"))
     out.append(table(["run", "kind", "halt at", "labelled onset", "first NaN", "lead (logged steps)"],
-                     [[r.case, "divergence" if r.diverges else ("sick" if r.sick else "healthy"), r.halt,
-                       r.run_onset_label, r.first_nan, _lead_text(r) if r.diverges else "-"] for r in runs],
+                     [[r.case, "divergence" if r.diverges else ("sick" if r.sick else "healthy"), r.stop.halt,
+                       r.run_onset_label, r.stop.first_nan, _lead_text(r) if r.diverges else "-"] for r in runs],
                      markdown))
     out.append(h("(g) per model: baselines on the same records, against ours"))
     out.append(table(["run", "labelled", "AutoTrainer (last step)", "ungated", "AutoTrainer (every check)",

@@ -9,7 +9,7 @@ gRPC with TensorBoard's ``GrpcDataProvider``) when it is installed.
 Records are synthetic but shaped like real ones: each layer's gradients span ~7 decades around a centre that drifts
 4 decades from the first to the last layer (a vanishing-gradient profile), so the packed tensor's shared histogram
 window is wider than one layer's (the cost of packing). Events are written with the package's own TFRecord
-framing (:mod:`tb_gradhealth.eventfile`), the bytes TensorBoard's writer produces.
+framing (:mod:`tb_gradhealth._eventfile`), the bytes TensorBoard's writer produces.
 
 Usage: python benchmarks/layout_choice.py [--layers 1000] [--steps 1000] [--skip-python-per-layer]
 """
@@ -30,7 +30,7 @@ from tensorboard import context
 from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
 from tensorboard.compat.proto import event_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
 
-from tb_gradhealth import eventfile, metadata, record
+from tb_gradhealth import _eventfile, metadata, record
 
 PLUGIN = metadata.PLUGIN_NAME
 
@@ -75,7 +75,7 @@ def event_bytes(step: int, tag: str, disk: np.ndarray, md) -> bytes:
 
 
 class RecordFile:
-    """An event file written with the package's TFRecord framing (:mod:`tb_gradhealth.eventfile`)."""
+    """An event file written with the package's TFRecord framing (:mod:`tb_gradhealth._eventfile`)."""
 
     def __init__(self, logdir: str) -> None:
         os.makedirs(logdir, exist_ok=True)
@@ -83,7 +83,7 @@ class RecordFile:
         self.write(event_pb2.Event(wall_time=1.7e9, file_version="brain.Event:2").SerializeToString())
 
     def write(self, data: bytes) -> None:
-        self._f.write(eventfile.frame(data))
+        self._f.write(_eventfile.frame(data))
 
     def close(self) -> None:
         self._f.close()

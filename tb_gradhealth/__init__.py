@@ -14,11 +14,15 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-#: What users import: the writers, the diagnosis, the readers, the plugin and the CLI. Every other submodule loads
-#: on first access too (``tb_gradhealth.testing``, ...): any name that is a submodule of the package is one.
+#: What users import: the writers, the diagnosis, the readers, the plugin and the CLI, and the modules beside them
+#: (``record``, ``metadata``: the format; ``problems``: the kind of each line a reader reports; ``progress``,
+#: ``layerinfo``: the loss and the layer kinds read beside the records). Any public submodule loads on first access;
+#: a module whose name starts with ``_`` (``_eventfile``, ``_tf``, ...) is the package's own, imported by the modules
+#: that use it and never exposed here (as optax keeps ``_src``).
 _ENTRY_POINTS = (
     "summary", "keras", "tpu", "distribute", "accumulate", "torch", "jax", "writer", "health", "reader", "testing",
     "plugin", "cli", "origin", "tf_origin", "torch_origin", "jax_origin", "lightning", "transformers",
+    "record", "metadata", "problems", "progress", "layerinfo",
 )
 _LAZY_ATTRS = {"Writer": "writer", "Thresholds": "health"}
 
@@ -28,7 +32,7 @@ __all__ = ["Writer", "Thresholds", "__version__", *_ENTRY_POINTS]
 def __getattr__(name: str) -> Any:
     if name in _LAZY_ATTRS:
         return getattr(importlib.import_module(f"tb_gradhealth.{_LAZY_ATTRS[name]}"), name)
-    if not name.startswith("__") and importlib.util.find_spec(f"tb_gradhealth.{name}") is not None:
+    if not name.startswith("_") and importlib.util.find_spec(f"tb_gradhealth.{name}") is not None:
         return importlib.import_module(f"tb_gradhealth.{name}")
     raise AttributeError(f"module 'tb_gradhealth' has no attribute {name!r}")
 

@@ -20,8 +20,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
-from tb_gradhealth import __version__, health, origin, progress, reader, storage
-from tb_gradhealth.payloads import RequestError, health_payload, parse_step, parse_thresholds
+from tb_gradhealth import __version__, _storage, health, origin, progress, reader
+from tb_gradhealth._payloads import RequestError, health_payload, parse_step, parse_thresholds
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_UNREADABLE = 0, 1, 2, 3
 DEFAULT_FAIL_ON = "nonfinite"
@@ -161,7 +161,7 @@ def _read(args: argparse.Namespace, err: TextIO) -> reader.LogdirData:
     """The logdir's runs (only ``--run`` ones when given); warnings on ``err``; a usage error when there is none."""
     try:
         data = reader.read_logdir(args.logdir, runs=args.run)
-    except (FileNotFoundError, NotADirectoryError, PermissionError, storage.StorageError) as e:
+    except (FileNotFoundError, NotADirectoryError, PermissionError, _storage.StorageError) as e:
         raise UsageError(str(e)) from e
     for p in data.problems:
         print(f"tb-gradhealth: warning: {_text(p)}", file=err)

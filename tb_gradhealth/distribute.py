@@ -119,6 +119,7 @@ def merge_and_write(
         return rows
     disk = tf.numpy_function(record.to_disk, [rows], tf.float32, stateful=False)
     disk.set_shape([len(layers), None])
-    shards.write(disk, layers, step_t, shards.check_log_dir(log_dir), {}, name, "gradients", hist_sample, False)
+    shards.write(disk, layers, step_t, log_dir=shards.check_log_dir(log_dir), scalars={}, name=name, kind="gradients",
+                 hist_sample=hist_sample, do_flush=False)
     return rows
 

@@ -28,7 +28,7 @@ import numpy as np
 from jax import lax
 
 from tb_gradhealth import devicestats, record
-from tb_gradhealth.failsafe import Failsafe
+from tb_gradhealth._failsafe import Failsafe
 from tb_gradhealth.writer import Writer
 
 __all__ = ["RecordingState", "add_records", "compute", "keras_callback", "layer_names", "merge", "recording",

@@ -28,10 +28,10 @@ import numpy as np
 import tensorflow as tf
 
 from tb_gradhealth import layerinfo, record, summary
+from tb_gradhealth._failsafe import Failsafe
 from tb_gradhealth._stepbook import StepBook, ring_plan
 from tb_gradhealth._tf import compat
 from tb_gradhealth._tf.capture import CUSTOM_LOOP_ADVICE, Capture, CaptureError
-from tb_gradhealth.failsafe import Failsafe
 from tb_gradhealth.writer import Writer
 
 __all__ = ["GradientHealthCallback", "CaptureError", "StopEvent"]

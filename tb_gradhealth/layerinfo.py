@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tb_gradhealth import metadata
-from tb_gradhealth.eventfile import iter_summary_values
+from tb_gradhealth._eventfile import iter_summary_values
 
 
 def _activation_name(layer: Any) -> str:

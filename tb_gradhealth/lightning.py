@@ -19,7 +19,7 @@ import torch
 
 from tb_gradhealth import record
 from tb_gradhealth import torch as tgh
-from tb_gradhealth.failsafe import Failsafe
+from tb_gradhealth._failsafe import Failsafe
 from tb_gradhealth.torch_kinds import module_layer_info
 from tb_gradhealth.writer import Writer
 
@@ -44,7 +44,7 @@ class GradHealth(pl.Callback):
         self._pending: Any = None
         self._step = 0
         self._kinds: dict[str, tuple[str, str]] = {}
-        #: what failed on the host costs a warning and a count, never the training (:mod:`tb_gradhealth.failsafe`)
+        #: what failed on the host costs a warning and a count, never the training (:mod:`tb_gradhealth._failsafe`)
         self.failsafe = Failsafe()
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -21,7 +21,7 @@ import numpy as np
 from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.util import tensor_util
 
-from tb_gradhealth.eventfile import EventFile, iter_framed
+from tb_gradhealth._eventfile import EventFile, iter_framed
 
 __all__ = ["NanOrigin", "PLUGIN_NAME", "write", "read_event_files", "read_provider", "UnsupportedVersion"]
 

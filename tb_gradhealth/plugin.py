@@ -1,6 +1,6 @@
 """The ``gradhealth`` TensorBoard plugin: thin HTTP routes over :mod:`reader` (data) and :mod:`health` (diagnosis).
 
-Every route validates its query, calls a pure function of :mod:`payloads` that turns a
+Every route validates its query, calls a pure function of :mod:`_payloads` that turns a
 :class:`~tb_gradhealth.reader.RunSeries` into JSON, and answers through ``http_util.Respond``. Every failure mode
 is explicit: a bad parameter is a 400 naming it, an unknown run or layer a 404, a data provider that fails a 503; a
 corrupt or truncated file is a problem line in ``runs``, not an error. The routes are documented in docs/API.md.
@@ -31,8 +31,8 @@ from tensorboard.plugins import base_plugin
 from werkzeug import wrappers
 
 from tb_gradhealth import health, metadata, origin, progress
-from tb_gradhealth.filereader import FileReader
-from tb_gradhealth.payloads import (
+from tb_gradhealth._filereader import FileReader
+from tb_gradhealth._payloads import (
     RequestError,
     at_index,
     diagnose,
@@ -411,7 +411,7 @@ def serves_one_logdir(flags: Any) -> bool:
 def keep_every_step_by_default(flags: Any) -> None:
     """Every gradient-health step is served unless the user gave ``--samples_per_plugin=gradhealth=N``.
 
-    When TensorBoard serves one logdir, the plugin reads its event files itself (:mod:`tb_gradhealth.filereader`,
+    When TensorBoard serves one logdir, the plugin reads its event files itself (:mod:`tb_gradhealth._filereader`,
     every step, incrementally) and the data server is told to keep one record per tag (``gradhealth=1``), only so
     that it lists the tab: its copy of every record would otherwise be about the logdir's size in memory. Otherwise
     (``--logdir_spec``, an external data server) the data server keeps every record (``gradhealth=0``): its loaders

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from tensorboard.util import tensor_util
 
-from tb_gradhealth.eventfile import iter_summary_values
+from tb_gradhealth._eventfile import iter_summary_values
 
 #: The loss as the Keras callback records it (v1).
 LOSS_TAG = "gradhealth_progress_v1/loss"

@@ -31,8 +31,8 @@ from tensorboard.compat.proto import event_pb2
 from tensorboard.data import provider as tb_provider
 from tensorboard.util import tensor_util
 
-from tb_gradhealth import metadata, record, storage
-from tb_gradhealth.eventfile import iter_framed
+from tb_gradhealth import _storage, metadata, record
+from tb_gradhealth._eventfile import iter_framed
 from tb_gradhealth.problems import Kind, Problem, any_of_kind
 
 #: ``downsample`` meaning "every sample the loader kept": TensorBoard's hint 0 means all, but a data provider
@@ -85,7 +85,7 @@ class RunSeries:
     #: Bytes of ``records`` in memory when it is stored field by field (:func:`new_records`): the planes of
     #: histogram bins no record uses take none. None: all of ``records.nbytes``.
     resident_bytes: int | None = None
-    #: Where older steps were merged into windows (:mod:`tb_gradhealth.tiers`; the plugin's copy of a long run):
+    #: Where older steps were merged into windows (:mod:`tb_gradhealth._tiers`; the plugin's copy of a long run):
     #: int ``[S, L]`` steps each row holds (its record is their mean step; 0 where the layer has no record) and
     #: int64 ``[S]`` the last step of each row (``steps`` holds the first). None: one step a row.
     window_steps: np.ndarray | None = None
@@ -666,6 +666,22 @@ class ProviderReader:
         problem line saying so. The provider decodes every tensor of an answer and fails on the first malformed one: a
         group that fails so is read tag by tag, and only the tag holding it is lost (with a problem line).
         """
+        points, problems, sampled, failure = self._read_points(ctx, experiment_id, run, tag_map)
+        if failure is not None:
+            unread = Problem(Kind.PROVIDER, f"data provider could not read this run: {failure}")
+            return assemble(name, [], sample_limit=self.sample_limit, problems=[unread]), False
+        tags = [TagData(tag, ts.plugin_content, points[tag]) for tag, ts in tag_map.items() if tag in points]
+        del points
+        series = assemble(name, tags, sample_limit=self.sample_limit, problems=problems, consume=True)
+        if sampled:
+            series = dataclasses.replace(series, maybe_downsampled=True)
+        return series, True
+
+    def _read_points(self, ctx: Any, experiment_id: str, run: str, tag_map: Mapping[str, Any]
+                     ) -> tuple[dict[str, list[tuple[int, float, Any]]], list[str], bool, BaseException | None]:
+        """``(points, problems, sampled, failure)``: each tag's ``(step, wall_time, tensor)`` points, read group by
+        group as :meth:`_read` says; whether a tag was read with evenly spaced steps; and the provider's error when
+        it could not read the run at all (then nothing else counts)."""
         points: dict[str, list[tuple[int, float, Any]]] = {}
         problems: list[str] = []
         sampled = False
@@ -683,8 +699,7 @@ class ProviderReader:
                 continue
             except PROVIDER_ERRORS as e:
                 if not _too_large(e) or (len(group) == 1 and downsample <= 1):
-                    unread = Problem(Kind.PROVIDER, f"data provider could not read this run: {e}")
-                    return assemble(name, [], sample_limit=self.sample_limit, problems=[unread]), False
+                    return points, problems, sampled, e
                 if len(group) > 1:  # the estimate was wrong (an unexpected tag size): one tag at a time
                     todo[:0] = [([tag], downsample) for tag in group]
                     continue
@@ -700,12 +715,7 @@ class ProviderReader:
             for tag in group:
                 points.setdefault(tag, []).extend((d.step, d.wall_time, d.numpy) for d in answer.get(tag, ()))
             del answer  # the answer's arrays now live in ``points``
-        tags = [TagData(tag, ts.plugin_content, points[tag]) for tag, ts in tag_map.items() if tag in points]
-        del points
-        series = assemble(name, tags, sample_limit=self.sample_limit, problems=problems, consume=True)
-        if sampled:
-            series = dataclasses.replace(series, maybe_downsampled=True)
-        return series, True
+        return points, problems, sampled, None
 
     def _read_tags(self, ctx: Any, experiment_id: str, run: str, tags: list[str], downsample: int
                    ) -> dict[str, Any]:
@@ -798,14 +808,14 @@ def read_run_dir(paths: Sequence[str], problems: list[str],
 
 def find_runs(logdir: str, storage_options: Mapping[str, Any] | None = None) -> dict[str, list[str]]:
     """``{run: [event file paths]}``; runs are directories relative to ``logdir`` (``.`` for the logdir itself),
-    named as TensorBoard names them. ``logdir`` may be a URL (:mod:`tb_gradhealth.storage`)."""
+    named as TensorBoard names them. ``logdir`` may be a URL (:mod:`tb_gradhealth._storage`)."""
     runs: dict[str, list[str]] = {}
-    for dirpath, dirnames, filenames in storage.walk(logdir, storage_options):
+    for dirpath, dirnames, filenames in _storage.walk(logdir, storage_options):
         dirnames.sort()
         files = sorted(f for f in filenames if is_event_file(f))
         if not files:
             continue
-        runs[storage.relpath(dirpath, logdir)] = [storage.join(dirpath, f) for f in files]
+        runs[_storage.relpath(dirpath, logdir)] = [_storage.join(dirpath, f) for f in files]
     return runs
 
 
@@ -814,12 +824,12 @@ def read_logdir(logdir: str, runs: Sequence[str] | None = None,
     """Every run of ``logdir`` that holds gradient-health data (or only ``runs``), read without a server.
 
     ``logdir`` is a local path or a ``gs://``, ``s3://`` or other fsspec URL (``storage_options`` go to fsspec).
-    Raises FileNotFoundError / NotADirectoryError when ``logdir`` is not a readable directory, and
-    :class:`~tb_gradhealth.storage.StorageError` for a URL that cannot be used (no fsspec or backend installed).
+    Raises FileNotFoundError / NotADirectoryError when ``logdir`` is not a readable directory, and an OSError
+    (:class:`~tb_gradhealth._storage.StorageError`) for a URL that cannot be used (no fsspec or backend installed).
     """
-    logdir = storage.check(logdir)
-    if not storage.isdir(logdir, storage_options):
-        if not storage.exists(logdir, storage_options):
+    logdir = _storage.check(logdir)
+    if not _storage.isdir(logdir, storage_options):
+        if not _storage.exists(logdir, storage_options):
             raise FileNotFoundError(f"logdir {logdir!r} does not exist")
         raise NotADirectoryError(f"logdir {logdir!r} is not a directory")
     problems: list[str] = []

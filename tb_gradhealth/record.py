@@ -354,11 +354,26 @@ ADDITIVE: tuple[int, ...] = tuple(
 def scale(rec: np.ndarray, factor: float | np.ndarray) -> np.ndarray:
     """The records with their additive fields (:data:`ADDITIVE`) times ``factor`` (broadcast over the leading
     dimensions), the rest unchanged: ``scale(merge(a, b), 1/2)`` is the mean step of two steps, as long runs keep
-    their older steps (:mod:`tb_gradhealth.tiers`), and ``scale(mean, k)`` gives back the merge of ``k`` steps."""
+    their older steps (:mod:`tb_gradhealth._tiers`), and ``scale(mean, k)`` gives back the merge of ``k`` steps."""
     out = np.array(rec, dtype=np.float64)
-    cols = [i for i in ADDITIVE if i < out.shape[-1]]  # rows cut before the histogram (charts) have fewer fields
-    out[..., cols] *= np.asarray(factor, dtype=np.float64)[..., None]
+    factor = np.asarray(factor, dtype=np.float64)[..., None]
+    for lo, hi in _ADDITIVE_RUNS:  # slices, not a fancy index: no gather and scatter of every row
+        out[..., lo:hi] *= factor  # (rows cut before the histogram, as the charts read them, have fewer fields)
     return out
+
+
+def _runs(indices: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """Sorted indices as ``(start, end)`` runs of consecutive ones."""
+    out: list[list[int]] = []
+    for i in sorted(indices):
+        if out and out[-1][1] == i:
+            out[-1][1] = i + 1
+        else:
+            out.append([i, i + 1])
+    return tuple((lo, hi) for lo, hi in out)
+
+
+_ADDITIVE_RUNS = _runs(ADDITIVE)
 
 
 # --- derived quantities ---------------------------------------------------------------------------------------

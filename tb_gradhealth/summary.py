@@ -92,19 +92,19 @@ def compute(
     for g, size in zip(glist, sizes, strict=True):
         if g is None and size < 0:
             raise ValueError("a None gradient needs its variable (or weight) to know the layer's size")
-    args = (
-        tuple(_as_tensor(g) for g in glist),
-        tuple(_as_tensor(w) for w in wlist),
-        tuple(_as_tensor(u) for u in ulist),
-        sizes,
-        int(hist_sample or 0),
-        None if seed is None else tf.convert_to_tensor(seed),
+    inputs = kernels.LayerInputs(
+        grads=tuple(_as_tensor(g) for g in glist),
+        weights=tuple(_as_tensor(w) for w in wlist),
+        updates=tuple(_as_tensor(u) for u in ulist),
+        sizes=sizes,
+        hist_sample=int(hist_sample or 0),
+        seed=None if seed is None else tf.convert_to_tensor(seed),
     )
     if not jit or not kernels.fused_reductions_available():
-        return kernels.compute_layers(*args)
+        return kernels.compute_layers(inputs)
     if compat.in_xla_context():  # inside a compiled function: inline into its cluster
-        return packed.compute(*args)
-    return packed.compute_deferring(*args)
+        return packed.compute(inputs)
+    return packed.compute_deferring(inputs)
 
 
 # --- host-side write ------------------------------------------------------------------------------------------

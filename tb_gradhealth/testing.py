@@ -1,6 +1,6 @@
 """Synthetic gradient-health logdirs with a known diagnosis, for tests and benchmarks; no TensorFlow.
 
-Events are TensorBoard's protos framed by :mod:`tb_gradhealth.eventfile` (the package's one event-file writer).
+Events are TensorBoard's protos framed by :mod:`tb_gradhealth._eventfile` (the package's one event-file writer).
 Part of the package so that the test suite and the benchmarks import it the same way (``from tb_gradhealth
 import testing``), and so that a dashboard or a CI gate built on the plugin can be tested against known runs.
 
@@ -27,7 +27,7 @@ import numpy as np
 from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.util import tensor_util
 
-from tb_gradhealth import eventfile, metadata, record
+from tb_gradhealth import _eventfile, metadata, record
 from tb_gradhealth.writer import Writer
 
 WALL_TIME0 = 1_700_000_000.0
@@ -46,7 +46,7 @@ def event_file_path(run_dir: str, wall_time: float = WALL_TIME0) -> str:
 
 def frame(data: bytes, crc: int | None = None) -> bytes:
     """One TFRecord (the product's framing); ``crc`` overrides the data checksum, to write a corrupt record."""
-    framed = eventfile.frame(data)
+    framed = _eventfile.frame(data)
     return framed if crc is None else framed[:-4] + struct.pack("<I", crc)
 
 

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from tb_gradhealth import devicestats, record
-from tb_gradhealth.failsafe import Failsafe
+from tb_gradhealth._failsafe import Failsafe
 from tb_gradhealth.record import Delta
 from tb_gradhealth.torch_kinds import layer_info_for
 from tb_gradhealth.writer import Writer

@@ -140,7 +140,8 @@ def _host_call_fn(names: list[str], scalar_tags: list[str], log_dir: str, *, nam
         disk.set_shape([n_layers, None])
         step0 = tf.reshape(tf.convert_to_tensor(steps), [-1])[0]
         means = {t: tf.reduce_mean(tf.cast(v, tf.float32)) for t, v in zip(scalar_tags, scalar_values, strict=True)}
-        return write(disk, names, step0, log_dir, means, name, "gradients", hist_sample, flush_every_call)
+        return write(disk, names, step0, log_dir=log_dir, scalars=means, name=name, kind="gradients",
+                     hist_sample=hist_sample, do_flush=flush_every_call)
 
     host_call_fn.layers = tuple(names)  # type: ignore[attr-defined]
     return host_call_fn

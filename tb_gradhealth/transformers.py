@@ -20,7 +20,7 @@ from transformers import TrainerCallback
 
 from tb_gradhealth import record
 from tb_gradhealth import torch as tgh
-from tb_gradhealth.failsafe import Failsafe
+from tb_gradhealth._failsafe import Failsafe
 from tb_gradhealth.torch_kinds import layer_info_for
 from tb_gradhealth.writer import Writer
 
@@ -42,7 +42,7 @@ class GradHealthCallback(TrainerCallback):
         self.hist_sample, self.updates, self.name = hist_sample, updates, name
         self.writer: Writer | None = None
         self._pending: Any = None
-        #: what failed on the host costs a warning and a count, never the training (:mod:`tb_gradhealth.failsafe`)
+        #: what failed on the host costs a warning and a count, never the training (:mod:`tb_gradhealth._failsafe`)
         self.failsafe = Failsafe()
 
     def _params(self, model: Any) -> list:

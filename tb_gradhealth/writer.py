@@ -5,7 +5,7 @@ path field for field) and writes them with TensorBoard's protos, so the event fi
 ``tf.summary.write`` would produce: one event per (tag, step) holding the float32 disk tensor of all
 layers of that call (see docs/FORMAT.md for why one packed tag rather than one tag per layer).
 
-It imports numpy and tensorboard's protos only, and writes the files itself (:mod:`tb_gradhealth.eventfile`):
+It imports numpy and tensorboard's protos only, and writes the files itself (:mod:`tb_gradhealth._eventfile`):
 TensorBoard's ``EventFileWriter`` would import TensorFlow whenever it is installed.
 
 TensorBoard keeps the first ``SummaryMetadata`` it sees for a tag and ignores the rest, so the (layer-list)
@@ -39,7 +39,7 @@ from tensorboard.plugins.scalar import metadata as scalar_metadata
 from tensorboard.util import tensor_util
 
 from tb_gradhealth import metadata, progress, record
-from tb_gradhealth.eventfile import EventFile
+from tb_gradhealth._eventfile import EventFile
 
 __all__ = ["Writer", "make_event"]
 
@@ -107,7 +107,7 @@ def _names(keys: Any, what: str) -> list[str]:
 class Writer:
     """Writes gradient-health records (and plain scalars) to an event file in ``logdir``, without TensorFlow.
 
-    ``logdir`` is a local path or a ``gs://``, ``s3://`` or other fsspec URL (:mod:`tb_gradhealth.storage`;
+    ``logdir`` is a local path or a ``gs://``, ``s3://`` or other fsspec URL (:mod:`tb_gradhealth._storage`;
     ``storage_options`` go to the fsspec filesystem). Records are visible to readers at most ``flush_secs`` after
     they were added (or at :meth:`flush` / :meth:`close`); on object storage each flush writes one new object, so
     nothing flushed is lost if the process is killed.
@@ -152,7 +152,7 @@ class Writer:
     @property
     def dropped_records(self) -> int:
         """Events (one step's records of one call each) dropped because the logdir could not be written for
-        longer than the queue could hold them (see :class:`tb_gradhealth.eventfile.EventFile`)."""
+        longer than the queue could hold them (see :class:`tb_gradhealth._eventfile.EventFile`)."""
         return self._writer.dropped_events
 
     def _check_open(self) -> None:

@@ -8,7 +8,11 @@ float64 reference :func:`record.compute` field by field, under the histogram rul
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 
 from tb_gradhealth import record
@@ -30,6 +34,13 @@ SPECIALS = {
 def sizes_near(*points: int) -> st.SearchStrategy[int]:
     """Sizes at and one either side of each point (the boundaries where the histogram's rule changes)."""
     return st.sampled_from(sorted({max(0, p + d) for p in points for d in (-1, 0, 1)}))
+
+
+#: The device paths' hypothesis settings: the same examples every run, no deadline (compiling takes long).
+SETTINGS = settings(derandomize=True, database=None, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+#: The slow tier's sizes: around a sample of 4096, the in-place threshold (2^18), and up to 16 M values.
+SLOW_SIZES = sizes_near(4096, 1 << 18, 9 * (1 << 18), (1 << 24) // 4 * 4 + 8)
 
 
 @st.composite
@@ -100,3 +111,14 @@ def check_record(values: np.ndarray, got: np.ndarray, hist_sample: int) -> str:
     assert_records_close(mixed, got)  # every other field exact
     assert set(np.flatnonzero(got[record.HIST_START:])) <= set(np.flatnonzero(ref[record.HIST_START:]))
     return "sampled"
+
+
+def check_recipe(recipe: dict, convert: Callable[[dict], tuple[Any, np.ndarray]],
+                 record_of: Callable[[Any], np.ndarray], hist_sample: int) -> str:
+    """:func:`check_record` of one drawn gradient: ``convert`` makes it in the framework (the framework's array, and
+    its values as the path reads them), ``record_of`` records it (one memory-form row). Which histogram it has is
+    counted as a hypothesis event (``pytest --hypothesis-show-statistics``) and returned."""
+    x, values = convert(recipe)
+    kind = check_record(values, record_of(x), hist_sample)
+    event(kind)
+    return kind

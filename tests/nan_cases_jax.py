@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tests import nan_faults
-from tests.nan_faults import BATCH, FAULT_ROWS, STEPS, Case
+from tests.nan_faults import BATCH, FAULT_ROWS, STEPS, Case, mse
 
 fault_line = functools.partial(nan_faults.fault_line, path=__file__)
 
@@ -45,10 +45,6 @@ def norm(h: jax.Array) -> jax.Array:
         centred = h - jnp.mean(h, axis=-1, keepdims=True)
         std = jnp.sqrt(jnp.mean(jnp.square(centred), axis=-1, keepdims=True))
         return centred / std  # fault: div
-
-
-def mse(y: jax.Array, p: jax.Array) -> jax.Array:
-    return jnp.mean(jnp.square(p - y))
 
 
 def log_loss(y: jax.Array, p: jax.Array) -> jax.Array:

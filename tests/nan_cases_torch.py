@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from tests import nan_faults
-from tests.nan_faults import BATCH, FAULT_BATCH, FAULT_ROWS, FAULT_STEP, NAN_SAMPLE, STEPS, Case  # noqa: F401
+from tests.nan_faults import BATCH, FAULT_BATCH, FAULT_ROWS, FAULT_STEP, NAN_SAMPLE, STEPS, Case, mse  # noqa: F401
 
 fault_line = functools.partial(nan_faults.fault_line, path=__file__)
 
@@ -34,10 +34,6 @@ class HandNorm(torch.nn.Module):
         centred = x - x.mean(dim=-1, keepdim=True)
         std = torch.sqrt(torch.mean(torch.square(centred), dim=-1, keepdim=True))
         return centred / std  # fault: div
-
-
-def mse(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
-    return torch.mean(torch.square(y_pred - y_true))
 
 
 def log_loss(y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""What the NaN-origin fault cases share, framework-free (tests/nan_cases_tf.py, tests/nan_cases_torch.py).
+"""What the NaN-origin fault cases share, framework-free (tests/nan_cases_tf.py, nan_cases_torch.py, nan_cases_jax.py).
 
 The fault fires only on samples of batch ``FAULT_BATCH`` (0-based), so the first steps train normally and the
 non-finite gradient appears at step ``FAULT_STEP``. A case's source line is the line ending in its
@@ -55,6 +55,11 @@ def data(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
             rng.uniform(0.5, 1.5, (BATCH * STEPS, 1)).astype("float32"))
 
 
+def mse(y: Any, p: Any) -> Any:
+    """The mean squared error of PyTorch tensors or JAX arrays (their operators and ``.mean()``)."""
+    return ((p - y) ** 2).mean()
+
+
 def with_nan_sample(x: np.ndarray) -> np.ndarray:
     x[FAULT_BATCH * BATCH + NAN_SAMPLE, 2] = np.nan
     return x
@@ -75,3 +80,14 @@ def assert_names_the_fault(found: origin.NanOrigin | None, case: Case, file: str
 def stored(run_dir: Path) -> list[origin.NanOrigin]:
     """The origins stored in a run directory's event files."""
     return origin.read_event_files(sorted(str(p) for p in run_dir.glob("events.out.tfevents.*")))
+
+
+def assert_case_found(cases: Any, name: str, train: Callable[[Case, str], Any], run_dir: Path) -> Case:
+    """Case ``name`` of the module ``cases`` (``CASES``, ``fault_line``), trained by ``train`` (which returns its
+    origin finder) into ``run_dir``: the finder names the fault marked in the module's source
+    (:func:`assert_names_the_fault`) and the run stores exactly that answer. Returns the case."""
+    case = cases.CASES[name]()
+    found = train(case, str(run_dir)).origin
+    assert_names_the_fault(found, case, cases.__file__, cases.fault_line(name))
+    assert [o.to_json() for o in stored(run_dir)] == [found.to_json()]
+    return case

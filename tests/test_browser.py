@@ -38,6 +38,9 @@ from tb_gradhealth import (
 )
 from tb_gradhealth.health import STATUSES
 
+#: Every test drives a real browser against a real TensorBoard process.
+pytestmark = [pytest.mark.browser, pytest.mark.e2e]
+
 REPO = Path(__file__).resolve().parent.parent
 ARTIFACTS = REPO / "test-artifacts"
 CHROMIUM = "/usr/bin/chromium"
@@ -242,6 +245,13 @@ def select_runs(frame: object, runs: list[str]) -> None:
         panel(frame, run).locator("tbody tr[data-layer]").first.wait_for(timeout=30000)
 
 
+def open_runs(gh: Page, base: str, runs: list[str]) -> object:
+    """The plugin page (:func:`open_plugin`) with exactly ``runs`` ticked and their tables shown."""
+    page = open_plugin(gh, base)
+    select_runs(page, runs)
+    return page
+
+
 def painted_pixels(locator: object) -> int:
     """Pixels of a canvas that are neither transparent nor near-white: > 0 means something was drawn."""
     return locator.evaluate("""c => {
@@ -261,8 +271,6 @@ def shot(target: object, name: str, **kwargs: object) -> Path:
 # --- tests --------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.browser
-@pytest.mark.e2e
 @pytest.mark.slow
 def test_tab_loads_inside_tensorboard(tensorboard: str, browser: object) -> None:
     gh = Page(browser, height=1300)
@@ -297,13 +305,10 @@ def _tab_loads_inside_tensorboard(tensorboard: str, gh: Page) -> None:
     gh.assert_clean()
 
 
-@pytest.mark.browser
-@pytest.mark.e2e
 @pytest.mark.slow
 def test_ranked_table_puts_sick_layers_first(tensorboard: str, gh: Page, logdir: tuple[str, dict]) -> None:
     _, facts = logdir
-    page = open_plugin(gh, tensorboard)
-    select_runs(page, ["vanishing", "exploding"])
+    page = open_runs(gh, tensorboard, ["vanishing", "exploding"])
 
     van = rows(page, "vanishing")
     n_bad = len(facts["vanishing"].vanishing)
@@ -335,13 +340,10 @@ def test_ranked_table_puts_sick_layers_first(tensorboard: str, gh: Page, logdir:
     gh.assert_clean()
 
 
-@pytest.mark.browser
-@pytest.mark.e2e
 @pytest.mark.slow
 def test_sort_and_filter(tensorboard: str, gh: Page, logdir: tuple[str, dict]) -> None:
     _, facts = logdir
-    page = open_plugin(gh, tensorboard)
-    select_runs(page, ["vanishing"])
+    page = open_runs(gh, tensorboard, ["vanishing"])
     page.locator('th[data-key="layer"]').first.click()
     assert [layer for layer, _ in rows(page, "vanishing")] == sorted(facts["vanishing"].layers)
     page.locator('th[data-key="layer"]').first.click()
@@ -357,12 +359,9 @@ def test_sort_and_filter(tensorboard: str, gh: Page, logdir: tuple[str, dict]) -
     gh.assert_clean()
 
 
-@pytest.mark.browser
-@pytest.mark.e2e
 @pytest.mark.slow
 def test_threshold_change_changes_flags(tensorboard: str, gh: Page) -> None:
-    page = open_plugin(gh, tensorboard)
-    select_runs(page, ["vanishing"])
+    page = open_runs(gh, tensorboard, ["vanishing"])
     before = dict(rows(page, "vanishing"))
     assert before["sigmoid_2/kernel"] == "vanishing"  # 3.8 decades below the median: flagged at the default 3
     page.locator(".thresholds-panel > summary").click()
@@ -393,13 +392,10 @@ def test_threshold_change_changes_flags(tensorboard: str, gh: Page) -> None:
     gh.assert_clean()
 
 
-@pytest.mark.browser
-@pytest.mark.e2e
 @pytest.mark.slow
 def test_layer_detail_draws_charts(tensorboard: str, gh: Page, logdir: tuple[str, dict]) -> None:
     _, facts = logdir
-    page = open_plugin(gh, tensorboard)
-    select_runs(page, ["exploding"])
+    page = open_runs(gh, tensorboard, ["exploding"])
     layer = facts["exploding"].first_nan_layer
     panel(page, "exploding").locator(f'tr[data-layer="{layer}"]').click()
     drawer = page.locator("[data-testid=detail]")
@@ -433,13 +429,10 @@ def test_layer_detail_draws_charts(tensorboard: str, gh: Page, logdir: tuple[str
     gh.assert_clean()
 
 
-@pytest.mark.browser
-@pytest.mark.e2e
 @pytest.mark.slow
 def test_depth_profile_and_step_slider(tensorboard: str, gh: Page, logdir: tuple[str, dict]) -> None:
     _, facts = logdir
-    page = open_plugin(gh, tensorboard)
-    select_runs(page, ["vanishing"])
+    page = open_runs(gh, tensorboard, ["vanishing"])
     prof = panel(page, "vanishing").locator("[data-testid=profile]")
     prof.locator(".chart").wait_for()
     assert prof.locator(".chart").get_attribute("data-bars") == str(len(facts["vanishing"].layers))
@@ -455,12 +448,9 @@ def test_depth_profile_and_step_slider(tensorboard: str, gh: Page, logdir: tuple
     gh.assert_clean()
 
 
-@pytest.mark.browser
-@pytest.mark.e2e
 @pytest.mark.slow
 def test_xss_layer_name_is_text(tensorboard: str, gh: Page) -> None:
-    page = open_plugin(gh, tensorboard)
-    select_runs(page, ["xss"])
+    page = open_runs(gh, tensorboard, ["xss"])
     names = [layer for layer, _ in rows(page, "xss")]
     assert testing.XSS_LAYER in names
     cell = panel(page, "xss").locator("tbody tr .layer-name").filter(has_text="onerror")
@@ -475,8 +465,6 @@ def test_xss_layer_name_is_text(tensorboard: str, gh: Page) -> None:
     gh.assert_clean()
 
 
-@pytest.mark.browser
-@pytest.mark.e2e
 @pytest.mark.slow
 def test_empty_and_downsampled_states(tensorboard: str, gh: Page) -> None:
     gh.page.route("**/data/plugin/gradhealth/runs", lambda route: route.fulfill(json={"runs": [], "problems": []}))
@@ -504,8 +492,6 @@ def test_empty_and_downsampled_states(tensorboard: str, gh: Page) -> None:
     gh.assert_clean()
 
 
-@pytest.mark.browser
-@pytest.mark.e2e
 @pytest.mark.slow
 def test_refresh_reloads_runs_that_moved(tensorboard: str, gh: Page) -> None:
     """A run whose last step moved (still training) is re-diagnosed on refresh and marked as training."""
@@ -521,8 +507,7 @@ def test_refresh_reloads_runs_that_moved(tensorboard: str, gh: Page) -> None:
         route.fulfill(json=body)
 
     gh.page.route("**/data/plugin/gradhealth/runs", runs)
-    page = open_plugin(gh, tensorboard)
-    select_runs(page, ["vanishing", "exploding"])
+    page = open_runs(gh, tensorboard, ["vanishing", "exploding"])
     with page.expect_request(lambda r: "/health?" in r.url and "run=vanishing" in r.url):
         page.locator("[data-testid=refresh]").click()
     page.locator(".run-item", has_text="vanishing").locator(".training").wait_for()
@@ -546,8 +531,6 @@ def _sort_by(page: Page, key: str) -> str:
     return head.get_attribute("aria-sort")
 
 
-@pytest.mark.browser
-@pytest.mark.e2e
 @pytest.mark.slow
 def test_1000_layers_are_listed_sorted_and_shown_in_full(tensorboard: str, gh: Page) -> None:
     """Only the 1,000-layer run is listed: its table counts every layer, a sort orders the shown rows by the
@@ -602,8 +585,6 @@ def sickness(health_body: dict) -> tuple[float, int, int]:
     return (STATUSES.index(flagged[0]), -counts[flagged[0]], -sum(counts[s] for s in flagged))
 
 
-@pytest.mark.browser
-@pytest.mark.e2e
 def test_sickest_runs_are_ticked_first(tensorboard: str, gh: Page, logdir: tuple[str, dict]) -> None:
     _, facts = logdir
     page = open_plugin(gh, tensorboard)
@@ -626,14 +607,11 @@ def episode_label(ep: dict) -> str:
     return f"{ep['status']} {ep['from']}" if ep["from"] == ep["to"] else f"{ep['status']} {ep['from']}–{ep['to']}"
 
 
-@pytest.mark.browser
-@pytest.mark.e2e
 def test_since_column_is_the_onset_and_the_summary_tells_the_story(
         tensorboard: str, gh: Page, logdir: tuple[str, dict]) -> None:
     _, facts = logdir
     body = api_json(tensorboard, "health", run="exploding")
-    page = open_plugin(gh, tensorboard)
-    select_runs(page, ["exploding"])
+    page = open_runs(gh, tensorboard, ["exploding"])
     p = panel(page, "exploding")
     cells = p.locator("tbody tr[data-layer]").evaluate_all("""trs => trs.map(tr => {
         const td = tr.querySelector('td.since');
@@ -664,16 +642,13 @@ def test_since_column_is_the_onset_and_the_summary_tells_the_story(
     gh.assert_clean()
 
 
-@pytest.mark.browser
-@pytest.mark.e2e
 def test_detail_shades_the_episodes(tensorboard: str, gh: Page, logdir: tuple[str, dict]) -> None:
     _, facts = logdir
     layer = facts["exploding"].first_nan_layer
     episodes = next(lj for lj in api_json(tensorboard, "health", run="exploding")["layers"]
                     if lj["layer"] == layer)["episodes"]
     labels = [episode_label(ep) for ep in episodes]
-    page = open_plugin(gh, tensorboard)
-    select_runs(page, ["exploding"])
+    page = open_runs(gh, tensorboard, ["exploding"])
     panel(page, "exploding").locator(f'tr[data-layer="{layer}"]').click()
     drawer = page.locator("[data-testid=detail]")
     drawer.locator(".heatmap-canvas").wait_for(timeout=30000)
@@ -705,14 +680,11 @@ def test_detail_shades_the_episodes(tensorboard: str, gh: Page, logdir: tuple[st
     gh.assert_clean()
 
 
-@pytest.mark.browser
-@pytest.mark.e2e
 def test_all_nan_layer_shows_dashes_not_zeros(tensorboard: str, gh: Page) -> None:
     body = api_json(tensorboard, "health", run=ALL_NAN_RUN)
     lj = next(lj for lj in body["layers"] if lj["layer"] == ALL_NAN_LAYER)
     assert lj["status"] == "nonfinite" and lj["rms"] is None and lj["norm"] is None and lj["max_abs"] is None
-    page = open_plugin(gh, tensorboard)
-    select_runs(page, [ALL_NAN_RUN])
+    page = open_runs(gh, tensorboard, [ALL_NAN_RUN])
     row = panel(page, ALL_NAN_RUN).locator(f'tr[data-layer="{ALL_NAN_LAYER}"]')
     headers = panel(page, ALL_NAN_RUN).locator("thead th").evaluate_all("ths => ths.map(th => th.dataset.key)")
     cells = row.locator("td").all_inner_texts()
@@ -729,8 +701,6 @@ def test_all_nan_layer_shows_dashes_not_zeros(tensorboard: str, gh: Page) -> Non
     gh.assert_clean()
 
 
-@pytest.mark.browser
-@pytest.mark.e2e
 def test_depth_profile_draws_the_weakest_layer_as_a_bar(tensorboard: str, gh: Page) -> None:
     steps = api_json(tensorboard, "profile", run="vanishing")["steps"]
 
@@ -741,8 +711,7 @@ def test_depth_profile_draws_the_weakest_layer_as_a_bar(tensorboard: str, gh: Pa
     # the hardest step: the weakest RMS just above a power of ten, where a decade-aligned floor leaves a sliver
     k, low = min(enumerate(weakest(s) for s in steps), key=lambda kl: np.log10(kl[1]["rms"]) % 1.0)
     colour = STATUS_RGB[low["status"]]
-    page = open_plugin(gh, tensorboard)
-    select_runs(page, ["vanishing"])
+    page = open_runs(gh, tensorboard, ["vanishing"])
     p = panel(page, "vanishing")
     p.locator(".step-slider").evaluate(f"s => {{ s.value = '{k}'; s.dispatchEvent(new Event('input')); }}")
     canvas = p.locator(f'[data-testid=profile][data-step="{steps[k]}"] canvas.profile-canvas')
@@ -782,14 +751,11 @@ def test_depth_profile_draws_the_weakest_layer_as_a_bar(tensorboard: str, gh: Pa
     gh.assert_clean()
 
 
-@pytest.mark.browser
-@pytest.mark.e2e
 def test_inert_layer_is_muted_and_not_flagged(tensorboard: str, gh: Page) -> None:
     body = api_json(tensorboard, "health", run=INERT_RUN)
     statuses = {lj["layer"]: lj["status"] for lj in body["layers"]}
     assert statuses[INERT_LAYER] == "inert" and set(statuses.values()) == {"inert", "healthy"}
-    page = open_plugin(gh, tensorboard)
-    select_runs(page, [INERT_RUN])
+    page = open_runs(gh, tensorboard, [INERT_RUN])
     p = panel(page, INERT_RUN)
     badge = p.locator(f'tr[data-layer="{INERT_LAYER}"] .badge')
     assert badge.get_attribute("data-status") == "inert" and "inert" in badge.inner_text()
@@ -804,11 +770,8 @@ def test_inert_layer_is_muted_and_not_flagged(tensorboard: str, gh: Page) -> Non
     gh.assert_clean()
 
 
-@pytest.mark.browser
-@pytest.mark.e2e
 def test_run_headline_says_where_the_nan_was_made(tensorboard: str, gh: Page) -> None:
-    page = open_plugin(gh, tensorboard)
-    select_runs(page, [ALL_NAN_RUN, INERT_RUN])
+    page = open_runs(gh, tensorboard, [ALL_NAN_RUN, INERT_RUN])
     line = panel(page, ALL_NAN_RUN).locator("[data-testid=nan-origin]")
     line.wait_for(timeout=30000)
     text = line.inner_text()

@@ -110,7 +110,7 @@ def test_pair_counts_precision_recall_onsets_and_halt():
     assert set(onsets) == {"a/kernel", "b/kernel"}
     assert (r.run_onset_label, r.run_onset_diag, r.run_onset_error) == (20, 30, 1)
     # stop_on: halted at the first nonfinite (50) = the first NaN: lead 0, not before the onset
-    assert (r.halt, r.lead, r.premature) == (50, 0, False)
+    assert (r.stop.halt, r.stop.lead, r.stop.premature) == (50, 0, False)
     g = {x["goal"].split(" ")[0] + " " + x["goal"].split(" ")[1]: x["pass"] for x in zoo.goals([r])}
     # no healthy run: both healthy-run goals hold vacuously; the one divergence halts with lead 0 (< 3)
     assert (g["0 flagged"], g["recall 100%"], g["rank #1"], g["onset (first_step,"], g["stop_on halts"],
@@ -124,7 +124,7 @@ def test_a_divergence_whose_first_nan_comes_too_early_for_the_lead_is_not_measur
     labels["first_nan"] = 20  # the second logged step: at most 1 logged step of lead is possible
     d = zoo.diagnose_steps(LAYERS, STEPS, _records(), diagnose=_fake_diagnose, thresholds=object())
     r = zoo.score_run(labels, d)
-    assert r.lead_possible == 1
+    assert r.stop.lead_possible == 1
     goal = next(g for g in zoo.goals([r]) if g["goal"].startswith("stop_on halts"))
     assert goal["pass"] and goal["figure"].startswith("0 of 0 measurable divergences")
     assert "tiny: not measurable (first NaN at step 20, after 1 logged step(s); halted at 50)" in goal["figure"]
@@ -139,7 +139,7 @@ def test_healthy_run_flag_counts():
     assert r.flagged_last == ["a/kernel", "b/kernel", "c/kernel"]
     assert r.flagged_any == ["a/kernel", "b/kernel", "c/kernel"]
     assert r.pairs["vanishing"] == {"tp": 0, "fp": 5, "fn": 0}
-    assert r.halt == 50 and r.lead is None
+    assert r.stop.halt == 50 and r.stop.lead is None
     goals = zoo.goals([r])
     assert [g["pass"] for g in goals if "healthy" in g["goal"]] == [False, False]
 

@@ -10,7 +10,7 @@ import pytest
 from tensorboard.compat.proto import event_pb2
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as tb_masked_crc32c
 
-from tb_gradhealth import eventfile
+from tb_gradhealth import _eventfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -20,17 +20,17 @@ def test_checksum_matches_tensorboard():
     rng = np.random.default_rng(0)
     for n in (0, 1, 7, 8, 1000):
         data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
-        assert eventfile.masked_crc32c(data) == tb_masked_crc32c(data)
+        assert _eventfile.masked_crc32c(data) == tb_masked_crc32c(data)
 
 
 @pytest.mark.unit
 def test_file_round_trip_and_truncation(tmp_path):
-    f = eventfile.EventFile(str(tmp_path), max_queue=1000)
+    f = _eventfile.EventFile(str(tmp_path), max_queue=1000)
     for step in range(5):
         f.add_event(event_pb2.Event(step=step, wall_time=1.0))
     f.close()
     problems: list[str] = []
-    events = [event_pb2.Event.FromString(p) for p in eventfile.iter_records(f.path, problems)]
+    events = [event_pb2.Event.FromString(p) for p in _eventfile.iter_records(f.path, problems)]
     assert [e.file_version for e in events[:1]] == ["brain.Event:2"]
     assert [e.step for e in events[1:]] == [0, 1, 2, 3, 4]
     assert problems == []
@@ -38,7 +38,7 @@ def test_file_round_trip_and_truncation(tmp_path):
     with open(f.path, "wb") as out:
         out.write(data[:-5])  # a writer mid-record
     problems = []
-    assert len(list(eventfile.iter_records(f.path, problems))) == 5
+    assert len(list(_eventfile.iter_records(f.path, problems))) == 5
     assert problems and "partial record" in problems[0]
 
 
@@ -46,7 +46,7 @@ def test_file_round_trip_and_truncation(tmp_path):
 def test_tensorboard_loader_reads_our_files(tmp_path):
     from tensorboard.backend.event_processing import event_file_loader
 
-    f = eventfile.EventFile(str(tmp_path))
+    f = _eventfile.EventFile(str(tmp_path))
     f.add_event(event_pb2.Event(step=3, wall_time=2.0))
     f.close()
     steps = [e.step for e in event_file_loader.EventFileLoader(f.path).Load()]

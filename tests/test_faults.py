@@ -371,18 +371,18 @@ def test_fuzzed_requests_never_get_a_5xx(faults, tab):
 @pytest.mark.unit
 def test_strict_numbers_are_400():
     """What does not look like a plain ASCII number is refused, in steps and in thresholds alike."""
-    from tb_gradhealth import payloads
+    from tb_gradhealth import _payloads
 
     for raw in ("5\n", "５", "1_000", " 5 ", "+5", "5.0", "1e3", "٣"):
-        with pytest.raises(payloads.RequestError) as e:
-            payloads.parse_step(raw)
+        with pytest.raises(_payloads.RequestError) as e:
+            _payloads.parse_step(raw)
         assert e.value.status == 400 and e.value.parameter == "step"
     for raw in ("5\n", "５", "1_000", " 5 ", "inf", "nan", "0x10", "1e", "--1"):
-        with pytest.raises(payloads.RequestError) as e:
-            payloads.parse_thresholds({"vanish_decades": raw})
+        with pytest.raises(_payloads.RequestError) as e:
+            _payloads.parse_thresholds({"vanish_decades": raw})
         assert e.value.status == 400 and e.value.parameter == "vanish_decades", raw
-    assert payloads.parse_step("0012") == 12
-    assert payloads.parse_thresholds({"vanish_decades": "2.5e0"}).vanish_decades == 2.5
+    assert _payloads.parse_step("0012") == 12
+    assert _payloads.parse_thresholds({"vanish_decades": "2.5e0"}).vanish_decades == 2.5
 
 
 # --- the restart rule: TensorBoard's, whichever loader ---------------------------------------------------------
@@ -667,16 +667,16 @@ def test_concurrent_identical_cold_requests_share_one_diagnosis(faults, monkeypa
 def test_a_failing_diagnosis_is_one_runs_error_not_a_traceback(faults, capsys, monkeypatch):
     """Simulated bug: diagnosing one run raises. The CLI reports that run (exit 3) and all the others."""
     root, cases = faults
-    from tb_gradhealth import payloads
+    from tb_gradhealth import _payloads
 
-    real = payloads.diagnose
+    real = _payloads.diagnose
 
     def broken(series, t, step, *evidence):
         if series.run == "good":
             raise ZeroDivisionError("float division by zero")
         return real(series, t, step, *evidence)
 
-    monkeypatch.setattr(payloads, "diagnose", broken)
+    monkeypatch.setattr(_payloads, "diagnose", broken)
     rc = cli.main(["report", str(root), "--json", "--fail-on", "none"])
     out, err = capsys.readouterr()
     body = json.loads(out)

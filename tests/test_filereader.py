@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from tb_gradhealth import filereader, health, metadata, payloads, reader, record, storage
+from tb_gradhealth import _filereader, _payloads, _storage, health, metadata, reader, record
 from tb_gradhealth import testing as gl
 
 pytestmark = [pytest.mark.unit]
@@ -29,7 +29,7 @@ def _cli(logdir: str) -> dict[str, reader.RunSeries]:
     return {s.run: s for s in reader.read_logdir(logdir).runs}
 
 
-def _served(fr: filereader.FileReader) -> dict[str, reader.RunSeries]:
+def _served(fr: _filereader.FileReader) -> dict[str, reader.RunSeries]:
     return {s["run"]: fr.run(None, "", s["run"]) for s in fr.summaries()}
 
 
@@ -67,25 +67,25 @@ def varied(tmp_path_factory) -> str:
     gl.write_events(path, [gl.record_event(1, tag, rows[1])], with_version=False)
     cut = gl.write_records(str(root / "truncated"), LAYERS, range(6), _records(6, 30))
     with open(cut, "r+b") as f:
-        f.truncate(storage.size(cut) - 30)
+        f.truncate(_storage.size(cut) - 30)
     return str(root)
 
 
 @pytest.mark.parametrize("chunk", [64, 4096, 1 << 20])
 def test_every_kind_of_run_is_read_as_the_cli_reads_it(varied, chunk):
     cli = _cli(varied)
-    served = _served(filereader.FileReader(varied, chunk_bytes=chunk))
+    served = _served(_filereader.FileReader(varied, chunk_bytes=chunk))
     assert set(served) == set(cli)
     for name, series in served.items():
         _assert_same(series, cli[name])
 
 
 def test_the_diagnosis_is_the_clis(varied):
-    cli, served = _cli(varied), _served(filereader.FileReader(varied, chunk_bytes=4096))
+    cli, served = _cli(varied), _served(_filereader.FileReader(varied, chunk_bytes=4096))
     for name in ("exploding", "vanishing", "long", "multi"):
         t = health.Thresholds()
-        assert json.dumps(payloads.health_payload(served[name], t, None)) == json.dumps(
-            payloads.health_payload(cli[name], t, None))
+        assert json.dumps(_payloads.health_payload(served[name], t, None)) == json.dumps(
+            _payloads.health_payload(cli[name], t, None))
 
 
 def _append(path: str, steps: range, rows: np.ndarray, first: bool = False) -> None:
@@ -101,14 +101,14 @@ def test_only_appended_bytes_are_read_and_earlier_series_stay_valid(tmp_path, mo
     rows = _records(30)
     _append(path, range(10), rows[:10], first=True)
     read: list[tuple[int, int]] = []
-    real = storage.read_range
-    monkeypatch.setattr(storage, "read_range", lambda p, start, n, opts=None: read.append((start, n)) or real(
+    real = _storage.read_range
+    monkeypatch.setattr(_storage, "read_range", lambda p, start, n, opts=None: read.append((start, n)) or real(
         p, start, n, opts))
-    fr = filereader.FileReader(str(tmp_path), listing_ttl=0.0, chunk_bytes=1 << 20)
+    fr = _filereader.FileReader(str(tmp_path), listing_ttl=0.0, chunk_bytes=1 << 20)
     before = fr.run(None, "", "live")
     kept = before.records.copy()
     assert before.steps.tolist() == list(range(10)) and [s for s, _ in read] == [0]
-    size = storage.size(path)
+    size = _storage.size(path)
     _append(path, range(10, 30), rows[10:])
     after = fr.run(None, "", "live")
     assert [s for s, _ in read] == [0, size]  # the second read starts where the first stopped
@@ -121,7 +121,7 @@ def test_only_appended_bytes_are_read_and_earlier_series_stay_valid(tmp_path, mo
 def test_a_restart_appended_later_is_read_whole_like_the_cli(tmp_path):
     path = gl.write_events(gl.event_file_path(str(tmp_path / "job")), [])
     _append(path, range(20), _records(20), first=True)
-    fr = filereader.FileReader(str(tmp_path), listing_ttl=0.0, chunk_bytes=256)
+    fr = _filereader.FileReader(str(tmp_path), listing_ttl=0.0, chunk_bytes=256)
     assert fr.run(None, "", "job").num_steps == 20
     _append(path, range(15, 25), _records(10, 100, 1e1))  # the job restarted from a checkpoint at step 15
     got = fr.run(None, "", "job")
@@ -136,7 +136,7 @@ def test_a_half_written_record_waits_for_the_next_read(tmp_path):
     framed = gl.frame(gl.record_event(3, tag, _records(1, 50)[0], wall_time=gl.WALL_TIME0 + 3))
     with open(path, "ab") as f:
         f.write(framed[:25])
-    fr = filereader.FileReader(str(tmp_path), listing_ttl=0.0)
+    fr = _filereader.FileReader(str(tmp_path), listing_ttl=0.0)
     s = fr.run(None, "", "live")
     assert s.steps.tolist() == [0, 1, 2] and s.problems == ()
     with open(path, "ab") as f:
@@ -147,7 +147,7 @@ def test_a_half_written_record_waits_for_the_next_read(tmp_path):
 def test_unknown_run_and_eviction(tmp_path):
     for i in range(3):
         gl.write_records(str(tmp_path / f"r{i}"), LAYERS, range(4), _records(4, i))
-    fr = filereader.FileReader(str(tmp_path), cache_bytes=1)
+    fr = _filereader.FileReader(str(tmp_path), cache_bytes=1)
     assert fr.run(None, "", "nope") is None
     first = fr.run(None, "", "r0").generation
     assert [s["run"] for s in fr.summaries()] == ["r0", "r1", "r2"]

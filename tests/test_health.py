@@ -682,7 +682,7 @@ def test_tf_injected_nan_exact_step_and_first_layer(tf):
 
 @pytest.mark.unit
 def test_depth_profile_opens_at_the_last_step_that_shows_something():
-    from tb_gradhealth import payloads, reader
+    from tb_gradhealth import _payloads, reader
 
     g = np.random.default_rng(1).standard_normal(16)
     nan = np.full(16, np.nan)
@@ -690,6 +690,6 @@ def test_depth_profile_opens_at_the_last_step_that_shows_something():
                      np.stack([record.compute(g * 1e-1), record.compute(g)]),  # step 20: finite
                      np.stack([record.compute(nan), record.compute(nan)])])    # step 30: all NaN
     series = reader.RunSeries("r", ("a/kernel", "b/kernel"), np.array([10, 20, 30]), rows)
-    body = payloads.profile_payload(series, Thresholds(), None)
+    body = _payloads.profile_payload(series, Thresholds(), None)
     assert body["step"] == 20 and body["layers"][0]["rms"] is not None
-    assert payloads.profile_payload(series, Thresholds(), 30)["step"] == 30  # asked for: that step
+    assert _payloads.profile_payload(series, Thresholds(), 30)["step"] == 30  # asked for: that step

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.device_cases import build, check_record, gradients, sizes_near
+from tests.device_cases import SETTINGS, SLOW_SIZES, build, check_recipe, check_record, gradients, sizes_near
 
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
@@ -19,11 +19,8 @@ jgh = pytest.importorskip("tb_gradhealth.jax")
 
 pytestmark = pytest.mark.jax
 
-SETTINGS = settings(derandomize=True, database=None, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 HS = 256
 FAST_SIZES = st.one_of(sizes_near(1, 64, HS, 4 * HS, 64 * HS), st.integers(0, 20 * HS), st.integers(HS, 64 * HS))
-SLOW_SIZES = sizes_near(4096, 1 << 18, 9 * (1 << 18), (1 << 24) // 4 * 4 + 8)
 
 
 def _array(recipe: dict) -> tuple[jax.Array, np.ndarray]:
@@ -46,16 +43,14 @@ def _jitted(x, hs: int, seed: int) -> np.ndarray:
 @settings(SETTINGS, max_examples=60)
 @given(gradients(FAST_SIZES), st.sampled_from([HS, 0, 4096]), st.integers(0, 1000))
 def test_jitted_records_match_reference(recipe, hs, seed):
-    x, values = _array(recipe)
-    event(check_record(values, _jitted(x, hs, seed), hs))
+    check_recipe(recipe, _array, lambda x: _jitted(x, hs, seed), hs)
 
 
 @pytest.mark.slow
 @settings(SETTINGS, max_examples=25)
 @given(gradients(SLOW_SIZES, dtypes=("float32", "bfloat16")), st.integers(0, 1000))
 def test_jitted_records_match_reference_at_large_sizes(recipe, seed):
-    x, values = _array(recipe)
-    event(check_record(values, _jitted(x, 4096, seed), 4096))
+    check_recipe(recipe, _array, lambda x: _jitted(x, 4096, seed), 4096)
 
 
 def test_sparse_tensor_whose_sample_misses_its_nonzeros_has_the_exact_histogram():

@@ -39,7 +39,4 @@ def train(case, log_dir: str) -> OriginFinder:
 
 @pytest.mark.parametrize("name", list(cases.CASES))
 def test_jitted_step_names_the_origin(name, tmp_path):
-    case = cases.CASES[name]()
-    found = train(case, str(tmp_path)).origin
-    cases.nan_faults.assert_names_the_fault(found, case, cases.__file__, cases.fault_line(name))
-    assert [o.to_json() for o in cases.nan_faults.stored(tmp_path)] == [found.to_json()]
+    cases.nan_faults.assert_case_found(cases, name, train, tmp_path)

@@ -30,7 +30,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_tensorboard_process import TensorBoardProcess, _installed_entry_point  # noqa: E402
 
-from tb_gradhealth import Writer, cli, reader, storage, testing  # noqa: E402
+from tb_gradhealth import Writer, _storage, cli, reader, testing  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVER_START_S = 60.0
@@ -92,7 +92,7 @@ def _s3(tmp: Path) -> Server:
     options = {"key": "testing", "secret": "testing", "endpoint_url": endpoint}
     server = Server("s3", [program, "-H", "127.0.0.1", "-p", str(port)], port, tmp / "moto.log", env, options,
                     "gradhealth-test")
-    fs, _ = storage.filesystem(server.url(), options)
+    fs, _ = _storage.filesystem(server.url(), options)
     fs.mkdir(server.bucket)
     return server
 
@@ -253,7 +253,7 @@ def test_tensorboard_serves_the_tab_over_the_bucket(server, tmp_path):
 @pytest.mark.parametrize("bad", ["s3:bucket/run", "gs:/bucket/run"])
 def test_a_malformed_url_is_an_error_not_a_local_directory(bad, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(storage.StorageError, match="neither a local path nor a URL"):
+    with pytest.raises(_storage.StorageError, match="neither a local path nor a URL"):
         Writer(bad)
     assert list(tmp_path.iterdir()) == []
 
@@ -263,7 +263,7 @@ def test_a_malformed_url_is_an_error_not_a_local_directory(bad, tmp_path, monkey
 def test_without_fsspec_a_url_is_a_clear_error(url, extra, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setitem(sys.modules, "fsspec", None)  # as if not installed
-    with pytest.raises(storage.StorageError, match=rf"pip install 'tb-gradhealth\[{extra}\]'"):
+    with pytest.raises(_storage.StorageError, match=rf"pip install 'tb-gradhealth\[{extra}\]'"):
         Writer(url)
     assert list(tmp_path.iterdir()) == []
     assert cli.main(["report", url]) == cli.EXIT_USAGE
@@ -277,4 +277,4 @@ def test_file_urls_and_paths_are_local(tmp_path):
     w.close()
     (run,) = reader.read_logdir(f"file://{tmp_path}").runs
     assert run.run == "run" and run.num_steps == 1
-    assert storage.scheme("gs://b/x") == "gs" and storage.scheme("C:\\logs") is None
+    assert _storage.scheme("gs://b/x") == "gs" and _storage.scheme("C:\\logs") is None

@@ -14,7 +14,7 @@ from tensorboard.backend import application
 from tensorboard.plugins import base_plugin
 from werkzeug.test import Client
 
-from tb_gradhealth import cli, health, payloads, plugin, reader, record
+from tb_gradhealth import _payloads, cli, health, plugin, reader, record
 from tb_gradhealth import testing as gl
 
 
@@ -94,7 +94,7 @@ def test_health_ranks_the_vanishing_layers_first(client, demo):
     assert body["thresholds"] == health.Thresholds().to_dict()
     assert [s["name"] for s in body["threshold_spec"]] == list(health.Thresholds().to_dict())
     # Sparkline history: <= 64 steps ending at the diagnosed step, one value per step per layer.
-    assert body["history_steps"][-1] == f.steps[-1] and len(body["history_steps"]) <= payloads.HISTORY_POINTS
+    assert body["history_steps"][-1] == f.steps[-1] and len(body["history_steps"]) <= _payloads.HISTORY_POINTS
     for x in body["layers"]:
         assert len(x["rms_history"]) == len(body["history_steps"])
         assert x["rms_history"][-1] == pytest.approx(x["rms"])
@@ -137,7 +137,7 @@ def test_series_returns_derived_fields_for_one_layer(client, demo):
     f = facts["healthy"]
     body = get_json(client, "/series?run=healthy&layer=dense_1/kernel")
     assert body["steps"] == f.steps and body["total_steps"] == len(f.steps) and body["downsampled"] is False
-    assert set(body["fields"]) == set(payloads.SERIES_FIELDS)
+    assert set(body["fields"]) == set(_payloads.SERIES_FIELDS)
     for values in body["fields"].values():
         assert len(values) == len(f.steps)
     rms = np.array(body["fields"]["rms"])
@@ -151,7 +151,7 @@ def test_series_returns_derived_fields_for_one_layer(client, demo):
 def test_series_merges_windows_keeping_the_last_step_alone(client):
     body = get_json(client, "/series?run=long&layer=block_0000/bias")
     assert body["total_steps"] == 1200 and body["merged"] is True and body["downsampled"] is False
-    assert len(body["steps"]) <= payloads.MAX_POINTS and body["steps"][-1] == 1199 and body["steps"][0] == 0
+    assert len(body["steps"]) <= _payloads.MAX_POINTS and body["steps"][-1] == 1199 and body["steps"][0] == 0
     assert body["window_last"][-1] == 1199 and body["window_steps"][-1] == 1 and sum(body["window_steps"]) == 1200
     assert body["steps"] == sorted(set(body["steps"]))
 
@@ -161,8 +161,8 @@ def test_series_keeps_the_first_nonfinite_step_when_downsampling():
     rows = gl.synthetic_records(np.full((2000, 1), 1e-3))
     rows[1001, 0, record.INDEX["nan"]] = 3
     series = reader.RunSeries("r", ("a",), np.arange(2000, dtype=np.int64), rows)
-    body = payloads.series_payload(series, "a", health.Thresholds())
-    assert 1001 in body["steps"] and len(body["steps"]) <= payloads.MAX_POINTS
+    body = _payloads.series_payload(series, "a", health.Thresholds())
+    assert 1001 in body["steps"] and len(body["steps"]) <= _payloads.MAX_POINTS
     assert body["fields"]["nan"][body["steps"].index(1001)] == 3
 
 

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from tb_gradhealth import health, payloads, plugin, record
+from tb_gradhealth import _payloads, health, plugin, record
 from tb_gradhealth import testing as gl
 
 SETTINGS = settings(max_examples=40, derandomize=True, database=None, deadline=None,
@@ -142,12 +142,12 @@ NUMBERISH = st.one_of(
 @given(NUMBERISH)
 def test_a_step_is_plain_ascii_digits_or_a_400(raw):
     if raw and _ASCII_INT.fullmatch(raw):
-        assert payloads.parse_step(raw) == int(raw)
+        assert _payloads.parse_step(raw) == int(raw)
     elif raw == "":
-        assert payloads.parse_step(raw) is None
+        assert _payloads.parse_step(raw) is None
     else:
-        with pytest.raises(payloads.RequestError) as e:
-            payloads.parse_step(raw)
+        with pytest.raises(_payloads.RequestError) as e:
+            _payloads.parse_step(raw)
         assert e.value.status == 400 and e.value.parameter == "step"
 
 
@@ -164,10 +164,10 @@ def test_a_threshold_is_a_plain_number_in_range_or_a_400(name, raw):
     in_range = value is not None and spec["min"] <= value <= spec["max"] and (
         spec["type"] == "float" or value == int(value))
     if in_range:
-        assert getattr(payloads.parse_thresholds({name: raw}), name) == value
+        assert getattr(_payloads.parse_thresholds({name: raw}), name) == value
     else:
-        with pytest.raises(payloads.RequestError) as e:
-            payloads.parse_thresholds({name: raw})
+        with pytest.raises(_payloads.RequestError) as e:
+            _payloads.parse_thresholds({name: raw})
         assert e.value.status == 400 and e.value.parameter == name
 
 
@@ -180,7 +180,7 @@ def test_every_threshold_in_range_round_trips_through_text(name, data):
         value = data.draw(st.integers(int(spec["min"]), min(int(spec["max"]), 10**6)))
     else:
         value = data.draw(st.floats(spec["min"], spec["max"], allow_nan=False))
-    t = payloads.parse_thresholds({name: repr(value)})
+    t = _payloads.parse_thresholds({name: repr(value)})
     assert getattr(t, name) == value and health.Thresholds.from_mapping(t.to_dict()) == t
 
 

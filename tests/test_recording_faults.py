@@ -17,7 +17,7 @@ import threading
 import numpy as np
 import pytest
 
-from tb_gradhealth import Writer, eventfile, reader
+from tb_gradhealth import Writer, _eventfile, reader
 from tests.write_faults import logged
 
 #: The tests mount file systems or start servers: real processes (the failsafe's own test is a unit test).
@@ -55,13 +55,13 @@ def test_a_full_disk_costs_a_warning_and_writing_resumes_when_space_is_freed(tmp
     assert run.steps.tolist() == list(range(32)) and run.problems == ()
     problems: list[str] = []
     for name in os.listdir(logdir):
-        list(eventfile.iter_framed(os.path.join(logdir, name), problems))
+        list(_eventfile.iter_framed(os.path.join(logdir, name), problems))
     assert problems == []  # the failed writes were cut back: no torn record
 
 
 def test_events_beyond_the_queue_limit_are_dropped_oldest_first_and_counted(tmpfs, caplog, monkeypatch):
     caplog.set_level(logging.WARNING, logger="tb_gradhealth")
-    monkeypatch.setattr(eventfile, "MAX_PENDING_BYTES", 5_000)  # a few events' worth
+    monkeypatch.setattr(_eventfile, "MAX_PENDING_BYTES", 5_000)  # a few events' worth
     logdir = str(tmpfs.path / "run")
     w = Writer(logdir, max_queue=1, seed=0)
     w.add_gradients(0, _grads(0))
@@ -186,7 +186,7 @@ def test_an_object_store_that_goes_down_costs_nothing_once_it_is_back(tmp_path, 
 
 @pytest.mark.unit
 def test_the_failsafe_turns_any_host_side_failure_into_one_warning_and_a_count(caplog):
-    from tb_gradhealth.failsafe import Failsafe
+    from tb_gradhealth._failsafe import Failsafe
 
     caplog.set_level(logging.WARNING, logger="tb_gradhealth")
     safe = Failsafe()

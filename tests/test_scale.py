@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tb_gradhealth import Writer, health, metadata, payloads, reader, record
+from tb_gradhealth import Writer, _payloads, health, metadata, reader, record
 from tb_gradhealth import testing as gl
 
 
@@ -86,10 +86,10 @@ def test_series_windows_keep_exact_counts_extremes_and_norms():
     big = 777
     rows[big, 0, record.INDEX["max"]] = 1e3  # one huge value
     series = reader.RunSeries("r", ("a",), np.arange(n, dtype=np.int64) * 10, rows)
-    body = payloads.series_payload(series, "a", health.Thresholds())
+    body = _payloads.series_payload(series, "a", health.Thresholds())
     first = np.array(body["steps"]) // 10
     count = np.array(body["window_steps"])
-    assert body["merged"] and len(first) <= payloads.MAX_POINTS and count.sum() == n
+    assert body["merged"] and len(first) <= _payloads.MAX_POINTS and count.sum() == n
     assert body["total_steps"] == n and body["window_last"][-1] == (n - 1) * 10 and count[-1] == 1
     np.testing.assert_array_equal(first[1:], first[:-1] + count[:-1])  # consecutive windows cover every step
 
@@ -114,9 +114,9 @@ def test_histogram_windows_average_bins_and_total_the_exact_counts():
     rows = _records(n, 1, seed=5)
     rows[600, 0, record.INDEX["nan"]] = 4
     series = reader.RunSeries("r", ("a",), np.arange(n, dtype=np.int64), rows)
-    body = payloads.histograms_payload(series, "a")
+    body = _payloads.histograms_payload(series, "a")
     first, count = np.array(body["steps"]), np.array(body["window_steps"])
-    assert len(first) <= payloads.MAX_POINTS and count.sum() == n and 600 in first.tolist()
+    assert len(first) <= _payloads.MAX_POINTS and count.sum() == n and 600 in first.tolist()
     lo = body["decades"][0] - int(record.HIST_BIN_LOG10_LO[0])
     for i, (a, c) in enumerate(zip(first, count, strict=True)):
         hist = rows[a : a + c, 0, record.HIST_START + lo : record.HIST_START + lo + len(body["decades"])]
@@ -129,7 +129,7 @@ def test_histogram_windows_average_bins_and_total_the_exact_counts():
 def test_a_run_that_fits_is_shown_step_by_step():
     rows = _records(40, 2)
     series = reader.RunSeries("r", ("a", "b"), np.arange(40, dtype=np.int64), rows)
-    body = payloads.series_payload(series, "b", health.Thresholds())
+    body = _payloads.series_payload(series, "b", health.Thresholds())
     assert body["steps"] == list(range(40)) and body["window_steps"] == [1] * 40 and not body["merged"]
     expected = record.derived(rows[:, 1])
     np.testing.assert_allclose(body["fields"]["norm"], expected["norm"], rtol=1e-12)

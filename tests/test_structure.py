@@ -21,8 +21,8 @@ FRAMEWORKS = {"tensorflow": "tensorflow", "keras": "keras", "torch": "torch", "j
               "flax": "jax", "lightning": "torch", "pytorch_lightning": "torch", "transformers": "torch"}
 #: The side that must run without any framework: the plugin and CLI, their readers and the diagnosis, the record
 #: and the TF-free writer.
-FRAMEWORK_FREE = ("plugin", "cli", "payloads", "reader", "health", "record", "metadata", "writer", "eventfile",
-                  "storage", "testing", "failsafe")
+FRAMEWORK_FREE = ("plugin", "cli", "_payloads", "reader", "health", "record", "metadata", "writer", "_eventfile",
+                  "_storage", "testing", "_failsafe", "_filereader", "_tiers")
 
 
 def _modules() -> dict[str, Path]:
@@ -111,7 +111,7 @@ def test_the_classification_is_not_empty():
     reach = _reach()
     assert "tensorflow" in reach["summary"][1] and "tensorflow" in reach["keras"][1]
     assert "torch" in reach["torch"][1] and "jax" in reach["jax"][1]
-    assert {"record", "health"} <= reach["payloads"][0]
+    assert {"record", "health"} <= reach["_payloads"][0]
 
 
 def test_import_tb_gradhealth_exposes_every_module():
@@ -125,8 +125,23 @@ def test_import_tb_gradhealth_exposes_every_module():
         if top and not top.startswith("_") and not chains:
             assert getattr(tb_gradhealth, top).__name__ == f"tb_gradhealth.{top}"
     assert set(tb_gradhealth.__all__) >= {"summary", "keras", "torch", "jax", "writer", "health", "reader",
-                                          "testing", "plugin"}
+                                          "testing", "plugin", "record", "metadata", "progress", "layerinfo"}
     missing = [m for m in tb_gradhealth.__all__ if m not in reach and m not in ("Writer", "Thresholds", "__version__")]
     assert not missing, f"__all__ names modules that do not exist: {missing}"
     with pytest.raises(AttributeError):
         importlib.import_module("tb_gradhealth").no_such_module  # noqa: B018
+
+
+def test_private_modules_are_imported_not_exposed():
+    """A module named ``_x`` is the package's own: ``__all__`` does not name it and the lazy attribute does not load
+    it; the modules that use it import it (``from tb_gradhealth import _storage``)."""
+    import tb_gradhealth
+
+    private = sorted({name.split(".")[0] for name in _reach() if name.startswith("_")})
+    assert {"_eventfile", "_storage", "_payloads", "_filereader", "_failsafe", "_tf"} <= set(private)
+    assert not [m for m in tb_gradhealth.__all__ if m.startswith("_") and m != "__version__"]
+    for name in private:
+        if name not in vars(tb_gradhealth):  # not imported yet in this process
+            with pytest.raises(AttributeError):
+                getattr(tb_gradhealth, name)
+    assert importlib.import_module("tb_gradhealth._storage").__name__ == "tb_gradhealth._storage"

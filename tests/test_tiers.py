@@ -7,7 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tb_gradhealth import filereader, health, metadata, payloads, reader, record, tiers
+from tb_gradhealth import _filereader as filereader
+from tb_gradhealth import _payloads as payloads
+from tb_gradhealth import _tiers as tiers
+from tb_gradhealth import health, metadata, reader, record
 from tb_gradhealth import testing as gl
 
 pytestmark = [pytest.mark.unit]

@@ -8,21 +8,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.device_cases import build, check_record, gradients, sizes_near
+from tests.device_cases import SETTINGS, SLOW_SIZES, build, check_recipe, check_record, gradients, sizes_near
 
 torch = pytest.importorskip("torch")
 tgh = pytest.importorskip("tb_gradhealth.torch")
 
 pytestmark = pytest.mark.torch
 
-SETTINGS = settings(derandomize=True, database=None, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 HS = 256  # a small sample keeps the boundaries cheap; the slow tier uses the default 4096
 FAST_SIZES = st.one_of(sizes_near(1, 64, HS, 4 * HS, 64 * HS), st.integers(0, 20 * HS), st.integers(HS, 200 * HS))
-SLOW_SIZES = sizes_near(4096, 1 << 18, 9 * (1 << 18), (1 << 24) // 4 * 4 + 8)
 
 
 def _tensor(recipe: dict) -> tuple[torch.Tensor, np.ndarray]:
@@ -39,28 +36,24 @@ def _eager(t: torch.Tensor, hs: int, seed: int) -> np.ndarray:
 @settings(SETTINGS, max_examples=400)
 @given(gradients(FAST_SIZES), st.sampled_from([HS, 0, 4096]), st.integers(0, 1000))
 def test_eager_records_match_reference(recipe, hs, seed):
-    t, values = _tensor(recipe)
-    event(check_record(values, _eager(t, hs, seed), hs))
+    check_recipe(recipe, _tensor, lambda t: _eager(t, hs, seed), hs)
 
 
 @settings(SETTINGS, max_examples=40)
 @given(gradients(FAST_SIZES, dtypes=("float32", "bfloat16")), st.integers(0, 1000))
 def test_traced_records_match_reference(recipe, seed):
     """Traced whole (``fullgraph=True``): the histogram's choice is a ``torch.cond``, not a graph break."""
-    t, values = _tensor(recipe)
     torch._dynamo.reset()  # a new shape per case: past the recompile limit dynamo would fall back to eager
     traced = torch.compile(lambda g, s: tgh.compute({"g": g}, hist_sample=HS, seed=s), backend="aot_eager",
                            fullgraph=True)
-    got = tgh.to_memory(traced(t, seed))[0]
-    event(check_record(values, got, HS))
+    check_recipe(recipe, _tensor, lambda t: tgh.to_memory(traced(t, seed))[0], HS)
 
 
 @pytest.mark.slow
 @settings(SETTINGS, max_examples=30)
 @given(gradients(SLOW_SIZES, dtypes=("float32", "float16")), st.integers(0, 1000))
 def test_eager_records_match_reference_at_large_sizes(recipe, seed):
-    t, values = _tensor(recipe)
-    event(check_record(values, _eager(t, 4096, seed), 4096))
+    check_recipe(recipe, _tensor, lambda t: _eager(t, 4096, seed), 4096)
 
 
 @pytest.mark.slow

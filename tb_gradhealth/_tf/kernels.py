@@ -43,6 +43,21 @@ class DeviceRecord(NamedTuple):
     values: Any
 
 
+class LayerInputs(NamedTuple):
+    """What the records of ``L`` layers are computed from: one entry per layer in each sequence, then the sampling.
+
+    Passed whole to the compiled functions of :mod:`tb_gradhealth._tf.packed`: the sequences' tensors are their
+    arguments, ``sizes`` and ``hist_sample`` (Python ints) part of their signature.
+    """
+
+    grads: Sequence[Any]  # dense tensors, ``IndexedSlices``, or None (no gradient: the missing record)
+    weights: Sequence[Any]  # each variable's value, or None (weight fields not recorded)
+    updates: Sequence[Any]  # each applied update, a tensor or a :class:`Delta` ``(before, after)``, or None
+    sizes: Sequence[int]  # each variable's element count (static; what a missing gradient's record states)
+    hist_sample: int  # values sampled for a large tensor's histogram (0: every value)
+    seed: Any  # None (seed from the data) or a scalar integer tensor
+
+
 @functools.cache
 def fused_reductions_available() -> bool:
     """Whether this TensorFlow has XLA's variadic reduce (then :mod:`tb_gradhealth._tf.packed` computes records)."""
@@ -385,8 +400,9 @@ def _optional_fields(weight: Any, update: Any, fused: bool) -> dict[str, tf.Tens
     return out
 
 
-def layer_record(g, w, u, size, hist_sample, layer, seed):
-    """``(counts int32 [5], values float32 [89])`` of one layer (``g=None``: the missing record)."""
+def layer_record(inputs: LayerInputs, layer: int) -> tuple[tf.Tensor, tf.Tensor]:
+    """``(counts int32 [5], values float32 [89])`` of one layer of ``inputs`` (no gradient: the missing record)."""
+    g, w, u, size = inputs.grads[layer], inputs.weights[layer], inputs.updates[layer], inputs.sizes[layer]
     fused = fused_reductions()
     if g is None:
         c = tf.constant([size if name == "size" else 0 for name in record.COUNT_FIELDS], tf.int32)
@@ -394,7 +410,7 @@ def layer_record(g, w, u, size, hist_sample, layer, seed):
         grad = {k: tf.constant(v, tf.float32) for k, v in grad.items()}
         hist = tf.zeros([record.HIST_BINS], tf.float32)
     else:
-        kw = dict(hist_sample=hist_sample, layer=layer, seed=seed, fused=fused)
+        kw = dict(hist_sample=inputs.hist_sample, layer=layer, seed=inputs.seed, fused=fused)
         if isinstance(g, tf.IndexedSlices):
             c, grad, hist = _sparse_stats(g, size_rows(g, size), **kw)
         else:
@@ -403,11 +419,14 @@ def layer_record(g, w, u, size, hist_sample, layer, seed):
     return c, tf.concat([stack_values({**grad, **_optional_fields(w, u, fused)}, []), hist], 0)
 
 
-def compute_layers(grads, weights, updates, sizes, hist_sample, seed) -> DeviceRecord:
+def compute_layers(inputs: LayerInputs) -> DeviceRecord:
     """The :class:`DeviceRecord` of all layers, each by :func:`layer_record`."""
+    n = len(inputs.grads)
+    if not n == len(inputs.weights) == len(inputs.updates) == len(inputs.sizes):
+        raise ValueError("grads, weights, updates and sizes need one entry per layer")
     counts, values = [], []
-    for i, (g, w, u, size) in enumerate(zip(grads, weights, updates, sizes, strict=True)):
-        c, v = layer_record(g, w, u, size, hist_sample, i, seed)
+    for i in range(n):
+        c, v = layer_record(inputs, i)
         counts.append(c)
         values.append(v)
     if not counts:

@@ -31,7 +31,7 @@ import tensorflow as tf
 
 from tb_gradhealth import record
 from tb_gradhealth._tf import compat, histogram, kernels
-from tb_gradhealth._tf.kernels import Delta, DeviceRecord
+from tb_gradhealth._tf.kernels import Delta, DeviceRecord, LayerInputs
 
 __all__ = ["compute", "compute_jit", "IN_PLACE_MIN"]
 
@@ -359,14 +359,14 @@ def _packed_rows_binned(hist: tf.Tensor | None, buf_rows: tf.Tensor, lay: Layout
     return _bin_into(hist, v, _repeat(lay.row_layer[lo:hi], PACK_ROW), n_layers)
 
 
-def _sampled_whole(flat: Sequence[Any], lay: Layout, buf_rows: tf.Tensor, exact_rows: int, whole: tf.Tensor,
-                   n_layers: int) -> tf.Tensor:
+def _sampled_whole(plan: _Plan, buf_rows: tf.Tensor, whole: tf.Tensor, n_layers: int) -> tf.Tensor:
     """Exact histograms ``[n_layers, bins]`` of the sampled layers flagged ``whole`` (others: zeros), each binned
     from its packed rows and its in-place view: the branch a step runs only when some layer's sample is not enough.
 
     Each in-place view is binned under a condition of its own and the packed rows under one for all of them, so a
     step pays for the tensors that need it, not for the whole model.
     """
+    lay, exact_rows = plan.layout, plan.exact_rows
     size = n_layers * record.HIST_BINS
     zeros = lambda: tf.zeros([size], tf.float32)  # noqa: E731
     packed = np.unique(lay.row_layer[exact_rows : lay.packed_rows])
@@ -374,7 +374,7 @@ def _sampled_whole(flat: Sequence[Any], lay: Layout, buf_rows: tf.Tensor, exact_
     if len(packed):
         hist += tf.cond(tf.reduce_any(tf.gather(whole, packed)),
                         lambda: _packed_rows_binned(None, buf_rows, lay, exact_rows, lay.packed_rows, n_layers), zeros)
-    for (i, _), view in zip(lay.in_place, _views(flat, lay), strict=True):
+    for (i, _), view in zip(lay.in_place, _views(plan.flat, lay), strict=True):
         hist += tf.cond(whole[i], lambda view=view, i=i: _bin_into(None, view, i, n_layers), zeros)
     return tf.reshape(hist, [n_layers, record.HIST_BINS])
 
@@ -460,7 +460,7 @@ _KEPT = record.VALUE_FIELDS.index("hist_sample")
 def _with_whole(values: tf.Tensor, whole: tf.Tensor, plan: _Plan, buf_rows: tf.Tensor) -> tf.Tensor:
     """``values`` with the histogram and ``hist_sample`` of the layers flagged ``whole`` binned whole."""
     n = len(plan.flat)
-    hist = _sampled_whole(plan.flat, plan.layout, buf_rows, plan.exact_rows, whole, n)
+    hist = _sampled_whole(plan, buf_rows, whole, n)
     kept = tf.reduce_sum(hist, 1, keepdims=True)
     binned = tf.concat([values[:, :_KEPT], kept, values[:, _KEPT + 1 : record.NUM_VALUES], hist], 1)
     return tf.where(whole[:, None], binned, values)
@@ -473,16 +473,17 @@ def whole_histograms(grads: Sequence[Any], hist_sample: int, values: tf.Tensor, 
     return _with_whole(values, whole, plan, _pack(plan.flat, plan.layout))
 
 
-def compute(grads, weights, updates, sizes, hist_sample, seed, deferred: bool = False):
+def compute(inputs: LayerInputs, deferred: bool = False) -> Any:
     """The :class:`DeviceRecord` of all layers (dense or ``None`` gradients; see :mod:`tb_gradhealth._tf.kernels` for
-    ``IndexedSlices``). Arguments as :func:`tb_gradhealth._tf.kernels.compute_layers`. Must run under XLA.
+    ``IndexedSlices``). Must run under XLA.
 
     A layer whose sample is not enough is binned whole in a ``tf.cond`` branch; ``deferred=True`` leaves that to
     the caller instead (:func:`compute_deferring`) and returns ``(record, whole flags or None)``.
     """
+    grads, sizes, hist_sample = inputs.grads, inputs.sizes, inputs.hist_sample
     n = len(grads)
     if not n:
-        rec = kernels.compute_layers(grads, weights, updates, sizes, hist_sample, seed)
+        rec = kernels.compute_layers(inputs)
         return (rec, None) if deferred else rec
     plan = _plan(grads, hist_sample)
     lay = plan.layout
@@ -501,10 +502,10 @@ def compute(grads, weights, updates, sizes, hist_sample, seed, deferred: bool = 
     nf = tf.cast(size - nonfinite, tf.float64)
     mean = tf.where((m > 0) & (nf > 0), s / tf.maximum(nf, 1.0), tf.zeros_like(m))
     ssq_rel = tf.where(m > 0, q / tf.where(m > 0, m * m, tf.ones_like(m)), tf.zeros_like(m))
-    sampling = _Sampling(plan.sampled, hist_sample, seed, s, q, size - nonfinite - zero)
+    sampling = _Sampling(plan.sampled, hist_sample, inputs.seed, s, q, size - nonfinite - zero)
     hist, kept, whole = _histograms(plan, buf, sampling, n)
-    wm, wq = _norm_fields([_flat(w) for w in weights], n)
-    um, uq = _norm_fields([_flat(u) for u in updates], n)
+    wm, wq = _norm_fields([_flat(w) for w in inputs.weights], n)
+    um, uq = _norm_fields([_flat(u) for u in inputs.updates], n)
     fields = {
         "min": mn, "max": mx, "mean": tf.cast(mean, tf.float32), "ssq_rel": tf.cast(ssq_rel, tf.float32),
         "weight_max_abs": wm, "weight_ssq_rel": wq, "update_max_abs": um, "update_ssq_rel": uq,
@@ -516,15 +517,15 @@ def compute(grads, weights, updates, sizes, hist_sample, seed, deferred: bool = 
     if whole is not None and not deferred:
         values = tf.cond(tf.reduce_any(whole), lambda: _with_whole(values, whole, plan, buf), lambda: values)
     if any(isinstance(g, tf.IndexedSlices) for g in grads):
-        counts, values = _with_sparse_rows(counts, values, grads, weights, updates, sizes, hist_sample, seed)
+        counts, values = _with_sparse_rows(counts, values, inputs)
     rec = DeviceRecord(counts, values)
     return (rec, whole) if deferred else rec
 
 
-def _with_sparse_rows(counts, values, grads, weights, updates, sizes, hist_sample, seed):
+def _with_sparse_rows(counts: tf.Tensor, values: tf.Tensor, inputs: LayerInputs) -> tuple[tf.Tensor, tf.Tensor]:
     """Replace the rows of ``IndexedSlices`` gradients by the per-layer kernel's (sorted, deduplicated slices)."""
-    idx = [i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
-    rows = [kernels.layer_record(grads[i], weights[i], updates[i], sizes[i], hist_sample, i, seed) for i in idx]
+    idx = [i for i, g in enumerate(inputs.grads) if isinstance(g, tf.IndexedSlices)]
+    rows = [kernels.layer_record(inputs, i) for i in idx]
     at = tf.constant(np.array(idx, np.int32)[:, None])
     counts = tf.tensor_scatter_nd_update(counts, at, tf.stack([c for c, _ in rows]))
     values = tf.tensor_scatter_nd_update(values, at, tf.stack([v for _, v in rows]))
@@ -537,12 +538,13 @@ compute_jit = compat.quiet_retracing(tf.function(compute, jit_compile=True, auto
 whole_histograms_jit = compat.quiet_retracing(tf.function(whole_histograms, jit_compile=True, autograph=False))
 
 
-def compute_deferring(grads, weights, updates, sizes, hist_sample, seed) -> DeviceRecord:
+def compute_deferring(inputs: LayerInputs) -> DeviceRecord:
     """:func:`compute`, compiled, with the whole binning of sparse layers in a function of its own that compiles
     only when a step first needs it (outside a user's ``jit_compile`` step, where everything compiles at once)."""
-    rec, whole = compute_jit(grads, weights, updates, sizes, hist_sample, seed, deferred=True)
+    rec, whole = compute_jit(inputs, deferred=True)
     if whole is None:
         return rec
-    values = tf.cond(tf.reduce_any(whole), lambda: whole_histograms_jit(grads, hist_sample, rec.values, whole),
+    values = tf.cond(tf.reduce_any(whole),
+                     lambda: whole_histograms_jit(inputs.grads, inputs.hist_sample, rec.values, whole),
                      lambda: rec.values)
     return DeviceRecord(rec.counts, values)

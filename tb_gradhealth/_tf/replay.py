@@ -180,6 +180,36 @@ def _backward(step: int, ops: Sequence[_Op], grads: Mapping[int, Any]) -> NanOri
     return None
 
 
+def _run_recorded(loss_fn: Callable[[], Any], inputs: Sequence[tuple[str, Any]], root: Any
+                  ) -> tuple[Any, _Recorder, tf.GradientTape]:
+    """``(loss, recorder, tape)``: ``loss_fn()`` run under a tape that watches the batch's float inputs, every eager
+    op it ran recorded in order."""
+    rec = _Recorder(root)
+    with tf.GradientTape() as tape:
+        for _, t in inputs:
+            if _is_float(t):
+                tape.watch(t)
+        compat.add_op_callback(rec)
+        try:
+            loss = loss_fn()
+        finally:
+            rec.active = False
+            compat.remove_op_callback(rec)
+    return loss, rec, tape
+
+
+def _first_nonfinite(step: int, loss_fn: Callable[[], Any], inputs: Sequence[tuple[str, Any]],
+                     bad_inputs: Sequence[str], root: Any) -> NanOrigin | None:
+    """The op that made the first NaN/Inf of a replay: forward when the loss (or an input) is not finite, else
+    backward, from the loss's gradient w.r.t. every op's float outputs; None when the replay made none."""
+    loss, rec, tape = _run_recorded(loss_fn, inputs, root)
+    if _nonfinite(loss) or bad_inputs:
+        return _forward(step, rec.ops, bad_inputs)
+    sources = [t for op in rec.ops for t in op.outputs if _is_float(t)]
+    total = tape.gradient(loss, sources, unconnected_gradients=tf.UnconnectedGradients.NONE)
+    return _backward(step, rec.ops, {id(t): g for t, g in zip(sources, total, strict=True)})
+
+
 def replay(
     loss_fn: Callable[[], Any],
     variables: Sequence[Any],
@@ -205,26 +235,10 @@ def replay(
                          "at an earlier step, whose update was applied before it was recorded")
     inputs = _named_inputs(batch or {})
     bad_inputs = [nonfinite_samples(n, t) for n, t in inputs if _nonfinite(t)]
-    rec = _Recorder(root)
     eager_before = tf.config.functions_run_eagerly()
     tf.config.run_functions_eagerly(True)
     try:
-        with tf.GradientTape() as tape:
-            for _, t in inputs:
-                if _is_float(t):
-                    tape.watch(t)
-            compat.add_op_callback(rec)
-            try:
-                loss = loss_fn()
-            finally:
-                rec.active = False
-                compat.remove_op_callback(rec)
-        if _nonfinite(loss) or bad_inputs:
-            found = _forward(step, rec.ops, bad_inputs)
-        else:
-            sources = [t for op in rec.ops for t in op.outputs if _is_float(t)]
-            total = tape.gradient(loss, sources, unconnected_gradients=tf.UnconnectedGradients.NONE)
-            found = _backward(step, rec.ops, {id(t): g for t, g in zip(sources, total, strict=True)})
+        found = _first_nonfinite(step, loss_fn, inputs, bad_inputs, root)
     except Exception as e:  # noqa: BLE001 - the answer says why the replay failed; training goes on
         return not_found(f"the replay failed: {type(e).__name__}: {e}")
     finally:

@@ -162,7 +162,7 @@ def flush(log_dir: str | os.PathLike | None = None) -> None:
 
 
 def write(
-    disk: tf.Tensor, layers: Sequence[str], step: tf.Tensor, log_dir: str, scalars: Mapping[str, tf.Tensor],
+    disk: tf.Tensor, layers: Sequence[str], step: tf.Tensor, *, log_dir: str, scalars: Mapping[str, tf.Tensor],
     name: str, kind: str, hist_sample: int | None, do_flush: bool,
 ) -> list[Any]:
     """Summary ops writing one disk-form record tensor and plain scalars at ``step``; works eagerly and in graphs."""

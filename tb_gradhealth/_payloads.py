@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from tensorboard import errors as tb_errors
 
-from tb_gradhealth import health, record, tiers
+from tb_gradhealth import _tiers, health, record
 from tb_gradhealth.reader import RunSeries
 
 #: Points a ``series`` / ``histograms`` answer holds at most (the last step always included).
@@ -193,7 +193,7 @@ def _windowed(series: RunSeries, layer: str, fields: int) -> tuple[np.ndarray, n
         j = series.layer_index(layer)
         present = ~np.isnan(series.records[:, j, record.INDEX["size"]])
         last, weight = series.window_last[present], series.window_steps[present, j].astype(np.int64)
-        rows = tiers.window_sums(rows, weight)
+        rows = _tiers.window_sums(rows, weight)
     starts = window_starts(rows)
     ends = np.append(starts[1:], steps.size)
     count = np.add.reduceat(weight, starts) if starts.size else weight[:0]

@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from tb_gradhealth import metadata, record, storage, tiers
-from tb_gradhealth.eventfile import ScanEnd, scan_framed
+from tb_gradhealth import _storage, _tiers, metadata, record
+from tb_gradhealth._eventfile import ScanEnd, scan_framed
 from tb_gradhealth.problems import Kind, any_of_kind
 from tb_gradhealth.reader import (
     LISTING_TTL_S,
@@ -43,6 +43,8 @@ CHUNK_BYTES = 32 << 20
 #: Decoded runs kept (bytes of their records); beyond it the least recently used run is dropped and read again
 #: when asked for (the run last read is always kept, whatever its size).
 CACHE_BYTES = 1 << 30
+#: Rows of the old buffer merged at a time when a long run's older steps merge into windows (bounds the temporaries).
+_MERGE_ROWS = 8
 #: A run still being written grows in place into this much room beyond its steps (untouched room costs no memory).
 HEADROOM = 1.25
 
@@ -54,8 +56,8 @@ class NotAnAppend(Exception):
 @dataclass
 class _Store:
     """One series' records as :func:`reader.new_records` lays them out (``[F, capacity, L]``, lazily zeroed), of
-    which the first ``n`` rows are final: appends write only further rows. Past :func:`tiers.row_budget` rows the
-    older ones are merged into windows (:mod:`tb_gradhealth.tiers`) in a new buffer, so a series handed out earlier
+    which the first ``n`` rows are final: appends write only further rows. Past :func:`_tiers.row_budget` rows the
+    older ones are merged into windows (:mod:`tb_gradhealth._tiers`) in a new buffer, so a series handed out earlier
     stays valid: ``weights`` ``[capacity, L]`` counts the steps of each row (0 where a layer has no record),
     ``last`` the last step of each row, the first ``old`` rows are windows of about ``width`` steps."""
 
@@ -72,9 +74,9 @@ class _Store:
     touched: np.ndarray = field(default_factory=lambda: np.zeros(record.NUM_FIELDS, dtype=bool))
 
     @classmethod
-    def new(cls, layers: tuple[str, ...], capacity: int, budget: tuple[int, int] = (tiers.LAYER_STEPS,
-                                                                                 tiers.MIN_ROWS)) -> _Store:
-        budget = tiers.row_budget(len(layers), *budget)
+    def new(cls, layers: tuple[str, ...], capacity: int, budget: tuple[int, int] = (_tiers.LAYER_STEPS,
+                                                                                 _tiers.MIN_ROWS)) -> _Store:
+        budget = _tiers.row_budget(len(layers), *budget)
         capacity = min(capacity, budget + budget // 2)
         return cls(layers, np.zeros((record.NUM_FIELDS, capacity, len(layers))), np.zeros(capacity, np.int64),
                    np.zeros((capacity, len(layers)), np.int32), np.zeros(capacity, np.int64), budget)
@@ -115,22 +117,28 @@ class _Store:
                                                                                        self.weights))
 
     def _compact(self) -> None:
-        """Merge the older rows into windows (:func:`tiers.plan`), into a new buffer of the same capacity."""
+        """Merge the older rows into windows (:func:`_tiers.plan`), into a new buffer of the same capacity."""
         pinned = None
         if self.pinned_step is not None:
             pinned = int(np.searchsorted(self.steps[: self.n], self.pinned_step))
-        groups, old, width = tiers.plan(self.n, self.old, self.width, self.budget, pinned)
+        groups, old, width = _tiers.plan(self.n, self.old, self.width, self.budget, pinned)
         buf = np.zeros(self.buf.shape)  # lazily zeroed (zeros_like writes every page: the untouched planes too)
         steps, last, weights = np.zeros_like(self.steps), np.zeros_like(self.last), np.zeros_like(self.weights)
         used = np.flatnonzero(self.touched)
-        for i, (s, e) in enumerate(groups):
-            steps[i], last[i] = self.steps[s], self.last[e - 1]
-            if e - s == 1:
-                buf[used, i] = self.buf[used, s]
-                weights[i] = self.weights[s]
-                continue
-            rec, weights[i] = tiers.mean_step(self.buf[:, s:e].transpose(1, 2, 0), self.weights[s:e])
-            buf[used, i] = rec[:, used].T
+        starts = np.array([s for s, _ in groups])
+        lengths = np.array([e - s for s, e in groups])
+        steps[: len(groups)], last[: len(groups)] = self.steps[starts], self.last[starts + lengths - 1]
+        for k in np.unique(lengths):
+            new = np.flatnonzero(lengths == k)
+            for block in np.array_split(new, max(1, new.size * k // _MERGE_ROWS)):
+                rows = starts[block][:, None] + np.arange(k)  # [B, k] rows of the old buffer
+                if k == 1:
+                    rec, weights[block] = self.buf[:, rows[:, 0]].transpose(1, 2, 0), self.weights[rows[:, 0]]
+                else:
+                    rec, weights[block] = _tiers.mean_step(self.buf[:, rows].transpose(2, 1, 3, 0),
+                                                          self.weights[rows].transpose(1, 0, 2))
+                for f in used:
+                    buf[f, block] = rec[..., f]
         self.buf, self.steps, self.last, self.weights = buf, steps, last, weights
         self.n, self.old, self.width = len(groups), old, width
 
@@ -179,8 +187,8 @@ class FileReader:
 
     def __init__(self, logdir: str, storage_options: Mapping[str, Any] | None = None, *,
                  cache_bytes: int = CACHE_BYTES, listing_ttl: float = LISTING_TTL_S,
-                 chunk_bytes: int = CHUNK_BYTES, layer_steps: int = tiers.LAYER_STEPS,
-                 min_rows: int = tiers.MIN_ROWS):
+                 chunk_bytes: int = CHUNK_BYTES, layer_steps: int = _tiers.LAYER_STEPS,
+                 min_rows: int = _tiers.MIN_ROWS):
         self.logdir, self._options = logdir, storage_options
         self._budget = (layer_steps, min_rows)  # records a run keeps before its older steps merge (tiers)
         self._cache_bytes, self._listing_ttl, self._chunk = cache_bytes, listing_ttl, chunk_bytes
@@ -207,7 +215,7 @@ class FileReader:
                 if got is not None:
                     return got
             return None
-        except (OSError, storage.StorageError) as e:
+        except (OSError, _storage.StorageError) as e:
             raise ProviderError(f"could not read the event files: {e}") from e
 
     def summaries(self, ctx: Any = None, experiment_id: str = "") -> list[dict[str, Any]]:
@@ -215,7 +223,7 @@ class FileReader:
         change, so listing many large runs does not read again the runs the cache let go."""
         try:
             return self._summaries_now()
-        except (OSError, storage.StorageError) as e:
+        except (OSError, _storage.StorageError) as e:
             raise ProviderError(f"could not read the event files: {e}") from e
 
     def _summaries_now(self) -> list[dict[str, Any]]:
@@ -247,7 +255,7 @@ class FileReader:
         return list(dict.fromkeys(d for d in guesses if d is not None and d in listing))
 
     def _sizes(self, paths: Sequence[str]) -> tuple[tuple[str, int], ...]:
-        return tuple((p, storage.size(p, self._options)) for p in paths)
+        return tuple((p, _storage.size(p, self._options)) for p in paths)
 
     def _read(self, run_dir: str, paths: Sequence[str]) -> dict[str, RunSeries]:
         """The run's series, after reading what was appended to its files since the last read."""
@@ -307,7 +315,7 @@ class FileReader:
                 raise NotAnAppend("a file shrank")
             length = self._chunk
             while offset < size:
-                data = storage.read_range(path, offset, length, self._options)
+                data = _storage.read_range(path, offset, length, self._options)
                 if not data:  # the file shrank since it was listed
                     break
                 tags = {tag: TagData(tag, content) for tag, content in state.known.items()}

@@ -25,7 +25,7 @@ from typing import Any
 from google.protobuf.message import DecodeError
 from tensorboard.compat.proto import event_pb2
 
-from tb_gradhealth import storage
+from tb_gradhealth import _storage
 from tb_gradhealth.problems import Kind, Problem
 
 try:  # C implementation (a dependency; the fallback keeps a broken install readable)
@@ -124,7 +124,7 @@ def iter_framed(path: str, problems: list[str], storage_options: Mapping[str, An
     loaders verify data checksums only of records that fail to parse, so a flipped byte that still parses reaches
     the tab; the reader's row checks, :func:`tb_gradhealth.record.check_disk`, catch most of those.)"""
     try:
-        data = storage.read_bytes(path, storage_options)
+        data = _storage.read_bytes(path, storage_options)
     except OSError as e:
         problems.append(Problem(Kind.FILE, f"{path}: unreadable: {e}"))
         return
@@ -186,7 +186,7 @@ class EventFile:
     background thread every ``flush_secs`` while events are pending), so a reader sees whole records only, at most
     ``flush_secs`` after they were added.
 
-    On object storage (``gs://``, ``s3://``, any fsspec URL: :mod:`tb_gradhealth.storage`) nothing can be appended
+    On object storage (``gs://``, ``s3://``, any fsspec URL: :mod:`tb_gradhealth._storage`) nothing can be appended
     to an object, so each flush writes one new object ``<file name>.<8-digit sequence number>``: an object is
     written whole or not at all, so everything flushed survives a killed process, and the names sort in write
     order, as TensorBoard reads a run's event files.
@@ -200,14 +200,14 @@ class EventFile:
 
     def __init__(self, logdir: str, *, max_queue: int = 32, flush_secs: float = 120, filename_suffix: str = "",
                  storage_options: Mapping[str, Any] | None = None):
-        logdir = storage.check(logdir)
-        self._remote = storage.is_url(logdir)
+        logdir = _storage.check(logdir)
+        self._remote = _storage.is_url(logdir)
         self._storage_options = dict(storage_options or {})
         if self._remote:
-            storage.makedirs(logdir, self._storage_options)  # StorageError now: no fsspec, no backend, a bad URL
+            _storage.makedirs(logdir, self._storage_options)  # StorageError now: no fsspec, no backend, a bad URL
         self.logdir = logdir
         self._name = f"events.out.tfevents.{time.time():.6f}.{socket.gethostname()}.{os.getpid()}{filename_suffix}"
-        self.path = storage.join(logdir, self._name) if self._remote else os.path.join(logdir, self._name)
+        self.path = _storage.join(logdir, self._name) if self._remote else os.path.join(logdir, self._name)
         self._fd: int | None = None
         self._objects = 0
         self._pending: list[bytes] = []
@@ -282,7 +282,7 @@ class EventFile:
 
     def _write(self, data: bytes) -> None:
         if self._remote:
-            storage.write_object(f"{self.path}.{self._objects:08d}", data, self._storage_options)
+            _storage.write_object(f"{self.path}.{self._objects:08d}", data, self._storage_options)
             self._objects += 1
             return
         if self._fd is None:
