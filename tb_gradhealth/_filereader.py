@@ -142,7 +142,7 @@ class _Store:
         self.buf, self.steps, self.last, self.weights = buf, steps, last, weights
         self.n, self.old, self.width = len(groups), old, width
 
-    def series(self, name: str, tags: tuple[str, ...]) -> RunSeries:
+    def series(self, name: str, tags: tuple[str, ...], layer_info: Mapping[str, tuple[str, str]]) -> RunSeries:
         merged = self.old > 0
         notes = (f"steps {int(self.steps[0])}-{int(self.last[self.old - 1])} are kept as {self.old} merged windows of "
                  f"up to {self.width} steps (a run of more than {self.budget} logged steps of "
@@ -152,7 +152,8 @@ class _Store:
                          records=self.buf[:, : self.n, :].transpose(1, 2, 0), tags=tags, notes=notes,
                          window_steps=self.weights[: self.n] if merged else None,
                          window_last=self.last[: self.n] if merged else None,
-                         resident_bytes=int(self.touched.sum()) * self.n * len(self.layers) * 8)
+                         resident_bytes=int(self.touched.sum()) * self.n * len(self.layers) * 8,
+                         layer_info=layer_info)
 
 
 def _grown(a: np.ndarray, n: int, capacity: int) -> np.ndarray:
@@ -348,9 +349,10 @@ class FileReader:
         if len(streams) != 1:
             raise NotAnAppend("several streams")
         try:
-            layer_lists = {metadata.decode_content(c).layers for c in state.known.values()}
+            contents = [metadata.decode_content(c) for c in state.known.values()]
         except ValueError as e:
             raise NotAnAppend("unreadable tag metadata") from e
+        layer_lists = {c.layers for c in contents}
         if len(layer_lists) != 1:
             raise NotAnAppend("several layer lists")
         with_points = [td for td in tags.values() if td.points]
@@ -366,7 +368,8 @@ class FileReader:
         if part.problems or part.notes or part.num_steps == 0:
             raise NotAnAppend("damaged records or a restart")
         store.append(part, math.ceil(points * chunks_left))
-        state.series = {run_dir: store.series(run_dir, tuple(sorted(state.known)))}
+        info = {layer: kind for c in contents for layer, kind in zip(c.layers, c.layer_info, strict=False)}
+        state.series = {run_dir: store.series(run_dir, tuple(sorted(state.known)), info)}
 
     def _evict(self) -> None:
         """Drop the least recently used runs beyond ``cache_bytes`` (always keeping the last one read)."""

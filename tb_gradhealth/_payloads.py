@@ -106,23 +106,44 @@ def runs_payload(runs: list[RunSeries], problems: list[str]) -> dict[str, Any]:
 
 
 def diagnose(series: RunSeries, thresholds: health.Thresholds, step: int | None,
-             progress: tuple[np.ndarray, np.ndarray] | None = None,
-             layer_info: Mapping[str, tuple[str, str]] | None = None) -> health.RunHealth:
+             progress: tuple[np.ndarray, np.ndarray] | None = None) -> health.RunHealth:
+    """The run's diagnosis at the latest logged step <= ``step``, with the training loss (``progress``) and the
+    layers' kinds (``series.layer_info``) as evidence where they are recorded."""
     k = at_index(series, step)
     return health.diagnose_run(series.layers, series.steps, series.records, thresholds,
-                               at_step=int(series.steps[k]), progress=progress, layer_info=layer_info)
+                               at_step=int(series.steps[k]), progress=progress, layer_info=series.layer_info)
+
+
+def loss_payload(progress: tuple[np.ndarray, np.ndarray] | None, at_step: int) -> dict[str, Any] | None:
+    """``{"steps", "values"}``: the training loss at or before ``at_step`` for the tab's trend line, at most
+    :data:`MAX_POINTS` of its steps evenly spread (the last one kept); None when no loss is recorded."""
+    if progress is None:
+        return None
+    steps, values = progress
+    end = int(np.searchsorted(steps, at_step, side="right"))
+    if end == 0:
+        return None
+    idx = pick_indices(end, MAX_POINTS)
+    return {"steps": [int(s) for s in steps[idx]], "values": _floats(values[idx])}
 
 
 def health_payload(series: RunSeries, thresholds: health.Thresholds, step: int | None,
-                   diagnosis: health.RunHealth | None = None) -> dict[str, Any]:
-    """``{"run", **RunHealth.to_json(), "history_steps"}``, each layer with ``rms_history`` (sparklines)."""
+                   diagnosis: health.RunHealth | None = None,
+                   progress: tuple[np.ndarray, np.ndarray] | None = None) -> dict[str, Any]:
+    """``{"run", **RunHealth.to_json(), "history_steps", "loss"}``, each layer with ``rms_history`` (sparklines)
+    and, where the writer recorded it, its ``kind`` and ``activation``; ``loss``: :func:`loss_payload` of
+    ``progress``."""
     k = at_index(series, step)
-    h = diagnosis if diagnosis is not None else diagnose(series, thresholds, step)
+    h = diagnosis if diagnosis is not None else diagnose(series, thresholds, step, progress)
     idx = pick_indices(k + 1, HISTORY_POINTS)
     rms = record.derived(series.records[idx])["rms"]  # [H, L]
-    body = {"run": series.run, **h.to_json(), "history_steps": [int(s) for s in series.steps[idx]]}
+    body = {"run": series.run, **h.to_json(), "history_steps": [int(s) for s in series.steps[idx]],
+            "loss": loss_payload(progress, int(series.steps[k]))}
     for layer in body["layers"]:
         layer["rms_history"] = _floats(rms[:, layer["index"]])
+        kind, activation = series.layer_info.get(layer["layer"], ("", ""))
+        if kind or activation:
+            layer["kind"], layer["activation"] = kind, activation
     return body
 
 

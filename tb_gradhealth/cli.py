@@ -20,7 +20,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
-from tb_gradhealth import __version__, _payloads, _storage, health, layerinfo, origin, progress, reader
+from tb_gradhealth import __version__, _storage, health, origin, progress, reader
 from tb_gradhealth._payloads import RequestError, health_payload, parse_step, parse_thresholds
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_UNREADABLE = 0, 1, 2, 3
@@ -181,8 +181,8 @@ def _diagnose(data: reader.LogdirData, thresholds: health.Thresholds, step: int 
               event_files: Mapping[str, Sequence[str]] | None = None
               ) -> tuple[list[tuple[reader.RunSeries, dict[str, Any]]], list[str], list[str]]:
     """``(bodies, unreadable runs, problems)``: the health JSON of each readable run; read problems on ``err``.
-    ``event_files`` (:func:`reader.find_runs`): where each run's training loss and layer kinds are read, evidence
-    beside the gradients (:mod:`tb_gradhealth.progress`, :mod:`tb_gradhealth.layerinfo`)."""
+    ``event_files`` (:func:`reader.find_runs`): where each run's training loss is read, evidence beside the
+    gradients (:mod:`tb_gradhealth.progress`) as the layers' kinds are (read with the records)."""
     unreadable = [s.run for s in data.runs if not s.num_steps]
     problems = list(data.problems)
     for series in data.runs:
@@ -194,11 +194,8 @@ def _diagnose(data: reader.LogdirData, thresholds: health.Thresholds, step: int 
     bodies = []
     for series in (s for s in data.runs if s.num_steps):
         try:
-            paths = progress.run_paths(event_files, series.run) if event_files else ()
-            loss, info = progress.read_loss(paths), layerinfo.read_layer_info(paths)
-            kw = {k: v for k, v in (("progress", loss), ("layer_info", info)) if v}
-            diagnosis = _payloads.diagnose(series, thresholds, step, **kw)
-            body = health_payload(series, thresholds, step, diagnosis=diagnosis)
+            loss = progress.read_loss(progress.run_paths(event_files, series.run)) if event_files else None
+            body = health_payload(series, thresholds, step, progress=loss)
         except RequestError as e:
             raise UsageError(f"--step: run {series.run!r}: {e.message}") from e
         except Exception as e:  # a bug must not hide the other runs: this one is reported as unreadable

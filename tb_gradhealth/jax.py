@@ -246,9 +246,14 @@ def keras_callback(writer: Writer, key: str = "gradhealth", *, every: int = 1, n
     Keras' own callback cannot see the gradients on the JAX backend (``fit`` computes them inside its jitted
     ``train_step``), so the step computes the record itself: ``logs[key] = tb_gradhealth.jax.compute(grads,
     trainable_variables, updates)`` (docs/TORCH_JAX.md has the whole ``train_step``). Rows are named by the model's
-    ``trainable_variables`` paths; steps count the training batches this callback has seen, from 0.
+    ``trainable_variables`` paths; steps count the training batches this callback has seen, from 0. On those steps
+    it also writes the ``loss`` of the logs (:meth:`Writer.add_loss`) and keeps each variable's layer kind and
+    activation in the tags' metadata (:func:`tb_gradhealth.layerinfo.model_layer_info`): evidence the diagnosis
+    weighs.
     """
     import keras
+
+    from tb_gradhealth.layerinfo import model_layer_info
 
     class GradHealthLogs(keras.callbacks.Callback):
         def __init__(self) -> None:
@@ -259,9 +264,14 @@ def keras_callback(writer: Writer, key: str = "gradhealth", *, every: int = 1, n
 
         def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
             if logs and key in logs and self.step % every == 0:
-                names = [v.path for v in self.model.trainable_variables]
-                self.failsafe.run("writing a gradient-health record", add_records, writer, self.step, names,
-                                  logs[key], name=name, records=1)
+                self.failsafe.run("writing a gradient-health record", self.write, logs[key], records=1)
+                if "loss" in logs:
+                    self.failsafe.run("recording the loss", writer.add_loss, self.step, logs["loss"])
             self.step += 1
+
+        def write(self, stacked: Any) -> None:
+            variables = self.model.trainable_variables
+            info = self.failsafe.run("reading the layers' kinds", model_layer_info, self.model, variables) or ()
+            writer.add_records(self.step, [v.path for v in variables], to_memory(stacked), name=name, layer_info=info)
 
     return GradHealthLogs()

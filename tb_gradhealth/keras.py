@@ -27,7 +27,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tb_gradhealth import layerinfo, progress, record, summary
+from tb_gradhealth import layerinfo, record, summary
 from tb_gradhealth._failsafe import Failsafe
 from tb_gradhealth._stepbook import StepBook, ring_plan
 from tb_gradhealth._tf import compat
@@ -357,8 +357,7 @@ class GradientHealthCallback(keras.callbacks.Callback):
         first, read = self._book.batch_end(batch)
         if self._book.last_mode == "capture" and logs and "loss" in logs and self._writer is not None:
             # training progress beside the records: the loss Keras reports (its running mean over the epoch)
-            self._failsafe.run("recording the loss", self._writer.add_scalars, self._book.host_step,
-                               {progress.LOSS_TAG: float(logs["loss"])})
+            self._failsafe.run("recording the loss", self._writer.add_loss, self._book.host_step, logs["loss"])
         if first and not cap.traced and not self._book.capture_failed:
             self._teardown()
             raise CaptureError(

@@ -4,7 +4,9 @@
 gradient clipping), just before ``optimizer.step()``: it records the gradients and weights there with
 :mod:`tb_gradhealth.torch`, and the applied update once the batch ends. Under DDP every rank holds the same
 all-reduced gradient and global rank 0 writes; under FSDP / ZeRO (``sharded=True``) every rank records its shards
-and :func:`tb_gradhealth.torch.merge` makes the full gradients' records. Lightning is imported only by this module.
+and :func:`tb_gradhealth.torch.merge` makes the full gradients' records. On logged steps it also records the loss
+``training_step`` returned and, in the tags' metadata, each parameter's layer kind and activation
+(:mod:`tb_gradhealth.torch_kinds`): evidence the diagnosis weighs. Lightning is imported only by this module.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ import os
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 
 from tb_gradhealth import record
 from tb_gradhealth import torch as tgh
 from tb_gradhealth._failsafe import Failsafe
+from tb_gradhealth.torch_kinds import module_layer_info
 from tb_gradhealth.writer import Writer
 
 __all__ = ["GradHealth"]
@@ -39,6 +43,7 @@ class GradHealth(pl.Callback):
         self.writer: Writer | None = None
         self._pending: Any = None
         self._step = 0
+        self._kinds: dict[str, tuple[str, str]] = {}
         #: what failed on the host costs a warning and a count, never the training (:mod:`tb_gradhealth._failsafe`)
         self.failsafe = Failsafe()
 
@@ -46,6 +51,7 @@ class GradHealth(pl.Callback):
         if trainer.is_global_zero and self.writer is None:
             self.writer = Writer(self.log_dir or os.path.join(trainer.log_dir or trainer.default_root_dir,
                                                              "gradhealth"), hist_sample=self.hist_sample)
+        self._kinds = self.failsafe.run("reading the layers' kinds", module_layer_info, pl_module) or {}
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         step = trainer.global_step
@@ -65,9 +71,15 @@ class GradHealth(pl.Callback):
         self._pending = None
         rows = self.failsafe.run("finishing the gradient-health record", tgh.after_step, pending, params, self.sharded,
                                  records=1)
-        if rows is not None and self.writer is not None:
-            self.failsafe.run("writing a gradient-health record", self.writer.add_records, self._step,
-                              [n for n, _ in params], rows, name=self.name, records=1)
+        if self.writer is None:
+            return
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor):
+            self.failsafe.run("recording the loss", self.writer.add_loss, self._step, loss.detach())
+        if rows is not None:
+            names = [n for n, _ in params]
+            self.failsafe.run("writing a gradient-health record", self.writer.add_records, self._step, names, rows,
+                              name=self.name, layer_info=[self._kinds.get(n, ("", "")) for n in names], records=1)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.writer is not None:

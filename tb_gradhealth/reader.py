@@ -90,6 +90,8 @@ class RunSeries:
     #: int64 ``[S]`` the last step of each row (``steps`` holds the first). None: one step a row.
     window_steps: np.ndarray | None = None
     window_last: np.ndarray | None = None
+    #: ``{layer: (kind, activation)}`` where the writer knew the model (:mod:`tb_gradhealth.layerinfo`), else empty.
+    layer_info: Mapping[str, tuple[str, str]] = field(default_factory=dict)
     _index: dict[str, int] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -328,7 +330,7 @@ def assemble(
     """
     problems = list(problems)
     notes: list[str] = []
-    good = _readable_tags(tags, problems)
+    good, info = _readable_tags(tags, problems)
     tag_names = tuple(td.tag for td, _ in good)
     good = _join_blocks(good)
     # The tag with the most layers is the backbone of the order; the others' new layers go in around it.
@@ -350,12 +352,15 @@ def assemble(
         sample_limit=sample_limit,
         maybe_downsampled=downsampled,
         resident_bytes=(record.HIST_START + max(0, bins[1] - bins[0])) * steps.size * len(layers) * 8,
+        layer_info=info,
     )
 
 
-def _readable_tags(tags: Sequence[TagData], problems: list[str]) -> list[tuple[TagData, tuple[str, ...]]]:
-    """``(tag, its layers)`` of each tag whose metadata decodes, by name; the others are problems."""
-    good = []
+def _readable_tags(tags: Sequence[TagData], problems: list[str]
+                   ) -> tuple[list[tuple[TagData, tuple[str, ...]]], dict[str, tuple[str, str]]]:
+    """``(tag, its layers)`` of each tag whose metadata decodes, by name (the others are problems), and the layers'
+    kinds and activations where a tag's metadata has them."""
+    good, info = [], {}
     for td in sorted(tags, key=lambda t: t.tag):
         try:
             content = metadata.decode_content(td.content)
@@ -363,7 +368,8 @@ def _readable_tags(tags: Sequence[TagData], problems: list[str]) -> list[tuple[T
             problems.append(Problem(Kind.RECORDS, f"tag {td.tag}: skipped: {e}"))
             continue
         good.append((td, content.layers))
-    return good
+        info.update(zip(content.layers, content.layer_info, strict=False))  # () without info
+    return good, info
 
 
 class _Point(NamedTuple):

@@ -28,6 +28,7 @@ from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.util import tensor_util
 
 from tb_gradhealth import _eventfile, metadata, record
+from tb_gradhealth.writer import Writer
 
 WALL_TIME0 = 1_700_000_000.0
 XSS_LAYER = "<img src=x onerror=alert(1)>"
@@ -212,6 +213,24 @@ def make_xss(logdir: str, run: str = "xss", steps: int = 10, seed: int = 3) -> R
     step_list = list(range(steps))
     write_records(os.path.join(logdir, run), layers, step_list, _records(scales, [64, 64, 8], rng))
     return RunFacts(layers, step_list, healthy=list(layers))
+
+
+def make_sigmoid_stack(logdir: str, run: str = "sigmoid_stack", steps: int = 30, seed: int = 5
+                       ) -> tuple[RunFacts, np.ndarray]:
+    """:func:`make_vanishing`'s gradients, written by :class:`tb_gradhealth.writer.Writer` as a writer that knows
+    the model writes them: every layer a sigmoid ``Dense`` in the tags' metadata, and a training loss that halves
+    over the run (:meth:`Writer.add_loss`). Returns the facts and the loss written, one value per step."""
+    rng = np.random.default_rng(seed)
+    layers = [f"sigmoid_{i}/kernel" for i in range(10)]
+    base = np.array([1e-9, 1e-8, 1e-7] + list(10.0 ** np.linspace(-3.3, -2.7, 7)))
+    scales = base[None, :] * np.exp(rng.normal(0.0, 0.1, size=(steps, len(layers))))
+    recs = _records(scales, [128] * len(layers), rng)
+    loss = np.linspace(1.0, 0.5, steps)
+    with Writer(os.path.join(logdir, run)) as w:
+        for s in range(steps):
+            w.add_records(s, layers, recs[s], layer_info=[("Dense", "sigmoid")] * len(layers))
+            w.add_loss(s, loss[s])
+    return RunFacts(layers, list(range(steps)), vanishing=layers[:3], healthy=layers[3:]), loss
 
 
 def make_demo_logdir(logdir: str) -> dict[str, RunFacts]:

@@ -38,6 +38,7 @@ import torch
 from tb_gradhealth import devicestats, record
 from tb_gradhealth._failsafe import Failsafe
 from tb_gradhealth.record import Delta
+from tb_gradhealth.torch_kinds import layer_info_for
 from tb_gradhealth.writer import Writer
 
 __all__ = [
@@ -324,7 +325,8 @@ def add_gradients(
     other ranks return ``None`` at once (their ``writer`` may be ``None``). ``sharded=True`` (FSDP / ZeRO / tensor
     parallel: each rank holds a shard of each gradient): every rank computes its shard's records, :func:`merge`
     combines them (every rank must call, with the same ``hist_sample``: ``None`` takes the writer's, or the
-    default where a rank has no writer), rank 0 writes. Returns the memory-form rows on the writing rank.
+    default where a rank has no writer), rank 0 writes. Returns the memory-form rows on the writing rank. Given a
+    module, each parameter's layer kind and activation (:mod:`tb_gradhealth.torch_kinds`) go in the tag's metadata.
     """
     if not sharded and _rank(group) != 0:
         return None
@@ -337,7 +339,9 @@ def add_gradients(
             return None
     rows = to_memory(stacked)
     if writer is not None:
-        writer.add_records(step, layer_names(grads), rows, name=name)
+        names = layer_names(grads)
+        info = layer_info_for(grads, names) if isinstance(grads, torch.nn.Module) else ()
+        writer.add_records(step, names, rows, name=name, layer_info=info)
     return rows
 
 
@@ -381,6 +385,9 @@ class StepRecorder:
     ``origin``: a :class:`tb_gradhealth.torch_origin.OriginFinder`; with ``step(step, batch=(x, y))`` the first
     recorded NaN/Inf gradient (without a scaler) has its update undone and its step replayed to find where it was
     made (docs/NAN_ORIGIN.md); it needs every step, so with ``origin`` ``every`` defaults to 1.
+
+    Given a module, each parameter's layer kind and activation (:mod:`tb_gradhealth.torch_kinds`) are kept in the
+    tags' metadata; ``step(step, loss=loss)`` records the training loss on logged steps. The diagnosis uses both.
     """
 
     def __init__(
@@ -401,6 +408,9 @@ class StepRecorder:
         self.writer, self.optimizer, self.scaler = writer, optimizer, scaler
         self.origin = origin
         self.params = list(model.named_parameters() if isinstance(model, torch.nn.Module) else model)
+        #: each parameter's (layer kind, activation) where a module says it, kept in the tags' metadata
+        self.layer_info = (layer_info_for(model, [n for n, _ in self.params]) if isinstance(model, torch.nn.Module)
+                           else ())
         self.every = every if every is not None else (1 if origin is not None else 100)
         self.first, self.updates = first, updates
         self.sharded, self.group, self.name = sharded, group, name
@@ -426,7 +436,9 @@ class StepRecorder:
         """Whether ``step`` is logged: one of the ``first`` steps, or a multiple of ``every``."""
         return step < self.first or step % self.every == 0
 
-    def step(self, step: int, batch: Sequence[Any] | None = None) -> bool:
+    def step(self, step: int, batch: Sequence[Any] | None = None, *, loss: Any = None) -> bool:
+        """Run the optimizer step, recording it when ``step`` is logged. ``loss``: this step's training loss (a
+        tensor or a float), written with :meth:`Writer.add_loss` on logged steps only (the one host read of it)."""
         if not self.logs(step):
             return self._optimizer_step()
         if self.scaler is not None:
@@ -439,6 +451,9 @@ class StepRecorder:
         scale = self.scaler.get_scale() if self.scaler is not None else None
         hs = self.writer.hist_sample if self.writer is not None else record.DEFAULT_HIST_SAMPLE
         safe = self._failsafe  # the optimizer step runs whatever the recording does
+        if loss is not None and self.writer is not None:
+            safe.run("recording the loss", self.writer.add_loss, step,
+                     loss.detach() if isinstance(loss, torch.Tensor) else loss)
         pending = safe.run("computing the gradient-health record", before_step, self.params, step, hs, self.updates,
                            records=1)
         applied = self._optimizer_step()
@@ -455,7 +470,7 @@ class StepRecorder:
             applied = applied and (found is None or before is None)  # the update was undone
         if self.writer is not None:
             safe.run("writing a gradient-health record", self.writer.add_records, step,
-                     [n for n, _ in self.params], grads, name=self.name, records=1)
+                     [n for n, _ in self.params], grads, name=self.name, layer_info=self.layer_info, records=1)
             if scale is not None:
                 safe.run("writing the loss scale", self.writer.add_scalars, step,
                          {"amp/loss_scale": scale, "amp/step_skipped": float(not applied)})

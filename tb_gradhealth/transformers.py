@@ -4,8 +4,11 @@
 the gradients (mixed precision) and clipped them to ``max_grad_norm``, just before ``optimizer.step()``: the
 recorded gradient is the one the optimizer applies, AFTER clipping (``Trainer`` logs the norm before clipping as
 ``grad_norm``). The callback also writes the scalar ``clip/max_grad_norm`` (``args.max_grad_norm``, 0 when
-not clipping) so a reader can tell. The applied update is recorded in ``on_optimizer_step``. The main process
-writes. ``transformers`` is imported only by this module.
+not clipping) so a reader can tell. The applied update is recorded in ``on_optimizer_step``. The loss ``Trainer``
+logs (every ``logging_steps``, its mean since the last log) is recorded in ``on_log`` at the step of its last
+batch's record, and each parameter's layer
+kind and activation (:mod:`tb_gradhealth.torch_kinds`) in the tags' metadata: evidence the diagnosis weighs. The
+main process writes. ``transformers`` is imported only by this module.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from transformers import TrainerCallback
 from tb_gradhealth import record
 from tb_gradhealth import torch as tgh
 from tb_gradhealth._failsafe import Failsafe
+from tb_gradhealth.torch_kinds import layer_info_for
 from tb_gradhealth.writer import Writer
 
 __all__ = ["GradHealthCallback"]
@@ -66,10 +70,17 @@ class GradHealthCallback(TrainerCallback):
         self._pending = None
         rows = self.failsafe.run("finishing the gradient-health record", tgh.after_step, pending, params, records=1)
         if rows is not None:
-            self.failsafe.run("writing a gradient-health record", self.writer.add_records, step,
-                              [n for n, _ in params], rows, name=self.name, records=1)
+            names = [n for n, _ in params]
+            info = self.failsafe.run("reading the layers' kinds", layer_info_for, kwargs["model"], names) or ()
+            self.failsafe.run("writing a gradient-health record", self.writer.add_records, step, names, rows,
+                              name=self.name, layer_info=info, records=1)
             self.failsafe.run("writing max_grad_norm", self.writer.add_scalars, step,
                               {"clip/max_grad_norm": float(args.max_grad_norm or 0.0)})
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+        # Logged after the step count moved on: the loss of the batch whose gradient was recorded at step - 1.
+        if self.writer is not None and logs and "loss" in logs and state.global_step > 0:
+            self.failsafe.run("recording the loss", self.writer.add_loss, state.global_step - 1, logs["loss"])
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.writer is not None:

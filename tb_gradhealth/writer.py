@@ -38,7 +38,7 @@ from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.plugins.scalar import metadata as scalar_metadata
 from tensorboard.util import tensor_util
 
-from tb_gradhealth import metadata, record
+from tb_gradhealth import metadata, progress, record
 from tb_gradhealth._eventfile import EventFile
 
 __all__ = ["Writer", "make_event"]
@@ -268,6 +268,15 @@ class Writer:
                 value.metadata.CopyFrom(md)
                 self._tags_with_metadata.add(str(tag))
         self._writer.add_event(event)
+
+    def add_loss(self, step: int, loss: Any, *, wall_time: float | None = None) -> None:
+        """The training loss at ``step`` (a float, or anything ``float()`` reads: a numpy or one-element framework
+        tensor, read here), as :data:`tb_gradhealth.progress.LOSS_TAG`: the diagnosis weighs it beside the
+        gradients (a flat loss while layers barely learn is flagged; a falling one is evidence against a slow
+        status). Every writer of this package records its loss through this method."""
+        if isinstance(loss, (str, bytes)):
+            raise TypeError(f"loss must be a number, got {type(loss).__name__} {loss!r}")
+        self.add_scalars(step, {progress.LOSS_TAG: float(loss)}, wall_time=wall_time)
 
     def flush(self) -> bool:
         """Write everything queued so far now; whether all of it is written (when the logdir cannot be written, the

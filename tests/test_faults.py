@@ -616,14 +616,14 @@ def test_concurrent_identical_cold_requests_share_one_diagnosis(faults, monkeypa
     real = plugin.diagnose
     release = threading.Event()
 
-    def counting(series, t, step):
+    def counting(series, t, step, *evidence):
         with lock:
             calls.append(t)
             active[0] += 1
             most[0] = max(most[0], active[0])
         release.wait(10)  # hold every computation until all requests are in
         try:
-            return real(series, t, step)
+            return real(series, t, step, *evidence)
         finally:
             with lock:
                 active[0] -= 1
@@ -671,10 +671,10 @@ def test_a_failing_diagnosis_is_one_runs_error_not_a_traceback(faults, capsys, m
 
     real = _payloads.diagnose
 
-    def broken(series, t, step):
+    def broken(series, t, step, *evidence):
         if series.run == "good":
             raise ZeroDivisionError("float division by zero")
-        return real(series, t, step)
+        return real(series, t, step, *evidence)
 
     monkeypatch.setattr(_payloads, "diagnose", broken)
     rc = cli.main(["report", str(root), "--json", "--fail-on", "none"])
@@ -689,10 +689,10 @@ def test_a_failing_diagnosis_is_one_runs_error_not_a_traceback(faults, capsys, m
 def test_a_failing_route_answers_json_and_other_runs_are_served(faults, tab, monkeypatch):
     real = plugin.diagnose
 
-    def broken(series, t, step):
+    def broken(series, t, step, *evidence):
         if series.run == "good" and t.vanish_decades == 7:
             raise ZeroDivisionError("float division by zero")
-        return real(series, t, step)
+        return real(series, t, step, *evidence)
 
     monkeypatch.setattr(plugin, "diagnose", broken)
     r = tab.get(PREFIX + "/health?run=good&vanish_decades=7")

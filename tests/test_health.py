@@ -327,7 +327,8 @@ def test_json_shape_matches_the_contract():
     rms[:, 0] = 1e-11
     h = _diag(rms).to_json()
     assert set(h) == {"step", "thresholds", "threshold_spec", "summary", "layers"}
-    assert set(h["summary"]) == {"counts", "first_bad", "cause", "onset", "timeline", "order"}
+    assert set(h["summary"]) == {"counts", "first_bad", "cause", "onset", "timeline", "order", "loss_trend"}
+    assert h["summary"]["loss_trend"] is None  # no loss given
     assert set(h["summary"]["counts"]) == set(STATUSES) and sum(h["summary"]["counts"].values()) == 6
     assert set(h["layers"][0]) == {
         "layer", "index", "status", "severity", "reasons", "fixes", "first_step", "status_since", "episodes", "step",

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tb_gradhealth import reader, record
+from tb_gradhealth import layerinfo, progress, reader, record
 from tests.record_close import assert_records_close
 
 torch = pytest.importorskip("torch")
@@ -24,11 +24,21 @@ def _reference(seen: dict) -> np.ndarray:
     return np.stack([record.compute(g, w, u, hist_sample=None) for g, w, u in seen.values()])
 
 
+def _kinds_and_loss(logdir: str) -> tuple[dict[str, tuple[str, str]], tuple[np.ndarray, np.ndarray] | None]:
+    paths = next(iter(reader.find_runs(logdir).values()))
+    return layerinfo.read_layer_info(paths), progress.read_loss(paths)
+
+
+#: _net()'s parameters as the module tree says them: Linear then Tanh, then the output Linear.
+NET_KINDS = {"0": ("Dense", "tanh"), "2": ("Dense", "")}
+
+
 def test_lightning_callback_records_the_applied_gradient_and_update(tmp_path):
     pl = pytest.importorskip("lightning.pytorch")
     from tb_gradhealth.lightning import GradHealth
 
     seen: dict[int, dict] = {}
+    losses: dict[int, float] = {}
 
     class Probe(pl.Callback):
         def on_before_optimizer_step(self, trainer, module, optimizer):
@@ -46,7 +56,9 @@ def test_lightning_callback_records_the_applied_gradient_and_update(tmp_path):
             self.net = _net()
 
         def training_step(self, batch, batch_idx):
-            return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+            loss = torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+            losses[self.trainer.global_step] = loss.item()
+            return loss
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -59,6 +71,10 @@ def test_lightning_callback_records_the_applied_gradient_and_update(tmp_path):
     assert list(run.steps) == [0, 1, 4, 8] and not run.problems
     for step, rows in zip(run.steps, run.records, strict=True):
         assert_records_close(_reference(seen[int(step)]), rows, list(run.layers))
+    info, (loss_steps, loss) = _kinds_and_loss(str(tmp_path))
+    assert info == {n: NET_KINDS[n.split(".")[1]] for n in run.layers}  # net.0.weight: ("Dense", "tanh")
+    assert loss_steps.tolist() == [0, 1, 4, 8]
+    np.testing.assert_allclose(loss, [losses[s] for s in (0, 1, 4, 8)], rtol=1e-6)
 
 
 def test_trainer_callback_records_the_gradient_after_clipping(tmp_path):
@@ -67,6 +83,7 @@ def test_trainer_callback_records_the_gradient_after_clipping(tmp_path):
     from tb_gradhealth.transformers import GradHealthCallback
 
     seen: dict[int, dict] = {}
+    losses: list[float] = []  # the loss of each batch, in order (Trainer logs it every step here)
 
     class Probe(transformers.TrainerCallback):
         def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
@@ -83,12 +100,14 @@ def test_trainer_callback_records_the_gradient_after_clipping(tmp_path):
 
         def forward(self, x, labels=None):
             out = self.net(x)
-            return {"loss": torch.nn.functional.mse_loss(out, labels) * 1e3, "logits": out}
+            loss = torch.nn.functional.mse_loss(out, labels) * 1e3
+            losses.append(loss.item())
+            return {"loss": loss, "logits": out}
 
     data = [{"x": torch.randn(8), "labels": torch.randn(1)} for _ in range(64)]
     args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=6, per_device_train_batch_size=8,
                                           max_grad_norm=0.01, report_to=[], save_strategy="no", use_cpu=True,
-                                          disable_tqdm=True, learning_rate=1e-3)
+                                          disable_tqdm=True, learning_rate=1e-3, logging_steps=1)
     callback = GradHealthCallback(str(tmp_path / "logs"), every=5, first=2)
     transformers.Trainer(model=Regressor(), args=args, train_dataset=data, callbacks=[callback, Probe()]).train()
     run = reader.read_logdir(str(tmp_path / "logs")).runs[0]
@@ -97,3 +116,8 @@ def test_trainer_callback_records_the_gradient_after_clipping(tmp_path):
         assert_records_close(_reference(seen[int(step)]), rows, list(run.layers))
         norm = np.sqrt(np.sum(record.derived(rows)["norm"] ** 2))
         assert norm <= 0.01 * (1 + 1e-5), norm  # clipped: the loss' gradient is far larger than 0.01
+    info, (loss_steps, loss) = _kinds_and_loss(str(tmp_path / "logs"))
+    assert info == {n: NET_KINDS[n.split(".")[1]] for n in run.layers}
+    # the loss of batch s (0-based) beside the record of the gradient it made, at step s; Trainer rounds it
+    assert loss_steps.tolist() == list(range(6))
+    np.testing.assert_allclose(loss, losses, rtol=1e-4)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tb_gradhealth import reader, record
+from tb_gradhealth import layerinfo, progress, reader, record
 
 pytest.importorskip("jax")
 pytest.importorskip("keras")
@@ -52,8 +52,17 @@ model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
 np.savez("initial.npz", **{v.path.replace("/", "."): np.asarray(v) for v in model.trainable_variables})
 rng = np.random.default_rng(0)
 x, y = rng.normal(size=(64, 8)).astype("float32"), rng.normal(size=(64, 1)).astype("float32")
+losses = []
+
+
+class LossLog(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        losses.append(float(logs["loss"]))
+
+
 with Writer("logs/keras_jax", hist_sample=0) as w:
-    model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[tb_gradhealth.jax.keras_callback(w)])
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[tb_gradhealth.jax.keras_callback(w), LossLog()])
+np.save("losses.npy", np.array(losses))
 """
 
 
@@ -67,6 +76,15 @@ def test_keras_jax_backend_custom_train_step(tmp_path):
     run = reader.read_logdir(str(tmp_path / "logs")).runs[0]
     assert list(run.steps) == list(range(8))
     assert set(run.layers) == {"dense/kernel", "dense/bias", "dense_1/kernel", "dense_1/bias"}
+    # beside the records: the model's layer kinds and the loss of each batch. The output Dense(1) is made first, so
+    # it is "dense" (linear) and the hidden tanh layer "dense_1".
+    paths = reader.find_runs(str(tmp_path / "logs"))["keras_jax"]
+    assert layerinfo.read_layer_info(paths) == {"dense/kernel": ("Dense", "linear"), "dense/bias": ("Dense", "linear"),
+                                                "dense_1/kernel": ("Dense", "tanh"),
+                                                "dense_1/bias": ("Dense", "tanh")}
+    loss_steps, loss = progress.read_loss(paths)
+    assert loss_steps.tolist() == list(range(8))
+    np.testing.assert_allclose(loss, np.load(tmp_path / "losses.npy"), rtol=1e-6)
     rec = run.records
     # SGD without momentum: the applied update is 0.01 x the gradient, recorded independently of it
     np.testing.assert_allclose(rec[..., record.INDEX["update_max_abs"]], 0.01 * record.max_abs(rec), rtol=1e-5)

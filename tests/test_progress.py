@@ -88,3 +88,38 @@ def test_report_names_the_layer_kind_and_its_fix(tmp_path, capsys):
     top = json.loads(capsys.readouterr().out)["runs"][0]["layers"][0]
     assert top["layer"].startswith("dense_0/") and top["status"] == "vanishing"
     assert "sigmoid" in top["fixes"][0] and "layer: Dense, activation sigmoid" in top["reasons"]
+
+
+class FakeProvider:
+    """A data provider holding one run's loss scalar; counts the reads of values."""
+
+    def __init__(self, points: list[tuple[int, float]]) -> None:
+        self.points, self.reads = points, 0
+
+    def list_scalars(self, ctx, *, experiment_id, plugin_name, run_tag_filter):
+        from tensorboard.data import provider
+
+        last = self.points[-1]
+        return {"train": {progress.LOSS_TAG: provider.ScalarTimeSeries(
+            max_step=last[0], max_wall_time=float(last[0]), plugin_content=b"", description="", display_name="")}}
+
+    def read_scalars(self, ctx, *, experiment_id, plugin_name, downsample, run_tag_filter):
+        from tensorboard.data import provider
+
+        self.reads += 1
+        assert plugin_name == "scalars" and set(run_tag_filter.tags) == set(progress.LOSS_TAGS)
+        return {"train": {progress.LOSS_TAG: [provider.ScalarDatum(step=s, wall_time=float(s), value=v)
+                                              for s, v in self.points]}}
+
+
+def test_the_plugins_loss_is_read_again_only_when_the_provider_lists_new_data():
+    fake = FakeProvider([(0, 2.0), (1, 1.5)])
+    losses = progress.ProviderLosses(fake)
+    for _ in range(3):
+        steps, loss = losses.get(None, "", "train")
+        assert steps.tolist() == [0, 1] and loss.tolist() == [2.0, 1.5]
+    assert fake.reads == 1
+    fake.points.append((2, 1.0))  # the run wrote another loss value
+    steps, loss = losses.get(None, "", "train")
+    assert steps.tolist() == [0, 1, 2] and loss.tolist() == [2.0, 1.5, 1.0] and fake.reads == 2
+    assert losses.get(None, "", "other") is None and fake.reads == 2  # no loss listed: nothing read

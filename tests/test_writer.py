@@ -14,7 +14,7 @@ from tensorboard.backend.event_processing import plugin_event_multiplexer
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 from tensorboard.compat.proto import summary_pb2
 
-from tb_gradhealth import metadata, record, testing
+from tb_gradhealth import metadata, progress, reader, record, testing
 from tb_gradhealth.writer import Writer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -106,6 +106,24 @@ def test_add_scalars_are_standard_scalars(tmp_path):
     steps, values = zip(*got["loss"][1], strict=True)
     assert steps == (0, 1, 2, 3)
     np.testing.assert_allclose(values, [1.0, 0.5, 1 / 3, 0.25], rtol=1e-6)
+
+
+@pytest.mark.unit
+def test_add_loss_is_the_progress_scalar_read_as_training_progress(tmp_path):
+    with Writer(str(tmp_path)) as w:
+        w.add_loss(0, 2.0)
+        w.add_loss(3, np.float64(0.5))
+        w.add_loss(7, np.array(0.25, dtype=np.float32))  # a one-element array is read on the host
+        for bad in ("0.1", None, [0.1, 0.2]):
+            with pytest.raises((TypeError, ValueError)):
+                w.add_loss(9, bad)
+        with pytest.raises(ValueError):
+            w.add_loss(5, 1.0)  # a step that goes back
+    got = testing.read_back(str(tmp_path), plugin="scalars")
+    assert list(got) == [progress.LOSS_TAG]
+    assert got[progress.LOSS_TAG][1] == [(0, 2.0), (3, 0.5), (7, 0.25)]  # nothing of the refused calls
+    steps, loss = progress.read_loss(reader.find_runs(str(tmp_path))["."])
+    assert steps.tolist() == [0, 3, 7] and loss.tolist() == [2.0, 0.5, 0.25]
 
 
 @pytest.mark.unit

@@ -10,6 +10,7 @@ import { lineChart } from '../charts/line.js';
 import { api } from '../model.js';
 import { badge } from '../status.js';
 import { episodeText, episodesOf, statusChain } from './episodes.js';
+import { kindText } from './evidence.js';
 import { originNote } from './origin.js';
 import { thresholdLines } from './reference.js';
 
@@ -64,6 +65,8 @@ export function detailDrawer(model) {
     replace(content,
       el('div', { class: 'detail-head' }, entry ? badge(entry.status) : null,
         el('h2', { class: 'detail-layer mono', text: layer }), el('span', { class: 'detail-run', text: `run ${run}` })),
+      kindText(entry) ? el('p', { class: 'layer-kind', attrs: { 'data-testid': 'layer-kind' } },
+        el('b', { text: 'Layer: ' }), kindText(entry)) : null,
       entry && entry.reasons && entry.reasons.length
         ? el('ul', { class: 'reasons-list' }, entry.reasons.map((r) => el('li', { text: r })))
         : el('p', { class: 'hint', text: entry && entry.status === 'healthy' ? 'No rule fired: this layer looks healthy.' : '' }),

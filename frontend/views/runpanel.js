@@ -1,11 +1,13 @@
 /**
- * One run's section of the page: header (steps, notices), summary line, depth profile and the ranked table.
+ * One run's section of the page: header (steps, notices), summary line (and the loss trend where it was recorded),
+ * depth profile and the ranked table.
  * Several panels stack when several runs are selected, sharing the table's sort and filter.
  */
 
 import { el, replace } from '../dom.js';
 import { afterPaint, timing } from '../model.js';
 import { downsampledNotice, problemsNotice } from './empty.js';
+import { lossLine } from './evidence.js';
 import { originBox } from './origin.js';
 import { profileView } from './profile.js';
 import { summaryLine } from './summary.js';
@@ -50,7 +52,7 @@ export function runPanel(model, run, openDetail) {
       replace(summary, el('span', { class: 'loading', text: 'diagnosing…' }));
       return;
     }
-    replace(summary, summaryLine(health));
+    replace(summary, summaryLine(health), lossLine(health));
     table.update(health);
     const arrived = health.__arrived;
     afterPaint().then(() => {

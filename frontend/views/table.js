@@ -11,8 +11,9 @@
 import { el, fmt, replace } from '../dom.js';
 import { lazySparkline, sparklineObserver } from '../charts/sparkline.js';
 import { afterPaint, timing } from '../model.js';
-import { badge, statusColor, statusRank } from '../status.js';
+import { badge, isFlagged, statusColor, statusRank } from '../status.js';
 import { chainGlyphs, chainText } from './episodes.js';
+import { kindText } from './evidence.js';
 
 export const ROW_PAGE = 50;
 
@@ -73,10 +74,13 @@ function sinceCell(layer) {
 
 function row(layer, history, onSelect, observer) {
   const reasons = layer.reasons || [];
+  const kind = kindText(layer);
   const tr = el('tr', { class: `row row-${layer.status}`, tabIndex: 0, attrs: { 'data-layer': layer.layer } },
     el('td', { class: 'num rank', text: String(layer.__rank) }),
     el('td', {}, badge(layer.status)),
-    el('td', { class: 'layer-name mono', text: layer.layer, title: layer.layer }),
+    el('td', { class: 'layer-name mono', title: kind ? `${layer.layer} (${kind})` : layer.layer },
+      el('span', { class: 'layer-name-text', text: layer.layer }),
+      kind && isFlagged(layer.status) ? el('span', { class: 'layer-kind-tag', text: kind }) : null),
     el('td', { class: 'num', text: fmt(layer.severity) }),
     sinceCell(layer),
     el('td', { class: 'num', text: fmt(layer.rms) }),
@@ -87,7 +91,7 @@ function row(layer, history, onSelect, observer) {
       title: history.length ? `RMS at steps ${history[0]}…${history[history.length - 1]}` : '',
     })),
     el('td', { class: 'reasons', text: reasons.length ? reasons[0] + (reasons.length > 1 ? ` (+${reasons.length - 1})` : '') : '',
-      title: reasons.join('\n') }));
+      title: [...reasons, ...(layer.fixes || []).slice(0, 1).map((f) => `What to do: ${f}`)].join('\n') }));
   tr.addEventListener('click', () => onSelect(layer.layer));
   tr.addEventListener('keydown', (event) => {
     if (event.key === 'Enter') onSelect(layer.layer);

@@ -10,7 +10,7 @@ from tb_gradhealth import record
 from tb_gradhealth.health.episodes import _follow_siblings, _nonfinite_origin, _onset, _timeline, _track
 from tb_gradhealth.health.kinds import explain_kinds
 from tb_gradhealth.health.optimizer import global_clip_note
-from tb_gradhealth.health.progress import loss_trend, weigh_progress
+from tb_gradhealth.health.progress import LossTrend, loss_trend, weigh_progress
 from tb_gradhealth.health.reasons import _first_bad, _layer_health, cause_first
 from tb_gradhealth.health.result import _BASE, LayerHealth, RunHealth
 from tb_gradhealth.health.rules import _evaluate, _Steps
@@ -57,9 +57,11 @@ def diagnose_run(
                for i, name in enumerate(layers)]
         return RunHealth(None, t, out)
     out, borrowed = _layer_healths(_evaluate(records, layers, t), steps, records, layers, t)
-    _add_evidence(out, records, int(steps[-1]), t, progress, layer_info)
+    trend = loss_trend(progress[0], progress[1], int(steps[-1])) if progress is not None else None
+    _add_evidence(out, records, t, trend, layer_info)
     ranked, cause = cause_first(sorted(out, key=lambda lh: (-lh.severity, lh.index)), borrowed)
-    return RunHealth(int(steps[-1]), t, ranked, _first_bad(ranked), _onset(out), _timeline(out), cause)
+    return RunHealth(int(steps[-1]), t, ranked, _first_bad(ranked), _onset(out), _timeline(out), cause,
+                     trend.to_json() if trend is not None else None)
 
 
 def _up_to(steps: np.ndarray, records: np.ndarray, at_step: int | None) -> tuple[np.ndarray, np.ndarray]:
@@ -88,12 +90,11 @@ def _layer_healths(ev: _Steps, steps: np.ndarray, records: np.ndarray, layers: S
     return [_layer_health(ev, steps, layers, i, d, origin, t, tracks[i]) for i in range(len(layers))], borrowed
 
 
-def _add_evidence(out: list[LayerHealth], records: np.ndarray, last_step: int, t: Thresholds,
-                  progress: tuple[np.ndarray, np.ndarray] | None,
+def _add_evidence(out: list[LayerHealth], records: np.ndarray, t: Thresholds, trend: LossTrend | None,
                   layer_info: Mapping[str, tuple[str, str]] | None) -> None:
     """What the records alone do not hold: the training loss, the layers' kinds, the optimizer's global clip."""
-    if progress is not None:
-        weigh_progress(out, loss_trend(progress[0], progress[1], last_step), t)
+    if trend is not None:
+        weigh_progress(out, trend, t)
     if layer_info:
         explain_kinds(out, layer_info)
     clip = global_clip_note(records)

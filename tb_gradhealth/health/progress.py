@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -47,6 +48,10 @@ class LossTrend:
     @property
     def falls(self) -> bool:
         return self.change < -FLAT
+
+    def to_json(self) -> dict[str, Any]:
+        return {"first_step": self.first_step, "last_step": self.last_step, "points": self.points,
+                "change": self.change, "flat": self.flat, "falls": self.falls, "converged": self.converged}
 
 
 def loss_trend(steps: np.ndarray, loss: np.ndarray, at_step: int | None = None) -> LossTrend | None:

@@ -89,6 +89,8 @@ class RunHealth:
     #: the episode that started the chain the worst layers are in: layer, its first status and step, its status
     #: now, and the story ("exploding from step 1 -> dead from 3")
     cause: dict[str, Any] | None = None
+    #: how the training loss moved up to the step, where it is recorded (``LossTrend.to_json``), else None
+    loss_trend: dict[str, Any] | None = None
 
     @property
     def counts(self) -> dict[str, int]:
@@ -113,6 +115,7 @@ class RunHealth:
             "thresholds": self.thresholds.to_dict(),
             "threshold_spec": Thresholds.spec(),
             "summary": {"counts": self.counts, "first_bad": self.first_bad, "cause": self.cause, "onset": self.onset,
-                        "timeline": [dict(e) for e in self.timeline], "order": _ORDER},
+                        "timeline": [dict(e) for e in self.timeline], "order": _ORDER,
+                        "loss_trend": self.loss_trend},
             "layers": [lh.to_json() for lh in self.layers],
         }

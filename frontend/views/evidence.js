@@ -1,0 +1,38 @@
+/**
+ * What the writer recorded beside the gradients, as text: a layer's kind and activation ("Dense, activation
+ * sigmoid") and the run's training loss with its trend ("Loss −50% over steps 0–29: falling"), the evidence the
+ * diagnosis weighed. Both are absent from runs whose writer did not record them.
+ */
+
+import { el, fmt } from '../dom.js';
+import { sparkline } from '../charts/sparkline.js';
+
+/** "Dense, activation sigmoid" (or "" when the writer did not record the layer's kind). */
+export function kindText(layer) {
+  if (!layer || !(layer.kind || layer.activation)) return '';
+  return `${layer.kind || 'unknown kind'}${layer.activation ? `, activation ${layer.activation}` : ''}`;
+}
+
+function trendWord(trend) {
+  if (trend.converged) return 'came down and levelled off';
+  if (trend.flat) return 'flat';
+  return trend.falls ? 'falling' : 'rising';
+}
+
+/** The run's loss line and trend, or null when no loss was recorded. @param {object} health the `health` answer */
+export function lossLine(health) {
+  const loss = health.loss;
+  if (!loss || !loss.steps || !loss.steps.length) return null;
+  const trend = health.summary ? health.summary.loss_trend : null;
+  const first = loss.steps[0];
+  const last = loss.steps[loss.steps.length - 1];
+  const text = trend
+    ? `Loss ${trend.change >= 0 ? '+' : '−'}${fmt(Math.abs(trend.change) * 100, 2)}% from the first to the last quarter `
+      + `of steps ${trend.first_step}–${trend.last_step}: ${trendWord(trend)}`
+    : `Loss at ${loss.steps.length} logged step(s) ${first}–${last}: too few finite positive values to judge a trend`;
+  const latest = loss.values[loss.values.length - 1];
+  return el('div', { class: 'loss-trend', attrs: { 'data-testid': 'loss-trend' } },
+    el('span', { class: 'loss-text', text }),
+    sparkline(loss.values, { width: 160, height: 24, color: '#333333',
+      title: `training loss at steps ${first}…${last} (log scale); last ${fmt(latest)}` }));
+}
