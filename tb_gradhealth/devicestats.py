@@ -67,6 +67,23 @@ class Backend(NamedTuple):
 SAFE_LO, SAFE_HI = 2.0**-30, 2.0**30
 
 
+def one_pass_ok(xp: Any, mn: Any, mx: Any) -> Any:
+    """Whether a gradient with extremes ``mn``, ``mx`` takes the one-pass statistics: max|x| within
+    ``[SAFE_LO, SAFE_HI]`` and neither extreme subnormal (flushed to zero, so not the record's min/max); False for
+    NaN. ``xp``: the namespace of ``mn`` and ``mx`` (numpy on the host too)."""
+    m = xp.maximum(mx, -mn)
+
+    def tiny(v: Any) -> Any:
+        return (xp.abs(v) < record.FLUSH_BELOW) & (v != 0)
+
+    return (m >= SAFE_LO) & (m <= SAFE_HI) & ~tiny(mx) & ~tiny(mn)
+
+
+def norm_one_pass_ok(m: Any) -> Any:
+    """Whether a weight or update with max|x| ``m`` takes the one-pass sum of squares (False for NaN)."""
+    return (m >= SAFE_LO) & (m <= SAFE_HI)
+
+
 def _sums(be: Backend, xk: Any, m: Any) -> tuple[Any, Any]:
     """``(sum((x/m)^2), sum(x/m))``: exact in relative terms at any magnitude (``m`` known first)."""
     y = be.divide(xk, be.xp.where(m > 0, m, 1.0))
@@ -86,24 +103,19 @@ def grad_stats(be: Backend, x: Any, extra_zeros: int, hist_sample: int, sample: 
     xp = be.xp
     mn0, mx0 = be.min_max(x)
     m0 = xp.maximum(mx0, -mn0)
-
-    def tiny(v: Any) -> Any:  # a subnormal extreme: flushed to zero, so not the record's min/max
-        return (xp.abs(v) < record.FLUSH_BELOW) & (v != 0)
-
-    one_pass = (m0 >= SAFE_LO) & (m0 <= SAFE_HI) & ~tiny(mx0) & ~tiny(mn0)  # False for NaN
-    counts, head = be.cond(one_pass, lambda x, mn, mx, m: _one_pass(be, x, extra_zeros, mn, mx, m),
+    counts, head = be.cond(one_pass_ok(xp, mn0, mx0), lambda x, mn, mx, m: _one_pass(be, x, extra_zeros, mn, mx, m),
                            lambda x, mn, mx, m: _scaled(be, x, extra_zeros), (x, mn0, mx0, m0))
     nonzero = counts[0] - counts[1] - counts[2] - counts[3] - counts[4]
     if sample is None:
-        kept_hist = _kept_hist(be, x)
+        hist = kept_hist(be, x)
     else:  # the scaled sample, unless the exact histogram is due (record.sample_is_enough's rule)
-        kept_hist = _kept_hist(be, sample(x))
-        kept = kept_hist[0]
-        scaled = xp.concatenate([xp.reshape(kept, (1,)), kept_hist[1:] * xp.where(
+        hist = kept_hist(be, sample(x))
+        kept = hist[0]
+        scaled = xp.concatenate([xp.reshape(kept, (1,)), hist[1:] * xp.where(
             kept > 0, be.f32(nonzero) / xp.where(kept > 0, kept, 1.0), 0.0)])
         exact = (nonzero <= hist_sample) | (kept < record.sample_min_kept(hist_sample))
-        kept_hist = be.cond(exact, lambda x, s: _kept_hist(be, x), lambda x, s: s * 1.0, (x, scaled))
-    return counts, xp.concatenate([head, kept_hist])
+        hist = be.cond(exact, lambda x, s: kept_hist(be, x), lambda x, s: s * 1.0, (x, scaled))
+    return counts, xp.concatenate([head, hist])
 
 
 def _extremes(be: Backend, mn: Any, mx: Any, extra_zeros: int) -> tuple[Any, Any]:
@@ -149,7 +161,7 @@ def _scaled(be: Backend, x: Any, extra_zeros: int) -> tuple[Any, Any]:
     return counts, be.f32(xp.stack([mn, mx, mean, ssq]))
 
 
-def _kept_hist(be: Backend, v: Any) -> Any:
+def kept_hist(be: Backend, v: Any) -> Any:
     """``[finite nonzero count, *histogram]`` float32 of the values ``v`` (all of them binned; integer counts, so
     exact up to float32's own rounding of the result)."""
     av = be.xp.abs(v)
@@ -165,7 +177,7 @@ def norm_stats(be: Backend, x: Any) -> Any:
         return be.f32(xp.stack([xp.sum(x), xp.sum(x)]))
     mn, mx = be.min_max(x)
     m = xp.maximum(mx, -mn)
-    return be.cond((m >= SAFE_LO) & (m <= SAFE_HI), lambda x, m: be.f32(xp.stack([m, be.sum_squares(x) / (m * m)])),
+    return be.cond(norm_one_pass_ok(m), lambda x, m: be.f32(xp.stack([m, be.sum_squares(x) / (m * m)])),
                    lambda x, m: _norm_scaled(be, x), (x, m))
 
 
@@ -202,6 +214,20 @@ def assemble(be: Backend, grad: Any, weight: Any, update: Any, missing: bool) ->
     head = [fields[name] if name in fields else be.const(np.array(defaults[name], np.float32), grad)
             for name in record.VALUE_FIELDS]
     return be.xp.concatenate([be.xp.stack(head), grad[k:]])
+
+
+def assemble_table(be: Backend, grad: Any, weight: Any, update: Any, missing: Any) -> Any:
+    """Every layer's values ``[L, NUM_VALUES + HIST_BINS]`` at once (:func:`assemble` row by row) from the stacked
+    :func:`grad_stats` (or :func:`empty_values`) vectors ``[L, 5 + HIST_BINS]``, the weight's and the update's
+    :func:`norm_stats` ``[L, 2]`` (NaN where a layer has none: the fields' defaults) and ``missing`` ``[L]``."""
+    fields = {name: grad[:, i] for i, name in enumerate(GRAD_FIELDS)}
+    for prefix, norms in (("weight", weight), ("update", update)):
+        fields[f"{prefix}_max_abs"], fields[f"{prefix}_ssq_rel"] = norms[:, 0], norms[:, 1]
+    fields["missing"] = missing
+    rows = grad.shape[0]
+    head = [fields[name] if name in fields else be.const(np.full(rows, _DEFAULTS[name], np.float32), grad)
+            for name in record.VALUE_FIELDS]
+    return be.xp.concatenate([be.xp.stack(head, 1), grad[:, len(GRAD_FIELDS):]], 1)
 
 
 def merge(

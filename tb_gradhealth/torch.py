@@ -35,7 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tb_gradhealth import devicestats, record
+from tb_gradhealth import _torcheager, devicestats, record
+from tb_gradhealth import _torchstats as ts
 from tb_gradhealth.failsafe import Failsafe
 from tb_gradhealth.record import Delta
 from tb_gradhealth.writer import Writer
@@ -54,7 +55,6 @@ __all__ = [
 ]
 
 _VI = {name: record.NUM_COUNTS + i for i, name in enumerate(record.VALUE_FIELDS)}
-_EDGES: dict[torch.device, torch.Tensor] = {}
 
 
 # --- inputs -------------------------------------------------------------------------------------------------
@@ -90,115 +90,6 @@ def _local(t: Any) -> Any:
     return to_local() if callable(to_local) else t
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    """The values as float32 holds them (the record's definition): f16/bf16 exactly, float64 beyond float32's
-    range becomes +-Inf."""
-    return t.detach().reshape(-1).float()
-
-
-# --- the statistics (torch ops, torch.cond when traced) --------------------------------------------------
-
-
-def _edges(device: torch.device) -> torch.Tensor:
-    e = _EDGES.get(device)
-    if e is None:
-        e = _EDGES[device] = torch.from_numpy(record.HIST_EDGES).to(device)
-    return e
-
-
-def _data_offset(x: torch.Tensor, layer: int) -> torch.Tensor:
-    """A sampling offset from the data (four probes' float32 bits, mixed with the layer index): no host input."""
-    n = x.numel()
-    probes = x[torch.tensor([0, n // 3, n // 2, n - 1], device=x.device)].float().view(torch.int32).long()
-    mix = probes[0] ^ (probes[1] * 31) ^ (probes[2] * 131 + probes[3]) ^ record.sample_salt(layer)
-    return mix & 0x7FFFFFFFFFFF
-
-
-def _seed_offset(seed: int, layer: int) -> int:
-    """A sampling offset from ``seed`` (e.g. the step) and the layer index (splitmix64)."""
-    z = (seed * 0x9E3779B97F4A7C15 + (layer + 1) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (z ^ (z >> 31)) >> 2
-
-
-def _histogram(av: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    b = torch.bucketize(av.float(), _edges(av.device), right=True)
-    return torch.zeros(record.HIST_BINS, device=av.device, dtype=w.dtype).index_add_(0, b, w)
-
-
-def _const(a: np.ndarray, like: Any) -> torch.Tensor:
-    return torch.from_numpy(a).to(like.device) if isinstance(like, torch.Tensor) else torch.from_numpy(a)
-
-
-def _sumsq(x: torch.Tensor) -> torch.Tensor:
-    """``sum(x * x)`` in one pass, as norms of rows of 1024 (one norm of millions of values drifts by 1e-4)."""
-    k = x.numel() - x.numel() % 1024
-    if k == 0:
-        return x.square().sum()
-    s = torch.linalg.vector_norm(x[:k].view(-1, 1024), dim=1).square().sum()
-    return s + x[k:].square().sum() if k < x.numel() else s
-
-
-def _cond(pred: torch.Tensor, true_fn: Callable, false_fn: Callable, operands: tuple) -> Any:
-    """``torch.cond`` while traced (only the branch taken runs, no graph break); eagerly, a Python branch."""
-    if torch.compiler.is_compiling():
-        return torch.cond(pred, true_fn, false_fn, operands)
-    return true_fn(*operands) if bool(pred) else false_fn(*operands)
-
-
-_BE = devicestats.Backend(
-    torch, lambda t: t.float(), _histogram, _const, torch.div, _cond,
-    aminmax=torch.aminmax,
-    sumsq=lambda x: _sumsq(x),
-    count_normal=lambda x: torch.count_nonzero(x.view(torch.int32) & 0x7F800000),  # exponent bits: not 0/subnormal
-)
-
-
-def _sampler(n: int, hist_sample: int, offset: Any) -> Any:
-    """The sampling rule: ``hist_sample`` positions ``(offset + i * stride) % n`` (``None``: exact histogram)."""
-    if not hist_sample or n <= hist_sample:
-        return None
-
-    def sample(x: torch.Tensor) -> torch.Tensor:
-        i = torch.arange(hist_sample, device=x.device, dtype=torch.int64)
-        return x[(offset + i * record.sample_stride(n)) % n]
-
-    return sample
-
-
-def _norm_stats(t: Any) -> torch.Tensor:
-    x = _flat(t.before) - _flat(t.after) if isinstance(t, Delta) else _flat(t)
-    return devicestats.norm_stats(_BE, x)
-
-
-def _layer(
-    g: Any, w: Any, u: Any, size: int, hist_sample: int, layer: int, offset: Any
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(counts int64 [5], values float32 [89])`` of one layer, in :data:`record.VALUE_FIELDS` order."""
-    device = next(t for t in (g, w, u, torch.zeros(())) if isinstance(t, torch.Tensor)).device
-    wr = None if w is None else _norm_stats(w)
-    ur = None if u is None else _norm_stats(u)
-    if g is None or _flat_size(g) == 0:
-        counts = torch.tensor([size if g is None else 0, 0, 0, 0, 0], device=device)
-        empty = devicestats.empty_values(_BE, torch.zeros((), device=device))
-        return counts, devicestats.assemble(_BE, empty, wr, ur, g is None)
-    if g.is_sparse:
-        g = g.coalesce()  # duplicate indices summed, as in the dense gradient
-        x = _flat(g.values())
-        extra = g.numel() - x.numel()
-    else:
-        x, extra = _flat(g), 0
-    if offset is None and hist_sample and x.numel() > hist_sample:
-        offset = _data_offset(x, layer)
-    counts, v = devicestats.grad_stats(_BE, x, extra, hist_sample, _sampler(x.numel(), hist_sample, offset))
-    return counts, devicestats.assemble(_BE, v, wr, ur, False)
-
-
-def _flat_size(g: torch.Tensor) -> int:
-    return g.numel() if not g.is_sparse else g._nnz() * int(np.prod(g.shape[g.sparse_dim():], dtype=np.int64))
-
-
 def _stack(counts: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """``[L, 5]`` int counts and ``[L, 89]`` float32 values -> the stacked ``[L, 94]`` float32 tensor."""
     return torch.cat([counts.to(torch.int32).view(torch.float32), values.float()], dim=1)
@@ -214,7 +105,7 @@ def _compute_impl(
 ) -> torch.Tensor:
     rows = []
     for i, (g, w, u, size) in enumerate(zip(grads, weights, updates, sizes, strict=True)):
-        rows.append(_layer(g, w, u, size, hist_sample, i, None if offsets is None else offsets[i]))
+        rows.append(ts.layer_record(g, w, u, size, hist_sample, i, None if offsets is None else offsets[i]))
     if not rows:
         return torch.zeros((0, record.NUM_FIELDS), dtype=torch.float32)
     return _stack(torch.stack([c for c, _ in rows]), torch.stack([v for _, v in rows]))
@@ -247,17 +138,21 @@ def compute(
     wlist = [_local(w) for w in wlist]
     sizes = [_size(g, w) for g, w in zip(glist, wlist, strict=True)]
     hs = int(hist_sample or 0)
-    offsets = None if seed is None else [_seed_offset(int(seed), i) for i in range(len(names))]
+    offsets = None if seed is None else [ts.seed_offset(int(seed), i) for i in range(len(names))]
     if compile and not any(g is not None and g.is_sparse for g in glist):
         global _compiled
         if _compiled is None:
             _compiled = torch.compile(_compute_impl, dynamic=False)
         dev = next((g.device for g in glist if g is not None), torch.device("cpu"))
-        _edges(dev)  # filled before tracing: a cache that changes under the compiled code would recompile it
+        ts.edges(dev)  # filled before tracing: a cache that changes under the compiled code would recompile it
         if offsets is not None:  # a tensor, so that a new seed does not recompile
             offsets = torch.tensor(offsets, dtype=torch.int64, device=dev)
         return _compiled(glist, wlist, ulist, sizes, hs, offsets)
-    return _compute_impl(glist, wlist, ulist, sizes, hs, offsets)
+    eager = names and not torch.compiler.is_compiling()  # traced inside the caller's torch.compile: torch.cond
+    batched = _torcheager.compute(glist, wlist, ulist, sizes, hs, offsets) if eager else None
+    if batched is None:
+        return _compute_impl(glist, wlist, ulist, sizes, hs, offsets)
+    return _stack(*batched)
 
 
 def _size(g: Any, w: Any) -> int:
@@ -287,7 +182,7 @@ def merge(stacked: torch.Tensor, group: Any = None) -> torch.Tensor:
         return run
 
     counts, v = _unstack(stacked)
-    c, values = devicestats.merge(_BE, counts, v.double(), reduce(dist.ReduceOp.MAX), reduce(dist.ReduceOp.SUM))
+    c, values = devicestats.merge(ts.BE, counts, v.double(), reduce(dist.ReduceOp.MAX), reduce(dist.ReduceOp.SUM))
     return _stack(c.long(), values)
 
 

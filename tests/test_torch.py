@@ -198,3 +198,14 @@ def test_step_recorder_default_cadence_logs_the_first_steps_then_every_hundredth
             model(torch.randn(2, 3)).sum().backward()
             rec.step(step)
     assert list(reader.read_logdir(str(tmp_path)).runs[0].steps) == [*range(10), 100, 200]
+
+
+@pytest.mark.parametrize("n", [0, 1, 2039, 2040, 2041, 3 * 2040 + 7, 100_003])
+def test_batched_count_of_normal_values_is_exact(n):
+    """The eager passes count normal values eight flag bytes at a time: every length around the row block."""
+    from tb_gradhealth import _torcheager
+
+    rng = np.random.default_rng(n)
+    x = rng.choice(np.array([0.0, -0.0, 1e-40, -1e-45, 1.2e-38, -1.0, 3e38, 2.5e-30], np.float32), size=n)
+    expected = int(np.count_nonzero(np.abs(x.astype(np.float64)) >= np.finfo(np.float32).tiny))
+    assert int(_torcheager.count_normal(torch.from_numpy(x))) == expected
