@@ -161,3 +161,12 @@ def _norm_rows(xs: Sequence[torch.Tensor | None], ext: torch.Tensor, host: np.nd
         v = torch.full((2,), float("nan"), device=device) if x is None else devicestats.norm_stats(ts.BE, x)
         pieces.append(([i], v[None]))
     return _in_order(pieces)
+
+
+def norms(xs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """:func:`devicestats.norm_stats` ``[L, 2]`` of flat float32 tensors (weights or updates)."""
+    if not xs or len({x.device for x in xs}) > 1:
+        return torch.stack([devicestats.norm_stats(ts.BE, x) for x in xs]) if xs else torch.zeros((0, 2))
+    device = xs[0].device if xs else torch.device("cpu")
+    ext = _extremes(xs, device)
+    return _norm_rows(xs, ext, ext.cpu().numpy(), device)

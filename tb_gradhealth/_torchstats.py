@@ -7,13 +7,13 @@ leave to one tensor at a time: sparse, missing and empty gradients, and NaN/Inf 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from tb_gradhealth import devicestats, record
+from tb_gradhealth import devicebatch, devicestats, record
 from tb_gradhealth.record import Delta
 
 _EDGES: dict[torch.device, torch.Tensor] = {}
@@ -132,3 +132,26 @@ def layer_record(
 
 def flat_size(g: torch.Tensor) -> int:
     return g.numel() if not g.is_sparse else g._nnz() * int(np.prod(g.shape[g.sparse_dim():], dtype=np.int64))
+
+
+def traced_records(grads: Sequence[Any], weights: Sequence[Any], updates: Sequence[Any], sizes: Sequence[int],
+                   hist_sample: int, offsets: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(counts [L, 5], values [L, 89])`` of every layer with one conditional for the whole model
+    (:mod:`tb_gradhealth.devicebatch`): what ``torch.compile`` traces."""
+    device = next((t.device for t in (*grads, *weights) if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    dense = [flat(g) if g is not None and not g.is_sparse and g.numel() else None for g in grads]
+    samplers = []
+    for i, x in enumerate(dense):
+        offset = None if offsets is None else offsets[i]
+        if x is not None and offset is None and hist_sample and x.numel() > hist_sample:
+            offset = data_offset(x, i)
+        samplers.append(None if x is None else sampler(x.numel(), hist_sample, offset))
+
+    def other(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad_record(grads[i], sizes[i], hist_sample, i, None if offsets is None else offsets[i], device)
+
+    def norm_inputs(ts: Sequence[Any]) -> list[torch.Tensor | None]:
+        return [None if t is None else norm_input(t) for t in ts]
+
+    return devicebatch.records(BE, dense, [0] * len(dense), norm_inputs(weights), norm_inputs(updates), hist_sample,
+                               samplers, other, [g is None for g in grads])

@@ -99,16 +99,23 @@ def _unstack(stacked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return stacked[:, : record.NUM_COUNTS].contiguous().view(torch.int32).long(), stacked[:, record.NUM_COUNTS :]
 
 
-def _compute_impl(
+def _per_layer(
     grads: Sequence[Any], weights: Sequence[Any], updates: Sequence[Any], sizes: Sequence[int],
     hist_sample: int, offsets: Any,
 ) -> torch.Tensor:
+    """Each layer on its own (tensors on several devices)."""
     rows = []
     for i, (g, w, u, size) in enumerate(zip(grads, weights, updates, sizes, strict=True)):
         rows.append(ts.layer_record(g, w, u, size, hist_sample, i, None if offsets is None else offsets[i]))
-    if not rows:
-        return torch.zeros((0, record.NUM_FIELDS), dtype=torch.float32)
     return _stack(torch.stack([c for c, _ in rows]), torch.stack([v for _, v in rows]))
+
+
+def _traced(
+    grads: Sequence[Any], weights: Sequence[Any], updates: Sequence[Any], sizes: Sequence[int],
+    hist_sample: int, offsets: Any,
+) -> torch.Tensor:
+    """Every layer at once with one conditional for the model: under ``torch.compile``."""
+    return _stack(*ts.traced_records(grads, weights, updates, sizes, hist_sample, offsets))
 
 
 _compiled: Any = None
@@ -139,20 +146,21 @@ def compute(
     sizes = [_size(g, w) for g, w in zip(glist, wlist, strict=True)]
     hs = int(hist_sample or 0)
     offsets = None if seed is None else [ts.seed_offset(int(seed), i) for i in range(len(names))]
+    if not names:
+        return torch.zeros((0, record.NUM_FIELDS), dtype=torch.float32)
     if compile and not any(g is not None and g.is_sparse for g in glist):
         global _compiled
         if _compiled is None:
-            _compiled = torch.compile(_compute_impl, dynamic=False)
+            _compiled = torch.compile(_traced, dynamic=False)
         dev = next((g.device for g in glist if g is not None), torch.device("cpu"))
         ts.edges(dev)  # filled before tracing: a cache that changes under the compiled code would recompile it
         if offsets is not None:  # a tensor, so that a new seed does not recompile
             offsets = torch.tensor(offsets, dtype=torch.int64, device=dev)
         return _compiled(glist, wlist, ulist, sizes, hs, offsets)
-    eager = names and not torch.compiler.is_compiling()  # traced inside the caller's torch.compile: torch.cond
-    batched = _torcheager.compute(glist, wlist, ulist, sizes, hs, offsets) if eager else None
-    if batched is None:
-        return _compute_impl(glist, wlist, ulist, sizes, hs, offsets)
-    return _stack(*batched)
+    if torch.compiler.is_compiling():  # traced inside the caller's torch.compile
+        return _traced(glist, wlist, ulist, sizes, hs, offsets)
+    batched = _torcheager.compute(glist, wlist, ulist, sizes, hs, offsets)
+    return _per_layer(glist, wlist, ulist, sizes, hs, offsets) if batched is None else _stack(*batched)
 
 
 def _size(g: Any, w: Any) -> int:
@@ -237,25 +245,38 @@ def add_gradients(
 
 
 def before_step(params: Sequence[tuple[str, torch.nn.Parameter]], step: int, hist_sample: int,
-                updates: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+                updates: bool = True, buffers: Sequence[torch.Tensor] | None = None,
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
     """Just before an optimizer step: the gradients' and weights' stacked records and (``updates``) a snapshot of
-    the weights, for :func:`after_step`. Shared by :class:`StepRecorder` and the Lightning / Hugging Face
-    callbacks."""
+    the weights, for :func:`after_step`: copied into ``buffers`` (tensors like the parameters, reused from one
+    logged step to the next: no new memory to fault in) or else into new tensors. Shared by :class:`StepRecorder`
+    and the Lightning / Hugging Face callbacks."""
     stacked = compute(params, True, hist_sample=hist_sample, seed=step)
-    return stacked, ({n: p.detach().clone() for n, p in params} if updates else None)
+    if not updates:
+        return stacked, None
+    weights = [p.detach() for _, p in params]
+    if buffers is None:
+        return stacked, {n: w.clone() for (n, _), w in zip(params, weights, strict=True)}
+    torch._foreach_copy_(list(buffers), weights)
+    return stacked, {n: b for (n, _), b in zip(params, buffers, strict=True)}
 
 
 def after_step(pending: tuple[torch.Tensor, dict[str, torch.Tensor] | None],
                params: Sequence[tuple[str, torch.nn.Parameter]], sharded: bool = False,
-               group: Any = None) -> np.ndarray | None:
+               group: Any = None, in_place: bool = False) -> np.ndarray | None:
     """Just after the step: the applied update ``before - after`` joins the records, shards are merged
-    (``sharded``), and the memory-form rows are returned on rank 0 (``None`` on the others)."""
+    (``sharded``), and the memory-form rows are returned on rank 0 (``None`` on the others). ``in_place``: the
+    snapshot (float32) becomes the update, computed in it; otherwise it is kept and the update is a new tensor."""
     stacked, before = pending
     if before is not None:
-        updates = {n: Delta(before[n], p.detach()) for n, p in params}
-        u = compute({n: None for n, _ in params}, updates=updates, hist_sample=0)
-        cols = [_VI["update_max_abs"], _VI["update_ssq_rel"]]
-        stacked[:, cols] = u[:, cols]
+        after = [p.detach() for _, p in params]
+        if in_place:
+            snapshot = [before[n] for n, _ in params]
+            torch._foreach_sub_(snapshot, after)
+            update = [ts.flat(u) for u in snapshot]
+        else:
+            update = [ts.norm_input(Delta(before[n], a)) for (n, _), a in zip(params, after, strict=True)]
+        stacked[:, [_VI["update_max_abs"], _VI["update_ssq_rel"]]] = _torcheager.norms(update)
     if sharded:
         stacked = merge(stacked, group)
     return to_memory(stacked) if _rank(group) == 0 else None
@@ -300,6 +321,9 @@ class StepRecorder:
         self.first, self.updates = first, updates
         self.sharded, self.group, self.name = sharded, group, name
         self._failsafe = Failsafe()
+        self._reusable = updates and all(type(p.detach()) is torch.Tensor and p.dtype == torch.float32
+                                         for _, p in self.params)
+        self._snapshot: list[torch.Tensor] | None = None
 
     @property
     def dropped_records(self) -> int:
@@ -316,6 +340,19 @@ class StepRecorder:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         return not self.scaler.get_scale() < before  # the scaler backs off exactly when it skips a step
+
+    def _buffers(self, step: int) -> list[torch.Tensor] | None:
+        """The weights' snapshot tensors, kept while the next step is logged too (then its copy writes memory
+        already in use) and given back otherwise; ``None`` where the snapshot cannot be reused (weights not plain
+        float32 tensors, or no updates recorded)."""
+        if not self._reusable:
+            return None
+        if self._snapshot is None:
+            self._snapshot = [torch.empty_like(p.detach()) for _, p in self.params]
+        buffers = self._snapshot
+        if not self.logs(step + 1):
+            self._snapshot = None
+        return buffers
 
     def logs(self, step: int) -> bool:
         """Whether ``step`` is logged: one of the ``first`` steps, or a multiple of ``every``."""
@@ -334,13 +371,15 @@ class StepRecorder:
         scale = self.scaler.get_scale() if self.scaler is not None else None
         hs = self.writer.hist_sample if self.writer is not None else record.DEFAULT_HIST_SAMPLE
         safe = self._failsafe  # the optimizer step runs whatever the recording does
+        buffers = self._buffers(step)
         pending = safe.run("computing the gradient-health record", before_step, self.params, step, hs, self.updates,
-                           records=1)
+                           buffers, records=1)
         applied = self._optimizer_step()
         if pending is None:
             return applied
+        in_place = buffers is not None and self.origin is None  # the origin finder undoes the update from the snapshot
         grads = safe.run("finishing the gradient-health record", after_step, pending, self.params, self.sharded,
-                         self.group, records=1)
+                         self.group, in_place, records=1)
         if grads is None:
             return applied
         before = pending[1]
