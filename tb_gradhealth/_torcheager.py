@@ -36,6 +36,53 @@ def count_normal(x: torch.Tensor) -> torch.Tensor:
     return words.view(torch.uint8).sum(dtype=torch.int64) + tail
 
 
+#: Tensors of at most this many values are reduced together, concatenated (one op for all, not one each).
+_SMALL = 1 << 13
+
+
+class _Batch:
+    """Nonempty flat float32 tensors reduced one statistic at a time: each large tensor on its own, the small ones
+    concatenated and reduced by segment (in float64 for the sums)."""
+
+    def __init__(self, xs: Sequence[torch.Tensor], device: torch.device) -> None:
+        self.xs = xs
+        self.big = [i for i, x in enumerate(xs) if x.numel() > _SMALL]
+        self.small = [i for i, x in enumerate(xs) if x.numel() <= _SMALL]
+        if self.small:
+            self.values = torch.cat([xs[i] for i in self.small])
+            lengths = torch.tensor([xs[i].numel() for i in self.small], device=device)
+            self.ids = torch.repeat_interleave(torch.arange(len(self.small), device=device), lengths)
+
+    def reduce(self, one: Any, segmented: Any) -> torch.Tensor:
+        """``[len(xs), ...]``: ``one(x)`` of each large tensor, ``segmented(self)`` of the small ones."""
+        pieces = []
+        if self.big:
+            pieces.append((self.big, torch.stack([one(self.xs[i]) for i in self.big])))
+        if self.small:
+            pieces.append((self.small, segmented(self)))
+        return _in_order(pieces)
+
+    def seg_sum(self, v: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(len(self.small), dtype=v.dtype, device=v.device).index_add_(0, self.ids, v)
+
+    def seg_extreme(self, how: str) -> torch.Tensor:
+        out = torch.zeros(len(self.small), device=self.values.device)
+        return out.scatter_reduce(0, self.ids, self.values, how, include_self=False)
+
+    def extremes(self) -> torch.Tensor:
+        return self.reduce(lambda x: torch.stack(torch.aminmax(x)),
+                           lambda b: torch.stack([b.seg_extreme("amin"), b.seg_extreme("amax")], 1))
+
+    def sum_squares(self) -> torch.Tensor:
+        return self.reduce(ts.sumsq, lambda b: b.seg_sum(b.values.double().square()).float())
+
+    def sums(self) -> torch.Tensor:
+        return self.reduce(lambda x: x.sum(), lambda b: b.seg_sum(b.values.double()).float())
+
+    def normal_counts(self) -> torch.Tensor:
+        return self.reduce(count_normal, lambda b: b.seg_sum((b.values.view(torch.int32) & 0x7F800000).bool().long()))
+
+
 def compute(grads: Sequence[Any], weights: Sequence[Any], updates: Sequence[Any], sizes: Sequence[int],
             hist_sample: int, offsets: Sequence[int] | None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(counts int64 [L, 5], values float32 [L, NUM_VALUES + HIST_BINS])`` of every layer, or ``None`` when the
@@ -62,7 +109,7 @@ def _extremes(xs: Sequence[torch.Tensor | None], device: torch.device) -> torch.
     out = torch.full((len(xs), 2), float("nan"), device=device)
     rows = [i for i, x in enumerate(xs) if x is not None and x.numel()]
     if rows:
-        out[rows] = torch.stack([v for i in rows for v in torch.aminmax(xs[i])]).view(-1, 2)
+        out[rows] = _Batch([xs[i] for i in rows], device).extremes()
     return out
 
 
@@ -96,9 +143,8 @@ def _one_pass_grads(xs: Sequence[torch.Tensor], ext: torch.Tensor, hist_sample: 
                     layers: Sequence[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`devicestats.grad_stats`' ``_one_pass`` branch for all of ``xs`` at once (their extremes ``ext``)."""
     n = torch.tensor([x.numel() for x in xs], device=device)
-    ssq = torch.stack([ts.sumsq(x) for x in xs])
-    total = torch.stack([x.sum() for x in xs])
-    zero = n - torch.stack([count_normal(x) for x in xs])
+    batch = _Batch(xs, device)
+    ssq, total, zero = batch.sum_squares(), batch.sums(), n - batch.normal_counts()
     mn, mx = ext[:, 0], ext[:, 1]
     m = torch.maximum(mx, -mn)
     counts = torch.stack([n, zero * 0, zero * 0, zero * 0, zero], 1)
@@ -154,7 +200,7 @@ def _norm_rows(xs: Sequence[torch.Tensor | None], ext: torch.Tensor, host: np.nd
     pieces = []
     if len(rows):
         m = torch.maximum(ext[rows, 1], -ext[rows, 0])
-        ssq = torch.stack([ts.sumsq(xs[i]) for i in rows])
+        ssq = _Batch([xs[i] for i in rows], device).sum_squares()
         pieces.append((rows, torch.stack([m, ssq / (m * m)], 1)))
     for i in np.flatnonzero(~fast):
         x = xs[i]

@@ -135,9 +135,9 @@ def flat_size(g: torch.Tensor) -> int:
 
 
 def traced_records(grads: Sequence[Any], weights: Sequence[Any], updates: Sequence[Any], sizes: Sequence[int],
-                   hist_sample: int, offsets: Any) -> tuple[torch.Tensor, torch.Tensor]:
+                   hist_sample: int, offsets: Any, be: devicestats.Backend = BE) -> tuple[torch.Tensor, torch.Tensor]:
     """``(counts [L, 5], values [L, 89])`` of every layer with one conditional for the whole model
-    (:mod:`tb_gradhealth.devicebatch`): what ``torch.compile`` traces."""
+    (:mod:`tb_gradhealth.devicebatch`, with backend ``be``): what ``torch.compile`` traces."""
     device = next((t.device for t in (*grads, *weights) if isinstance(t, torch.Tensor)), torch.device("cpu"))
     dense = [flat(g) if g is not None and not g.is_sparse and g.numel() else None for g in grads]
     samplers = []
@@ -153,5 +153,5 @@ def traced_records(grads: Sequence[Any], weights: Sequence[Any], updates: Sequen
     def norm_inputs(ts: Sequence[Any]) -> list[torch.Tensor | None]:
         return [None if t is None else norm_input(t) for t in ts]
 
-    return devicebatch.records(BE, dense, [0] * len(dense), norm_inputs(weights), norm_inputs(updates), hist_sample,
+    return devicebatch.records(be, dense, [0] * len(dense), norm_inputs(weights), norm_inputs(updates), hist_sample,
                                samplers, other, [g is None for g in grads])

@@ -4,6 +4,7 @@ Each tensor's one-pass statistics are computed; then one conditional for the who
 only when some tensor needs them (NaN/Inf, extreme or subnormal magnitudes), and one bins every value only when
 some sampled histogram must give way to the exact one (:func:`record.sample_is_enough`). A compiler traces each
 branch of a conditional as a graph of its own, so one conditional per tensor made a model's first compile slow.
+Every conditional's first branch is the common, cheap one: :func:`speculative` takes it without a conditional.
 Tensor by tensor the numbers are those of :func:`devicestats.grad_stats` and :func:`devicestats.norm_stats`, in
 the same operations. Imports numpy only.
 """
@@ -94,7 +95,7 @@ def _exact_where_due(be: Backend, xs: Sequence[Any], samplers: Sequence[Any], hi
                 for i, (x, s) in enumerate(zip(xs, samplers, strict=True))]
         return xp.where(due[:, None], xp.stack(rows), hist)
 
-    return be.cond(xp.any(due), exact, lambda due, hist, *xs: hist * 1.0, (due, hist, *xs))
+    return be.cond(~xp.any(due), lambda due, hist, *xs: hist * 1.0, exact, (due, hist, *xs))
 
 
 def norm_column(be: Backend, xs: Sequence[Any], like: Any) -> Any:
@@ -122,3 +123,15 @@ def norm_table(be: Backend, xs: Sequence[Any]) -> Any:
         return xp.where(ok, fast(m, *xs), xp.stack([devicestats.norm_scaled(be, x) for x in xs]))
 
     return be.cond(xp.all(devicestats.norm_one_pass_ok(m)), fast, blend, (m, *xs))
+
+
+def speculative(be: Backend, taken: list[Any]) -> Backend:
+    """``be`` whose conditional always takes its first (common, cheap) branch and appends the predicate to
+    ``taken``: the result is right when every predicate is true (else compute again with ``be``). What
+    ``compile=True`` compiles: no conditional, so one graph."""
+
+    def first(pred: Any, true_fn: Callable, false_fn: Callable, operands: tuple) -> Any:
+        taken.append(pred)
+        return true_fn(*operands)
+
+    return be._replace(cond=first)

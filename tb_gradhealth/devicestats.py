@@ -7,7 +7,10 @@ backend's ``cond`` (``torch.cond`` / ``lax.cond`` when traced), so they trace un
 A tensor whose values are all finite with max|x| in ``[SAFE_LO, SAFE_HI]`` (a healthy gradient) costs one pass
 for its extremes, then one each for the count of normal values, the plain sum of squares and the sum; any other
 takes the scaled passes (NaN/Inf counted apart, sums of ``x / max|x|``). The histogram bins a sample, or every
-value when the sample would not describe the tensor (:func:`grad_stats`).
+value when the sample would not describe the tensor (:func:`grad_stats`). :func:`one_pass_ok` states which
+tensors take the one pass, so that :mod:`tb_gradhealth.devicebatch` (every layer at once, traced) and the eager
+PyTorch passes (one host read of the extremes) choose by the same rule and reuse :func:`one_pass`, :func:`scaled`
+and :func:`kept_hist`.
 
 A backend is a :class:`Backend`: the namespace ``xp`` (``torch`` or ``jax.numpy``), a float32 cast, the histogram
 of float32 magnitudes (``torch.bucketize`` + ``index_add`` / ``jnp.searchsorted`` + ``.at[].add``), the division,

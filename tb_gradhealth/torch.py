@@ -6,10 +6,13 @@ without TensorFlow.
   record: the 5 counts as int32 bit patterns, then the value fields and the histogram bins, one float32 row a
   layer).
   No gradient is copied to the host; :func:`to_memory` copies only the stacked tensor.
-* Traced, it has no data-dependent Python control flow (its two choices per layer, the one-pass or scaled
-  statistics and the sampled or exact histogram, are ``torch.cond``), so it runs under ``torch.compile`` inside a
-  compiled training step, and ``compile=True`` compiles it on its own; eagerly, those choices are Python branches
-  on a device scalar (a host sync each: free on a CPU).
+* Eagerly (``tb_gradhealth._torcheager``) one host read of every tensor's extremes decides which tensors take the
+  one-pass statistics (all finite, max|g| in a safe range); those are reduced one statistic at a time and every
+  layer's histogram sample is binned at once; the others go tensor by tensor. Traced inside the caller's
+  ``torch.compile`` it has no data-dependent Python control flow: :mod:`tb_gradhealth.devicebatch` makes each
+  choice once for the whole model with a ``torch.cond``. ``compile=True`` compiles only the common branches (one
+  graph) and reads back one flag: when a tensor needs the scaled passes or the exact histogram, the eager passes
+  compute the record instead.
 * :func:`merge` merges the records of gradient shards (FSDP, ZeRO, tensor parallel) with two collectives
   (``all_reduce`` MAX, then SUM), giving the record of the full gradient: counts and histograms add, min/max
   combine, relative sums of squares are rescaled to the global max|g| first.
@@ -35,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tb_gradhealth import _torcheager, devicestats, record
+from tb_gradhealth import _torcheager, devicebatch, devicestats, record
 from tb_gradhealth import _torchstats as ts
 from tb_gradhealth.failsafe import Failsafe
 from tb_gradhealth.record import Delta
@@ -118,6 +121,18 @@ def _traced(
     return _stack(*ts.traced_records(grads, weights, updates, sizes, hist_sample, offsets))
 
 
+def _speculated(
+    grads: Sequence[Any], weights: Sequence[Any], updates: Sequence[Any], sizes: Sequence[int],
+    hist_sample: int, offsets: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(stacked records, whether they hold)``: every layer through the common branches only (one graph for
+    ``compile=True``); they hold unless some tensor needs the scaled passes or the exact histogram."""
+    taken: list[torch.Tensor] = []
+    be = devicebatch.speculative(ts.BE, taken)
+    stacked = _stack(*ts.traced_records(grads, weights, updates, sizes, hist_sample, offsets, be))
+    return stacked, torch.stack(taken).all() if taken else torch.ones((), dtype=torch.bool)
+
+
 _compiled: Any = None
 
 
@@ -135,7 +150,8 @@ def compute(
     ``grads``: a module, ``named_parameters()`` pairs, or ``{name: grad}`` (``None`` = missing, sparse COO and
     DTensor shards accepted). ``weights``: ``True`` (the parameters, with a module or pairs) or ``{name: tensor}``;
     ``updates``: ``{name: tensor or Delta(before, after)}``. ``seed`` (e.g. the step) seeds histogram sampling; by
-    default it comes from the data. ``compile=True`` runs the statistics through ``torch.compile`` (dense inputs).
+    default it comes from the data. ``compile=True`` runs the statistics through ``torch.compile`` (dense inputs;
+    one host read of whether the common branches hold).
     """
     names, glist, wlist = named_gradients(grads, weights is True)
     if isinstance(weights, Mapping):
@@ -151,12 +167,15 @@ def compute(
     if compile and not any(g is not None and g.is_sparse for g in glist):
         global _compiled
         if _compiled is None:
-            _compiled = torch.compile(_traced, dynamic=False)
+            _compiled = torch.compile(_speculated, dynamic=False)
         dev = next((g.device for g in glist if g is not None), torch.device("cpu"))
         ts.edges(dev)  # filled before tracing: a cache that changes under the compiled code would recompile it
         if offsets is not None:  # a tensor, so that a new seed does not recompile
             offsets = torch.tensor(offsets, dtype=torch.int64, device=dev)
-        return _compiled(glist, wlist, ulist, sizes, hs, offsets)
+        stacked, holds = _compiled(glist, wlist, ulist, sizes, hs, offsets)
+        if bool(holds):  # else a tensor needs the scaled passes or the exact histogram: the eager passes below
+            return stacked
+        offsets = offsets.tolist() if offsets is not None else None
     if torch.compiler.is_compiling():  # traced inside the caller's torch.compile
         return _traced(glist, wlist, ulist, sizes, hs, offsets)
     batched = _torcheager.compute(glist, wlist, ulist, sizes, hs, offsets)
