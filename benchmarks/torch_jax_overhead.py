@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's tb_gradhealth, not an installed one
+
 WIDTHS = (512, 1024, 1024, 1024, 1024, 10)
 BATCH = 64
 GOALS = {"record (eager)": 6.0, "record (compile=True)": 2.0, "record (jit)": 3.0}
