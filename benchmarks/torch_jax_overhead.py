@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's tb_gradhealth, not an installed one
+
 WIDTHS = (512, 1024, 1024, 1024, 1024, 10)
 BATCH = 64
 GOALS = {"record (eager)": 6.0, "record (compile=True)": 2.0, "record (jit)": 3.0}
@@ -136,7 +138,6 @@ def torch_methods(name: str, compile_: bool, tmp: str, peers: bool) -> tuple[dic
     import torch
 
     import tb_gradhealth.torch as tgh
-    from tb_gradhealth import Writer
 
     model, title, x, y, loss_fn = torch_model(name)
 
@@ -167,6 +168,17 @@ def torch_methods(name: str, compile_: bool, tmp: str, peers: bool) -> tuple[dic
         info["first compile (s)"] = time.perf_counter() - t
         methods["record (compile=True)"] = lambda: tgh.to_memory(tgh.compute(model, True, seed=2, compile=True))
 
+    methods.update(_recorder_methods(name, model, opt, fwd_bwd, tmp, info))
+    if peers:
+        methods.update(_peer_methods(name, model, trainer, tmp, info))
+    return methods, info
+
+
+def _recorder_methods(name: str, model, opt, fwd_bwd, tmp: str, info: dict) -> dict:
+    """The train step with ``StepRecorder`` logging every step, and with one at the default cadence, unlogged."""
+    import tb_gradhealth.torch as tgh
+    from tb_gradhealth import Writer
+
     writer = Writer(os.path.join(tmp, f"{name}-record"))
     every = tgh.StepRecorder(writer, model, opt, every=1)
     default = tgh.StepRecorder(None, model, opt)  # at step 50: not logged (the default cadence's common case)
@@ -177,13 +189,10 @@ def torch_methods(name: str, compile_: bool, tmp: str, peers: bool) -> tuple[dic
         every.step(counter["every"])
         counter["every"] += 1
 
-    methods["StepRecorder, every step"] = recorder_every
-    methods["StepRecorder, unlogged step"] = lambda: (fwd_bwd(), default.step(50))
-    if peers:
-        methods.update(_peer_methods(name, model, trainer, tmp, info))
     info["finish"] = lambda: (writer.close(), info["bytes"].__setitem__(
         "StepRecorder, every step", _dir_bytes(os.path.join(tmp, f"{name}-record")) / counter["every"]))
-    return methods, info
+    return {"StepRecorder, every step": recorder_every,
+            "StepRecorder, unlogged step": lambda: (fwd_bwd(), default.step(50))}
 
 
 def _peer_methods(name: str, model, trainer, tmp: str, info: dict) -> dict:

@@ -13,7 +13,7 @@
   applies), computed every ``every`` steps. :func:`add_records` / :func:`write_state` copy the record to the host
   and write it with :class:`tb_gradhealth.Writer`.
 
-The statistics are :mod:`tb_gradhealth.devicestats`, shared with the PyTorch path; the numbers match
+The statistics are :mod:`tb_gradhealth._devicestats`, shared with the PyTorch path; the numbers match
 :func:`record.compute` as documented in docs/TORCH_JAX.md.
 """
 
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from tb_gradhealth import devicestats, record
+from tb_gradhealth import _devicestats, record
 from tb_gradhealth._failsafe import Failsafe
 from tb_gradhealth.writer import Writer
 
@@ -58,7 +58,7 @@ def _fsum(y: jax.Array) -> jax.Array:
     return jnp.sum(y)
 
 
-_BE = devicestats.Backend(
+_BE = _devicestats.Backend(
     jnp, lambda t: jnp.asarray(t).astype(jnp.float32), _histogram, lambda a, like: jnp.asarray(a),
     _divide, lambda pred, true_fn, false_fn, operands: lax.cond(pred, true_fn, false_fn, *operands), _fsum,
 )
@@ -135,17 +135,17 @@ def compute(grads: Any, weights: Any = None, updates: Any = None, *, hist_sample
     wlist, ulist = _aligned(weights, names), _aligned(updates, names)
     counts, values = [], []
     for i, (g, w, u) in enumerate(zip(glist, wlist, ulist, strict=True)):
-        wr = None if w is None else devicestats.norm_stats(_BE, _flat(w))
-        ur = None if u is None else devicestats.norm_stats(_BE, _flat(u))
+        wr = None if w is None else _devicestats.norm_stats(_BE, _flat(w))
+        ur = None if u is None else _devicestats.norm_stats(_BE, _flat(u))
         if g is None or np.size(g) == 0:
             size = 0 if g is not None else (int(np.size(w)) if w is not None else 0)
             c = jnp.asarray([size, 0, 0, 0, 0], jnp.int32)
-            gv = devicestats.empty_values(_BE, None)
+            gv = _devicestats.empty_values(_BE, None)
         else:
             x = _flat(g)
-            c, gv = devicestats.grad_stats(_BE, x, 0, hist_sample, _sampler(x, hist_sample, i, seed))
+            c, gv = _devicestats.grad_stats(_BE, x, 0, hist_sample, _sampler(x, hist_sample, i, seed))
         counts.append(c.astype(jnp.int32))
-        values.append(devicestats.assemble(_BE, gv, wr, ur, g is None))
+        values.append(_devicestats.assemble(_BE, gv, wr, ur, g is None))
     if not counts:
         return jnp.zeros((0, record.NUM_FIELDS), jnp.float32)
     c, v = jnp.stack(counts), jnp.stack(values)
@@ -162,7 +162,7 @@ def _stack(counts: jax.Array, values: jax.Array) -> jax.Array:
 def merge(counts: jax.Array, values: jax.Array, axis_name: Any) -> jax.Array:
     """Merge the shards' records over the mapped axis ``axis_name`` (``lax.pmax`` then ``lax.psum``; counts in
     int32, exact) into the full tensors' stacked records, on every shard."""
-    c, v = devicestats.merge(_BE, counts, values, lambda t: lax.pmax(t, axis_name), lambda t: lax.psum(t, axis_name),
+    c, v = _devicestats.merge(_BE, counts, values, lambda t: lax.pmax(t, axis_name), lambda t: lax.psum(t, axis_name),
                              all_sum_counts=lambda t: lax.psum(t, axis_name))
     return _stack(c, v)
 

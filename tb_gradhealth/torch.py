@@ -6,10 +6,13 @@ without TensorFlow.
   record: the 5 counts as int32 bit patterns, then the value fields and the histogram bins, one float32 row a
   layer).
   No gradient is copied to the host; :func:`to_memory` copies only the stacked tensor.
-* Traced, it has no data-dependent Python control flow (its two choices per layer, the one-pass or scaled
-  statistics and the sampled or exact histogram, are ``torch.cond``), so it runs under ``torch.compile`` inside a
-  compiled training step, and ``compile=True`` compiles it on its own; eagerly, those choices are Python branches
-  on a device scalar (a host sync each: free on a CPU).
+* Eagerly (``tb_gradhealth._torcheager``) one host read of every tensor's extremes decides which tensors take the
+  one-pass statistics (all finite, max|g| in a safe range); those are reduced one statistic at a time and every
+  layer's histogram sample is binned at once; the others go tensor by tensor. Traced inside the caller's
+  ``torch.compile`` it has no data-dependent Python control flow: :mod:`tb_gradhealth._devicebatch` makes each
+  choice once for the whole model with a ``torch.cond``. ``compile=True`` compiles only the common branches (one
+  graph) and reads back one flag: when a tensor needs the scaled passes or the exact histogram, the eager passes
+  compute the record instead.
 * :func:`merge` merges the records of gradient shards (FSDP, ZeRO, tensor parallel) with two collectives
   (``all_reduce`` MAX, then SUM), giving the record of the full gradient: counts and histograms add, min/max
   combine, relative sums of squares are rescaled to the global max|g| first.
@@ -35,7 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tb_gradhealth import devicestats, record
+from tb_gradhealth import _devicebatch, _devicestats, _torcheager, record
+from tb_gradhealth import _torchstats as ts
 from tb_gradhealth._failsafe import Failsafe
 from tb_gradhealth.record import Delta
 from tb_gradhealth.torch_kinds import layer_info_for
@@ -55,7 +59,6 @@ __all__ = [
 ]
 
 _VI = {name: record.NUM_COUNTS + i for i, name in enumerate(record.VALUE_FIELDS)}
-_EDGES: dict[torch.device, torch.Tensor] = {}
 
 
 # --- inputs -------------------------------------------------------------------------------------------------
@@ -91,115 +94,6 @@ def _local(t: Any) -> Any:
     return to_local() if callable(to_local) else t
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    """The values as float32 holds them (the record's definition): f16/bf16 exactly, float64 beyond float32's
-    range becomes +-Inf."""
-    return t.detach().reshape(-1).float()
-
-
-# --- the statistics (torch ops, torch.cond when traced) --------------------------------------------------
-
-
-def _edges(device: torch.device) -> torch.Tensor:
-    e = _EDGES.get(device)
-    if e is None:
-        e = _EDGES[device] = torch.from_numpy(record.HIST_EDGES).to(device)
-    return e
-
-
-def _data_offset(x: torch.Tensor, layer: int) -> torch.Tensor:
-    """A sampling offset from the data (four probes' float32 bits, mixed with the layer index): no host input."""
-    n = x.numel()
-    probes = x[torch.tensor([0, n // 3, n // 2, n - 1], device=x.device)].float().view(torch.int32).long()
-    mix = probes[0] ^ (probes[1] * 31) ^ (probes[2] * 131 + probes[3]) ^ record.sample_salt(layer)
-    return mix & 0x7FFFFFFFFFFF
-
-
-def _seed_offset(seed: int, layer: int) -> int:
-    """A sampling offset from ``seed`` (e.g. the step) and the layer index (splitmix64)."""
-    z = (seed * 0x9E3779B97F4A7C15 + (layer + 1) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (z ^ (z >> 31)) >> 2
-
-
-def _histogram(av: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    b = torch.bucketize(av.float(), _edges(av.device), right=True)
-    return torch.zeros(record.HIST_BINS, device=av.device, dtype=w.dtype).index_add_(0, b, w)
-
-
-def _const(a: np.ndarray, like: Any) -> torch.Tensor:
-    return torch.from_numpy(a).to(like.device) if isinstance(like, torch.Tensor) else torch.from_numpy(a)
-
-
-def _sumsq(x: torch.Tensor) -> torch.Tensor:
-    """``sum(x * x)`` in one pass, as norms of rows of 1024 (one norm of millions of values drifts by 1e-4)."""
-    k = x.numel() - x.numel() % 1024
-    if k == 0:
-        return x.square().sum()
-    s = torch.linalg.vector_norm(x[:k].view(-1, 1024), dim=1).square().sum()
-    return s + x[k:].square().sum() if k < x.numel() else s
-
-
-def _cond(pred: torch.Tensor, true_fn: Callable, false_fn: Callable, operands: tuple) -> Any:
-    """``torch.cond`` while traced (only the branch taken runs, no graph break); eagerly, a Python branch."""
-    if torch.compiler.is_compiling():
-        return torch.cond(pred, true_fn, false_fn, operands)
-    return true_fn(*operands) if bool(pred) else false_fn(*operands)
-
-
-_BE = devicestats.Backend(
-    torch, lambda t: t.float(), _histogram, _const, torch.div, _cond,
-    aminmax=torch.aminmax,
-    sumsq=lambda x: _sumsq(x),
-    count_normal=lambda x: torch.count_nonzero(x.view(torch.int32) & 0x7F800000),  # exponent bits: not 0/subnormal
-)
-
-
-def _sampler(n: int, hist_sample: int, offset: Any) -> Any:
-    """The sampling rule: ``hist_sample`` positions ``(offset + i * stride) % n`` (``None``: exact histogram)."""
-    if not hist_sample or n <= hist_sample:
-        return None
-
-    def sample(x: torch.Tensor) -> torch.Tensor:
-        i = torch.arange(hist_sample, device=x.device, dtype=torch.int64)
-        return x[(offset + i * record.sample_stride(n)) % n]
-
-    return sample
-
-
-def _norm_stats(t: Any) -> torch.Tensor:
-    x = _flat(t.before) - _flat(t.after) if isinstance(t, Delta) else _flat(t)
-    return devicestats.norm_stats(_BE, x)
-
-
-def _layer(
-    g: Any, w: Any, u: Any, size: int, hist_sample: int, layer: int, offset: Any
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(counts int64 [5], values float32 [89])`` of one layer, in :data:`record.VALUE_FIELDS` order."""
-    device = next(t for t in (g, w, u, torch.zeros(())) if isinstance(t, torch.Tensor)).device
-    wr = None if w is None else _norm_stats(w)
-    ur = None if u is None else _norm_stats(u)
-    if g is None or _flat_size(g) == 0:
-        counts = torch.tensor([size if g is None else 0, 0, 0, 0, 0], device=device)
-        empty = devicestats.empty_values(_BE, torch.zeros((), device=device))
-        return counts, devicestats.assemble(_BE, empty, wr, ur, g is None)
-    if g.is_sparse:
-        g = g.coalesce()  # duplicate indices summed, as in the dense gradient
-        x = _flat(g.values())
-        extra = g.numel() - x.numel()
-    else:
-        x, extra = _flat(g), 0
-    if offset is None and hist_sample and x.numel() > hist_sample:
-        offset = _data_offset(x, layer)
-    counts, v = devicestats.grad_stats(_BE, x, extra, hist_sample, _sampler(x.numel(), hist_sample, offset))
-    return counts, devicestats.assemble(_BE, v, wr, ur, False)
-
-
-def _flat_size(g: torch.Tensor) -> int:
-    return g.numel() if not g.is_sparse else g._nnz() * int(np.prod(g.shape[g.sparse_dim():], dtype=np.int64))
-
-
 def _stack(counts: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """``[L, 5]`` int counts and ``[L, 89]`` float32 values -> the stacked ``[L, 94]`` float32 tensor."""
     return torch.cat([counts.to(torch.int32).view(torch.float32), values.float()], dim=1)
@@ -209,16 +103,35 @@ def _unstack(stacked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return stacked[:, : record.NUM_COUNTS].contiguous().view(torch.int32).long(), stacked[:, record.NUM_COUNTS :]
 
 
-def _compute_impl(
+def _per_layer(
     grads: Sequence[Any], weights: Sequence[Any], updates: Sequence[Any], sizes: Sequence[int],
     hist_sample: int, offsets: Any,
 ) -> torch.Tensor:
+    """Each layer on its own (tensors on several devices)."""
     rows = []
     for i, (g, w, u, size) in enumerate(zip(grads, weights, updates, sizes, strict=True)):
-        rows.append(_layer(g, w, u, size, hist_sample, i, None if offsets is None else offsets[i]))
-    if not rows:
-        return torch.zeros((0, record.NUM_FIELDS), dtype=torch.float32)
+        rows.append(ts.layer_record(g, w, u, size, hist_sample, i, None if offsets is None else offsets[i]))
     return _stack(torch.stack([c for c, _ in rows]), torch.stack([v for _, v in rows]))
+
+
+def _traced(
+    grads: Sequence[Any], weights: Sequence[Any], updates: Sequence[Any], sizes: Sequence[int],
+    hist_sample: int, offsets: Any,
+) -> torch.Tensor:
+    """Every layer at once with one conditional for the model: under ``torch.compile``."""
+    return _stack(*ts.traced_records(grads, weights, updates, sizes, hist_sample, offsets))
+
+
+def _speculated(
+    grads: Sequence[Any], weights: Sequence[Any], updates: Sequence[Any], sizes: Sequence[int],
+    hist_sample: int, offsets: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(stacked records, whether they hold)``: every layer through the common branches only (one graph for
+    ``compile=True``); they hold unless some tensor needs the scaled passes or the exact histogram."""
+    taken: list[torch.Tensor] = []
+    be = _devicebatch.speculative(ts.BE, taken)
+    stacked = _stack(*ts.traced_records(grads, weights, updates, sizes, hist_sample, offsets, be))
+    return stacked, torch.stack(taken).all() if taken else torch.ones((), dtype=torch.bool)
 
 
 _compiled: Any = None
@@ -238,7 +151,8 @@ def compute(
     ``grads``: a module, ``named_parameters()`` pairs, or ``{name: grad}`` (``None`` = missing, sparse COO and
     DTensor shards accepted). ``weights``: ``True`` (the parameters, with a module or pairs) or ``{name: tensor}``;
     ``updates``: ``{name: tensor or Delta(before, after)}``. ``seed`` (e.g. the step) seeds histogram sampling; by
-    default it comes from the data. ``compile=True`` runs the statistics through ``torch.compile`` (dense inputs).
+    default it comes from the data. ``compile=True`` runs the statistics through ``torch.compile`` (dense inputs;
+    one host read of whether the common branches hold).
     """
     names, glist, wlist = named_gradients(grads, weights is True)
     if isinstance(weights, Mapping):
@@ -248,17 +162,25 @@ def compute(
     wlist = [_local(w) for w in wlist]
     sizes = [_size(g, w) for g, w in zip(glist, wlist, strict=True)]
     hs = int(hist_sample or 0)
-    offsets = None if seed is None else [_seed_offset(int(seed), i) for i in range(len(names))]
+    offsets = None if seed is None else [ts.seed_offset(int(seed), i) for i in range(len(names))]
+    if not names:
+        return torch.zeros((0, record.NUM_FIELDS), dtype=torch.float32)
     if compile and not any(g is not None and g.is_sparse for g in glist):
         global _compiled
         if _compiled is None:
-            _compiled = torch.compile(_compute_impl, dynamic=False)
+            _compiled = torch.compile(_speculated, dynamic=False)
         dev = next((g.device for g in glist if g is not None), torch.device("cpu"))
-        _edges(dev)  # filled before tracing: a cache that changes under the compiled code would recompile it
+        ts.edges(dev)  # filled before tracing: a cache that changes under the compiled code would recompile it
         if offsets is not None:  # a tensor, so that a new seed does not recompile
             offsets = torch.tensor(offsets, dtype=torch.int64, device=dev)
-        return _compiled(glist, wlist, ulist, sizes, hs, offsets)
-    return _compute_impl(glist, wlist, ulist, sizes, hs, offsets)
+        stacked, holds = _compiled(glist, wlist, ulist, sizes, hs, offsets)
+        if bool(holds):  # else a tensor needs the scaled passes or the exact histogram: the eager passes below
+            return stacked
+        offsets = offsets.tolist() if offsets is not None else None
+    if torch.compiler.is_compiling():  # traced inside the caller's torch.compile
+        return _traced(glist, wlist, ulist, sizes, hs, offsets)
+    batched = _torcheager.compute(glist, wlist, ulist, sizes, hs, offsets)
+    return _per_layer(glist, wlist, ulist, sizes, hs, offsets) if batched is None else _stack(*batched)
 
 
 def _size(g: Any, w: Any) -> int:
@@ -288,7 +210,7 @@ def merge(stacked: torch.Tensor, group: Any = None) -> torch.Tensor:
         return run
 
     counts, v = _unstack(stacked)
-    c, values = devicestats.merge(_BE, counts, v.double(), reduce(dist.ReduceOp.MAX), reduce(dist.ReduceOp.SUM))
+    c, values = _devicestats.merge(ts.BE, counts, v.double(), reduce(dist.ReduceOp.MAX), reduce(dist.ReduceOp.SUM))
     return _stack(c.long(), values)
 
 
@@ -346,25 +268,38 @@ def add_gradients(
 
 
 def before_step(params: Sequence[tuple[str, torch.nn.Parameter]], step: int, hist_sample: int,
-                updates: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+                updates: bool = True, buffers: Sequence[torch.Tensor] | None = None,
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
     """Just before an optimizer step: the gradients' and weights' stacked records and (``updates``) a snapshot of
-    the weights, for :func:`after_step`. Shared by :class:`StepRecorder` and the Lightning / Hugging Face
-    callbacks."""
+    the weights, for :func:`after_step`: copied into ``buffers`` (tensors like the parameters, reused from one
+    logged step to the next: no new memory to fault in) or else into new tensors. Shared by :class:`StepRecorder`
+    and the Lightning / Hugging Face callbacks."""
     stacked = compute(params, True, hist_sample=hist_sample, seed=step)
-    return stacked, ({n: p.detach().clone() for n, p in params} if updates else None)
+    if not updates:
+        return stacked, None
+    weights = [p.detach() for _, p in params]
+    if buffers is None:
+        return stacked, {n: w.clone() for (n, _), w in zip(params, weights, strict=True)}
+    torch._foreach_copy_(list(buffers), weights)
+    return stacked, {n: b for (n, _), b in zip(params, buffers, strict=True)}
 
 
 def after_step(pending: tuple[torch.Tensor, dict[str, torch.Tensor] | None],
                params: Sequence[tuple[str, torch.nn.Parameter]], sharded: bool = False,
-               group: Any = None) -> np.ndarray | None:
+               group: Any = None, in_place: bool = False) -> np.ndarray | None:
     """Just after the step: the applied update ``before - after`` joins the records, shards are merged
-    (``sharded``), and the memory-form rows are returned on rank 0 (``None`` on the others)."""
+    (``sharded``), and the memory-form rows are returned on rank 0 (``None`` on the others). ``in_place``: the
+    snapshot (float32) becomes the update, computed in it; otherwise it is kept and the update is a new tensor."""
     stacked, before = pending
     if before is not None:
-        updates = {n: Delta(before[n], p.detach()) for n, p in params}
-        u = compute({n: None for n, _ in params}, updates=updates, hist_sample=0)
-        cols = [_VI["update_max_abs"], _VI["update_ssq_rel"]]
-        stacked[:, cols] = u[:, cols]
+        after = [p.detach() for _, p in params]
+        if in_place:
+            snapshot = [before[n] for n, _ in params]
+            torch._foreach_sub_(snapshot, after)
+            update = [ts.flat(u) for u in snapshot]
+        else:
+            update = [ts.norm_input(Delta(before[n], a)) for (n, _), a in zip(params, after, strict=True)]
+        stacked[:, [_VI["update_max_abs"], _VI["update_ssq_rel"]]] = _torcheager.norms(update)
     if sharded:
         stacked = merge(stacked, group)
     return to_memory(stacked) if _rank(group) == 0 else None
@@ -415,6 +350,9 @@ class StepRecorder:
         self.first, self.updates = first, updates
         self.sharded, self.group, self.name = sharded, group, name
         self._failsafe = Failsafe()
+        self._reusable = updates and all(type(p.detach()) is torch.Tensor and p.dtype == torch.float32
+                                         for _, p in self.params)
+        self._snapshot: list[torch.Tensor] | None = None
 
     @property
     def dropped_records(self) -> int:
@@ -431,6 +369,19 @@ class StepRecorder:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         return not self.scaler.get_scale() < before  # the scaler backs off exactly when it skips a step
+
+    def _buffers(self, step: int) -> list[torch.Tensor] | None:
+        """The weights' snapshot tensors, kept while the next step is logged too (then its copy writes memory
+        already in use) and given back otherwise; ``None`` where the snapshot cannot be reused (weights not plain
+        float32 tensors, or no updates recorded)."""
+        if not self._reusable:
+            return None
+        if self._snapshot is None:
+            self._snapshot = [torch.empty_like(p.detach()) for _, p in self.params]
+        buffers = self._snapshot
+        if not self.logs(step + 1):
+            self._snapshot = None
+        return buffers
 
     def logs(self, step: int) -> bool:
         """Whether ``step`` is logged: one of the ``first`` steps, or a multiple of ``every``."""
@@ -454,13 +405,15 @@ class StepRecorder:
         if loss is not None and self.writer is not None:
             safe.run("recording the loss", self.writer.add_loss, step,
                      loss.detach() if isinstance(loss, torch.Tensor) else loss)
+        buffers = self._buffers(step)
         pending = safe.run("computing the gradient-health record", before_step, self.params, step, hs, self.updates,
-                           records=1)
+                           buffers, records=1)
         applied = self._optimizer_step()
         if pending is None:
             return applied
+        in_place = buffers is not None and self.origin is None  # the origin finder undoes the update from the snapshot
         grads = safe.run("finishing the gradient-health record", after_step, pending, self.params, self.sharded,
-                         self.group, records=1)
+                         self.group, in_place, records=1)
         if grads is None:
             return applied
         before = pending[1]

@@ -198,3 +198,36 @@ def test_step_recorder_default_cadence_logs_the_first_steps_then_every_hundredth
             model(torch.randn(2, 3)).sum().backward()
             rec.step(step)
     assert list(reader.read_logdir(str(tmp_path)).runs[0].steps) == [*range(10), 100, 200]
+
+
+@pytest.mark.parametrize("n", [0, 1, 2039, 2040, 2041, 3 * 2040 + 7, 100_003])
+def test_batched_count_of_normal_values_is_exact(n):
+    """The eager passes count normal values eight flag bytes at a time: every length around the row block."""
+    from tb_gradhealth import _torcheager
+
+    rng = np.random.default_rng(n)
+    x = rng.choice(np.array([0.0, -0.0, 1e-40, -1e-45, 1.2e-38, -1.0, 3e38, 2.5e-30], np.float32), size=n)
+    expected = int(np.count_nonzero(np.abs(x.astype(np.float64)) >= np.finfo(np.float32).tiny))
+    assert int(_torcheager.count_normal(torch.from_numpy(x))) == expected
+
+
+def test_step_recorder_records_each_update_while_it_reuses_the_snapshot(tmp_path):
+    """Logged step after logged step the weights' snapshot is copied into the same tensors: each step's record
+    holds that step's own update (the float64 reference of ``before - after``)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    refs = []
+    with Writer(str(tmp_path), hist_sample=0) as w:
+        rec = tgh.StepRecorder(w, model, opt, every=1)
+        for step in range(3):
+            opt.zero_grad()
+            model(torch.randn(4, 6)).square().mean().backward()
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            rec.step(step)
+            refs.append(np.stack([record.compute(grads[n].numpy(), before[n].numpy(), (before[n] - p.detach()).numpy(),
+                                                 hist_sample=None) for n, p in model.named_parameters()]))
+    run = reader.read_logdir(str(tmp_path)).runs[0]
+    for step, ref in enumerate(refs):
+        assert_records_close(ref, run.records[step], list(run.layers))

@@ -7,7 +7,10 @@ backend's ``cond`` (``torch.cond`` / ``lax.cond`` when traced), so they trace un
 A tensor whose values are all finite with max|x| in ``[SAFE_LO, SAFE_HI]`` (a healthy gradient) costs one pass
 for its extremes, then one each for the count of normal values, the plain sum of squares and the sum; any other
 takes the scaled passes (NaN/Inf counted apart, sums of ``x / max|x|``). The histogram bins a sample, or every
-value when the sample would not describe the tensor (:func:`grad_stats`).
+value when the sample would not describe the tensor (:func:`grad_stats`). :func:`one_pass_ok` states which
+tensors take the one pass, so that :mod:`tb_gradhealth._devicebatch` (every layer at once, traced) and the eager
+PyTorch passes (one host read of the extremes) choose by the same rule and reuse :func:`one_pass`, :func:`scaled`
+and :func:`kept_hist`.
 
 A backend is a :class:`Backend`: the namespace ``xp`` (``torch`` or ``jax.numpy``), a float32 cast, the histogram
 of float32 magnitudes (``torch.bucketize`` + ``index_add`` / ``jnp.searchsorted`` + ``.at[].add``), the division,
@@ -67,6 +70,23 @@ class Backend(NamedTuple):
 SAFE_LO, SAFE_HI = 2.0**-30, 2.0**30
 
 
+def one_pass_ok(xp: Any, mn: Any, mx: Any) -> Any:
+    """Whether a gradient with extremes ``mn``, ``mx`` takes the one-pass statistics: max|x| within
+    ``[SAFE_LO, SAFE_HI]`` and neither extreme subnormal (flushed to zero, so not the record's min/max); False for
+    NaN. ``xp``: the namespace of ``mn`` and ``mx`` (numpy on the host too)."""
+    m = xp.maximum(mx, -mn)
+
+    def tiny(v: Any) -> Any:
+        return (xp.abs(v) < record.FLUSH_BELOW) & (v != 0)
+
+    return (m >= SAFE_LO) & (m <= SAFE_HI) & ~tiny(mx) & ~tiny(mn)
+
+
+def norm_one_pass_ok(m: Any) -> Any:
+    """Whether a weight or update with max|x| ``m`` takes the one-pass sum of squares (False for NaN)."""
+    return (m >= SAFE_LO) & (m <= SAFE_HI)
+
+
 def _sums(be: Backend, xk: Any, m: Any) -> tuple[Any, Any]:
     """``(sum((x/m)^2), sum(x/m))``: exact in relative terms at any magnitude (``m`` known first)."""
     y = be.divide(xk, be.xp.where(m > 0, m, 1.0))
@@ -86,24 +106,19 @@ def grad_stats(be: Backend, x: Any, extra_zeros: int, hist_sample: int, sample: 
     xp = be.xp
     mn0, mx0 = be.min_max(x)
     m0 = xp.maximum(mx0, -mn0)
-
-    def tiny(v: Any) -> Any:  # a subnormal extreme: flushed to zero, so not the record's min/max
-        return (xp.abs(v) < record.FLUSH_BELOW) & (v != 0)
-
-    one_pass = (m0 >= SAFE_LO) & (m0 <= SAFE_HI) & ~tiny(mx0) & ~tiny(mn0)  # False for NaN
-    counts, head = be.cond(one_pass, lambda x, mn, mx, m: _one_pass(be, x, extra_zeros, mn, mx, m),
-                           lambda x, mn, mx, m: _scaled(be, x, extra_zeros), (x, mn0, mx0, m0))
+    counts, head = be.cond(one_pass_ok(xp, mn0, mx0), lambda x, mn, mx, m: one_pass(be, x, extra_zeros, mn, mx, m),
+                           lambda x, mn, mx, m: scaled(be, x, extra_zeros), (x, mn0, mx0, m0))
     nonzero = counts[0] - counts[1] - counts[2] - counts[3] - counts[4]
     if sample is None:
-        kept_hist = _kept_hist(be, x)
+        hist = kept_hist(be, x)
     else:  # the scaled sample, unless the exact histogram is due (record.sample_is_enough's rule)
-        kept_hist = _kept_hist(be, sample(x))
-        kept = kept_hist[0]
-        scaled = xp.concatenate([xp.reshape(kept, (1,)), kept_hist[1:] * xp.where(
+        hist = kept_hist(be, sample(x))
+        kept = hist[0]
+        from_sample = xp.concatenate([xp.reshape(kept, (1,)), hist[1:] * xp.where(
             kept > 0, be.f32(nonzero) / xp.where(kept > 0, kept, 1.0), 0.0)])
         exact = (nonzero <= hist_sample) | (kept < record.sample_min_kept(hist_sample))
-        kept_hist = be.cond(exact, lambda x, s: _kept_hist(be, x), lambda x, s: s * 1.0, (x, scaled))
-    return counts, xp.concatenate([head, kept_hist])
+        hist = be.cond(exact, lambda x, s: kept_hist(be, x), lambda x, s: s * 1.0, (x, from_sample))
+    return counts, xp.concatenate([head, hist])
 
 
 def _extremes(be: Backend, mn: Any, mx: Any, extra_zeros: int) -> tuple[Any, Any]:
@@ -112,7 +127,7 @@ def _extremes(be: Backend, mn: Any, mx: Any, extra_zeros: int) -> tuple[Any, Any
     return mn, mx
 
 
-def _one_pass(be: Backend, x: Any, extra_zeros: int, mn: Any, mx: Any, m: Any) -> tuple[Any, Any]:
+def one_pass(be: Backend, x: Any, extra_zeros: int, mn: Any, mx: Any, m: Any) -> tuple[Any, Any]:
     """``(counts, [min, max, mean, ssq_rel])`` of an all-finite ``x`` whose max|x| is in ``[SAFE_LO, SAFE_HI]``:
     plain sums of values and squares (one pass each), the extremes already known."""
     xp = be.xp
@@ -125,7 +140,7 @@ def _one_pass(be: Backend, x: Any, extra_zeros: int, mn: Any, mx: Any, m: Any) -
     return counts, be.f32(xp.stack([mn, mx, mean, ssq]))
 
 
-def _scaled(be: Backend, x: Any, extra_zeros: int) -> tuple[Any, Any]:
+def scaled(be: Backend, x: Any, extra_zeros: int) -> tuple[Any, Any]:
     """``(counts, [min, max, mean, ssq_rel])`` of any ``x``: NaN/Inf counted apart, sums of ``x / max|x|``."""
     xp = be.xp
     n = math.prod(x.shape)
@@ -149,7 +164,7 @@ def _scaled(be: Backend, x: Any, extra_zeros: int) -> tuple[Any, Any]:
     return counts, be.f32(xp.stack([mn, mx, mean, ssq]))
 
 
-def _kept_hist(be: Backend, v: Any) -> Any:
+def kept_hist(be: Backend, v: Any) -> Any:
     """``[finite nonzero count, *histogram]`` float32 of the values ``v`` (all of them binned; integer counts, so
     exact up to float32's own rounding of the result)."""
     av = be.xp.abs(v)
@@ -165,11 +180,11 @@ def norm_stats(be: Backend, x: Any) -> Any:
         return be.f32(xp.stack([xp.sum(x), xp.sum(x)]))
     mn, mx = be.min_max(x)
     m = xp.maximum(mx, -mn)
-    return be.cond((m >= SAFE_LO) & (m <= SAFE_HI), lambda x, m: be.f32(xp.stack([m, be.sum_squares(x) / (m * m)])),
-                   lambda x, m: _norm_scaled(be, x), (x, m))
+    return be.cond(norm_one_pass_ok(m), lambda x, m: be.f32(xp.stack([m, be.sum_squares(x) / (m * m)])),
+                   lambda x, m: norm_scaled(be, x), (x, m))
 
 
-def _norm_scaled(be: Backend, x: Any) -> Any:
+def norm_scaled(be: Backend, x: Any) -> Any:
     xp = be.xp
     a = xp.abs(x)
     af = xp.where((a >= record.FLUSH_BELOW) & (a <= F32_MAX), a, 0.0)
@@ -204,6 +219,24 @@ def assemble(be: Backend, grad: Any, weight: Any, update: Any, missing: bool) ->
     return be.xp.concatenate([be.xp.stack(head), grad[k:]])
 
 
+def assemble_table(be: Backend, grad: Any, weight: Any, update: Any, missing: Any) -> Any:
+    """Every layer's values ``[L, NUM_VALUES + HIST_BINS]`` at once (:func:`assemble` row by row) from the stacked
+    :func:`grad_stats` (or :func:`empty_values`) vectors ``[L, 5 + HIST_BINS]``, the weight's and the update's
+    :func:`norm_stats` ``[L, 2]`` (NaN where a layer has none: the fields' defaults) and ``missing`` ``[L]``."""
+    fields = {name: grad[:, i] for i, name in enumerate(GRAD_FIELDS)}
+    for prefix, norms in (("weight", weight), ("update", update)):
+        fields[f"{prefix}_max_abs"], fields[f"{prefix}_ssq_rel"] = norms[:, 0], norms[:, 1]
+    fields["missing"] = missing
+    rows = grad.shape[0]
+    head = [fields[name] if name in fields else be.const(np.full(rows, _DEFAULTS[name], np.float32), grad)
+            for name in record.VALUE_FIELDS]
+    return be.xp.concatenate([be.xp.stack(head, 1), grad[:, len(GRAD_FIELDS):]], 1)
+
+
+#: The per-layer sums :func:`merge` adds over the shards, after the counts and before the histogram, in order.
+_SUMMED = ("mean", "ssq_rel", "weight_ssq_rel", "update_ssq_rel", "missing", "hist_sample", "ranks")
+
+
 def merge(
     be: Backend,
     counts: Any,
@@ -220,16 +253,31 @@ def merge(
     result as :func:`record.merge_all` over the shards. The counts join the float sum (exact when ``values`` are
     float64) unless ``all_sum_counts`` sums them on their own (integers: exact in float32 backends too).
     """
+    scales = _scales(be, values)
+    maxes = all_max(be.xp.stack([scales["max"], scales["-min"], scales["grad"], scales["weight"], scales["update"]],
+                                1))
+    k = 0 if all_sum_counts is not None else record.NUM_COUNTS
+    sums = all_sum(_summands(be, counts, values, scales, maxes, with_counts=k > 0))
+    out_c = sums[:, :k] if k else all_sum_counts(counts)
+    merged = _merged_values(be, out_c, sums[:, k:], maxes)
+    return (be.xp.round(out_c) if k else out_c), merged
+
+
+def _scales(be: Backend, values: Any) -> dict[str, Any]:
+    """Each shard's max, -min, max|g| (0 when not finite), max|w| and max|u| (-1 when not recorded)."""
     xp = be.xp
-
-    def field(name: str) -> Any:
-        return values[:, COL[name]]
-
-    mn, mx = field("min"), field("max")
+    mn, mx = values[:, COL["min"]], values[:, COL["max"]]
     m = xp.maximum(-mn, mx)
-    m = xp.where(xp.isfinite(m), m, 0.0)
-    scales = [xp.where(xp.isnan(field(f"{k}_max_abs")), -1.0, field(f"{k}_max_abs")) for k in ("weight", "update")]
-    maxes = all_max(xp.stack([mx, -mn, m, *scales], 1))
+    out = {"max": mx, "-min": -mn, "grad": xp.where(xp.isfinite(m), m, 0.0)}
+    for k in ("weight", "update"):
+        out[k] = xp.where(xp.isnan(values[:, COL[f"{k}_max_abs"]]), -1.0, values[:, COL[f"{k}_max_abs"]])
+    return out
+
+
+def _summands(be: Backend, counts: Any, values: Any, scales: dict[str, Any], maxes: Any, with_counts: bool) -> Any:
+    """What the shards add: (the counts,) the :data:`_SUMMED` columns rescaled to the global maxima ``maxes``,
+    and the histogram."""
+    xp = be.xp
 
     def rescaled(ssq: Any, s: Any, s_all: Any) -> Any:
         r = xp.where(s_all > 0, s / xp.where(s_all > 0, s_all, 1.0), 0.0)
@@ -237,35 +285,40 @@ def merge(
 
     c = counts * xp.ones_like(values[:, :1])  # counts in the values' float type (float64: exact)
     nf = c[:, 0] - c[:, 1] - c[:, 2] - c[:, 3]
-    extra = [
-        field("mean") / xp.where(maxes[:, 2] > 0, maxes[:, 2], 1.0) * nf,  # relative: no float32 overflow
-        rescaled(field("ssq_rel"), m, maxes[:, 2]),
-        rescaled(field("weight_ssq_rel"), scales[0], maxes[:, 3]),
-        rescaled(field("update_ssq_rel"), scales[1], maxes[:, 4]),
-        field("missing"),
-        field("hist_sample"),
-        nf * 0 + 1,
-    ]
-    k = 0 if all_sum_counts is not None else record.NUM_COUNTS
-    head = [] if k == 0 else [c]
-    sums = all_sum(xp.concatenate([*head, xp.stack(extra, 1), values[:, record.NUM_VALUES :]], 1))
-    out_c = sums[:, :k] if k else all_sum_counts(counts)
-    mean_w, ssq, wssq, ussq, missing, hs, ranks = (sums[:, k + i] for i in range(7))
-    g_nf = (out_c[:, 0] - out_c[:, 1] - out_c[:, 2] - out_c[:, 3]) * 1.0 + ssq * 0
+    summed = {
+        "mean": values[:, COL["mean"]] / xp.where(maxes[:, 2] > 0, maxes[:, 2], 1.0) * nf,  # no float32 overflow
+        "ssq_rel": rescaled(values[:, COL["ssq_rel"]], scales["grad"], maxes[:, 2]),
+        "weight_ssq_rel": rescaled(values[:, COL["weight_ssq_rel"]], scales["weight"], maxes[:, 3]),
+        "update_ssq_rel": rescaled(values[:, COL["update_ssq_rel"]], scales["update"], maxes[:, 4]),
+        "missing": values[:, COL["missing"]],
+        "hist_sample": values[:, COL["hist_sample"]],
+        "ranks": nf * 0 + 1,
+    }
+    head = [c] if with_counts else []
+    return xp.concatenate([*head, xp.stack([summed[name] for name in _SUMMED], 1), values[:, record.NUM_VALUES:]], 1)
+
+
+def _merged_values(be: Backend, counts: Any, sums: Any, maxes: Any) -> Any:
+    """The merged value fields and histogram from the summed counts, the :data:`_SUMMED` columns and histogram
+    (``sums``), and the global maxima."""
+    xp = be.xp
+    s = {name: sums[:, i] for i, name in enumerate(_SUMMED)}
+    ssq = s["ssq_rel"]
+    g_nf = (counts[:, 0] - counts[:, 1] - counts[:, 2] - counts[:, 3]) * 1.0 + ssq * 0
     nan = ssq * np.nan
     cols = {
         "min": -maxes[:, 1],
         "max": maxes[:, 0],
-        "mean": xp.where(g_nf > 0, mean_w / xp.where(g_nf > 0, g_nf, 1.0) * maxes[:, 2], 0.0),
+        "mean": xp.where(g_nf > 0, s["mean"] / xp.where(g_nf > 0, g_nf, 1.0) * maxes[:, 2], 0.0),
         "ssq_rel": ssq,
         "weight_max_abs": xp.where(maxes[:, 3] >= 0, maxes[:, 3], nan),
-        "weight_ssq_rel": xp.where(maxes[:, 3] >= 0, wssq, nan),
+        "weight_ssq_rel": xp.where(maxes[:, 3] >= 0, s["weight_ssq_rel"], nan),
         "update_max_abs": xp.where(maxes[:, 4] >= 0, maxes[:, 4], nan),
-        "update_ssq_rel": xp.where(maxes[:, 4] >= 0, ussq, nan),
+        "update_ssq_rel": xp.where(maxes[:, 4] >= 0, s["update_ssq_rel"], nan),
         "micro_batches": nan,
         "noise_ssq_rel": nan,
-        "missing": be.f32(missing == ranks),
-        "hist_sample": hs,
+        "missing": be.f32(s["missing"] == s["ranks"]),
+        "hist_sample": s["hist_sample"],
     }
     head = xp.stack([be.f32(cols[name]) for name in record.VALUE_FIELDS], 1)
-    return (xp.round(out_c) if k else out_c), xp.concatenate([head, be.f32(sums[:, k + 7 :])], 1)
+    return xp.concatenate([head, be.f32(sums[:, len(_SUMMED):])], 1)
