@@ -30,7 +30,7 @@ import numpy as np
 import tensorflow as tf
 
 from tb_gradhealth import record
-from tb_gradhealth._tf import compat, histogram, kernels
+from tb_gradhealth._tf import compat, histogram, kernels, precompile
 from tb_gradhealth._tf.kernels import Delta, DeviceRecord
 
 __all__ = ["compute", "compute_jit", "IN_PLACE_MIN"]
@@ -539,8 +539,13 @@ whole_histograms_jit = compat.quiet_retracing(tf.function(whole_histograms, jit_
 
 def compute_deferring(grads, weights, updates, sizes, hist_sample, seed) -> DeviceRecord:
     """:func:`compute`, compiled, with the whole binning of sparse layers in a function of its own that compiles
-    only when a step first needs it (outside a user's ``jit_compile`` step, where everything compiles at once)."""
-    rec, whole = compute_jit(grads, weights, updates, sizes, hist_sample, seed, deferred=True)
+    only when a step first needs it (outside a user's ``jit_compile`` step, where everything compiles at once).
+
+    Called while a graph is traced, the compiled function's XLA program starts compiling on a background thread at
+    once (:mod:`tb_gradhealth._tf.precompile`), not when the graph's call first runs."""
+    args = (grads, weights, updates, sizes, hist_sample, seed)
+    precompile.compile_ahead(compute_jit, args, {"deferred": True})
+    rec, whole = compute_jit(*args, deferred=True)
     if whole is None:
         return rec
     values = tf.cond(tf.reduce_any(whole), lambda: whole_histograms_jit(grads, hist_sample, rec.values, whole),
