@@ -101,9 +101,9 @@ class StepBook:
         return p > 0 and (self.host_step + self.call_steps) // p > self.host_step // p
 
     def next_mode(self, inert: bool = False) -> str:
-        """``"capture"`` or ``"plain"`` for the next call. The first call always captures (its one-time cost lands
-        with the first step's compile, and a step that cannot be captured shows at once); ``inert``: plain."""
-        capture = (not self.checked or self.call_logs()) and not inert and not self.capture_failed
+        """``"capture"`` or ``"plain"`` for the next call: capture only a call that may hold a logged step, so
+        that nothing of the capturing step is traced or compiled before a logged step needs it; ``inert``: plain."""
+        capture = self.call_logs() and not inert and not self.capture_failed
         self.arm = False
         self.last_mode = "capture" if capture else "plain"
         return self.last_mode

@@ -188,9 +188,9 @@ def test_update_freq_integer_and_epoch(tmp_path):
 
 
 @pytest.mark.tf
-def test_first_call_runs_the_statistics_once_and_stores_nothing(tmp_path):
-    """update_freq=3: step 1 is not logged, yet the first call runs the statistics once (so that without
-    jit_compile their XLA clusters compile at the start of fit, not in the first logged step) and stores nothing."""
+def test_nothing_of_the_statistics_is_built_before_the_first_logged_step(tmp_path):
+    """update_freq=3: the calls of steps 1 and 2 run the plain step; the statistics are traced (and so compiled)
+    only in the call of step 3, the first that logs."""
     x, y = make_data(16)
     model = make_model(jit_compile=False)
     cb = GradientHealthCallback(tmp_path, update_freq=3)
@@ -198,10 +198,11 @@ def test_first_call_runs_the_statistics_once_and_stores_nothing(tmp_path):
 
     class Peek(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            seen.append((int(cb._capture.warm.numpy()), int(cb._capture.count.numpy())))
+            cap = cb._capture
+            seen.append((cb._book.last_mode, cap.statistics_traced, int(cap.count.numpy())))
 
     model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[cb, Peek()])
-    assert seen == [(0, 0), (0, 0), (0, 1), (0, 1)]
+    assert seen == [("plain", 0, 0), ("plain", 0, 0), ("capture", 1, 1), ("plain", 1, 1)]
     assert sorted(read_records(str(tmp_path))[1]) == [3]
 
 

@@ -72,6 +72,8 @@ class Capture:
         self.seed = seed
         self.record_updates = record_updates
         self.traced = False
+        #: Times the statistics were traced into a capturing step (none until a call holds a logged step).
+        self.statistics_traced = 0
         #: Which train-function variant is being traced: "capture" (with the statistics) or "plain" (without).
         self.mode = "capture"
         #: ``guard(record, variables, weights_before)``, called in captured steps that copied the weights: the
@@ -96,10 +98,6 @@ class Capture:
             self.stamps = tf.Variable(tf.zeros([slots], tf.int64), name="gh_stamps", **kw)
             self.count = tf.Variable(tf.constant(0, tf.int64), name="gh_count", **kw)
             self.remaining = tf.Variable(tf.constant(0, tf.int32), name="gh_remaining", **kw)
-            #: 1 until the statistics have run once: the first capturing call computes them even on an unlogged
-            #: step (and stores nothing), so that without jit_compile their compiled XLA function compiles at
-            #: the start of fit with the rest, not at the first logged step.
-            self.warm = tf.Variable(tf.constant(1, tf.int32), name="gh_warm", **kw)
 
     # --- optimizer wrappers (run at trace time, inside the train step) ----------------------------------------
 
@@ -163,15 +161,8 @@ class Capture:
         return result
 
     def _store_if_logged(self, logged: tf.Tensor, rows: list[int], applied: list[Any], before: Any) -> None:
-        """Statistics on logged steps, and once on the first call (``warm``) so that they compile at its start."""
-
-        def compute_then_store_if_logged() -> tf.Tensor:
-            rec = self._compute(rows, applied, before)  # an input of the inner cond: it runs either way
-            stored = tf.cond(logged, lambda: self._store(rec), lambda: tf.constant(False))
-            self.warm.assign(0)
-            return stored
-
-        tf.cond(logged | (self.warm > 0), compute_then_store_if_logged, lambda: tf.constant(False))
+        """Statistics, and their store, on logged steps only (a call of several steps may hold unlogged ones)."""
+        tf.cond(logged, lambda: self._store(self._compute(rows, applied, before)), lambda: tf.constant(False))
 
     def _row_of(self, variable: Any) -> int:
         row = self._rows.get(id(variable))
@@ -183,6 +174,7 @@ class Capture:
         return row
 
     def _compute(self, rows: list[int], applied: list[Any], before: list[Any] | None) -> summary.DeviceRecord:
+        self.statistics_traced += 1
         n = len(self.variables)
         grads: list[Any] = [None] * n
         for row, g in zip(rows, applied, strict=True):

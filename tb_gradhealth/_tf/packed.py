@@ -30,7 +30,7 @@ import numpy as np
 import tensorflow as tf
 
 from tb_gradhealth import record
-from tb_gradhealth._tf import compat, histogram, kernels
+from tb_gradhealth._tf import compat, histogram, kernels, precompile
 from tb_gradhealth._tf.kernels import Delta, DeviceRecord, LayerInputs
 
 __all__ = ["compute", "compute_jit", "IN_PLACE_MIN"]
@@ -540,7 +540,11 @@ whole_histograms_jit = compat.quiet_retracing(tf.function(whole_histograms, jit_
 
 def compute_deferring(inputs: LayerInputs) -> DeviceRecord:
     """:func:`compute`, compiled, with the whole binning of sparse layers in a function of its own that compiles
-    only when a step first needs it (outside a user's ``jit_compile`` step, where everything compiles at once)."""
+    only when a step first needs it (outside a user's ``jit_compile`` step, where everything compiles at once).
+
+    Called while a graph is traced, the compiled function's XLA program starts compiling on a background thread at
+    once (:mod:`tb_gradhealth._tf.precompile`), not when the graph's call first runs."""
+    precompile.compile_ahead(compute_jit, (inputs,), {"deferred": True})
     rec, whole = compute_jit(inputs, deferred=True)
     if whole is None:
         return rec
