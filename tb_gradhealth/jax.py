@@ -58,9 +58,18 @@ def _fsum(y: jax.Array) -> jax.Array:
     return jnp.sum(y)
 
 
+def _min_max(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(min, max)``, NaN when ``x`` holds a NaN: XLA:CPU's fast min/max (``xla_cpu_enable_fast_min_max``) may skip
+    a NaN, which would send a tensor with one to the one-pass statistics (NaN counted as zero, mean NaN). The NaN
+    test fuses into the same loop as the extremes under ``jax.jit``."""
+    bad = jnp.any(jnp.isnan(x))
+    return jnp.where(bad, jnp.nan, jnp.min(x)), jnp.where(bad, jnp.nan, jnp.max(x))
+
+
 _BE = _devicestats.Backend(
     jnp, lambda t: jnp.asarray(t).astype(jnp.float32), _histogram, lambda a, like: jnp.asarray(a),
     _divide, lambda pred, true_fn, false_fn, operands: lax.cond(pred, true_fn, false_fn, *operands), _fsum,
+    aminmax=_min_max,
 )
 
 

@@ -224,3 +224,16 @@ def test_recording_wraps_real_optax_on_a_flax_model():
                             for k in range(len(names))])
             assert_records_close(ref, jgh.to_memory(state.record), names)
     assert names == ["params/Dense_0/bias", "params/Dense_0/kernel", "params/Dense_1/bias", "params/Dense_1/kernel"]
+
+
+def test_one_nan_among_unit_values_is_counted_wherever_it_sits():
+    """XLA:CPU's fast min/max may skip a NaN; the record must still count it (and not call it a zero)."""
+    compute = jax.jit(lambda g: jgh.compute({"g": g}, hist_sample=4096))
+    signs = np.where(np.random.default_rng(0).random(4096) < 0.5, -1.0, 1.0).astype(np.float32)
+    for at in (0, 1, 7, 8, 15, 16, 31, 1000, 4095):
+        x = signs.copy()
+        x[at] = np.nan
+        got = jgh.to_memory(compute(jnp.asarray(x)))[0]
+        want = record.compute(x, hist_sample=None)
+        assert got[record.INDEX["nan"]] == 1 and got[record.INDEX["zero"]] == 0, at
+        assert_records_close(got, want)
