@@ -273,10 +273,21 @@ class Writer:
         """The training loss at ``step`` (a float, or anything ``float()`` reads: a numpy or one-element framework
         tensor, read here), as :data:`tb_gradhealth.progress.LOSS_TAG`: the diagnosis weighs it beside the
         gradients (a flat loss while layers barely learn is flagged; a falling one is evidence against a slow
-        status). Every writer of this package records its loss through this method."""
-        if isinstance(loss, (str, bytes)):
-            raise TypeError(f"loss must be a number, got {type(loss).__name__} {loss!r}")
-        self.add_scalars(step, {progress.LOSS_TAG: float(loss)}, wall_time=wall_time)
+        status). Every writer of this package records its loss through this method, often from inside a training
+        step: a loss that is not a number (a string, ``None``, a tensor of many elements) is not written, with one
+        warning per kind of value, rather than raised."""
+        try:
+            if isinstance(loss, (str, bytes)):
+                raise TypeError("a string")
+            value = float(loss)
+        except (TypeError, ValueError) as e:
+            kind = type(loss).__name__
+            if ("loss", kind) not in self._warned:
+                self._warned.add(("loss", kind))
+                _log.warning("tb_gradhealth: a loss of type %s at step %s is not a number (%s); it is not written",
+                             kind, step, e)
+            return
+        self.add_scalars(step, {progress.LOSS_TAG: value}, wall_time=wall_time)
 
     def flush(self) -> bool:
         """Write everything queued so far now; whether all of it is written (when the logdir cannot be written, the
