@@ -147,14 +147,21 @@ def health_payload(series: RunSeries, thresholds: health.Thresholds, step: int |
     return body
 
 
-def _layer_rows(series: RunSeries, layer: str, fields: int = record.NUM_FIELDS) -> tuple[np.ndarray, np.ndarray]:
-    """``(steps, rows [n, fields])`` where the layer has a record (the first ``fields`` fields: the counts and values
-    alone are ``record.HIST_START``); RequestError 404 for an unknown layer."""
+def _layer_rows(series: RunSeries, layer: str, fields: int = record.NUM_FIELDS
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(first step, last step, rows [n, fields], steps in each row)`` where the layer has a record (the first
+    ``fields`` fields: the counts and values alone are ``record.HIST_START``); each row is one step unless a long
+    run's older steps were merged (``series.window_steps``: the rows come back as their windows' sums);
+    RequestError 404 for an unknown layer."""
     j = readable(series).layer_index(layer)
     if j is None:
         raise RequestError(404, f"parameter 'layer': run {series.run!r} has no layer {layer!r}", "layer")
     present = ~np.isnan(series.records[:, j, record.INDEX["size"]])
-    return series.steps[present], series.records[present, j, :fields]
+    steps, rows = series.steps[present], series.records[present, j, :fields]
+    if series.window_steps is None or series.window_last is None:
+        return steps, steps, rows, np.ones(rows.shape[0], np.int64)
+    weight = series.window_steps[present, j].astype(np.int64)
+    return steps, series.window_last[present], _tiers.window_sums(rows, weight), weight
 
 
 def window_starts(rows: np.ndarray, limit: int = MAX_POINTS) -> np.ndarray:
@@ -187,13 +194,7 @@ def merge_windows(rows: np.ndarray, starts: np.ndarray) -> np.ndarray:
 def _windowed(series: RunSeries, layer: str, fields: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """``(first step, last step, number of steps, merged record)`` of each chart window of a layer. Rows that are
     already merged windows of a long run (``series.window_steps``) count their steps and merge as their sums."""
-    steps, rows = _layer_rows(series, layer, fields)
-    last, weight = steps, np.ones(steps.size, np.int64)
-    if series.window_steps is not None and series.window_last is not None:
-        j = series.layer_index(layer)
-        present = ~np.isnan(series.records[:, j, record.INDEX["size"]])
-        last, weight = series.window_last[present], series.window_steps[present, j].astype(np.int64)
-        rows = _tiers.window_sums(rows, weight)
+    steps, last, rows, weight = _layer_rows(series, layer, fields)
     starts = window_starts(rows)
     ends = np.append(starts[1:], steps.size)
     count = np.add.reduceat(weight, starts) if starts.size else weight[:0]
