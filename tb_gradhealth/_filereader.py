@@ -125,6 +125,10 @@ class _Store:
         buf = np.zeros(self.buf.shape)  # lazily zeroed (zeros_like writes every page: the untouched planes too)
         steps, last, weights = np.zeros_like(self.steps), np.zeros_like(self.last), np.zeros_like(self.weights)
         used = np.flatnonzero(self.touched)
+        # The fields a window is merged over: every field before the histogram, and the bins some record used
+        # (the others are zero in every row, and stay zero): a run's gradients span a few decades of the 77.
+        cols = np.concatenate([np.arange(record.HIST_START), used[used >= record.HIST_START]])
+        write = [(j, f) for j, f in enumerate(cols) if self.touched[f]]
         starts = np.array([s for s, _ in groups])
         lengths = np.array([e - s for s, e in groups])
         steps[: len(groups)], last[: len(groups)] = self.steps[starts], self.last[starts + lengths - 1]
@@ -133,12 +137,15 @@ class _Store:
             for block in np.array_split(new, max(1, new.size * k // _MERGE_ROWS)):
                 rows = starts[block][:, None] + np.arange(k)  # [B, k] rows of the old buffer
                 if k == 1:
-                    rec, weights[block] = self.buf[:, rows[:, 0]].transpose(1, 2, 0), self.weights[rows[:, 0]]
-                else:
-                    rec, weights[block] = _tiers.mean_step(self.buf[:, rows].transpose(2, 1, 3, 0),
-                                                          self.weights[rows].transpose(1, 0, 2))
-                for f in used:
-                    buf[f, block] = rec[..., f]
+                    for f in used:
+                        buf[f, block] = self.buf[f, rows[:, 0]]
+                    weights[block] = self.weights[rows[:, 0]]
+                    continue
+                planes = self.buf[np.ix_(cols, rows.ravel())].reshape(len(cols), *rows.shape, len(self.layers))
+                rec, weights[block] = _tiers.mean_step(planes.transpose(2, 1, 3, 0),
+                                                      self.weights[rows].transpose(1, 0, 2))
+                for j, f in write:
+                    buf[f, block] = rec[..., j]
         self.buf, self.steps, self.last, self.weights = buf, steps, last, weights
         self.n, self.old, self.width = len(groups), old, width
 

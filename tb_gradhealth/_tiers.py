@@ -31,20 +31,16 @@ def row_budget(n_layers: int, layer_steps: int = LAYER_STEPS, min_rows: int = MI
 def mean_step(rows: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The mean step of windows: ``rows`` ``[k, ..., L, F]`` mean steps of ``weights`` ``[k, ..., L]`` steps each
     (0 where a layer has no record: its row is all-NaN), merged along the first axis -> ``(records [..., L, F],
-    steps [..., L])``; a layer with no record in a window stays all-NaN with 0 steps. The merges run as a tree,
-    each level one vectorized :func:`record.merge` over every window given."""
+    steps [..., L])``; a layer with no record in a window stays all-NaN with 0 steps. Rows may be cut inside the
+    histogram (the bins no record of the run used left out): one :func:`record.merge_all` over every window given."""
     rows = np.asarray(rows, dtype=np.float64)
     weights = np.asarray(weights, dtype=np.int64)
     present = (weights > 0) & ~np.isnan(rows[..., record.INDEX["size"]])
     total = np.where(present, weights, 0).sum(axis=0)
     scaled = rows if np.all(weights[present] == 1) else record.scale(rows, np.where(present, weights, 1))
-    parts = np.where(present[..., None], scaled, record.empty())
-    while parts.shape[0] > 1:
-        half = parts.shape[0] // 2
-        merged = record.merge(parts[:half], parts[half : 2 * half])
-        parts = np.concatenate([merged, parts[2 * half :]]) if parts.shape[0] % 2 else merged
+    merged = record.merge_all(np.where(present[..., None], scaled, record.empty()[: rows.shape[-1]]), axis=0)
     with np.errstate(divide="ignore"):
-        out = record.scale(parts[0], np.where(total > 0, 1.0 / np.maximum(total, 1), 1.0))
+        out = record.scale(merged, np.where(total > 0, 1.0 / np.maximum(total, 1), 1.0))
     out[total == 0] = np.nan
     return out, total
 

@@ -335,11 +335,36 @@ def merge(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def merge_all(records: np.ndarray, axis: int = 0) -> np.ndarray:
-    """Merge records along ``axis`` (e.g. the shard axis of a host_call tensor)."""
-    records = np.moveaxis(np.asarray(records, dtype=np.float64), axis, 0)
-    out = empty(records.shape[1:-1])
-    for r in records:
-        out = merge(out, r)
+    """Merge records along ``axis`` (the shard axis of a host_call tensor, the steps of a window): the rules of
+    :func:`merge`, applied as one reduction per field instead of a fold of pairs (a window of long-run steps has
+    thousands of layers: one pass per field, no temporary per pair). Rows may be cut inside the histogram."""
+    r = np.moveaxis(np.asarray(records, dtype=np.float64), axis, 0)
+    if r.shape[0] == 0:
+        return empty(r.shape[1:-1])[..., : r.shape[-1]]
+    out = np.empty(r.shape[1:], dtype=np.float64)
+    for name in COUNT_FIELDS + ("hist_sample",):
+        out[..., INDEX[name]] = r[..., INDEX[name]].sum(axis=0)
+    out[..., HIST_START:] = r[..., HIST_START:].sum(axis=0)
+    out[..., INDEX["min"]] = np.minimum.reduce(r[..., INDEX["min"]], axis=0)
+    out[..., INDEX["max"]] = np.maximum.reduce(r[..., INDEX["max"]], axis=0)
+    n = finite_count(r)
+    total = n.sum(axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        weighted = np.where(n > 0, n * r[..., INDEX["mean"]], 0.0).sum(axis=0) / np.where(total > 0, total, 1)
+    out[..., INDEX["mean"]] = np.where(total > 0, weighted, r[-1, ..., INDEX["mean"]])
+    ma = max_abs(r)
+    m = ma.max(axis=0)
+    out[..., INDEX["ssq_rel"]] = _rescaled(r[..., INDEX["ssq_rel"]], ma, m).sum(axis=0)
+    noise = _rescaled(r[..., INDEX["noise_ssq_rel"]], ma, m)
+    out[..., INDEX["noise_ssq_rel"]] = np.where(np.isnan(noise).all(axis=0), np.nan, np.nansum(noise, axis=0))
+    out[..., INDEX["micro_batches"]] = np.fmax.reduce(r[..., INDEX["micro_batches"]], axis=0)
+    for scale_name, ssq_name in _OPTIONAL_PAIRS:
+        sk = r[..., INDEX[scale_name]]
+        s = np.fmax.reduce(sk, axis=0)
+        added = np.nan_to_num(_rescaled(r[..., INDEX[ssq_name]], sk, s)).sum(axis=0)
+        out[..., INDEX[ssq_name]] = np.where(np.isnan(s), np.nan, added)
+        out[..., INDEX[scale_name]] = s
+    out[..., INDEX["missing"]] = np.minimum.reduce(r[..., INDEX["missing"]], axis=0)
     return out
 
 

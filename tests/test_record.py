@@ -174,6 +174,59 @@ def test_merge_identity_all_and_unknown_optionals():
     assert record.merge(record.missing(), whole)[record.INDEX["missing"]] == 0
 
 
+def _mixed_records(rng: np.random.Generator, k: int) -> np.ndarray:
+    """Records of every kind a merge meets: plain, with NaN/Inf, all zero, without the optional weight/update
+    fields, with noise fields, a missing gradient and the empty record, at scales from 1e-30 to 1e30."""
+    rows = []
+    for _ in range(k):
+        kind = rng.integers(0, 6)
+        if kind == 4:
+            rows.append(record.missing())
+            continue
+        if kind == 5:
+            rows.append(record.empty())
+            continue
+        g = rng.normal(0.0, 10.0 ** rng.uniform(-30, 30), int(rng.integers(1, 60)))
+        if kind == 1:
+            g[rng.random(g.size) < 0.3] = rng.choice([np.nan, np.inf, -np.inf])
+        if kind == 2:
+            g[:] = 0.0
+        w = rng.normal(0.0, 10.0 ** rng.uniform(-3, 3), g.size) if kind != 3 else None
+        rec = record.compute(g, weight=w, update=None if w is None else w * 1e-3, hist_sample=None)
+        if rng.random() < 0.3:
+            rec[record.INDEX["micro_batches"]] = float(rng.integers(1, 5))
+            rec[record.INDEX["noise_ssq_rel"]] = float(rng.uniform(0, 3))
+        rows.append(rec)
+    return np.stack(rows)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("seed", range(12))
+def test_merge_all_is_the_fold_of_pairwise_merges(seed):
+    """``merge_all`` reduces each field in one pass; the rules are :func:`record.merge`'s, folded pair by pair."""
+    import functools
+
+    rng = np.random.default_rng(seed)
+    rows = _mixed_records(rng, int(rng.integers(1, 40)))
+    folded = functools.reduce(record.merge, rows, record.empty())
+    merged = record.merge_all(rows)
+    counts = [record.INDEX[n] for n in record.COUNT_FIELDS + ("hist_sample",)] + list(
+        range(record.HIST_START, record.NUM_FIELDS))
+    np.testing.assert_array_equal(merged[counts], folded[counts])
+    np.testing.assert_allclose(merged, folded, rtol=1e-12, atol=0, equal_nan=True)
+    # along another axis, and cut inside the histogram as the plugin's windows are
+    stacked = np.stack([rows, rows[::-1]], axis=1)
+    np.testing.assert_allclose(record.merge_all(stacked, axis=0)[1], record.merge_all(rows[::-1]), rtol=1e-12,
+                               equal_nan=True)
+    cut = record.HIST_START + 40
+    np.testing.assert_allclose(record.merge_all(rows[:, :cut]), merged[:cut], rtol=1e-12, equal_nan=True)
+
+
+@pytest.mark.unit
+def test_merge_all_of_nothing_is_the_empty_record():
+    np.testing.assert_array_equal(record.merge_all(np.zeros((0, 3, record.NUM_FIELDS))), record.empty((3,)))
+
+
 @pytest.mark.unit
 def test_sampled_histogram_scaling_rule_and_merge():
     rng = np.random.default_rng(3)
