@@ -213,6 +213,5 @@ def norms(xs: Sequence[torch.Tensor]) -> torch.Tensor:
     """:func:`_devicestats.norm_stats` ``[L, 2]`` of flat float32 tensors (weights or updates)."""
     if not xs or len({x.device for x in xs}) > 1:
         return torch.stack([_devicestats.norm_stats(ts.BE, x) for x in xs]) if xs else torch.zeros((0, 2))
-    device = xs[0].device if xs else torch.device("cpu")
-    ext = _extremes(xs, device)
-    return _norm_rows(xs, ext, ext.cpu().numpy(), device)
+    ext = _extremes(xs, xs[0].device)
+    return _norm_rows(xs, ext, ext.cpu().numpy(), xs[0].device)
