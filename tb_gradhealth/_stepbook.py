@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["StepBook", "ring_plan"]
+__all__ = ["StepBook", "batch_loss", "ring_plan"]
 
 #: The host reads the ring buffer once per this many capturing calls (at most), so that logging every step does
 #: not pay a device read, a decode and an event write per step.
@@ -128,3 +128,17 @@ class StepBook:
         """Whether a read of ``read`` new records after ``pending`` capturing calls (each predicted to log) means
         the device's step count lags the host's: then the host re-reads it."""
         return read < pending
+
+
+def batch_loss(before: tuple[int, float], now: tuple[int, float]) -> float:
+    """The mean loss of an epoch's batches ``k0+1 .. k`` from Keras' running means after ``k0`` and after ``k``
+    batches (``before = (k0, m0)``, ``now = (k, m)``; Keras reports the loss as its mean since the epoch began).
+
+    Why: a running mean lags, and by the end of a long epoch barely moves, so "the loss is flat" or "it falls"
+    would be read from a smoothed series. With equal batches the sum after ``k`` batches is ``k * m``; a smaller
+    last batch of an epoch makes that one value approximate. ``k <= k0`` (an epoch whose start was not seen): ``m``.
+    """
+    (k0, m0), (k, m) = before, now
+    if k <= k0:
+        return float(m)
+    return (k * float(m) - k0 * float(m0)) / (k - k0)

@@ -29,7 +29,7 @@ import tensorflow as tf
 
 from tb_gradhealth import layerinfo, record, summary
 from tb_gradhealth._failsafe import Failsafe
-from tb_gradhealth._stepbook import StepBook, ring_plan
+from tb_gradhealth._stepbook import StepBook, batch_loss, ring_plan
 from tb_gradhealth._tf import compat
 from tb_gradhealth._tf.capture import CUSTOM_LOOP_ADVICE, Capture, CaptureError
 from tb_gradhealth.writer import Writer
@@ -233,6 +233,7 @@ class GradientHealthCallback(keras.callbacks.Callback):
         self.origin: Any = None
         self._origin: Any = None
         self._failsafe = Failsafe()
+        self._loss_seen: tuple[int, Any] = (0, 0.0)  # (batches of this epoch so far, Keras' mean loss over them)
         self._writer_dropped = 0
 
     @property
@@ -335,6 +336,7 @@ class GradientHealthCallback(keras.callbacks.Callback):
         return not isinstance(error, tf.errors.OpError) or isinstance(error, tf.errors.ResourceExhaustedError)
 
     def on_epoch_begin(self, epoch: int, logs: Mapping[str, Any] | None = None) -> None:
+        self._loss_seen = (0, 0.0)  # Keras' running mean of the loss restarts with each epoch
         if self._capture is None:
             return
         # One device read per epoch keeps the host's step count exact: Keras can run a step the callbacks never
@@ -355,9 +357,11 @@ class GradientHealthCallback(keras.callbacks.Callback):
         if cap is None:
             return
         first, read = self._book.batch_end(batch)
-        if self._book.last_mode == "capture" and logs and "loss" in logs and self._writer is not None:
-            # training progress beside the records: the loss Keras reports (its running mean over the epoch)
-            self._failsafe.run("recording the loss", self._writer.add_loss, self._book.host_step, logs["loss"])
+        if logs and "loss" in logs:
+            if self._book.last_mode == "capture" and self._writer is not None:
+                # training progress beside the records: this call's batches' loss, from Keras' running mean
+                self._failsafe.run("recording the loss", self._record_loss, batch + 1, logs["loss"])
+            self._loss_seen = (batch + 1, logs["loss"])  # kept as given: read only when the next call logs
         if first and not cap.traced and not self._book.capture_failed:
             self._teardown()
             raise CaptureError(
@@ -372,6 +376,14 @@ class GradientHealthCallback(keras.callbacks.Callback):
                 # Predicted a logged step in every call but fewer ran: the device's step count lags the host's
                 # (e.g. steps skipped by LossScaleOptimizer, or the first call). Re-read it: one device read.
                 self._book.host_step = int(cap.steps.numpy())
+
+    def _record_loss(self, batches: int, mean: Any) -> None:
+        seen, before = self._loss_seen
+        try:
+            value = batch_loss((seen, float(before)), (batches, float(mean)))
+        except (TypeError, ValueError):
+            value = mean  # not a number: add_loss says so (once) and writes nothing
+        self._writer.add_loss(self._book.host_step, value)
 
     def on_epoch_end(self, epoch: int, logs: Mapping[str, Any] | None = None) -> None:
         if self._capture is not None:

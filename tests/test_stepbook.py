@@ -5,9 +5,10 @@ calls that contain a logged step, found by enumerating the optimizer steps of ea
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from tb_gradhealth._stepbook import MAX_BUFFER_BYTES, MAX_CALLS_PER_READ, StepBook, ring_plan
+from tb_gradhealth._stepbook import MAX_BUFFER_BYTES, MAX_CALLS_PER_READ, StepBook, batch_loss, ring_plan
 
 pytestmark = pytest.mark.unit
 
@@ -91,3 +92,23 @@ def test_ring_plan():
     assert ring_plan(1, 1, 1000, True)[2] == 1  # stop_on reads after every call
     assert ring_plan(1, 1, MAX_BUFFER_BYTES // 2, False)[2] == 2  # large records: fewer calls per read
     assert ring_plan(10, 3, 1000, False) == (10, 3, 1)  # a call logs at most once; reads follow each capture
+
+
+@pytest.mark.parametrize("per_call", [1, 3])
+def test_batch_loss_recovers_each_calls_batches_from_the_running_mean(per_call):
+    # Keras' running mean of an epoch (float32 sums, as its Mean metric keeps them) read after every call of
+    # ``per_call`` batches; each recovered value is the mean of that call's own batch losses.
+    losses = np.random.default_rng(per_call).lognormal(0.0, 2.0, 30 * per_call)
+    total, before = np.float32(0.0), (0, 0.0)
+    for call in range(30):
+        batches = losses[call * per_call:(call + 1) * per_call]
+        for v in batches:
+            total = np.float32(total + np.float32(v))
+        k = (call + 1) * per_call
+        now = (k, float(total / np.float32(k)))
+        assert batch_loss(before, now) == pytest.approx(batches.mean(), rel=1e-3, abs=1e-4 * losses.max())
+        before = now
+
+
+def test_batch_loss_of_an_epoch_whose_start_was_not_seen_is_the_mean_given():
+    assert batch_loss((12, 3.0), (5, 2.5)) == 2.5
