@@ -6,8 +6,12 @@ hundreds of variables, most of them tiny (biases, batch-norm parameters), unlike
 ``writer_overhead.py``: per-variable costs show here.
 
 Configurations, each on its own copy of the model, all in ONE process, timed in interleaved rounds (each round runs
-``--steps`` steps of every configuration in turn; per-round ratios to the plain step of the same round; the median
-and the min-max spread over rounds are printed):
+``--steps`` steps of every configuration in turn, a different one leading each round; per-round ratios to the plain
+step of the same round; the median and the min-max spread over rounds are printed). Every copy is built before any
+of them runs (building one sets the random seed, and TensorFlow's ``set_seed`` empties the eager kernel cache: each
+function that had run would be instantiated and optimised again at its next call, seconds charged to one round),
+and the garbage collector's objects are frozen before the timed rounds (a full collection of the traced graphs'
+Python objects takes ~0.5 s and slows the step after it):
 
   plain        Keras' own train function (what ``fit`` calls per step), no callback
   every        ``GradientHealthCallback(update_freq=1)``: the statistics of gradient, weight and update each step
@@ -25,7 +29,8 @@ the model's train function, ``on_train_batch_end``, ... ``on_train_end``), so th
 re-tracing. Each step is synchronised by reading its loss.
 
 First step = the first train-function call (trace + compile + one step). Peak RSS and a second first-step figure
-come from a fresh subprocess per configuration (``--rss``, on by default): peak RSS in one process only grows, and
+come from a fresh subprocess per configuration (``--fresh-rounds`` of them, alternated, the median printed; off with
+``--no-rss``): peak RSS in one process only grows, and
 a configuration compiled after another benefits from its warm caches, so both are measured where nothing else ran
 before. The child runs the first step and three more and reports its peak RSS (``VmHWM``); the ``default`` child
 starts at optimizer step 98, so that its second call logs step 100 (the first call runs the plain step: the callback
@@ -35,12 +40,13 @@ Timing figures from a shared machine (here: 2 CPU cores shared with other jobs) 
 spread. Run under ``flock /tmp/gradhealth-heavy.lock``.
 
 Usage: python benchmarks/real_architectures.py [--models resnet50,transformer] [--rounds 3] [--steps 4]
-       [--configs plain,every,...] [--no-rss]
+       [--configs plain,every,...] [--fresh-rounds 2] [--no-rss]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -252,24 +258,43 @@ def _ratio_cell(values: list[float]) -> str:
     return f"{med:.3f}x ({min(values):.2f}-{max(values):.2f})" if len(values) > 1 else f"{med:.3f}x"
 
 
-def bench_model(model_name: str, configs: list[str], rounds: int, steps: int, rss: bool) -> dict:
+def fresh_runs(model_name: str, configs: list[str], rounds: int) -> dict:
+    """Each configuration's fresh process ``rounds`` times, alternated (plain, every, ..., plain, every, ...) so
+    that every configuration sees the same load; the median of each figure."""
+    runs: dict[str, list[dict]] = {c: [] for c in configs}
+    for _ in range(rounds):
+        for c in configs:
+            runs[c].append(run_child(model_name, c))
+    return {c: {k: statistics.median(r[k] for r in rs) for k in rs[0]} | {"all": rs} for c, rs in runs.items()}
+
+
+def bench_model(model_name: str, configs: list[str], rounds: int, steps: int, rss: bool,
+                fresh_rounds: int = 1) -> dict:
     with tempfile.TemporaryDirectory() as d:
-        runners: dict[str, Runner] = {}
+        # Every copy is built before any runs: building one sets the random seed, and TensorFlow's set_seed clears
+        # the eager kernel cache, so each function that already ran would be instantiated and optimised again in
+        # its next call (seconds, charged to whichever configuration's round came next).
+        runners = {c: Runner(model_name, c, d) for c in configs}
         first: dict[str, float] = {}
         for c in configs:
-            runners[c] = Runner(model_name, c, d)
             first[c] = runners[c].first()
             print(f"  [{model_name} {c}: first step {first[c]:.1f} s]", file=sys.stderr, flush=True)
-            runners[c].run(1)  # `default` traces its plain variant here; others warm up
+        for c in configs:
+            runners[c].run(2)  # `default` traces its plain variant here; others warm up
+        # The traced graphs are hundreds of thousands of Python objects: a full collection in a timed step would
+        # charge ~0.5 s to one configuration's round. Collected once, and kept out of later collections.
+        gc.collect()
+        gc.freeze()
         times: dict[str, list[float]] = {c: [] for c in configs}
-        for _ in range(rounds):
-            for c in configs:
+        for i in range(rounds):
+            for c in configs[i % len(configs):] + configs[: i % len(configs)]:  # each config leads a round in turn
                 times[c].append(runners[c].run(steps))
+        gc.unfreeze()
         n_vars = len(runners[configs[0]].model.trainable_variables)
         n_params = sum(int(np.prod(v.shape)) for v in runners[configs[0]].model.trainable_variables)
         for r in runners.values():
             r.close()
-    fresh = {c: run_child(model_name, c) for c in configs} if rss else {}
+    fresh = fresh_runs(model_name, configs, fresh_rounds) if rss else {}
     return {"model": model_name, "variables": n_vars, "params": n_params, "first": first, "times": times,
             "fresh": fresh}
 
@@ -350,6 +375,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=4, help="steps per configuration per round")
     p.add_argument("--no-rss", action="store_true", help="skip the fresh-process first step and peak RSS")
+    p.add_argument("--fresh-rounds", type=int, default=1,
+                   help="fresh processes per configuration, alternated (the median is printed)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
@@ -365,7 +392,7 @@ def main() -> None:
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
     for m in a.models.split(","):
         t0 = time.perf_counter()
-        res = bench_model(m, configs, a.rounds, a.steps, not a.no_rss)
+        res = bench_model(m, configs, a.rounds, a.steps, not a.no_rss, a.fresh_rounds)
         print("\n".join(report(res)), flush=True)
         print(f"  ({time.perf_counter() - t0:.0f} s, load average {os.getloadavg()[0]:.1f})", flush=True)
 
