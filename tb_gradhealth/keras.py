@@ -17,7 +17,6 @@ written at step ``s``, next to ``batch_loss`` of the same batch; it describes th
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -31,7 +30,7 @@ import tensorflow as tf
 from tb_gradhealth import layerinfo, record, summary
 from tb_gradhealth._failsafe import Failsafe
 from tb_gradhealth._stepbook import StepBook, ring_plan
-from tb_gradhealth._tf import compat, precompile
+from tb_gradhealth._tf import compat
 from tb_gradhealth._tf.capture import CUSTOM_LOOP_ADVICE, Capture, CaptureError
 from tb_gradhealth.writer import Writer
 
@@ -315,11 +314,6 @@ class GradientHealthCallback(keras.callbacks.Callback):
         # conditional on the gradients would keep them from fusing into the update.
         self._functions = compat.train_functions(model, ("plain", "capture"))
         compat.set_train_function(model, self._dispatch)
-        # Statistics as plain graph ops, logged steps not every step, no XLA step: the capturing step can run the
-        # unlogged calls too (its statistics and its copy of the weights in a tf.cond on the step), so the ordinary
-        # step's function is released before the capturing one is traced and the process never holds both
-        # instantiated (each holds kernels for the whole model: ~190 MB on MobileNetV2).
-        self._release_plain = not cap.compiled and period != 1 and not getattr(model, "jit_compile", False)
 
     def _dispatch(self, iterator: Any) -> Any:
         book = self._book
@@ -335,11 +329,7 @@ class GradientHealthCallback(keras.callbacks.Callback):
         statistics' sake (then for the rest of this fit)."""
         book = self._book
         if mode == "plain":
-            return self._plain_call(iterator)
-        if self._release_plain and self._functions["plain"] is not None:
-            self._functions["plain"] = None
-            gc.collect()  # the traced graphs hold reference cycles
-            precompile.release_freed_memory()
+            return self._functions[mode](iterator)
         try:
             out = self._functions[mode](iterator)
         except Exception as e:  # noqa: BLE001 - sorted out by _is_ours
@@ -350,20 +340,9 @@ class GradientHealthCallback(keras.callbacks.Callback):
             _log.warning("tb_gradhealth: the step that records gradient health failed (%s: %s); training goes on "
                          "with the plain step and records nothing more in this fit", type(e).__name__, e,
                          exc_info=True)
-            return self._plain_call(iterator)
+            return self._functions["plain"](iterator)
         book.capture_ran = True
         return out
-
-    def _plain_call(self, iterator: Any) -> Any:
-        """A call without a logged step: the ordinary step's function, or the capturing one's once that released
-        it (its statistics do not run on unlogged steps); the ordinary one again when capturing stopped."""
-        if self._functions["plain"] is None:
-            if self._writer is not None and not self._book.capture_failed:
-                self._capture.mode = "capture"  # read if the call traces again
-                return self._functions["capture"](iterator)
-            self._functions.update(compat.train_functions(self.model, ("plain",)))
-            compat.set_train_function(self.model, self._dispatch)
-        return self._functions["plain"](iterator)
 
     def _is_ours(self, error: Exception) -> bool:
         """Whether an exception of the capturing step may come from the statistics (then ``fit`` goes on with the

@@ -151,11 +151,7 @@ class Capture:
         # The weights before the update. A read that stays alive across the update makes TensorFlow (and XLA) copy
         # the variable's buffer when the update writes it: the one copy this costs, only in the capture variant's
         # calls, and no lasting memory (the tensors die with the step).
-        before = None
-        if self.record_updates and logged is not None and not compat.in_xla_context():
-            before = self._before_if_logged(logged, trainable_variables)
-        elif self.record_updates:
-            before = [tf.identity(tf.convert_to_tensor(v)) for v in trainable_variables]
+        before = [tf.identity(tf.convert_to_tensor(v)) for v in trainable_variables] if self.record_updates else None
         self._local.reduced = None
         result = original(grads, trainable_variables, learning_rate)
         reduced = self._local.reduced
@@ -167,22 +163,9 @@ class Capture:
             self._store_if_logged(logged, rows, applied, before)
         return result
 
-    @staticmethod
-    def _before_if_logged(logged: tf.Tensor, variables: list[Any]) -> list[tf.Tensor]:
-        """The weights before the update on logged steps, an empty tensor each on others (outside XLA, whose
-        branches need one shape): no read stays alive across an unlogged step's update, so nothing is copied."""
-        return tf.cond(logged, lambda: [tf.identity(tf.convert_to_tensor(v)) for v in variables],
-                       lambda: [tf.zeros([0], v.dtype) for v in variables])
-
     def _store_if_logged(self, logged: tf.Tensor, rows: list[int], applied: list[Any], before: Any) -> None:
         """Statistics, and their store, on logged steps only (a call of several steps may hold unlogged ones)."""
-
-        def store() -> tf.Tensor:
-            shaped = None if before is None else [
-                tf.reshape(b, self.variables[row].shape) for row, b in zip(rows, before, strict=True)]
-            return self._store(self._compute(rows, applied, shaped))
-
-        tf.cond(logged, store, lambda: tf.constant(False))
+        tf.cond(logged, lambda: self._store(self._compute(rows, applied, before)), lambda: tf.constant(False))
 
     def _row_of(self, variable: Any) -> int:
         row = self._rows.get(id(variable))

@@ -84,7 +84,7 @@ def compile_ahead(function: Any, args: tuple, kwargs: dict) -> bool:
             tf.function(lambda: concrete(*dummy, **kwargs), autograph=False)()
         except Exception:  # noqa: BLE001 - the graph's own call compiles (and reports) instead
             _log.debug("tb_gradhealth: compiling the statistics ahead failed", exc_info=True)
-        release_freed_memory()
+        _release_freed_memory()
 
     thread = threading.Thread(target=run, name="tb_gradhealth-xla-compile")
     with _lock:
@@ -94,7 +94,7 @@ def compile_ahead(function: Any, args: tuple, kwargs: dict) -> bool:
     return True
 
 
-def release_freed_memory() -> None:
+def _release_freed_memory() -> None:
     """Give the memory the compiler freed back to the system (glibc's ``malloc_trim``): it stays resident in this
     thread's malloc arena otherwise, where the training thread's allocations do not reuse it."""
     try:
