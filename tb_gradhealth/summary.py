@@ -4,7 +4,7 @@
   with the numbers of :func:`tb_gradhealth.record.compute` (the float64 reference). All layers' statistics run in
   one compiled XLA function (:mod:`tb_gradhealth._tf.packed`: a fixed number of loops whatever the number of layers,
   so a model of hundreds of variables compiles in seconds), inlined into the caller's cluster inside a
-  ``jit_compile=True`` step.
+  ``jit_compile=True`` step; ``jit="graph"`` runs the same layout as plain TF ops (nothing to compile).
 * :func:`write` encodes a device record on the host (``tf.numpy_function`` calling :func:`record.to_disk`: one
   encoder) and writes it with ``tf.summary.write``.
 * :func:`gradients` = compute + write, for custom training loops (eager or ``tf.function``). Inside

@@ -17,6 +17,10 @@ architectures*, has the figures). Here:
 * the histogram bins the exact layers' packed values and a gathered sample of each sampled layer in one pass; a
   layer whose sample is not enough (a sparse tensor) is binned whole in a ``tf.cond`` branch (on such steps only).
 
+Outside XLA the same layout runs as plain TensorFlow ops (``summary.compute(jit="graph")``): each row reduction a
+reduction kernel of its own, squares summed in float32 (a layer whose squares could under- or overflow is redone
+in float64 in the ``tf.cond`` branch): nothing to compile, a few passes over the data instead of one loop.
+
 The numbers are those of :func:`tb_gradhealth.record.compute`; docs/PERFORMANCE.md has the measured costs.
 """
 
