@@ -39,6 +39,18 @@ __all__ = ["GradientHealthCallback", "CaptureError", "StopEvent"]
 _log = logging.getLogger("tb_gradhealth")
 
 _STOP_CHOICES = ("nonfinite", "exploding")
+#: Logging more often than every this many steps compiles the statistics with XLA (a compile of seconds and its
+#: memory, for the cheapest logged step); sparser logging computes them as plain graph ops in the step (nothing to
+#: compile; a logged step costs more, paid once per ``update_freq`` steps). docs/PERFORMANCE.md has both.
+_COMPILED_BELOW = 10
+
+
+def _compiled_statistics(update_freq: Any, compile_statistics: bool | None) -> bool:
+    """Whether the statistics are an XLA program (asked for, or frequent logging) or plain graph ops."""
+    if compile_statistics is not None:
+        return bool(compile_statistics)
+    return isinstance(update_freq, int) and update_freq < _COMPILED_BELOW
+
 @dataclass(frozen=True)
 class StopEvent:
     """Why ``stop_on`` stopped training: the first logged step at which a watched status appeared.
@@ -189,6 +201,12 @@ class GradientHealthCallback(keras.callbacks.Callback):
         nan_origin: at the first recorded step whose gradient holds a NaN/Inf, put the weights of that step back,
             replay it op by op and store where the first NaN/Inf was made (op, layer, forward or backward, line of
             user code) in :attr:`origin`, the log and the run (docs/NAN_ORIGIN.md). Free until then.
+        compile_statistics: compute the statistics of a logged step as one XLA program (``True``: the cheapest
+            logged step, after a compile of seconds at the first one, and the compiled program's memory) or as
+            plain TensorFlow ops in the step (``False``: nothing to compile and no XLA memory; a logged step costs
+            more). ``None`` (default): compiled when ``update_freq`` is below 10, plain ops for sparser logging
+            (docs/PERFORMANCE.md, *Real architectures*, has both costs). Inside a ``jit_compile=True`` step the
+            statistics are compiled with it either way.
     """
 
     def __init__(
@@ -204,6 +222,7 @@ class GradientHealthCallback(keras.callbacks.Callback):
         stop_on: Sequence[str] = (),
         thresholds: Any = None,
         nan_origin: bool = True,
+        compile_statistics: bool | None = None,
     ) -> None:
         super().__init__()
         if keras.backend.backend() != "tensorflow":  # pragma: no cover - the module imports TensorFlow
@@ -229,6 +248,7 @@ class GradientHealthCallback(keras.callbacks.Callback):
         self._probe: _Probe | None = None
         self._stop_watch = _StopWatch(self.stop_on, thresholds) if self.stop_on else None
         self.nan_origin = bool(nan_origin)
+        self.compile_statistics = compile_statistics
         #: Where the first NaN/Inf was made (:class:`tb_gradhealth.origin.NanOrigin`), once one was recorded.
         self.origin: Any = None
         self._origin: Any = None
@@ -279,6 +299,7 @@ class GradientHealthCallback(keras.callbacks.Callback):
             record_updates=self.record_updates,
             hist_sample=self.hist_sample,
             seed=self.seed,
+            compiled=_compiled_statistics(self.update_freq, self.compile_statistics),
         )
         cap.install()
         self._origin = self._start_origin(model, cap)

@@ -4,7 +4,7 @@
   with the numbers of :func:`tb_gradhealth.record.compute` (the float64 reference). All layers' statistics run in
   one compiled XLA function (:mod:`tb_gradhealth._tf.packed`: a fixed number of loops whatever the number of layers,
   so a model of hundreds of variables compiles in seconds), inlined into the caller's cluster inside a
-  ``jit_compile=True`` step.
+  ``jit_compile=True`` step; ``jit="graph"`` runs the same layout as plain TF ops (nothing to compile).
 * :func:`write` encodes a device record on the host (``tf.numpy_function`` calling :func:`record.to_disk`: one
   encoder) and writes it with ``tf.summary.write``.
 * :func:`gradients` = compute + write, for custom training loops (eager or ``tf.function``). Inside
@@ -69,7 +69,7 @@ def compute(
     *,
     hist_sample: int = record.DEFAULT_HIST_SAMPLE,
     seed: Any = None,
-    jit: bool = True,
+    jit: bool | str = True,
 ) -> DeviceRecord:
     """Device records of ``grads`` (pairs, dict or lists: see :func:`normalize`), rows in :func:`layer_names` order.
 
@@ -79,7 +79,9 @@ def compute(
     histogram sampling; by default the seed comes from the data. ``jit=True`` (or ``"cluster"``) computes every
     layer's statistics in one XLA function, compiled once per model signature (:mod:`tb_gradhealth._tf.packed`; works
     eagerly and in ``tf.function``; inside ``jit_compile=True`` it is inlined into the caller's cluster);
-    ``jit=False`` uses plain TF ops, layer by layer.
+    ``jit="graph"`` computes the same all-layer statistics as plain TF ops in the caller's graph (no XLA compile
+    and none of XLA's memory; slower per call: a few passes over the data instead of one fused loop; inside
+    ``jit_compile=True`` the same as ``True``); ``jit=False`` uses plain TF ops, layer by layer.
     """
     names, glist, wlist, variables = normalize(grads, weights)
     if isinstance(updates, Mapping):
@@ -100,9 +102,12 @@ def compute(
         hist_sample=int(hist_sample or 0),
         seed=None if seed is None else tf.convert_to_tensor(seed),
     )
+    xla = compat.in_xla_context()
+    if jit == "graph" and not xla:  # the all-layer statistics as plain graph ops
+        return packed.compute(inputs)
     if not jit or not kernels.fused_reductions_available():
         return kernels.compute_layers(inputs)
-    if compat.in_xla_context():  # inside a compiled function: inline into its cluster
+    if xla:  # inside a compiled function: inline into its cluster
         return packed.compute(inputs)
     return packed.compute_deferring(inputs)
 

@@ -88,19 +88,19 @@ def assert_applied(rows: np.ndarray, w_before: list[np.ndarray], w_after: list[n
 
 
 @pytest.mark.tf
-@pytest.mark.parametrize("jit", [False, True])
-def test_recorded_gradient_is_the_applied_one(tmp_path, jit):
+@pytest.mark.parametrize("jit, compiled", [(False, None), (True, None), (False, False)])
+def test_recorded_gradient_is_the_applied_one(tmp_path, jit, compiled):
     x, y = make_data()
     model = make_model(jit_compile=jit)
     weights = WeightLog()
-    cb = GradientHealthCallback(tmp_path, update_freq=1)
+    cb = GradientHealthCallback(tmp_path, update_freq=1, compile_statistics=compiled)
     model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[weights, cb])
     layers, recs = read_records(str(tmp_path))
     assert layers == tuple(v.path for v in model.trainable_variables)
     assert sorted(recs) == list(range(1, 9))
     for s, rows in recs.items():
         assert_applied(rows, weights.weights[s - 1], weights.weights[s])
-    if jit:
+    if jit or compiled is not None:
         return  # the life-cycle checks below are backend-independent: run them once (XLA compiles are slow)
     # The hooks are gone after fit: the optimizer is the plain class again and a later fit records nothing.
     opt = model.optimizer
@@ -204,6 +204,26 @@ def test_nothing_of_the_statistics_is_built_before_the_first_logged_step(tmp_pat
     model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[cb, Peek()])
     assert seen == [("plain", 0, 0), ("plain", 0, 0), ("capture", 1, 1), ("plain", 1, 1)]
     assert sorted(read_records(str(tmp_path))[1]) == [3]
+
+
+@pytest.mark.tf
+def test_sparse_logging_computes_the_statistics_as_plain_graph_ops(tmp_path):
+    """update_freq=10: nothing compiled with XLA; each record is still the applied gradient's, and training is
+    exactly what it is without the callback."""
+    x, y = make_data(64)
+    model = make_model(jit_compile=False)
+    weights = WeightLog()
+    cb = GradientHealthCallback(tmp_path, update_freq=10)
+    model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=[weights, cb])
+    assert cb._capture.compiled is False
+    _, recs = read_records(str(tmp_path))
+    assert sorted(recs) == [10, 20, 30]
+    for s in recs:
+        assert_applied(recs[s], weights.weights[s - 1], weights.weights[s])
+    alone = make_model(jit_compile=False)
+    alone.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    for a, b in zip(alone.trainable_variables, model.trainable_variables, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
 @pytest.mark.tf

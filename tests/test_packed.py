@@ -51,6 +51,8 @@ def test_every_layer_kind_matches_the_reference_with_weights_and_updates():
     for path, rec in {
         "function": summary.compute(tg, tw, tu),
         "jit_compile": tf.function(lambda: summary.compute(tg, tw, tu), jit_compile=True)(),
+        "graph": tf.function(lambda: summary.compute(tg, tw, tu, jit="graph"))(),
+        "graph, eager": summary.compute(tg, tw, tu, jit="graph"),
     }.items():
         mem = to_mem(rec)
         for i, n in enumerate(names):
@@ -63,7 +65,8 @@ def test_every_layer_kind_matches_the_reference_with_weights_and_updates():
                 raise AssertionError(f"{path} / {n}: {e}") from e
 
 
-def test_missing_and_sparse_gradients_beside_packed_ones():
+@pytest.mark.parametrize("jit", [True, "graph"])
+def test_missing_and_sparse_gradients_beside_packed_ones(jit):
     rng = np.random.default_rng(4)
     table = tf.Variable(rng.standard_normal((50, 8)).astype(np.float32))
     dense = rng.standard_normal(100).astype(np.float32)
@@ -71,7 +74,7 @@ def test_missing_and_sparse_gradients_beside_packed_ones():
                               tf.constant([50, 8]))
     unused = tf.Variable(np.ones(7, np.float32))
     rec = to_mem(summary.compute([(tf.constant(dense), tf.Variable(dense)), (slices, table), (None, unused)],
-                                 weights=True))
+                                 weights=True, jit=jit))
     assert_matches_reference(rec[0], dense, record.DEFAULT_HIST_SAMPLE, w=dense)
     want = np.zeros((50, 8), np.float32)
     np.add.at(want, slices.indices.numpy(), slices.values.numpy())

@@ -211,15 +211,21 @@ def test_indexed_slices_match_the_dense_gradient():
         "nonfinite": tf.IndexedSlices(
             tf.constant(np.array([[np.nan, 1, 2, np.inf]], np.float32)), tf.constant([4]), tf.constant([50, 4])
         ),
+        # a table too large to be made dense (more than packed.IN_PLACE_MIN values): the sparse per-layer kernel
+        "large_table": tf.IndexedSlices(tf.constant(values), tf.constant([3, 69_999, 3, 9, 7, 3]),
+                                        tf.constant([70_000, 4])),
     }
     small = tf.Variable(np.zeros((3, 4), np.float32), name="small")
+    large = tf.Variable(np.zeros((70_000, 4), np.float32), name="large")
     for name, sl in cases.items():
-        var = small if name == "all_rows" else table
+        var = {"all_rows": small, "large_table": large}.get(name, table)
         dense = tf.convert_to_tensor(sl).numpy()  # what the gradient stands for: duplicates summed
-        for jit in (True, False):
+        # the large table's few values are binned whole (a sample of them is not enough): the exact histogram
+        hist_sample = dense.size if name == "large_table" else 4096
+        for jit in (True, False, "graph"):
             mem = to_mem(summary.compute([(sl, var)], jit=jit))[0]
             try:
-                assert_matches_reference(mem, dense, 4096)
+                assert_matches_reference(mem, dense, hist_sample)
             except AssertionError as e:
                 raise AssertionError(f"{name} jit={jit}: {e}") from e
     big = tf.IndexedSlices(tf.constant(RNG.standard_normal((300, 4)).astype(np.float32)),

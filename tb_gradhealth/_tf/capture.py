@@ -59,8 +59,11 @@ class Capture:
         record_updates: bool,
         hist_sample: int | None,
         seed: int | None,
+        compiled: bool = True,
     ) -> None:
         self.optimizer = optimizer
+        #: Statistics in one XLA program (True) or as plain graph ops in the step (``summary.compute(jit="graph")``).
+        self.compiled = compiled
         #: The optimizer's step counter: its raw ``_iterations`` (batches, which ``iterations`` divides by
         #: ``gradient_accumulation_steps``), so steps line up with keras.callbacks.TensorBoard's batch steps.
         self.steps = compat.optimizer_step_counter(optimizer)
@@ -187,7 +190,8 @@ class Capture:
                 # before - after, subtracted inside the statistics' loop over the update (never written out).
                 updates[row] = summary.Delta(w, weights[row])
                 weights[row] = w
-        rec = summary.compute(grads, weights, updates, hist_sample=self.hist_sample or 0, seed=self.seed)
+        rec = summary.compute(grads, weights, updates, hist_sample=self.hist_sample or 0, seed=self.seed,
+                              jit=True if self.compiled else "graph")
         if self.guard is not None and before is not None:
             self.guard(rec, [self.variables[row] for row in rows], before)
         return rec

@@ -94,7 +94,10 @@ def _init(kind: str, dtype: tf.DType) -> tf.Tensor:
 
 
 def _variadic(operands: list[tf.Tensor], kinds: tuple[str, ...], axis: int) -> list[tf.Tensor]:
-    """Several reductions of same-shape tensors along ``axis`` in one loop (an XLA variadic reduce)."""
+    """Several reductions of same-shape tensors along ``axis`` in one loop (an XLA variadic reduce); outside XLA,
+    one TensorFlow reduction each (same results: empty reductions give the same identities)."""
+    if not compat.in_xla_context():
+        return [_FINISH[k](x, axis) for k, x in zip(kinds, operands, strict=True)]
     key = tuple((k, x.dtype) for k, x in zip(kinds, operands, strict=True))
     if key not in _REDUCERS:
 

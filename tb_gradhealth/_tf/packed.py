@@ -17,6 +17,10 @@ architectures*, has the figures). Here:
 * the histogram bins the exact layers' packed values and a gathered sample of each sampled layer in one pass; a
   layer whose sample is not enough (a sparse tensor) is binned whole in a ``tf.cond`` branch (on such steps only).
 
+Outside XLA the same layout runs as plain TensorFlow ops (``summary.compute(jit="graph")``): each row reduction a
+reduction kernel of its own, squares summed in float32 (a layer whose squares could under- or overflow is redone
+in float64 in the ``tf.cond`` branch): nothing to compile, a few passes over the data instead of one loop.
+
 The numbers are those of :func:`tb_gradhealth.record.compute`; docs/PERFORMANCE.md has the measured costs.
 """
 
@@ -210,6 +214,47 @@ def _exact_norm_rows(b: tf.Tensor, inside: Any = None) -> list[tf.Tensor]:
                              ("sum", "max"), 1)
 
 
+#: Below this max|x| of a layer, float32 squares may lose underflowed values: the layer is redone in float64.
+_GRAPH_FAST_MIN = 1e-10
+
+
+def _padding_fixed(r: tf.Tensor, b: tf.Tensor, valid: np.ndarray | None, reduce: Any, fill: float) -> tf.Tensor:
+    """Per-row ``r = reduce(b, 1)`` with the rows that hold zero padding reduced again over their values only (one
+    gather of those rows: the last row of each packed piece)."""
+    if valid is None:
+        return r
+    ragged = np.flatnonzero(valid < PACK_ROW).astype(np.int32)
+    if not len(ragged):
+        return r
+    inside = tf.constant(np.arange(PACK_ROW)[None, :] < valid[ragged][:, None])
+    fixed = reduce(tf.where(inside, tf.gather(b, ragged), tf.constant(fill, b.dtype)), 1)
+    return tf.tensor_scatter_nd_update(r, ragged[:, None], fixed)
+
+
+def _graph_gradient_rows(b: tf.Tensor, valid: np.ndarray | None) -> list[tf.Tensor]:
+    """:func:`_fast_gradient_rows` as plain TensorFlow reductions (no XLA): a few passes over the data, each one
+    reduction kernel, instead of one fused loop. Squares are summed in float32 (per row, then in float64); a row
+    whose sums are not finite (a NaN/Inf, or a square beyond float32) counts as bad, and so does a layer whose
+    max|g| is below :data:`_GRAPH_FAST_MIN` (:func:`compute`): those are redone by the exact rows."""
+    s = tf.reduce_sum(b, 1)
+    q = tf.reduce_sum(tf.square(b), 1)
+    zero = tf.reduce_sum(tf.cast(tf.abs(b) < tf.constant(record.FLUSH_BELOW, tf.float32), tf.int32), 1)
+    if valid is not None:  # the zero padding counted as zeros
+        zero = zero - tf.constant((PACK_ROW - valid).astype(np.int32))
+    mx = _padding_fixed(tf.reduce_max(b, 1), b, valid, tf.reduce_max, -np.inf)
+    mn = _padding_fixed(tf.reduce_min(b, 1), b, valid, tf.reduce_min, np.inf)
+    bad = tf.cast(~(tf.math.is_finite(s) & tf.math.is_finite(q)), tf.int32)
+    return [tf.cast(q, tf.float64), zero, kernels._order_key(mx), kernels._order_key(mn), bad, s]
+
+
+def _graph_norm_rows(b: tf.Tensor, valid: np.ndarray | None = None) -> list[tf.Tensor]:
+    """:func:`_fast_norm_rows` as plain TensorFlow reductions: float32 squares; a row whose sum of squares is not
+    finite reports +Inf's bits as its max (redone by the exact rows, as a NaN/Inf is)."""
+    q = tf.reduce_sum(tf.square(b), 1)
+    m_bits = tf.bitcast(tf.reduce_max(tf.abs(b), 1), tf.int32)  # zero padding: no effect on max|x|
+    return [tf.cast(q, tf.float64), tf.where(tf.math.is_finite(q), m_bits, _EXP_BITS)]
+
+
 _SEGMENT = {"sum": tf.math.unsorted_segment_sum, "max": tf.math.unsorted_segment_max,
             "min": tf.math.unsorted_segment_min}
 
@@ -230,8 +275,11 @@ def _reduce_layers(flat: Sequence[Any], lay: Layout, n: int, rows_of: Any, kinds
                    buf: tf.Tensor | None = None) -> list[tf.Tensor]:
     """``[n]`` per result of ``rows_of``: the packed buffer's rows (``buf`` if already packed) and each view's."""
     buf = _pack(flat, lay) if buf is None else buf
-    inside = tf.range(PACK_ROW)[None, :] < tf.constant(lay.row_valid)[:, None]
-    results = [rows_of(buf, inside)] + [rows_of(v, None) for v in _views(flat, lay)]
+    if rows_of in (_graph_gradient_rows, _graph_norm_rows):
+        padding: Any = lay.row_valid
+    else:
+        padding = tf.range(PACK_ROW)[None, :] < tf.constant(lay.row_valid)[:, None]
+    results = [rows_of(buf, padding)] + [rows_of(v, None) for v in _views(flat, lay)]
     return _per_layer(results, kinds, lay, n)
 
 
@@ -257,9 +305,13 @@ def _norm_fields(flat: Sequence[Any], n: int) -> tuple[tf.Tensor, tf.Tensor]:
     sizes = [_length(t) for t in flat]
     lay = layout(sizes, [z is not None and z > IN_PLACE_MIN for z in sizes])
     buf = _pack(flat, lay)
-    q, m_bits = _reduce_layers(flat, lay, n, _fast_norm_rows, ("sum", "max"), buf)
+    graph = not compat.in_xla_context()
+    q, m_bits = _reduce_layers(flat, lay, n, _graph_norm_rows if graph else _fast_norm_rows, ("sum", "max"), buf)
+    bad = m_bits >= _EXP_BITS
+    if graph:  # float32 squares: a layer of tiny values is redone in float64
+        bad |= (m_bits > 0) & (tf.bitcast(m_bits, tf.float32) < _GRAPH_FAST_MIN)
     q, m_bits = _redo_where(
-        m_bits >= _EXP_BITS, [q, m_bits], lambda: _reduce_layers(flat, lay, n, _exact_norm_rows, ("sum", "max"), buf)
+        bad, [q, m_bits], lambda: _reduce_layers(flat, lay, n, _exact_norm_rows, ("sum", "max"), buf)
     )
     m = tf.cast(tf.bitcast(m_bits, tf.float32), tf.float64)
     ssq = tf.where(m > 0, q / tf.where(m > 0, m * m, tf.ones_like(m)), tf.zeros_like(m))
@@ -475,11 +527,13 @@ def whole_histograms(grads: Sequence[Any], hist_sample: int, values: tf.Tensor, 
 
 def compute(inputs: LayerInputs, deferred: bool = False) -> Any:
     """The :class:`DeviceRecord` of all layers (dense or ``None`` gradients; see :mod:`tb_gradhealth._tf.kernels` for
-    ``IndexedSlices``). Must run under XLA.
+    ``IndexedSlices``). Under XLA (its loops are variadic reduces), or as plain TensorFlow ops outside it (the
+    ``_graph_*_rows`` reductions: no compile, a few more passes over the data).
 
     A layer whose sample is not enough is binned whole in a ``tf.cond`` branch; ``deferred=True`` leaves that to
     the caller instead (:func:`compute_deferring`) and returns ``(record, whole flags or None)``.
     """
+    inputs = _small_slices_dense(inputs)
     grads, sizes, hist_sample = inputs.grads, inputs.sizes, inputs.hist_sample
     n = len(grads)
     if not n:
@@ -488,10 +542,16 @@ def compute(inputs: LayerInputs, deferred: bool = False) -> Any:
     plan = _plan(grads, hist_sample)
     lay = plan.layout
     buf = _pack(plan.flat, lay)
-    q, zero, kmax, kmin, bad, s = _reduce_layers(plan.flat, lay, n, _fast_gradient_rows, _FAST_KINDS, buf)
+    graph = not compat.in_xla_context()
+    q, zero, kmax, kmin, bad, s = _reduce_layers(plan.flat, lay, n, _graph_gradient_rows if graph else
+                                                 _fast_gradient_rows, _FAST_KINDS, buf)
+    redo = (bad > 0) | ~tf.math.is_finite(s)
+    if graph:  # float32 squares: a layer of tiny values is redone in float64
+        m0 = tf.maximum(_from_key(kmax, -np.inf), -_from_key(kmin, np.inf))
+        redo |= (m0 > 0) & (m0 < _GRAPH_FAST_MIN)
     z = tf.zeros_like(zero)
     q, zero, kmax, kmin, nan, posinf, neginf, s = _redo_where(
-        (bad > 0) | ~tf.math.is_finite(s), [q, zero, kmax, kmin, z, z, z, s],
+        redo, [q, zero, kmax, kmin, z, z, z, s],
         lambda: _reduce_layers(plan.flat, lay, n, _exact_gradient_rows, _EXACT_KINDS, buf),
     )
     size = tf.constant(np.array([max(int(z if g is None else g), 0) for z, g in zip(sizes, plan.sizes, strict=True)],
@@ -520,6 +580,21 @@ def compute(inputs: LayerInputs, deferred: bool = False) -> Any:
         counts, values = _with_sparse_rows(counts, values, inputs)
     rec = DeviceRecord(counts, values)
     return (rec, whole) if deferred else rec
+
+
+def _small_slices_dense(inputs: LayerInputs) -> LayerInputs:
+    """``inputs`` with each ``IndexedSlices`` gradient of at most :data:`IN_PLACE_MIN` dense values made dense (its
+    duplicate slices summed, as the optimizer applies them): it is then packed and reduced with the others, instead
+    of by a per-layer kernel of its own (hundreds of ops to trace and compile for a small embedding table)."""
+    small = [i for i, g in enumerate(inputs.grads)
+             if isinstance(g, tf.IndexedSlices) and 0 <= inputs.sizes[i] <= IN_PLACE_MIN]
+    if not small:
+        return inputs
+    grads = list(inputs.grads)
+    for i in small:
+        g = grads[i]
+        grads[i] = tf.math.unsorted_segment_sum(g.values, g.indices, kernels.size_rows(g, inputs.sizes[i]))
+    return inputs._replace(grads=tuple(grads))
 
 
 def _with_sparse_rows(counts: tf.Tensor, values: tf.Tensor, inputs: LayerInputs) -> tuple[tf.Tensor, tf.Tensor]:
