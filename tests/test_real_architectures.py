@@ -22,9 +22,10 @@ tf: Any = None
 keras: Any = None
 GradientHealthCallback: Any = None
 
-#: ``(application, smallest input side it builds at)``: the smallest model of five families (DenseNet121 and
-#: ConvNeXtTiny pass too, but would take CI past its time budget).
-MODELS = [("VGG16", 32), ("VGG19", 32), ("ResNet50", 32), ("MobileNetV2", 32), ("EfficientNetB0", 32)]
+#: ``(application, smallest input side it builds at)``: the smallest model of four families (VGG19 is VGG16 with
+#: three more convolutions of the same kinds; DenseNet121 and ConvNeXtTiny pass too, but would take CI past its
+#: time budget).
+MODELS = [("VGG16", 32), ("ResNet50", 32), ("MobileNetV2", 32), ("EfficientNetB0", 32)]
 
 
 @pytest.mark.parametrize(("name", "side"), MODELS, ids=[m for m, _ in MODELS])

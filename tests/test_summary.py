@@ -88,12 +88,17 @@ def test_same_record_on_every_path(variables):
     def in_xla(grads):
         return summary.compute(grads, hist_sample=hs)
 
+    @tf.function(jit_compile=True)
+    def ops_in_xla(grads):
+        return summary.compute(grads, hist_sample=hs, jit=False)
+
     paths = {
         "eager_xla": summary.compute(grads, hist_sample=hs),
         "eager_ops": summary.compute(grads, hist_sample=hs, jit=False),
         "function": in_function(grads),
         "function_ops": ops_in_function(grads),
         "jit_compile": in_xla(grads),
+        "jit_compile_ops": ops_in_xla(grads),
         "cluster": summary.compute(grads, hist_sample=hs, jit="cluster"),
     }
     for path, rec in paths.items():
