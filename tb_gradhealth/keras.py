@@ -254,6 +254,7 @@ class GradientHealthCallback(keras.callbacks.Callback):
         self._origin: Any = None
         self._failsafe = Failsafe()
         self._loss_seen: tuple[int, Any] = (0, 0.0)  # (batches of this epoch so far, Keras' mean loss over them)
+        self._call_batches = 0
         self._writer_dropped = 0
 
     @property
@@ -370,6 +371,9 @@ class GradientHealthCallback(keras.callbacks.Callback):
         if self._capture is None:
             return
         remaining = self._book.batch_begin(batch)
+        # the epoch's batches once this call is done (the batch passed to on_train_batch_end is the call's first on
+        # Keras 3.0 and its last on later versions; the first, passed here, is the same on both)
+        self._call_batches = batch + self._book.call_steps
         if remaining is not None:  # this call runs the epoch's last step: record its steps
             self._capture.remaining.assign(remaining)
 
@@ -381,8 +385,8 @@ class GradientHealthCallback(keras.callbacks.Callback):
         if logs and "loss" in logs:
             if self._book.last_mode == "capture" and self._writer is not None:
                 # training progress beside the records: this call's batches' loss, from Keras' running mean
-                self._failsafe.run("recording the loss", self._record_loss, batch + 1, logs["loss"])
-            self._loss_seen = (batch + 1, logs["loss"])  # kept as given: read only when the next call logs
+                self._failsafe.run("recording the loss", self._record_loss, self._call_batches, logs["loss"])
+            self._loss_seen = (self._call_batches, logs["loss"])  # kept as given: read only when the next call logs
         if first and not cap.traced and not self._book.capture_failed:
             self._teardown()
             raise CaptureError(

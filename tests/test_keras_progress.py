@@ -53,7 +53,9 @@ def test_each_logged_step_records_its_own_batch_loss(tmp_path, update_freq, step
     logged = set(data.runs[0].steps.tolist())
     assert len(steps) >= 16 // max(update_freq, steps_per_execution)
     assert set(steps.tolist()) - {1, steps_per_execution} <= logged  # besides the first call (always captured)
-    calls = [range(s - steps_per_execution + 1, s + 1) for s in steps.tolist()]
+    # the batches of the call that ran step s (older Keras numbers the first call's record step 1, not its last)
+    spe = steps_per_execution
+    calls = [range((s - 1) // spe * spe + 1, (s - 1) // spe * spe + spe + 1) for s in steps.tolist()]
     np.testing.assert_allclose(loss, [np.mean([seen.loss[t] for t in c]) for c in calls], rtol=1e-4)
     # not Keras' running mean: by the last batch of an epoch that is the mean of all eight
     running = np.mean([seen.loss[t] for t in range(9, 17)])
