@@ -40,7 +40,7 @@ def _jitted(x, hs: int, seed: int) -> np.ndarray:
     return jgh.to_memory(_COMPUTE(x, hs, seed))[0]
 
 
-@settings(SETTINGS, max_examples=60)
+@settings(SETTINGS, max_examples=40)
 @given(gradients(FAST_SIZES), st.sampled_from([HS, 0, 4096]), st.integers(0, 1000))
 def test_jitted_records_match_reference(recipe, hs, seed):
     check_recipe(recipe, _array, lambda x: _jitted(x, hs, seed), hs)

@@ -142,14 +142,14 @@ def _check_all_paths(case: tuple[str, np.ndarray]) -> None:
             raise AssertionError(f"path {path}, dtype {dtype}, size {values.size}: {e}") from e
 
 
-@settings(max_examples=30, **SETTINGS)
+@settings(max_examples=16, **SETTINGS)
 @given(gradients(FAST_SIZES))
 def test_every_tf_path_is_consistent_and_matches_the_reference(case):
     _check_all_paths(case)
 
 
 @pytest.mark.slow
-@settings(max_examples=12, **SETTINGS)
+@settings(max_examples=6, **SETTINGS)
 @given(gradients(SLOW_SIZES))
 def test_every_tf_path_is_consistent_far_above_the_in_place_size(case):
     _check_all_paths(case)

@@ -39,7 +39,7 @@ def test_eager_records_match_reference(recipe, hs, seed):
     check_recipe(recipe, _tensor, lambda t: _eager(t, hs, seed), hs)
 
 
-@settings(SETTINGS, max_examples=40)
+@settings(SETTINGS, max_examples=24)
 @given(gradients(FAST_SIZES, dtypes=("float32", "bfloat16")), st.integers(0, 1000))
 def test_traced_records_match_reference(recipe, seed):
     """Traced whole (``fullgraph=True``): the histogram's choice is a ``torch.cond``, not a graph break."""
