@@ -276,16 +276,18 @@ class Writer:
         status). Every writer of this package records its loss through this method, often from inside a training
         step: a loss that is not a number (a string, ``None``, a tensor of many elements) is not written, with one
         warning per kind of value, rather than raised."""
-        try:
-            if isinstance(loss, (str, bytes)):
-                raise TypeError("a string")
-            value = float(loss)
-        except (TypeError, ValueError) as e:
+        value, why = None, "a string"
+        if not isinstance(loss, (str, bytes)):
+            try:
+                value = float(loss)
+            except (TypeError, ValueError) as e:
+                why = str(e)
+        if value is None:
             kind = type(loss).__name__
             if ("loss", kind) not in self._warned:
                 self._warned.add(("loss", kind))
                 _log.warning("tb_gradhealth: a loss of type %s at step %s is not a number (%s); it is not written",
-                             kind, step, e)
+                             kind, step, why)
             return
         self.add_scalars(step, {progress.LOSS_TAG: value}, wall_time=wall_time)
 

@@ -158,11 +158,18 @@ def _flushed_square_sum_operand(b: tf.Tensor, keep: tf.Tensor) -> tf.Tensor:
     return tf.cast(tf.where(keep, b, tf.zeros([], b.dtype)), tf.float64)
 
 
-def _fast_gradient_rows(b: tf.Tensor, inside: tf.Tensor | None) -> list[tf.Tensor]:
+def _inside(valid: np.ndarray | None) -> tf.Tensor | None:
+    """``[rows, PACK_ROW]``: which entries of packed rows holding ``valid`` values each are values, not padding
+    (``None`` for a view of one tensor: no padding)."""
+    return None if valid is None else tf.range(PACK_ROW)[None, :] < tf.constant(valid)[:, None]
+
+
+def _fast_gradient_rows(b: tf.Tensor, valid: np.ndarray | None) -> list[tf.Tensor]:
     """Per row, one loop: ``[sum of squares (f64), zeros, max key, min key, NaN/Inf count]``, and the plain sum.
 
     Right when the row holds no NaN/Inf; a layer whose count is not 0 is redone by :func:`_exact_gradient_rows`.
     """
+    inside = _inside(valid)
     bits, mag = _magnitude_bits(b)
     small = tf.abs(b) < tf.constant(record.FLUSH_BELOW, tf.float32)  # flushed to zero
     key = kernels._flip(bits)
@@ -176,8 +183,9 @@ def _fast_gradient_rows(b: tf.Tensor, inside: tf.Tensor | None) -> list[tf.Tenso
     return rows + [tf.reduce_sum(b, 1)]  # float32: folded into layers in float64 (:func:`_per_layer`)
 
 
-def _exact_gradient_rows(b: tf.Tensor, inside: tf.Tensor | None) -> list[tf.Tensor]:
+def _exact_gradient_rows(b: tf.Tensor, valid: np.ndarray | None) -> list[tf.Tensor]:
     """Per row: ``[finite sum of squares, zeros, finite max key, min key, NaN, +Inf, -Inf, finite sum]``."""
+    inside = _inside(valid)
     bits, mag = _magnitude_bits(b)
     finite = mag < _EXP_BITS
     inf = tf.equal(mag, _EXP_BITS)
@@ -199,14 +207,14 @@ def _exact_gradient_rows(b: tf.Tensor, inside: tf.Tensor | None) -> list[tf.Tens
     return [q, zeros, kmax, kmin, nan, posinf, neginf, s]
 
 
-def _fast_norm_rows(b: tf.Tensor, inside: Any = None) -> list[tf.Tensor]:
+def _fast_norm_rows(b: tf.Tensor, valid: np.ndarray | None = None) -> list[tf.Tensor]:
     """Per row: ``[sum of squares (f64), max |x| bits]`` (bits at or above +Inf's: redo by the exact rows)."""
     _, mag = _magnitude_bits(b)
     keep = tf.abs(b) >= tf.constant(record.FLUSH_BELOW, tf.float32)
     return kernels._variadic([tf.square(_flushed_square_sum_operand(b, keep)), mag], ("sum", "max"), 1)
 
 
-def _exact_norm_rows(b: tf.Tensor, inside: Any = None) -> list[tf.Tensor]:
+def _exact_norm_rows(b: tf.Tensor, valid: np.ndarray | None = None) -> list[tf.Tensor]:
     """Per row: ``[sum of finite squares (f64), max |x| bits over finite values]``."""
     _, mag = _magnitude_bits(b)
     keep = (mag < _EXP_BITS) & (tf.abs(b) >= tf.constant(record.FLUSH_BELOW, tf.float32))
@@ -226,8 +234,7 @@ def _padding_fixed(r: tf.Tensor, b: tf.Tensor, valid: np.ndarray | None, reduce:
     ragged = np.flatnonzero(valid < PACK_ROW).astype(np.int32)
     if not len(ragged):
         return r
-    inside = tf.constant(np.arange(PACK_ROW)[None, :] < valid[ragged][:, None])
-    fixed = reduce(tf.where(inside, tf.gather(b, ragged), tf.constant(fill, b.dtype)), 1)
+    fixed = reduce(tf.where(_inside(valid[ragged]), tf.gather(b, ragged), tf.constant(fill, b.dtype)), 1)
     return tf.tensor_scatter_nd_update(r, ragged[:, None], fixed)
 
 
@@ -275,11 +282,7 @@ def _reduce_layers(flat: Sequence[Any], lay: Layout, n: int, rows_of: Any, kinds
                    buf: tf.Tensor | None = None) -> list[tf.Tensor]:
     """``[n]`` per result of ``rows_of``: the packed buffer's rows (``buf`` if already packed) and each view's."""
     buf = _pack(flat, lay) if buf is None else buf
-    if rows_of in (_graph_gradient_rows, _graph_norm_rows):
-        padding: Any = lay.row_valid
-    else:
-        padding = tf.range(PACK_ROW)[None, :] < tf.constant(lay.row_valid)[:, None]
-    results = [rows_of(buf, padding)] + [rows_of(v, None) for v in _views(flat, lay)]
+    results = [rows_of(buf, lay.row_valid)] + [rows_of(v, None) for v in _views(flat, lay)]
     return _per_layer(results, kinds, lay, n)
 
 
@@ -406,8 +409,7 @@ def _packed_rows_binned(hist: tf.Tensor | None, buf_rows: tf.Tensor, lay: Layout
     """:func:`_bin_into` of the packed buffer's rows ``[lo, hi)`` (each row in its layer, padding left out)."""
     if hi <= lo:
         return hist
-    inside = tf.range(PACK_ROW)[None, :] < tf.constant(lay.row_valid[lo:hi])[:, None]
-    v = tf.where(inside, buf_rows[lo:hi], 0.0)
+    v = tf.where(_inside(lay.row_valid[lo:hi]), buf_rows[lo:hi], 0.0)
     return _bin_into(hist, v, _repeat(lay.row_layer[lo:hi], PACK_ROW), n_layers)
 
 

@@ -41,22 +41,16 @@ def _zeros_like_specs(args: Any) -> Any | None:
         if known is not None:  # e.g. an IndexedSlices' dense shape: part of its signature
             with tf.init_scope():
                 return tf.constant(known, t.dtype)
-        if not t.shape.is_fully_defined():
-            raise _Unknown
         key = (tuple(t.shape.as_list()), t.dtype)
         if key not in cache:
             with tf.init_scope():
                 cache[key] = tf.zeros(key[0], key[1])
         return cache[key]
 
-    try:
-        return tf.nest.map_structure(zeros, args, expand_composites=True)
-    except _Unknown:
-        return None
-
-
-class _Unknown(Exception):
-    """A shape with an unknown dimension: nothing to compile ahead."""
+    tensors = [t for t in tf.nest.flatten(args, expand_composites=True) if isinstance(t, (tf.Tensor, tf.Variable))]
+    if not all(t.shape.is_fully_defined() for t in tensors):
+        return None  # a shape with an unknown dimension: nothing to compile ahead
+    return tf.nest.map_structure(zeros, args, expand_composites=True)
 
 
 def compile_ahead(function: Any, args: tuple, kwargs: dict) -> bool:
