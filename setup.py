@@ -74,9 +74,10 @@ setup(
         "lightning": ["lightning>=2.2"],
         "transformers": ["transformers>=4.46", "accelerate"],
         # The object-storage tests run real servers: moto's S3 server and a GCS emulator. "test" adds PyTorch and
-        # JAX; "test-tf" leaves them out (the oldest-TensorFlow tier of .ci/run: its numpy<2 pins exclude new JAX).
+        # JAX. "test-tf" is what the oldest-TensorFlow tier of .ci/run needs for its TensorFlow tests, no more: no
+        # PyTorch or JAX (its numpy<2 pins exclude new JAX), no browser, no storage servers.
         "test": [*TEST, "torch>=2.3", "jax>=0.4.30", *INTEGRATIONS],
-        "test-tf": TEST,
+        "test-tf": ["pytest", "pytest-xdist", "hypothesis"],
     },
     entry_points={
         "tensorboard_plugins": ["gradhealth = tb_gradhealth.plugin:GradHealthLoader"],

@@ -1,6 +1,8 @@
-"""The README stays true: every ``python`` block runs as written (each in a fresh interpreter, in an empty
-directory) and leaves gradient-health records that the reader can read back; the set-up commands are the ones
-the repository actually has; every linked file exists.
+"""The README stays true: every ``python`` block runs as written (each in its own process, in an empty directory)
+and leaves gradient-health records that the reader can read back; the set-up commands are the ones the repository
+actually has; every linked file exists. A TensorFlow block runs in a child forked from an interpreter that has
+imported TensorFlow and Keras and run nothing (tests/forked_blocks.py); a PyTorch or JAX block in a fresh one, as
+PyTorch must not be imported after TensorFlow.
 
 A block preceded by ``<!-- readme-test: skip (reason) -->`` is not run (the TPUEstimator fragment: that API is
 gone from TensorFlow 2.21); ``<!-- readme-test: needs torch -->`` (or ``needs jax``) runs only where that framework
@@ -10,8 +12,10 @@ is installed.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
+import select
 import subprocess
 import sys
 from pathlib import Path
@@ -33,11 +37,52 @@ def _blocks() -> list:
         marks = []
         if marker.startswith("skip"):
             marks.append(pytest.mark.skip(reason=f"README marks it {marker!r}"))
+        fresh = False
         for module in ("torch", "jax"):
-            if f"needs {module}" in marker and importlib.util.find_spec(module) is None:
-                marks.append(pytest.mark.skip(reason=f"{module} is not installed (optional)"))
-        params.append(pytest.param(code, id=f"block{i}-line{line}", marks=marks))
+            if f"needs {module}" in marker:
+                fresh = True
+                if importlib.util.find_spec(module) is None:
+                    marks.append(pytest.mark.skip(reason=f"{module} is not installed (optional)"))
+        params.append(pytest.param(code, fresh, id=f"block{i}-line{line}", marks=marks))
     return params
+
+
+ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
+BLOCK_TIMEOUT_S = 600
+
+
+class ForkedBlocks:
+    """tests/forked_blocks.py as a server: :meth:`run` runs one block in a child forked from it."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "forked_blocks.py")], env=ENV,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert json.loads(self._answer()) == {"ready": True}
+
+    def _answer(self) -> str:
+        ready, _, _ = select.select([self.proc.stdout], [], [], BLOCK_TIMEOUT_S)
+        assert ready, f"no answer from the forked-block runner in {BLOCK_TIMEOUT_S} s"
+        line = self.proc.stdout.readline()
+        assert line, f"the forked-block runner ended with {self.proc.wait()}"
+        return line
+
+    def run(self, code: str, cwd: Path) -> tuple[int, str]:
+        out, err = cwd.parent / f"{cwd.name}.stdout", cwd.parent / f"{cwd.name}.stderr"
+        self.proc.stdin.write(json.dumps({"code": code, "cwd": str(cwd), "stdout": str(out), "stderr": str(err)})
+                              + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self._answer())["rc"], err.read_text(errors="replace")
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def forked_blocks():
+    runner = ForkedBlocks()
+    yield runner
+    runner.close()
 
 
 @pytest.mark.unit
@@ -46,14 +91,18 @@ def test_readme_has_examples():
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("code", _blocks())
-def test_python_block_runs_and_writes_records(code, tmp_path):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, f"README block failed:\n{code}\n--- stderr ---\n{proc.stderr[-4000:]}"
-    data = reader.read_logdir(str(tmp_path / "logs"))
+@pytest.mark.parametrize(("code", "fresh"), _blocks())
+def test_python_block_runs_and_writes_records(code, fresh, tmp_path, request):
+    work = tmp_path / "block"
+    work.mkdir()
+    if fresh:
+        proc = subprocess.run([sys.executable, "-c", code], cwd=work, env=ENV, capture_output=True, text=True,
+                              timeout=BLOCK_TIMEOUT_S)
+        rc, stderr = proc.returncode, proc.stderr
+    else:
+        rc, stderr = request.getfixturevalue("forked_blocks").run(code, work)
+    assert rc == 0, f"README block failed:\n{code}\n--- stderr ---\n{stderr[-4000:]}"
+    data = reader.read_logdir(str(work / "logs"))
     assert data.runs, f"the block wrote no gradient-health run under logs/: {data.problems}"
     for run in data.runs:
         assert run.num_steps > 0 and run.layers, run.summary()
