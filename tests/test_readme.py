@@ -109,6 +109,24 @@ def test_python_block_runs_and_writes_records(code, fresh, tmp_path, request):
         assert not run.problems, run.problems
 
 
+@pytest.mark.e2e
+def test_forked_blocks_fail_as_an_interpreter_would(forked_blocks, tmp_path):
+    """The runner cannot pass a failing block: an exception is exit status 1 with its traceback, ``sys.exit(n)`` is
+    ``n``, ``atexit`` handlers run (writers that flush at exit), and nothing a block sets reaches the next one."""
+    cases = {
+        "raises": ("import os\nos.environ['GH_LEAK'] = '1'\nraise ValueError('boom')", 1, "ValueError: boom"),
+        "exits": ("import sys\nsys.exit(3)", 3, ""),
+        "atexit": ("import atexit, pathlib\natexit.register(pathlib.Path('flushed').write_text, 'yes')", 0, ""),
+        "fresh": ("import os\nassert 'GH_LEAK' not in os.environ and os.getcwd().endswith('fresh')", 0, ""),
+    }
+    for name, (code, status, message) in cases.items():
+        work = tmp_path / name
+        work.mkdir()
+        rc, stderr = forked_blocks.run(code, work)
+        assert rc == status and message in stderr, (name, rc, stderr)
+    assert (tmp_path / "atexit" / "flushed").read_text() == "yes"
+
+
 @pytest.mark.unit
 def test_setup_is_two_commands_that_exist():
     setup = README.split("## Set-up: two commands", 1)[1].split("\n## ", 1)[0]
