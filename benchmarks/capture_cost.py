@@ -10,12 +10,14 @@ the plain step; the ratios are per round, the median and the spread printed:
                  buffer store)
   gradient       the statistics of the gradient alone (no weight or update norms)
   no_updates     ``record_updates=False``: gradient and weight statistics, the weights read after the update
+  weights_before the same work on the weights kept from before the update (as ``every`` has them), no update: the
+                 statistics need nothing the optimizer writes, so they may run beside it
   every          the default logged step: gradient, weight and update statistics
   every_graph    the same as plain TensorFlow ops (``compile_statistics=False``)
 
-``capture_only`` and ``gradient`` replace ``summary.compute`` as the capture module sees it (a measurement only:
-the records they write are not right). Run under ``flock /tmp/gradhealth-heavy.lock``; the figures move with the
-machine's load (read the spread).
+``capture_only``, ``gradient`` and ``weights_before`` replace ``summary.compute`` as the capture module sees it
+(a measurement only: the records they write are not right). Run under ``flock /tmp/gradhealth-heavy.lock``; the
+figures move with the machine's load (read the spread).
 
 Usage: python benchmarks/capture_cost.py [--model mobilenetv2] [--rounds 5] [--steps 4] [--configs plain,...]
 """
@@ -36,7 +38,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-CONFIGS = ("plain", "capture_only", "gradient", "no_updates", "every", "every_graph")
+CONFIGS = ("plain", "capture_only", "gradient", "no_updates", "weights_before", "every", "every_graph")
+#: Configurations that cut the statistics down as the capture module calls them.
+PARTS = ("capture_only", "gradient", "weights_before")
 
 
 class PartialStatistics:
@@ -56,6 +60,8 @@ class PartialStatistics:
 
         if self.part == "gradient":
             return self._summary.compute(grads, None, None, **kw)
+        if self.part == "weights_before":
+            return self._summary.compute(grads, weights, None, **kw)
         if self.part == "capture_only":
             n = len(grads)
             m = tf.stack([tf.reduce_max(g) if g is not None else tf.constant(0.0) for g in grads])
@@ -79,7 +85,7 @@ def make_runner(ra: Any, model: str, config: str, log_root: str, partial: Partia
     cb.set_params({"epochs": 1, "steps": None, "verbose": 0})
     cb.on_train_begin()
     cb.on_epoch_begin(0)
-    partial.part = config if config in ("gradient", "capture_only") else "all"
+    partial.part = config if config in PARTS else "all"
     runner.first_s = runner.first()  # traced now, with this configuration's statistics
     partial.part = "all"
     return runner
