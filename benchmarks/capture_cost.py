@@ -71,20 +71,14 @@ class PartialStatistics:
 
 
 def make_runner(ra: Any, model: str, config: str, log_root: str, partial: PartialStatistics) -> Any:
-    from tb_gradhealth.keras import GradientHealthCallback
-
     runner = ra.Runner(model, "plain", log_root)
     runner.config = config
     if config == "plain":
         return runner
-    cb = runner.callback = GradientHealthCallback(
-        os.path.join(log_root, config), update_freq=1, record_updates=config != "no_updates",
+    runner.callback = ra.start_callback(
+        runner.model, os.path.join(log_root, config), update_freq=1, record_updates=config != "no_updates",
         compile_statistics=False if config == "every_graph" else None,
     )
-    cb.set_model(runner.model)
-    cb.set_params({"epochs": 1, "steps": None, "verbose": 0})
-    cb.on_train_begin()
-    cb.on_epoch_begin(0)
     partial.part = config if config in PARTS else "all"
     runner.first_s = runner.first()  # traced now, with this configuration's statistics
     partial.part = "all"

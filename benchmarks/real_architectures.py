@@ -110,6 +110,19 @@ def make_data(name: str) -> tuple[np.ndarray, np.ndarray]:
     return x, rng.integers(0, CLASSES, size=(BATCH,)).astype(np.int32)
 
 
+def start_callback(model: Any, log_dir: str, **options: Any) -> Any:
+    """A ``GradientHealthCallback(log_dir, **options)`` on ``model``, started as ``fit`` starts it (train begin,
+    epoch 0), so that its steps can be driven one by one."""
+    from tb_gradhealth.keras import GradientHealthCallback
+
+    cb = GradientHealthCallback(log_dir, **options)
+    cb.set_model(model)
+    cb.set_params({"epochs": 1, "steps": None, "verbose": 0})
+    cb.on_train_begin()
+    cb.on_epoch_begin(0)
+    return cb
+
+
 class Runner:
     """One configuration on its own copy of a model: ``first()`` once, then ``run(k)`` steps per round."""
 
@@ -133,16 +146,10 @@ class Runner:
             self._step = self._make_loop(config, loss, os.path.join(log_root, config))
             return
         if config in ("every", "every_graph", "default"):
-            from tb_gradhealth.keras import GradientHealthCallback
-
-            cb = self.callback = GradientHealthCallback(
-                os.path.join(log_root, config), update_freq=100 if config == "default" else 1,
+            self.callback = start_callback(
+                model, os.path.join(log_root, config), update_freq=100 if config == "default" else 1,
                 compile_statistics=False if config == "every_graph" else None,
             )
-            cb.set_model(model)
-            cb.set_params({"epochs": 1, "steps": None, "verbose": 0})
-            cb.on_train_begin()
-            cb.on_epoch_begin(0)
         else:
             model.make_train_function(force=True)
         self._step = self._fit_step

@@ -298,46 +298,14 @@ def merge(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     optional field that one part lacks (NaN) is taken from the other part, so :func:`empty` is the identity;
     it stays NaN only when no part has it. Broadcasts over leading dimensions.
     """
-    a = np.asarray(a, dtype=np.float64)
-    b = np.asarray(b, dtype=np.float64)
-    out = np.empty(np.broadcast_shapes(a.shape, b.shape), dtype=np.float64)
-    for name in COUNT_FIELDS + ("hist_sample",):
-        out[..., INDEX[name]] = a[..., INDEX[name]] + b[..., INDEX[name]]
-    out[..., HIST_START:] = a[..., HIST_START:] + b[..., HIST_START:]
-    out[..., INDEX["min"]] = np.minimum(a[..., INDEX["min"]], b[..., INDEX["min"]])
-    out[..., INDEX["max"]] = np.maximum(a[..., INDEX["max"]], b[..., INDEX["max"]])
-    na, nb = finite_count(a), finite_count(b)
-    n = na + nb
-    with np.errstate(invalid="ignore", divide="ignore"):
-        wa = np.where(n > 0, na / np.where(n > 0, n, 1), 0.0)
-    out[..., INDEX["mean"]] = wa * a[..., INDEX["mean"]] + (1.0 - wa) * b[..., INDEX["mean"]]
-    ma, mb = max_abs(a), max_abs(b)
-    m = np.maximum(ma, mb)
-    out[..., INDEX["ssq_rel"]] = _rescaled(a[..., INDEX["ssq_rel"]], ma, m) + _rescaled(
-        b[..., INDEX["ssq_rel"]], mb, m
-    )
-    # Noise is relative to the gradient's max|g| too; a part without it (NaN) yields to the other.
-    na_noise = _rescaled(a[..., INDEX["noise_ssq_rel"]], ma, m)
-    nb_noise = _rescaled(b[..., INDEX["noise_ssq_rel"]], mb, m)
-    out[..., INDEX["noise_ssq_rel"]] = np.where(
-        np.isnan(na_noise) & np.isnan(nb_noise), np.nan, np.nan_to_num(na_noise) + np.nan_to_num(nb_noise)
-    )
-    out[..., INDEX["micro_batches"]] = np.fmax(a[..., INDEX["micro_batches"]], b[..., INDEX["micro_batches"]])
-    for scale_name, ssq_name in _OPTIONAL_PAIRS:
-        sa, sb = a[..., INDEX[scale_name]], b[..., INDEX[scale_name]]
-        s = np.fmax(sa, sb)  # NaN (not recorded) yields to the other part; NaN only if neither has it
-        ra = np.nan_to_num(_rescaled(a[..., INDEX[ssq_name]], sa, s))
-        rb = np.nan_to_num(_rescaled(b[..., INDEX[ssq_name]], sb, s))
-        out[..., INDEX[ssq_name]] = np.where(np.isnan(s), np.nan, ra + rb)
-        out[..., INDEX[scale_name]] = s
-    out[..., INDEX["missing"]] = np.minimum(a[..., INDEX["missing"]], b[..., INDEX["missing"]])
-    return out
+    a, b = np.broadcast_arrays(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64))
+    return merge_all(np.stack([a, b]))
 
 
 def merge_all(records: np.ndarray, axis: int = 0) -> np.ndarray:
-    """Merge records along ``axis`` (the shard axis of a host_call tensor, the steps of a window): the rules of
-    :func:`merge`, applied as one reduction per field instead of a fold of pairs (a window of long-run steps has
-    thousands of layers: one pass per field, no temporary per pair). Rows may be cut inside the histogram."""
+    """Merge records along ``axis`` (the shard axis of a host_call tensor, the steps of a window) with the rules of
+    :func:`merge`: one reduction per field, not a fold of pairs (a window of long-run steps has thousands of layers:
+    one pass per field, no temporary per pair). Rows may be cut inside the histogram."""
     r = np.moveaxis(np.asarray(records, dtype=np.float64), axis, 0)
     if r.shape[0] == 0:
         return empty(r.shape[1:-1])[..., : r.shape[-1]]
