@@ -318,7 +318,8 @@ def merge_all(records: np.ndarray, axis: int = 0) -> np.ndarray:
     n = finite_count(r)
     total = n.sum(axis=0)
     with np.errstate(invalid="ignore", divide="ignore"):
-        weighted = np.where(n > 0, n * r[..., INDEX["mean"]], 0.0).sum(axis=0) / np.where(total > 0, total, 1)
+        # each part's mean times its share of the finite values: a lone part's mean comes back exactly (x 1.0)
+        weighted = np.where(n > 0, n / np.where(total > 0, total, 1) * r[..., INDEX["mean"]], 0.0).sum(axis=0)
     out[..., INDEX["mean"]] = np.where(total > 0, weighted, r[-1, ..., INDEX["mean"]])
     ma = max_abs(r)
     m = ma.max(axis=0)
