@@ -22,6 +22,10 @@ Python objects takes ~0.5 s and slows the step after it):
                timed steps are the unlogged ones after it; the average cost at that cadence is printed as
                (99 x unlogged + 1 x logged) / 100, the logged step taken from ``every_graph`` (``every`` when that
                is not run)
+  every_in_step, default_in_step
+               the same two with the record computed in a second variant of the train step (what the callback
+               does with several steps a call, a distribution strategy or ``LossScaleOptimizer``; one step a call
+               computes it after the step, from the gradients the step returns)
   floor        the plain step plus ONE ``reduce_max`` per gradient, kept in a variable (an optimizer whose
                ``apply`` takes it): the least any exact per-layer statistic costs on that model
   loop         a custom ``tf.function`` train step (GradientTape + optimizer.apply)
@@ -69,7 +73,10 @@ import numpy as np  # noqa: E402
 
 BATCH, CLASSES, SIZE = 16, 10, 32
 MODELS = ("resnet50", "mobilenetv2", "efficientnetb0", "densenet121", "transformer")
-CONFIGS = ("plain", "every", "every_graph", "default", "floor", "loop", "loop_gh", "loop_xla", "loop_xla_gh")
+CONFIGS = ("plain", "every", "every_graph", "default", "every_in_step", "default_in_step", "floor", "loop", "loop_gh",
+           "loop_xla", "loop_xla_gh")
+#: The callback's configurations, by name without ``_in_step``.
+CALLBACK = ("every", "every_graph", "default")
 CONV = {"resnet50", "mobilenetv2", "efficientnetb0", "densenet121"}
 GOALS = {"first": 1.25, "every_conv": 1.12, "floor_gap": 0.05, "default": 1.02, "rss": 1.10}
 
@@ -110,17 +117,28 @@ def make_data(name: str) -> tuple[np.ndarray, np.ndarray]:
     return x, rng.integers(0, CLASSES, size=(BATCH,)).astype(np.int32)
 
 
-def start_callback(model: Any, log_dir: str, **options: Any) -> Any:
+def start_callback(model: Any, log_dir: str, in_step: bool = False, **options: Any) -> Any:
     """A ``GradientHealthCallback(log_dir, **options)`` on ``model``, started as ``fit`` starts it (train begin,
-    epoch 0), so that its steps can be driven one by one."""
+    epoch 0), so that its steps can be driven one by one; ``in_step``: the record computed in a second variant of
+    the train step, as the callback does where it cannot compute it after the step."""
+    import contextlib
+    from unittest import mock
+
     from tb_gradhealth.keras import GradientHealthCallback
 
     cb = GradientHealthCallback(log_dir, **options)
     cb.set_model(model)
     cb.set_params({"epochs": 1, "steps": None, "verbose": 0})
-    cb.on_train_begin()
+    where = mock.patch("tb_gradhealth.keras._records_after_step", return_value=False) if in_step else None
+    with where or contextlib.nullcontext():
+        cb.on_train_begin()
     cb.on_epoch_begin(0)
     return cb
+
+
+def base_config(config: str) -> str:
+    """The configuration without ``_in_step``."""
+    return config.removesuffix("_in_step")
 
 
 class Runner:
@@ -145,9 +163,10 @@ class Runner:
         if config.startswith("loop"):
             self._step = self._make_loop(config, loss, os.path.join(log_root, config))
             return
-        if config in ("every", "every_graph", "default"):
+        if base_config(config) in CALLBACK:
             self.callback = start_callback(
-                model, os.path.join(log_root, config), update_freq=100 if config == "default" else 1,
+                model, os.path.join(log_root, config), in_step=config.endswith("_in_step"),
+                update_freq=100 if base_config(config) == "default" else 1,
                 compile_statistics=False if config == "every_graph" else None,
             )
         else:
@@ -238,9 +257,10 @@ def child(model_name: str, config: str) -> None:
     ``default`` starts at optimizer step 98, so that its second call holds its first logged step (step 100; the
     callback builds its statistics there): the peak RSS counts them, ``logged`` is that call's time."""
     with tempfile.TemporaryDirectory() as d:
-        r = Runner(model_name, config, d, start_step=98 if config == "default" else 0)
+        default = base_config(config) == "default"
+        r = Runner(model_name, config, d, start_step=98 if default else 0)
         first = r.first()
-        logged = r.run(1) if config == "default" else first
+        logged = r.run(1) if default else first
         r.run(2)
         r.close()
     print(json.dumps({"first": first, "logged": logged, "rss_mb": _peak_rss_mb()}))
@@ -289,7 +309,7 @@ def bench_model(model_name: str, configs: list[str], rounds: int, steps: int, rs
         # its next call (seconds, charged to whichever configuration's round came next).
         # `default` starts at step 98: its warm-up steps hold its first logged step (100), so its timed steps are
         # the unlogged steps that follow one (what 99 of every 100 steps cost once the capturing step is built)
-        runners = {c: Runner(model_name, c, d, start_step=98 if c == "default" else 0) for c in configs}
+        runners = {c: Runner(model_name, c, d, start_step=98 if base_config(c) == "default" else 0) for c in configs}
         first: dict[str, float] = {}
         for c in configs:
             first[c] = runners[c].first()
@@ -340,10 +360,11 @@ def report(res: dict) -> list[str]:
         rr = f"{rss / fresh[base]['rss_mb']:.3f}x" if rss and base in fresh and c != base else ""
         lines.append(f"  {c:12s} {statistics.median(t[c]) * 1e3:9.1f} {_ratio_cell(ratios):>26s} {first[c]:8.1f}"
                      f" {fr:>12s} {ffr:>12s} {rss or 0:8.0f} {rr:>9s}")
-    logged = fresh.get("default", {}).get("logged")
-    if logged and "plain" in fresh:
-        lines.append(f"  default, fresh process: its first logged step (step 100, the second call) {logged:.1f} s ="
-                     f" {logged / fresh['plain']['first']:.2f}x the plain first step")
+    for c in ("default", "default_in_step"):
+        logged = fresh.get(c, {}).get("logged")
+        if logged and "plain" in fresh:
+            lines.append(f"  {c}, fresh process: its first logged step (step 100, the second call) {logged:.1f} s ="
+                         f" {logged / fresh['plain']['first']:.2f}x the plain first step")
     logged_cfg = "every_graph" if "every_graph" in t else "every"
     every, default = _per_round(res, logged_cfg, "plain"), _per_round(res, "default", "plain")
     if every and default:
@@ -361,7 +382,7 @@ def goals(res: dict) -> list[str]:
     def mark(ok: bool) -> str:
         return "met" if ok else "NOT met"
 
-    for c in ("every", "every_graph"):
+    for c in ("every", "every_graph", "every_in_step"):
         every = _per_round(res, c, "plain")
         if not every:
             continue
@@ -376,7 +397,7 @@ def goals(res: dict) -> list[str]:
     if logged and default:
         avg = statistics.median([(99 * d + e) / 100 for d, e in zip(default, logged, strict=True)])
         out.append(f"  goal default cadence <= {GOALS['default']}x: {avg:.3f}x {mark(avg <= GOALS['default'])}")
-    for c in ("every", "every_graph", "default"):
+    for c in ("every", "every_graph", "default", "every_in_step", "default_in_step"):
         src = fresh if c in fresh and "plain" in fresh else first
         if c in src and "plain" in src:
             v = src[c]["first"] / src["plain"]["first"] if src is fresh else src[c] / src["plain"]

@@ -2,11 +2,15 @@
 
 Why a hook and not a probe: recomputing gradients on one fixed batch at epoch end costs a whole extra
 forward/backward pass and is not the gradient that training applied. The callback installs optimizer hooks
-(:mod:`tb_gradhealth._tf.capture`) and traces the train function twice: a "plain" variant (the ordinary step) and a
-"capture" variant that stores the record of the applied gradient on logged steps. The host, which counts steps,
-calls the capture variant only for calls that contain a logged step, so other steps cost nothing, even under XLA.
-The host reads the records back in batches and writes them with the TF-free :class:`tb_gradhealth.writer.Writer`
-under ``log_dir/train``, the directory ``keras.callbacks.TensorBoard`` writes its training scalars to.
+(:mod:`tb_gradhealth._tf.capture`). With one step a call, one replica and no XLA step (the usual ``fit`` on a CPU)
+the train function is traced once and returns the applied gradients beside its logs when asked; the host, which
+counts steps, reads the weights before a call that holds a logged step and computes the record after it. Otherwise
+(several steps a call, a distribution strategy, ``jit_compile``, an update inside a conditional such as
+``LossScaleOptimizer``'s) the train function is traced twice: a "plain" variant (the ordinary step) and a "capture"
+variant that stores the record in the step, called only for calls that contain a logged step. Either way, other
+steps cost nothing, even under XLA. The host reads the records back in batches and writes them with the TF-free
+:class:`tb_gradhealth.writer.Writer` under ``log_dir/train``, the directory ``keras.callbacks.TensorBoard`` writes
+its training scalars to.
 
 Steps are counted like ``keras.callbacks.TensorBoard``'s batch summaries: the record of the optimizer's ``s``-th
 step (``s`` = the raw step count after it, 1-based; with ``gradient_accumulation_steps`` the count of batches) is
@@ -30,8 +34,8 @@ import tensorflow as tf
 from tb_gradhealth import layerinfo, record, summary
 from tb_gradhealth._failsafe import Failsafe
 from tb_gradhealth._stepbook import StepBook, batch_loss, ring_plan
-from tb_gradhealth._tf import compat
-from tb_gradhealth._tf.capture import CUSTOM_LOOP_ADVICE, Capture, CaptureError
+from tb_gradhealth._tf import compat, stepoutputs
+from tb_gradhealth._tf.capture import CUSTOM_LOOP_ADVICE, GRADIENTS_KEY, Capture, CaptureError
 from tb_gradhealth.writer import Writer
 
 __all__ = ["GradientHealthCallback", "CaptureError", "StopEvent"]
@@ -70,6 +74,19 @@ class StopEvent:
         others = f" (bad layers at that step: {', '.join(self.layers)})" if len(self.layers) > 1 else ""
         made = f"; {self.origin.message()}" if self.origin is not None else ""
         return f"tb_gradhealth: {self.status} gradient in layer {self.layer!r} at step {self.step}{others}{made}"
+
+
+def _records_after_step(model: Any, spe: int) -> bool:
+    """Whether the record can be computed after the step from the gradients it returns: one step a call, one
+    replica, a step not compiled with XLA (there the statistics fuse into the compiled step instead of making it
+    write the gradients out), and an update that does not run inside a conditional (``LossScaleOptimizer``,
+    gradient accumulation). A step that still applies its gradients where they cannot leave it falls back at its
+    first logged call (:meth:`GradientHealthCallback._record_in_step`)."""
+    optimizer = model.optimizer
+    return (spe == 1 and model.distribute_strategy.num_replicas_in_sync == 1
+            and not getattr(model, "jit_compile", False)
+            and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+            and not getattr(optimizer, "gradient_accumulation_steps", None))
 
 
 def _innermost_optimizer(optimizer: Any) -> Any:
@@ -301,6 +318,7 @@ class GradientHealthCallback(keras.callbacks.Callback):
             hist_sample=self.hist_sample,
             seed=self.seed,
             compiled=_compiled_statistics(self.update_freq, self.compile_statistics),
+            after_step=_records_after_step(model, spe),
         )
         cap.install()
         self._origin = self._start_origin(model, cap)
@@ -310,11 +328,12 @@ class GradientHealthCallback(keras.callbacks.Callback):
         # The optimizer step as the host predicts it (no device read per batch); a later fit continues the count.
         epoch_steps = self.params.get("steps") if self.params else None
         self._book = StepBook(period, spe, epoch_steps, calls_per_read, host_step=int(cap.steps.numpy()))
-        # fit() made (and may have traced) its train function before this call. Two fresh ones trace with the
-        # hooks in place: "capture" computes and stores the statistics on logged steps; "plain" is the ordinary
-        # step. Calls that contain no logged step run "plain", so they cost nothing, even under XLA where a
-        # conditional on the gradients would keep them from fusing into the update.
-        self._functions = compat.train_functions(model, ("plain", "capture"))
+        # fit() made (and may have traced) its train function before this call. Fresh ones trace with the hooks in
+        # place: after the step, one that returns the applied gradients; in the step, "capture" computes and stores
+        # the statistics on logged steps and "plain" is the ordinary step. Calls that contain no logged step run
+        # "plain", so they cost nothing, even under XLA where a conditional on the gradients would keep them from
+        # fusing into the update.
+        self._functions = compat.train_functions(model, ("plain",) if cap.after_step else ("plain", "capture"))
         compat.set_train_function(model, self._dispatch)
 
     def _dispatch(self, iterator: Any) -> Any:
@@ -330,6 +349,8 @@ class GradientHealthCallback(keras.callbacks.Callback):
         """One call of the ``mode`` train function; the plain one instead if the capturing one fails for the
         statistics' sake (then for the rest of this fit)."""
         book = self._book
+        if self._capture.after_step:
+            return self._run_then_record(mode, iterator)
         if mode == "plain":
             return self._functions[mode](iterator)
         try:
@@ -345,6 +366,40 @@ class GradientHealthCallback(keras.callbacks.Callback):
             return self._functions["plain"](iterator)
         book.capture_ran = True
         return out
+
+    def _run_then_record(self, mode: str, iterator: Any) -> Any:
+        """One call of the train function; on a capturing call, the weights read before it and the record of
+        the gradients it returned computed after it. A failure of the record is the statistics' alone (the step
+        has run): it is logged and the rest of this fit records nothing."""
+        cap, book = self._capture, self._book
+        cap.want(mode == "capture")
+        before = cap.weights_now() if mode == "capture" else None
+        logs, applied = stepoutputs.take(self._functions["plain"](iterator), GRADIENTS_KEY)
+        if mode != "capture":
+            return logs
+        if applied is None:
+            if cap.traced:
+                self._record_in_step()
+            return logs
+        try:
+            cap.record_after(applied, before)
+        except Exception as e:  # noqa: BLE001 - the step itself has run: only the record is lost
+            book.capture_failed = True
+            book.last_mode = "plain"
+            _log.warning("tb_gradhealth: recording gradient health failed (%s: %s); training goes on and records "
+                         "nothing more in this fit", type(e).__name__, e, exc_info=True)
+            return logs
+        book.capture_ran = True
+        return logs
+
+    def _record_in_step(self) -> None:
+        """The step applied its gradients where they cannot be returned (inside a conditional of a custom
+        ``train_step``): from the next call on, the two train-function variants record in the step instead
+        (this call's record is lost)."""
+        _log.info("tb_gradhealth: the train step's update runs inside a conditional; recording in the step")
+        self._capture.record_in_step()
+        self._functions = compat.train_functions(self.model, ("plain", "capture"))
+        compat.set_train_function(self.model, self._dispatch)
 
     def _is_ours(self, error: Exception) -> bool:
         """Whether an exception of the capturing step may come from the statistics (then ``fit`` goes on with the

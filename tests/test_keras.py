@@ -180,11 +180,17 @@ def test_update_freq_integer_and_epoch(tmp_path):
     model.fit(ds, epochs=3, verbose=0,
               callbacks=[epoch_start, GradientHealthCallback(tmp_path / "unknown", update_freq="epoch")])
     assert len(starts) == 3 and sorted(read_records(str(tmp_path / "unknown"))[1]) == starts
-    # Integer update_freq on the same data: the host's step prediction stays in line with the device.
+    # Integer update_freq on the same data: the host's step prediction stays in line with the device. The steps
+    # that trained are those whose batch ended (the call that finds the dataset exhausted may advance the
+    # optimizer's count without a batch, at the end of any epoch): every even one of them is recorded.
     model = make_model(jit_compile=False)
-    model.fit(ds, epochs=3, verbose=0, callbacks=[GradientHealthCallback(tmp_path / "unknown2", update_freq=2)])
-    steps = int(model.optimizer.iterations.numpy())
-    assert sorted(read_records(str(tmp_path / "unknown2"))[1]) == list(range(2, steps + 1, 2))
+    trained = []
+    batch_end = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: trained.append(int(model.optimizer.iterations.numpy())))
+    model.fit(ds, epochs=3, verbose=0,
+              callbacks=[batch_end, GradientHealthCallback(tmp_path / "unknown2", update_freq=2)])
+    assert len(trained) == 12
+    assert sorted(read_records(str(tmp_path / "unknown2"))[1]) == [s for s in trained if s % 2 == 0]
 
 
 @pytest.mark.tf
@@ -204,6 +210,129 @@ def test_nothing_of_the_statistics_is_built_before_the_first_logged_step(tmp_pat
     model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[cb, Peek()])
     assert seen == [("plain", 0, 0), ("plain", 0, 0), ("capture", 1, 1), ("plain", 1, 1)]
     assert sorted(read_records(str(tmp_path))[1]) == [3]
+
+
+class TraceCount(keras.layers.Layer):
+    """An identity layer that counts its Python calls: once per trace of a step that runs the model."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.traces = 0
+
+    def call(self, x):
+        self.traces += 1
+        return x
+
+
+def _counted_model(**compile_kw) -> tuple[keras.Model, TraceCount]:
+    keras.utils.set_random_seed(0)
+    counter = TraceCount()
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="tanh"), counter,
+                              keras.layers.Dense(2)], name="net")
+    model.compile(loss="mse", optimizer=keras.optimizers.SGD(LR), jit_compile=False, **compile_kw)
+    return model, counter
+
+
+@pytest.mark.tf
+def test_the_model_is_traced_once_and_fit_never_sees_the_gradients(tmp_path):
+    """One step a call: the train step is traced as often as without the callback (not a second time for the
+    statistics); the records are still the applied gradients', and the logs that reach ``fit`` and the other
+    callbacks hold only the model's metrics."""
+    x, y = make_data(48)
+    alone, alone_counter = _counted_model()
+    alone.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    model, counter = _counted_model()
+    weights = WeightLog()
+    seen_keys = set()
+    keys = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: seen_keys.update(logs or {}))
+    cb = GradientHealthCallback(tmp_path, update_freq=3)
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[weights, keys, cb])
+    assert counter.traces == alone_counter.traces
+    assert cb._capture.after_step
+    assert seen_keys == {"loss"}
+    _, recs = read_records(str(tmp_path))
+    assert sorted(recs) == [3, 6, 9, 12]
+    for s in recs:
+        assert_applied(recs[s], weights.weights[s - 1], weights.weights[s])
+    for a, b in zip(alone.trainable_variables, model.trainable_variables, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+@pytest.mark.tf
+def test_run_eagerly_records_the_applied_gradients(tmp_path):
+    x, y = make_data(16)
+    model = make_model(run_eagerly=True)
+    weights = WeightLog()
+    cb = GradientHealthCallback(tmp_path, update_freq=2)
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[weights, cb])
+    assert cb._capture.after_step
+    _, recs = read_records(str(tmp_path))
+    assert sorted(recs) == [2, 4]
+    for s in recs:
+        assert_applied(recs[s], weights.weights[s - 1], weights.weights[s])
+
+
+@pytest.mark.tf
+@pytest.mark.parametrize("vocabulary", [50, 80_000], ids=["small_table", "large_table"])
+def test_an_embedding_gradient_comes_out_of_the_step_whole(tmp_path, vocabulary):
+    """An ``IndexedSlices`` gradient (repeated tokens: duplicate slices) leaves the step as its three parts and is
+    put back together: its record is the applied gradient's, as for the dense layers beside it (the statistics make
+    a 50-row table's gradient dense and keep an 80,000-row one's sparse kernel)."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 8, size=(16, 6)).astype("int32")  # few distinct tokens: many duplicate slices
+    y = rng.standard_normal((16, 2)).astype("float32")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,), dtype="int32"), keras.layers.Embedding(vocabulary, 4),
+                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(2)])
+    model.compile(loss="mse", optimizer=keras.optimizers.SGD(LR), jit_compile=False)
+    weights = WeightLog()
+    cb = GradientHealthCallback(tmp_path, update_freq=2)
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[weights, cb])
+    assert cb._capture.after_step and cb._capture.step_sparse == [True, False, False]
+    _, recs = read_records(str(tmp_path))
+    assert sorted(recs) == [2, 4]
+    for s in recs:
+        assert_applied(recs[s], weights.weights[s - 1], weights.weights[s])
+
+
+class SkipNonFinite(keras.Model):
+    """A user's train step that applies its gradients inside a ``tf.cond`` (skips a non-finite step): the
+    tensors of that branch cannot leave the step."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+        grads = tape.gradient(loss, self.trainable_variables)
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
+
+        def apply():
+            self.optimizer.apply(grads, self.trainable_variables)
+            return tf.constant(True)
+
+        tf.cond(finite, apply, lambda: tf.constant(False))
+        return {"loss": loss}
+
+
+@pytest.mark.tf
+def test_an_update_inside_a_conditional_is_recorded_in_the_step(tmp_path, caplog):
+    """The first logged call finds no gradients returned: from the next call on, the step's second variant records
+    (the first logged step's record is lost, said in the log), and the records are the applied gradients'."""
+    x, y = make_data(32)
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((5,))
+    model = SkipNonFinite(inp, keras.layers.Dense(2)(keras.layers.Dense(4, activation="tanh")(inp)))
+    model.compile(loss="mse", optimizer=keras.optimizers.SGD(LR), jit_compile=False)
+    weights = WeightLog()
+    cb = GradientHealthCallback(tmp_path, update_freq=2)
+    with caplog.at_level("INFO", logger="tb_gradhealth"):
+        model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[weights, cb])
+    assert not cb._capture.after_step
+    assert any("inside a conditional" in r.getMessage() for r in caplog.records)
+    _, recs = read_records(str(tmp_path))
+    assert sorted(recs) == [4, 6, 8]
+    for s in recs:
+        assert_applied(recs[s], weights.weights[s - 1], weights.weights[s])
 
 
 @pytest.mark.tf

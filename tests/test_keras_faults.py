@@ -30,14 +30,14 @@ GradientHealthCallback: Any = None
 EPOCHS, STEPS = 4, 8
 
 
-def _fit(callbacks: list) -> list[float]:
+def _fit(callbacks: list, steps_per_execution: int = 1) -> list[float]:
     """Loss per epoch of a small MLP trained for ``EPOCHS`` x ``STEPS`` steps (the same data and init each time)."""
     keras.utils.set_random_seed(0)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((STEPS * 16, 8)).astype("float32")
     y = (x @ rng.standard_normal((8, 1))).astype("float32")
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)])
-    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", steps_per_execution=steps_per_execution)
     history = model.fit(x, y, batch_size=16, epochs=EPOCHS, verbose=0, shuffle=False, callbacks=callbacks)
     return history.history["loss"]
 
@@ -106,8 +106,10 @@ def test_fit_goes_on_through_an_inconsistent_record_and_a_failing_write(tmp_path
     assert len(run.problems) == 1 and "step 5" in run.problems[0], run.problems
 
 
+@pytest.mark.parametrize("steps_per_execution", [1, 2], ids=["after_the_step", "in_the_step"])
 def test_fit_falls_back_to_the_plain_step_when_the_statistics_cannot_be_built(tmp_path, caplog, monkeypatch,
-                                                                            plain_loss):
+                                                                            plain_loss, steps_per_execution):
+    """Statistics computed after the step (one step a call) or in a second variant of the step (several)."""
     caplog.set_level(logging.WARNING, logger="tb_gradhealth")
 
     def broken(*args, **kwargs):
@@ -115,7 +117,9 @@ def test_fit_falls_back_to_the_plain_step_when_the_statistics_cannot_be_built(tm
 
     monkeypatch.setattr(summary, "compute", broken)
     cb = GradientHealthCallback(str(tmp_path), update_freq=1, seed=0)
-    loss = _fit([cb])
+    loss = _fit([cb], steps_per_execution)
     np.testing.assert_allclose(loss, plain_loss, rtol=1e-6)
-    assert len(logged(caplog, "the step that records gradient health failed")) == 1
+    assert cb._capture.after_step is (steps_per_execution == 1)
+    warned = logged(caplog, "records nothing more in this fit")
+    assert len(warned) == 1 and "injected failure" in warned[0], warned
     assert reader.read_logdir(str(tmp_path)).runs == []

@@ -9,10 +9,22 @@ The hooks wrap two methods of the model's optimizer *instance* (through :mod:`tb
   (``loss_scale_factor``, ``LossScaleOptimizer``: its inner optimizer is the one wrapped), clipped them and
   averaged accumulated ones; it is where the variables change.
 
-On a logged step the update hook keeps the weights from before the update, computes the device record
-(:func:`tb_gradhealth.summary.compute`) of the applied gradient with those weights and the update
-``w_before - w_after`` (a :class:`tb_gradhealth.summary.Delta`), and stores it with its step into a ring buffer of
-non-trainable variables that the host reads (:meth:`Capture.read_new`).
+The record (:func:`tb_gradhealth.summary.compute` of the applied gradient, the weights from before the update and
+the update ``w_before - w_after``, a :class:`tb_gradhealth.summary.Delta`) is stored with its step into a ring
+buffer of non-trainable variables that the host reads (:meth:`Capture.read_new`). It is computed in one of two
+places:
+
+* **after the step** (``after_step``; one step a call, one replica, no XLA step): on a call the host asked for
+  (:attr:`Capture.wanted`) the train step returns the applied gradients beside its logs
+  (:mod:`tb_gradhealth._tf.stepoutputs`, no copy; on other calls empty tensors, so the gradients live no longer than
+  in the plain step), the host reads the weights before that call (the update then writes new buffers, as it does
+  for any read that stays alive) and runs the statistics as a function of their own after it. The train step is
+  traced once, with nothing added but those outputs: no second copy of the model's traced and optimised graph in
+  memory, and nothing of the statistics in the step.
+* **in the step**: a second variant of the train function computes and stores the record in the update hook, on
+  logged steps only (several steps a call, a distribution strategy, an XLA step, whose compiled program the
+  statistics join, or an update applied inside a conditional such as ``LossScaleOptimizer``'s, where nothing made
+  can leave the step but through variables).
 """
 
 from __future__ import annotations
@@ -24,10 +36,12 @@ import numpy as np
 import tensorflow as tf
 
 from tb_gradhealth import record, summary
-from tb_gradhealth._tf import compat
+from tb_gradhealth._tf import compat, stepoutputs
 
 #: Marks the optimizer instance that carries this module's hooks.
 _OWNER = "_tb_gradhealth_capture"
+#: The key under which the train step returns the applied gradients (taken out before ``fit`` sees the logs).
+GRADIENTS_KEY = "_tb_gradhealth_gradients"
 
 CUSTOM_LOOP_ADVICE = (
     "In a custom train_step or training loop, record the gradients yourself with "
@@ -60,8 +74,17 @@ class Capture:
         hist_sample: int | None,
         seed: int | None,
         compiled: bool = True,
+        after_step: bool = False,
     ) -> None:
+        self.model = model
         self.optimizer = optimizer
+        #: Statistics computed after the step from the gradients it returns (True) or in the step (False).
+        self.after_step = after_step
+        #: After the step: the rows of the variables the optimizer updates, in its order, and whether each one's
+        #: gradient is an ``IndexedSlices`` (returned as its three parts); set when the step traces.
+        self.step_rows: list[int] | None = None
+        self.step_sparse: list[bool] | None = None
+        self._wanted_now = 0
         #: Statistics in one XLA program (True) or as plain graph ops in the step (``summary.compute(jit="graph")``).
         self.compiled = compiled
         #: The optimizer's step counter: its raw ``_iterations`` (batches, which ``iterations`` divides by
@@ -85,6 +108,8 @@ class Capture:
         self._local = threading.local()  # replica functions may trace in parallel threads (MirroredStrategy)
         self._rows = {id(v): i for i, v in enumerate(self.variables)}
         self._make_buffers(model.distribute_strategy, slots, len(self.variables))
+        self._read_weights = tf.function(lambda: [tf.identity(v) for v in self.variables], autograph=False)
+        self._record_after = tf.function(self._after_step, autograph=False, reduce_retracing=True)
 
     def _make_buffers(self, strategy: Any, slots: int, n: int) -> None:
         """The ring buffer: ``slots`` records of ``n`` layers, their steps, and the counters the step reads."""
@@ -101,6 +126,8 @@ class Capture:
             self.stamps = tf.Variable(tf.zeros([slots], tf.int64), name="gh_stamps", **kw)
             self.count = tf.Variable(tf.constant(0, tf.int64), name="gh_count", **kw)
             self.remaining = tf.Variable(tf.constant(0, tf.int32), name="gh_remaining", **kw)
+            #: After the step: 1 while the host wants the step's gradients returned (set around a logged call).
+            self.wanted = tf.Variable(tf.constant(0, tf.int32), name="gh_wanted", **kw)
 
     # --- optimizer wrappers (run at trace time, inside the train step) ----------------------------------------
 
@@ -125,16 +152,30 @@ class Capture:
 
         compat.set_optimizer_methods(opt, update_step, all_reduce if original_reduce is not None else None)
         opt.__dict__[_OWNER] = self
+        if self.after_step:
+            stepoutputs.add(self.model, GRADIENTS_KEY, self._step_output)
 
     def uninstall(self) -> None:
+        stepoutputs.remove(self.model, GRADIENTS_KEY)
         opt = self.optimizer
         if opt.__dict__.get(_OWNER) is not self:
             return
         compat.restore_optimizer_methods(opt)
         opt.__dict__.pop(_OWNER, None)
 
+    def record_in_step(self) -> None:
+        """Leave the statistics after the step for those in it (the step applied its gradients where they cannot
+        be returned): the caller then traces the two variants of the train function."""
+        self.after_step = False
+        stepoutputs.remove(self.model, GRADIENTS_KEY)
+
+    def _step(self) -> tf.Tensor:
+        """The logged step's number: the optimizer's count after its update (in the step, the update is still
+        to come)."""
+        return tf.cast(tf.convert_to_tensor(self.steps), tf.int64) + (0 if self.after_step else 1)
+
     def _should_capture(self) -> tf.Tensor:
-        step = tf.cast(tf.convert_to_tensor(self.steps), tf.int64) + 1
+        step = self._step()
         armed = self.remaining > 0
         if self.period <= 0:
             return armed
@@ -142,6 +183,8 @@ class Capture:
 
     def _update_step(self, original: Any, grads: Any, trainable_variables: Any, learning_rate: Any) -> Any:
         self.traced = True
+        if self.after_step:
+            return self._update_and_keep(original, grads, trainable_variables, learning_rate)
         if self.mode != "capture":
             return original(grads, trainable_variables, learning_rate)
         grads = list(grads)
@@ -162,6 +205,73 @@ class Capture:
         else:
             self._store_if_logged(logged, rows, applied, before)
         return result
+
+    def _update_and_keep(self, original: Any, grads: Any, trainable_variables: Any, learning_rate: Any) -> Any:
+        """The update, and the applied gradients kept for :meth:`_step_output` (after the step)."""
+        rows = [self._row_of(v) for v in trainable_variables]
+        self._local.reduced = None
+        result = original(grads, trainable_variables, learning_rate)
+        reduced, self._local.reduced = self._local.reduced, None
+        self._local.applied = (rows, [g for g, _ in reduced] if reduced is not None else list(grads))
+        return result
+
+    def _step_output(self, data: Any) -> tuple[Any, ...] | None:
+        """The applied gradients, returned by the train step (a tuple: Keras wraps the step's outputs in a
+        ``tf.data`` ``Optional``, which would take a list for one tensor); ``None`` when the update ran where its
+        tensors cannot leave (inside a conditional or a loop of the step) or did not run."""
+        kept = getattr(self._local, "applied", None)
+        self._local.applied = None
+        if kept is None:
+            return None
+        rows, applied = kept
+        if any(g is None for g in applied):
+            return None
+        if not tf.executing_eagerly():
+            graph = tf.compat.v1.get_default_graph()
+            if any(g.graph is not graph for g in applied):
+                return None
+        self.step_rows = rows
+        self.step_sparse = [isinstance(g, tf.IndexedSlices) for g in applied]
+        parts = [t for g in applied for t in ((g.values, g.indices, g.dense_shape)
+                                              if isinstance(g, tf.IndexedSlices) else (g,))]
+        if tf.executing_eagerly():
+            return tuple(parts)
+        return tuple(tf.cond(self.wanted > 0, lambda: parts, lambda: [tf.zeros([0], t.dtype) for t in parts]))
+
+    def want(self, on: bool) -> None:
+        """Ask the next calls to return their gradients (``on``) or not; a device write only when it changes."""
+        if int(on) != self._wanted_now:
+            self._wanted_now = int(on)
+            self.wanted.assign(self._wanted_now)
+
+    def _gradients(self, parts: Any) -> list[Any]:
+        """The gradients from the step's returned parts (an ``IndexedSlices`` from its three)."""
+        out, i = [], 0
+        for sparse in self.step_sparse:
+            if sparse:
+                out.append(tf.IndexedSlices(parts[i], parts[i + 1], parts[i + 2]))
+                i += 3
+            else:
+                out.append(parts[i])
+                i += 1
+        return out
+
+    def weights_now(self) -> list[tf.Tensor] | None:
+        """Before a logged call (after the step): a read of every trainable variable, which the update leaves as
+        it is (it writes a new buffer while a read is alive); ``None`` without ``record_updates``."""
+        return self._read_weights() if self.record_updates else None
+
+    def record_after(self, parts: Any, before: list[tf.Tensor] | None) -> None:
+        """After a logged call: the record of the gradients it returned, stored as the step's hook would."""
+        self._record_after(parts, before)
+
+    def _after_step(self, parts: Any, before: list[tf.Tensor] | None) -> None:
+        rows, applied = self.step_rows, self._gradients(parts)
+        before = [before[r] for r in rows] if before is not None else None
+        if self.period == 1:
+            self._store(self._compute(rows, applied, before))
+        else:
+            self._store_if_logged(self._should_capture(), rows, applied, before)
 
     def _store_if_logged(self, logged: tf.Tensor, rows: list[int], applied: list[Any], before: Any) -> None:
         """Statistics, and their store, on logged steps only (a call of several steps may hold unlogged ones)."""
@@ -197,7 +307,7 @@ class Capture:
         return rec
 
     def _store(self, rec: summary.DeviceRecord) -> tf.Tensor:
-        step = tf.cast(tf.convert_to_tensor(self.steps), tf.int64) + 1
+        step = self._step()
         count = self.count.read_value()
         slot = tf.reshape(tf.cast(count % self.slots, tf.int32), [1, 1])
         self.counts.assign(tf.tensor_scatter_nd_update(self.counts.read_value(), slot, rec.counts[None]))

@@ -4,9 +4,10 @@
   already exists, so no copy and no extra device work outside XLA); the callback's dispatcher takes it back out
   before ``fit`` sees the logs and keeps those of the calls not yet read (at most the calls of one ring-buffer read).
   Only with ``steps_per_execution == 1``, no distribution strategy and not ``run_eagerly``: one step, one batch.
-* Weights: on a captured step whose record shows a NaN/Inf gradient, the capture hook puts back the weights it
-  already copied for the update statistics (``record_updates``) and freezes them until the host has replayed that
-  step, as dynamic loss scaling skips a non-finite step. The optimizer's own state (moments) is not put back.
+* Weights: on a captured step whose record shows a NaN/Inf gradient, the capture (in the step, or right after
+  it) puts back the weights it already read for the update statistics (``record_updates``) and freezes them until
+  the host has replayed that step, as dynamic loss scaling skips a non-finite step. The optimizer's own state
+  (moments) is not put back.
 * Replay: :func:`tb_gradhealth._tf.replay.replay` of ``model(x, training=True)`` and ``model.compute_loss`` on the
   kept batch, with the model's non-trainable state (batch-norm statistics) restored after it.
 """
@@ -20,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from tb_gradhealth import origin, record
-from tb_gradhealth._tf import compat, replay
+from tb_gradhealth._tf import compat, replay, stepoutputs
 from tb_gradhealth.origin import NanOrigin
 
 _log = logging.getLogger("tb_gradhealth")
@@ -58,33 +59,18 @@ class FitOrigin:
             self.frozen = tf.Variable(tf.constant(0, tf.int32), trainable=False, name="gh_frozen")
 
     def install(self) -> None:
-        """Make ``model.train_step`` also return its batch (an instance attribute, read when ``fit``'s train
-        functions trace; :meth:`uninstall` removes it). A wrapper left by a ``fit`` that ended by an exception is
-        replaced, not wrapped again."""
-        if not self.keeps_batches:
-            return
-        model = self.model
-        stale = model.__dict__.get("train_step")
-        original = stale.__wrapped__ if getattr(stale, "__wrapped__", None) is not None else model.train_step
-
-        def train_step(data: Any) -> Any:
-            logs = original(data)
-            return {**logs, BATCH_KEY: data} if isinstance(logs, dict) else logs
-
-        train_step.__wrapped__ = original
-        model.train_step = train_step
+        """Make ``model.train_step`` also return its batch (:mod:`tb_gradhealth._tf.stepoutputs`; read when
+        ``fit``'s train functions trace; :meth:`uninstall` removes it)."""
+        if self.keeps_batches:
+            stepoutputs.add(self.model, BATCH_KEY, lambda data: data)
 
     def uninstall(self) -> None:
-        if getattr(self.model.__dict__.get("train_step"), "__wrapped__", None) is not None:
-            del self.model.train_step
+        stepoutputs.remove(self.model, BATCH_KEY)
 
     def take_batch(self, logs: Any, step: int, keep: bool) -> Any:
         """``logs`` without the batch; the batch of ``step`` kept when ``keep`` (a captured call)."""
-        if not isinstance(logs, dict) or BATCH_KEY not in logs:
-            return logs
-        logs = dict(logs)
-        batch = logs.pop(BATCH_KEY)
-        if keep and self.origin is None:
+        logs, batch = stepoutputs.take(logs, BATCH_KEY)
+        if batch is not None and keep and self.origin is None:
             self.batches[step] = batch
         return logs
 

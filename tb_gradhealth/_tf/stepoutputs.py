@@ -1,0 +1,58 @@
+"""Extra outputs of ``model.train_step``, under private keys of its logs, for the Keras callback's parts.
+
+The callback's parts each need something that only exists inside the traced train step: the NaN-origin search
+its batch, the capture the gradients the optimizer applied. Returning them beside the logs is free (references to
+tensors the step makes anyway) and needs no second trace of the step; the callback takes them out again before
+``fit`` sees the logs. One wrapper (an instance attribute, read when ``fit``'s train function traces) holds every
+part's output, so the parts can be added and removed in any order, and a wrapper left by a ``fit`` that ended by an
+exception is reused instead of wrapped again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+#: The wrapper's table of ``{key: output(data)}``.
+_TABLE = "_tb_gradhealth_outputs"
+
+
+def add(model: Any, key: str, output: Callable[[Any], Any]) -> None:
+    """Make ``model.train_step(data)`` also return ``output(data)`` (called after the step; ``None``: nothing)
+    under ``key`` of its logs (when they are a dict)."""
+    step = model.__dict__.get("train_step")
+    table = getattr(step, _TABLE, None)
+    if table is None:
+        original = model.train_step
+        table = {}
+
+        def train_step(data: Any) -> Any:
+            logs = original(data)
+            if not isinstance(logs, dict):
+                return logs
+            extra = {k: v for k, v in ((k, out(data)) for k, out in table.items()) if v is not None}
+            return {**logs, **extra}
+
+        setattr(train_step, _TABLE, table)
+        train_step.__wrapped__ = original
+        model.train_step = train_step
+    table[key] = output
+
+
+def remove(model: Any, key: str) -> None:
+    """Undo :func:`add` for ``key``; the model's own ``train_step`` shows again once no key is left."""
+    step = model.__dict__.get("train_step")
+    table = getattr(step, _TABLE, None)
+    if table is None:
+        return
+    table.pop(key, None)
+    if not table:
+        del model.train_step
+
+
+def take(logs: Any, key: str) -> tuple[Any, Any]:
+    """``(logs without key, its value or None)``: what ``fit`` may see, and the part's output."""
+    if not isinstance(logs, dict) or key not in logs:
+        return logs, None
+    logs = dict(logs)
+    return logs, logs.pop(key)
