@@ -2,15 +2,14 @@
 
 Why a hook and not a probe: recomputing gradients on one fixed batch at epoch end costs a whole extra
 forward/backward pass and is not the gradient that training applied. The callback installs optimizer hooks
-(:mod:`tb_gradhealth._tf.capture`). With one step a call, one replica and no XLA step (the usual ``fit`` on a CPU)
-the train function is traced once and returns the applied gradients beside its logs when asked; the host, which
-counts steps, reads the weights before a call that holds a logged step and computes the record after it. Otherwise
-(several steps a call, a distribution strategy, ``jit_compile``, an update inside a conditional such as
-``LossScaleOptimizer``'s) the train function is traced twice: a "plain" variant (the ordinary step) and a "capture"
-variant that stores the record in the step, called only for calls that contain a logged step. Either way, other
-steps cost nothing, even under XLA. The host reads the records back in batches and writes them with the TF-free
-:class:`tb_gradhealth.writer.Writer` under ``log_dir/train``, the directory ``keras.callbacks.TensorBoard`` writes
-its training scalars to.
+(:mod:`tb_gradhealth._tf.capture`). With logging sparser than every step, one step a call, one replica and no XLA
+step (the usual ``fit`` on a CPU) the train function is traced once and returns the applied gradients beside its
+logs when asked; the host, which counts steps, reads the weights before a call that holds a logged step and computes
+the record after it. Otherwise a "capture" variant of the train function stores the record in the step, and is
+called only for calls that contain a logged step; the other calls run a "plain" variant (the ordinary step), traced
+only if such a call comes (not at ``update_freq=1``). Either way, other steps cost nothing, even under XLA. The host
+reads the records back in batches and writes them with the TF-free :class:`tb_gradhealth.writer.Writer` under
+``log_dir/train``, the directory ``keras.callbacks.TensorBoard`` writes its training scalars to.
 
 Steps are counted like ``keras.callbacks.TensorBoard``'s batch summaries: the record of the optimizer's ``s``-th
 step (``s`` = the raw step count after it, 1-based; with ``gradient_accumulation_steps`` the count of batches) is
@@ -76,14 +75,15 @@ class StopEvent:
         return f"tb_gradhealth: {self.status} gradient in layer {self.layer!r} at step {self.step}{others}{made}"
 
 
-def _records_after_step(model: Any, spe: int) -> bool:
-    """Whether the record can be computed after the step from the gradients it returns: one step a call, one
-    replica, a step not compiled with XLA (there the statistics fuse into the compiled step instead of making it
-    write the gradients out), and an update that does not run inside a conditional (``LossScaleOptimizer``,
-    gradient accumulation). A step that still applies its gradients where they cannot leave it falls back at its
-    first logged call (:meth:`GradientHealthCallback._record_in_step`)."""
+def _records_after_step(model: Any, spe: int, period: int) -> bool:
+    """Whether the record is computed after the step from the gradients it returns: when some calls log and
+    others do not (else the capturing step is the only one traced, and its statistics run beside its update),
+    with one step a call, one replica, a step not compiled with XLA (there the statistics fuse into the compiled
+    step instead of making it write the gradients out), and an update that does not run inside a conditional
+    (``LossScaleOptimizer``, gradient accumulation). A step that still applies its gradients where they cannot
+    leave it falls back at its first logged call (:meth:`GradientHealthCallback._record_in_step`)."""
     optimizer = model.optimizer
-    return (spe == 1 and model.distribute_strategy.num_replicas_in_sync == 1
+    return (period != 1 and spe == 1 and model.distribute_strategy.num_replicas_in_sync == 1
             and not getattr(model, "jit_compile", False)
             and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
             and not getattr(optimizer, "gradient_accumulation_steps", None))
@@ -318,7 +318,7 @@ class GradientHealthCallback(keras.callbacks.Callback):
             hist_sample=self.hist_sample,
             seed=self.seed,
             compiled=_compiled_statistics(self.update_freq, self.compile_statistics),
-            after_step=_records_after_step(model, spe),
+            after_step=_records_after_step(model, spe, period),
         )
         cap.install()
         self._origin = self._start_origin(model, cap)

@@ -87,6 +87,14 @@ def assert_applied(rows: np.ndarray, w_before: list[np.ndarray], w_after: list[n
     assert np.all(rows[:, record.INDEX["missing"]] == 0)
 
 
+def assert_records_applied(log_dir, weights: WeightLog, steps: list[int]) -> None:
+    """The records under ``log_dir`` are at ``steps``, each the gradient applied at its step."""
+    _, recs = read_records(str(log_dir))
+    assert sorted(recs) == steps
+    for s in recs:
+        assert_applied(recs[s], weights.weights[s - 1], weights.weights[s])
+
+
 @pytest.mark.tf
 @pytest.mark.parametrize("jit, compiled", [(False, None), (True, None), (False, False)])
 def test_recorded_gradient_is_the_applied_one(tmp_path, jit, compiled):
@@ -250,10 +258,7 @@ def test_the_model_is_traced_once_and_fit_never_sees_the_gradients(tmp_path):
     assert counter.traces == alone_counter.traces
     assert cb._capture.after_step
     assert seen_keys == {"loss"}
-    _, recs = read_records(str(tmp_path))
-    assert sorted(recs) == [3, 6, 9, 12]
-    for s in recs:
-        assert_applied(recs[s], weights.weights[s - 1], weights.weights[s])
+    assert_records_applied(tmp_path, weights, [3, 6, 9, 12])
     for a, b in zip(alone.trainable_variables, model.trainable_variables, strict=True):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
 
@@ -266,18 +271,15 @@ def test_run_eagerly_records_the_applied_gradients(tmp_path):
     cb = GradientHealthCallback(tmp_path, update_freq=2)
     model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[weights, cb])
     assert cb._capture.after_step
-    _, recs = read_records(str(tmp_path))
-    assert sorted(recs) == [2, 4]
-    for s in recs:
-        assert_applied(recs[s], weights.weights[s - 1], weights.weights[s])
+    assert_records_applied(tmp_path, weights, [2, 4])
 
 
 @pytest.mark.tf
 @pytest.mark.parametrize("vocabulary", [50, 80_000], ids=["small_table", "large_table"])
 def test_an_embedding_gradient_comes_out_of_the_step_whole(tmp_path, vocabulary):
-    """An ``IndexedSlices`` gradient (repeated tokens: duplicate slices) leaves the step as its three parts and is
-    put back together: its record is the applied gradient's, as for the dense layers beside it (the statistics make
-    a 50-row table's gradient dense and keep an 80,000-row one's sparse kernel)."""
+    """An ``IndexedSlices`` gradient (repeated tokens: duplicate slices) leaves the step as its values and indices
+    and is put back together: its record is the applied gradient's, as for the dense layers beside it (the
+    statistics make a 50-row table's gradient dense and keep an 80,000-row one's sparse kernel)."""
     rng = np.random.default_rng(0)
     x = rng.integers(0, 8, size=(16, 6)).astype("int32")  # few distinct tokens: many duplicate slices
     y = rng.standard_normal((16, 2)).astype("float32")
@@ -288,11 +290,8 @@ def test_an_embedding_gradient_comes_out_of_the_step_whole(tmp_path, vocabulary)
     weights = WeightLog()
     cb = GradientHealthCallback(tmp_path, update_freq=2)
     model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[weights, cb])
-    assert cb._capture.after_step and cb._capture.step_sparse == [True, False, False]
-    _, recs = read_records(str(tmp_path))
-    assert sorted(recs) == [2, 4]
-    for s in recs:
-        assert_applied(recs[s], weights.weights[s - 1], weights.weights[s])
+    assert cb._capture.after_step and cb._capture.step_layout.sparse == (True, False, False)
+    assert_records_applied(tmp_path, weights, [2, 4])
 
 
 class SkipNonFinite(keras.Model):
@@ -329,10 +328,7 @@ def test_an_update_inside_a_conditional_is_recorded_in_the_step(tmp_path, caplog
         model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[weights, cb])
     assert not cb._capture.after_step
     assert any("inside a conditional" in r.getMessage() for r in caplog.records)
-    _, recs = read_records(str(tmp_path))
-    assert sorted(recs) == [4, 6, 8]
-    for s in recs:
-        assert_applied(recs[s], weights.weights[s - 1], weights.weights[s])
+    assert_records_applied(tmp_path, weights, [4, 6, 8])
 
 
 @pytest.mark.tf
@@ -345,10 +341,7 @@ def test_sparse_logging_computes_the_statistics_as_plain_graph_ops(tmp_path):
     cb = GradientHealthCallback(tmp_path, update_freq=10)
     model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=[weights, cb])
     assert cb._capture.compiled is False
-    _, recs = read_records(str(tmp_path))
-    assert sorted(recs) == [10, 20, 30]
-    for s in recs:
-        assert_applied(recs[s], weights.weights[s - 1], weights.weights[s])
+    assert_records_applied(tmp_path, weights, [10, 20, 30])
     alone = make_model(jit_compile=False)
     alone.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
     for a, b in zip(alone.trainable_variables, model.trainable_variables, strict=True):

@@ -106,20 +106,23 @@ def test_fit_goes_on_through_an_inconsistent_record_and_a_failing_write(tmp_path
     assert len(run.problems) == 1 and "step 5" in run.problems[0], run.problems
 
 
-@pytest.mark.parametrize("steps_per_execution", [1, 2], ids=["after_the_step", "in_the_step"])
+@pytest.mark.parametrize(("update_freq", "steps_per_execution"), [(2, 1), (1, 1), (1, 2)],
+                         ids=["after_the_step", "in_the_step", "in_the_step_of_several"])
 def test_fit_falls_back_to_the_plain_step_when_the_statistics_cannot_be_built(tmp_path, caplog, monkeypatch,
-                                                                            plain_loss, steps_per_execution):
-    """Statistics computed after the step (one step a call) or in a second variant of the step (several)."""
+                                                                            plain_loss, update_freq,
+                                                                            steps_per_execution):
+    """Statistics computed after the step (one step a call, not every call logged) or in a second variant of the
+    step (every step logged, or several steps a call)."""
     caplog.set_level(logging.WARNING, logger="tb_gradhealth")
 
     def broken(*args, **kwargs):
         raise ValueError("injected failure while tracing the statistics")
 
     monkeypatch.setattr(summary, "compute", broken)
-    cb = GradientHealthCallback(str(tmp_path), update_freq=1, seed=0)
+    cb = GradientHealthCallback(str(tmp_path), update_freq=update_freq, seed=0)
     loss = _fit([cb], steps_per_execution)
     np.testing.assert_allclose(loss, plain_loss, rtol=1e-6)
-    assert cb._capture.after_step is (steps_per_execution == 1)
+    assert cb._capture.after_step is (update_freq == 2)
     warned = logged(caplog, "records nothing more in this fit")
     assert len(warned) == 1 and "injected failure" in warned[0], warned
     assert reader.read_logdir(str(tmp_path)).runs == []

@@ -16,11 +16,12 @@ places:
 
 * **after the step** (``after_step``; one step a call, one replica, no XLA step): on a call the host asked for
   (:attr:`Capture.wanted`) the train step returns the applied gradients beside its logs
-  (:mod:`tb_gradhealth._tf.stepoutputs`, no copy; on other calls empty tensors, so the gradients live no longer than
-  in the plain step), the host reads the weights before that call (the update then writes new buffers, as it does
-  for any read that stays alive) and runs the statistics as a function of their own after it. The train step is
-  traced once, with nothing added but those outputs: no second copy of the model's traced and optimised graph in
-  memory, and nothing of the statistics in the step.
+  (:mod:`tb_gradhealth._tf.stepoutputs`; packed into one buffer per dtype, :mod:`tb_gradhealth._tf.gradpack`; on
+  other calls empty buffers, so the gradients live no longer than in the plain step), the host reads the weights
+  before that call (the update then writes new buffers, as it does for any read that stays alive) and runs the
+  statistics as a function of their own after it. The train step is traced once, with nothing added but those
+  outputs: no second copy of the model's traced and optimised graph in memory, and nothing of the statistics in the
+  step.
 * **in the step**: a second variant of the train function computes and stores the record in the update hook, on
   logged steps only (several steps a call, a distribution strategy, an XLA step, whose compiled program the
   statistics join, or an update applied inside a conditional such as ``LossScaleOptimizer``'s, where nothing made
@@ -36,7 +37,7 @@ import numpy as np
 import tensorflow as tf
 
 from tb_gradhealth import record, summary
-from tb_gradhealth._tf import compat, stepoutputs
+from tb_gradhealth._tf import compat, gradpack, stepoutputs
 
 #: Marks the optimizer instance that carries this module's hooks.
 _OWNER = "_tb_gradhealth_capture"
@@ -80,10 +81,10 @@ class Capture:
         self.optimizer = optimizer
         #: Statistics computed after the step from the gradients it returns (True) or in the step (False).
         self.after_step = after_step
-        #: After the step: the rows of the variables the optimizer updates, in its order, and whether each one's
-        #: gradient is an ``IndexedSlices`` (returned as its three parts); set when the step traces.
+        #: After the step: the rows of the variables the optimizer updates, in its order, and where their
+        #: gradients are in the buffers the step returns (:mod:`tb_gradhealth._tf.gradpack`); set when it traces.
         self.step_rows: list[int] | None = None
-        self.step_sparse: list[bool] | None = None
+        self.step_layout: gradpack.Layout | None = None
         self._wanted_now = 0
         #: Statistics in one XLA program (True) or as plain graph ops in the step (``summary.compute(jit="graph")``).
         self.compiled = compiled
@@ -216,9 +217,10 @@ class Capture:
         return result
 
     def _step_output(self, data: Any) -> tuple[Any, ...] | None:
-        """The applied gradients, returned by the train step (a tuple: Keras wraps the step's outputs in a
-        ``tf.data`` ``Optional``, which would take a list for one tensor); ``None`` when the update ran where its
-        tensors cannot leave (inside a conditional or a loop of the step) or did not run."""
+        """The applied gradients packed into a few buffers (:mod:`tb_gradhealth._tf.gradpack`), returned by the
+        train step on the calls the host asked for (:attr:`wanted`; empty buffers on other calls, so that the
+        gradients live no longer than in the plain step); ``None`` when the update ran where its tensors cannot
+        leave (inside a conditional or a loop of the step) or did not run."""
         kept = getattr(self._local, "applied", None)
         self._local.applied = None
         if kept is None:
@@ -226,35 +228,23 @@ class Capture:
         rows, applied = kept
         if any(g is None for g in applied):
             return None
-        if not tf.executing_eagerly():
-            graph = tf.compat.v1.get_default_graph()
-            if any(g.graph is not graph for g in applied):
-                return None
-        self.step_rows = rows
-        self.step_sparse = [isinstance(g, tf.IndexedSlices) for g in applied]
-        parts = [t for g in applied for t in ((g.values, g.indices, g.dense_shape)
-                                              if isinstance(g, tf.IndexedSlices) else (g,))]
-        if tf.executing_eagerly():
-            return tuple(parts)
-        return tuple(tf.cond(self.wanted > 0, lambda: parts, lambda: [tf.zeros([0], t.dtype) for t in parts]))
+        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        if graph is not None and any(g.graph is not graph for g in applied):
+            return None
+        try:
+            where = gradpack.layout(applied)
+        except (TypeError, ValueError):  # a shape known only when the step runs
+            return None
+        self.step_rows, self.step_layout = rows, where
+        if graph is None:
+            return tuple(gradpack.pack(applied, where))
+        return tuple(tf.cond(self.wanted > 0, lambda: gradpack.pack(applied, where), lambda: gradpack.empty(where)))
 
     def want(self, on: bool) -> None:
         """Ask the next calls to return their gradients (``on``) or not; a device write only when it changes."""
         if int(on) != self._wanted_now:
             self._wanted_now = int(on)
             self.wanted.assign(self._wanted_now)
-
-    def _gradients(self, parts: Any) -> list[Any]:
-        """The gradients from the step's returned parts (an ``IndexedSlices`` from its three)."""
-        out, i = [], 0
-        for sparse in self.step_sparse:
-            if sparse:
-                out.append(tf.IndexedSlices(parts[i], parts[i + 1], parts[i + 2]))
-                i += 3
-            else:
-                out.append(parts[i])
-                i += 1
-        return out
 
     def weights_now(self) -> list[tf.Tensor] | None:
         """Before a logged call (after the step): a read of every trainable variable, which the update leaves as
@@ -266,7 +256,7 @@ class Capture:
         self._record_after(parts, before)
 
     def _after_step(self, parts: Any, before: list[tf.Tensor] | None) -> None:
-        rows, applied = self.step_rows, self._gradients(parts)
+        rows, applied = self.step_rows, gradpack.unpack(parts, self.step_layout)
         before = [before[r] for r in rows] if before is not None else None
         if self.period == 1:
             self._store(self._compute(rows, applied, before))
