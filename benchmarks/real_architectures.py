@@ -22,10 +22,11 @@ Python objects takes ~0.5 s and slows the step after it):
                timed steps are the unlogged ones after it; the average cost at that cadence is printed as
                (99 x unlogged + 1 x logged) / 100, the logged step taken from ``every_graph`` (``every`` when that
                is not run)
-  every_in_step, default_in_step
-               the same two with the record computed in a second variant of the train step (what the callback
-               does with several steps a call, a distribution strategy or ``LossScaleOptimizer``; one step a call
-               computes it after the step, from the gradients the step returns)
+  default_in_step
+               ``default`` with the record computed in a second variant of the train step (what the callback
+               does at every step, with several steps a call, a distribution strategy, ``jit_compile`` or
+               ``LossScaleOptimizer``; otherwise it computes it after the step, from the gradients the step
+               returns)
   floor        the plain step plus ONE ``reduce_max`` per gradient, kept in a variable (an optimizer whose
                ``apply`` takes it): the least any exact per-layer statistic costs on that model
   loop         a custom ``tf.function`` train step (GradientTape + optimizer.apply)
@@ -73,8 +74,8 @@ import numpy as np  # noqa: E402
 
 BATCH, CLASSES, SIZE = 16, 10, 32
 MODELS = ("resnet50", "mobilenetv2", "efficientnetb0", "densenet121", "transformer")
-CONFIGS = ("plain", "every", "every_graph", "default", "every_in_step", "default_in_step", "floor", "loop", "loop_gh",
-           "loop_xla", "loop_xla_gh")
+CONFIGS = ("plain", "every", "every_graph", "default", "default_in_step", "floor", "loop", "loop_gh", "loop_xla",
+           "loop_xla_gh")
 #: The callback's configurations, by name without ``_in_step``.
 CALLBACK = ("every", "every_graph", "default")
 CONV = {"resnet50", "mobilenetv2", "efficientnetb0", "densenet121"}
@@ -382,7 +383,7 @@ def goals(res: dict) -> list[str]:
     def mark(ok: bool) -> str:
         return "met" if ok else "NOT met"
 
-    for c in ("every", "every_graph", "every_in_step"):
+    for c in ("every", "every_graph"):
         every = _per_round(res, c, "plain")
         if not every:
             continue
@@ -397,7 +398,7 @@ def goals(res: dict) -> list[str]:
     if logged and default:
         avg = statistics.median([(99 * d + e) / 100 for d, e in zip(default, logged, strict=True)])
         out.append(f"  goal default cadence <= {GOALS['default']}x: {avg:.3f}x {mark(avg <= GOALS['default'])}")
-    for c in ("every", "every_graph", "default", "every_in_step", "default_in_step"):
+    for c in ("every", "every_graph", "default", "default_in_step"):
         src = fresh if c in fresh and "plain" in fresh else first
         if c in src and "plain" in src:
             v = src[c]["first"] / src["plain"]["first"] if src is fresh else src[c] / src["plain"]
