@@ -316,7 +316,8 @@ class SkipNonFinite(keras.Model):
 @pytest.mark.tf
 def test_an_update_inside_a_conditional_is_recorded_in_the_step(tmp_path, caplog):
     """The first logged call finds no gradients returned: from the next call on, the step's second variant records
-    (the first logged step's record is lost, said in the log), and the records are the applied gradients'."""
+    (the first logged step's record is lost, said in the log), and the records are the applied gradients'. (On
+    Keras 3.0 the update's tensors are in the step's own graph: they come out, and every logged step is recorded.)"""
     x, y = make_data(32)
     keras.utils.set_random_seed(0)
     inp = keras.Input((5,))
@@ -326,7 +327,10 @@ def test_an_update_inside_a_conditional_is_recorded_in_the_step(tmp_path, caplog
     cb = GradientHealthCallback(tmp_path, update_freq=2)
     with caplog.at_level("INFO", logger="tb_gradhealth"):
         model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[weights, cb])
-    assert not cb._capture.after_step
+    if cb._capture.after_step:  # Keras 3.0 runs this update in the step's own graph: its gradients come out
+        assert keras.__version__.startswith("3.0.")
+        assert_records_applied(tmp_path, weights, [2, 4, 6, 8])
+        return
     assert any("inside a conditional" in r.getMessage() for r in caplog.records)
     assert_records_applied(tmp_path, weights, [4, 6, 8])
 

@@ -236,8 +236,8 @@ class Capture:
         except (TypeError, ValueError):  # a shape known only when the step runs
             return None
         self.step_rows, self.step_layout = rows, where
-        if graph is None:
-            return tuple(gradpack.pack(applied, where))
+        if graph is None:  # run_eagerly: the host's flag is the call's
+            return tuple(gradpack.pack(applied, where) if self._wanted_now else gradpack.empty(where))
         return tuple(tf.cond(self.wanted > 0, lambda: gradpack.pack(applied, where), lambda: gradpack.empty(where)))
 
     def want(self, on: bool) -> None:
@@ -256,12 +256,11 @@ class Capture:
         self._record_after(parts, before)
 
     def _after_step(self, parts: Any, before: list[tf.Tensor] | None) -> None:
+        """The record of a call's returned gradients, stored if its step is a logged one (by the device's count:
+        a call the host predicted to log may not, after a step the host did not hear of)."""
         rows, applied = self.step_rows, gradpack.unpack(parts, self.step_layout)
         before = [before[r] for r in rows] if before is not None else None
-        if self.period == 1:
-            self._store(self._compute(rows, applied, before))
-        else:
-            self._store_if_logged(self._should_capture(), rows, applied, before)
+        self._store_if_logged(self._should_capture(), rows, applied, before)
 
     def _store_if_logged(self, logged: tf.Tensor, rows: list[int], applied: list[Any], before: Any) -> None:
         """Statistics, and their store, on logged steps only (a call of several steps may hold unlogged ones)."""
