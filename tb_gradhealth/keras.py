@@ -358,11 +358,7 @@ class GradientHealthCallback(keras.callbacks.Callback):
         except Exception as e:  # noqa: BLE001 - sorted out by _is_ours
             if not self._is_ours(e):
                 raise
-            book.capture_failed = True
-            self._capture.mode = book.last_mode = "plain"
-            _log.warning("tb_gradhealth: the step that records gradient health failed (%s: %s); training goes on "
-                         "with the plain step and records nothing more in this fit", type(e).__name__, e,
-                         exc_info=True)
+            self._stop_recording("the step that records gradient health", e)
             return self._functions["plain"](iterator)
         book.capture_ran = True
         return out
@@ -371,7 +367,7 @@ class GradientHealthCallback(keras.callbacks.Callback):
         """One call of the train function; on a capturing call, the weights read before it and the record of
         the gradients it returned computed after it. A failure of the record is the statistics' alone (the step
         has run): it is logged and the rest of this fit records nothing."""
-        cap, book = self._capture, self._book
+        cap = self._capture
         cap.want(mode == "capture")
         before = cap.weights_now() if mode == "capture" else None
         logs, applied = stepoutputs.take(self._functions["plain"](iterator), GRADIENTS_KEY)
@@ -383,14 +379,17 @@ class GradientHealthCallback(keras.callbacks.Callback):
             return logs
         try:
             cap.record_after(applied, before)
+            self._book.capture_ran = True
         except Exception as e:  # noqa: BLE001 - the step itself has run: only the record is lost
-            book.capture_failed = True
-            book.last_mode = "plain"
-            _log.warning("tb_gradhealth: recording gradient health failed (%s: %s); training goes on and records "
-                         "nothing more in this fit", type(e).__name__, e, exc_info=True)
-            return logs
-        book.capture_ran = True
+            self._stop_recording("recording gradient health after the step", e)
         return logs
+
+    def _stop_recording(self, what: str, error: Exception) -> None:
+        """The statistics failed: every later call runs the plain step (training goes on), said once."""
+        self._book.capture_failed = True
+        self._capture.mode = self._book.last_mode = "plain"
+        _log.warning("tb_gradhealth: %s failed (%s: %s); training goes on with the plain step and records nothing "
+                     "more in this fit", what, type(error).__name__, error, exc_info=True)
 
     def _record_in_step(self) -> None:
         """The step applied its gradients where they cannot be returned (inside a conditional of a custom

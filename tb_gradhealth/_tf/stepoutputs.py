@@ -1,8 +1,8 @@
 """Extra outputs of ``model.train_step``, under private keys of its logs, for the Keras callback's parts.
 
 The callback's parts each need something that only exists inside the traced train step: the NaN-origin search
-its batch, the capture the gradients the optimizer applied. Returning them beside the logs is free (references to
-tensors the step makes anyway) and needs no second trace of the step; the callback takes them out again before
+its batch, the capture the gradients the optimizer applied. Returning them beside the logs needs no second trace
+of the step (the batch is a reference to a tensor the step has anyway); the callback takes them out again before
 ``fit`` sees the logs. One wrapper (an instance attribute, read when ``fit``'s train function traces) holds every
 part's output, so the parts can be added and removed in any order, and a wrapper left by a ``fit`` that ended by an
 exception is reused instead of wrapped again.
