@@ -24,7 +24,7 @@ from tensorboard.backend.event_processing.event_file_loader import EventFileLoad
 from tensorboard.util import tensor_util  # noqa: E402
 
 from tb_gradhealth import metadata, record  # noqa: E402
-from tb_gradhealth._tf import compat  # noqa: E402
+from tb_gradhealth._tf import blockstats, compat, gradpack  # noqa: E402
 from tb_gradhealth.keras import CaptureError, GradientHealthCallback  # noqa: E402
 
 LR = 0.1
@@ -219,7 +219,7 @@ def test_nothing_of_the_statistics_is_built_before_the_first_logged_step(tmp_pat
     class Peek(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             cap = cb._capture
-            seen.append((cb._book.last_mode, cap.statistics_traced, int(cap.count.numpy())))
+            seen.append((cb._book.last_mode, cap.statistics_built, int(cap.count.numpy())))
 
     model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[cb, Peek()])
     assert seen == [("plain", 0, 0), ("plain", 0, 0), ("capture", 1, 1), ("plain", 1, 1)]
@@ -248,10 +248,15 @@ def _counted_model(**compile_kw) -> tuple[keras.Model, TraceCount]:
 
 
 @pytest.mark.tf
-def test_the_model_is_traced_once_and_fit_never_sees_the_gradients(tmp_path):
+@pytest.mark.parametrize("large", [False, True], ids=["packed", "kernels_alone_in_blocks"])
+def test_the_model_is_traced_once_and_fit_never_sees_the_gradients(tmp_path, large, monkeypatch):
     """One step a call: the train step is traced as often as without the callback (not a second time for the
     statistics); the records are still the applied gradients', and the logs that reach ``fit`` and the other
-    callbacks hold only the model's metrics."""
+    callbacks hold only the model's metrics. ``large``: the kernels count as large gradients (they leave the
+    step as they are, the biases packed) and the statistics run in blocks of a layer or two."""
+    if large:
+        monkeypatch.setattr(gradpack, "ALONE_MIN", 8)
+        monkeypatch.setattr(blockstats, "BLOCK", 10)
     x, y = make_data(48)
     alone, alone_counter = _counted_model()
     alone.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
@@ -263,6 +268,7 @@ def test_the_model_is_traced_once_and_fit_never_sees_the_gradients(tmp_path):
     model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[weights, keys, cb])
     assert counter.traces == alone_counter.traces
     assert cb._capture.after_step
+    assert cb._capture.step_layout.alone == ((0, -1, 1, -1) if large else (-1,) * 4)  # kernel, bias, kernel, bias
     assert seen_keys == {"loss"}
     assert_records_applied(tmp_path, weights, [3, 6, 9, 12])
     assert_trained_alike(alone, model)

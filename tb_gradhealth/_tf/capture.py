@@ -14,14 +14,15 @@ the update ``w_before - w_after``, a :class:`tb_gradhealth.summary.Delta`) is st
 buffer of non-trainable variables that the host reads (:meth:`Capture.read_new`). It is computed in one of two
 places:
 
-* **after the step** (``after_step``; one step a call, one replica, no XLA step): on a call the host asked for
-  (:attr:`Capture.wanted`) the train step returns the applied gradients beside its logs
-  (:mod:`tb_gradhealth._tf.stepoutputs`; packed into one buffer per dtype, :mod:`tb_gradhealth._tf.gradpack`; on
-  other calls empty buffers, so the gradients live no longer than in the plain step), the host reads the weights
-  before that call (the update then writes new buffers, as it does for any read that stays alive) and runs the
-  statistics as a function of their own after it. The train step is traced once, with nothing added but those
-  outputs: no second copy of the model's traced and optimised graph in memory, and nothing of the statistics in the
-  step.
+* **after the step** (``after_step``; one step a call, one replica, no XLA step): the train step returns the
+  applied gradients beside its logs on the calls the host asked for (:attr:`Capture.wanted`; empty tensors on other
+  calls; :mod:`tb_gradhealth._tf.stepoutputs`, :mod:`tb_gradhealth._tf.gradpack`: the largest as they are, the
+  others packed into one buffer per dtype), the host reads the weights before a logged call (the
+  update then writes new buffers, as it does for any read that stays alive) and computes the record after it. The
+  train step is traced once, with nothing added but those outputs. The statistics run eagerly, a block of layers
+  at a time (:mod:`tb_gradhealth._tf.blockstats`): nothing of them is traced, so nothing stays in memory after
+  them, and they hold one block's temporaries at a time; or, asked to be compiled (frequent logging), as one XLA
+  program.
 * **in the step**: a second variant of the train function computes and stores the record in the update hook, on
   logged steps only (several steps a call, a distribution strategy, an XLA step, whose compiled program the
   statistics join, or an update applied inside a conditional such as ``LossScaleOptimizer``'s, where nothing made
@@ -37,7 +38,7 @@ import numpy as np
 import tensorflow as tf
 
 from tb_gradhealth import record, summary
-from tb_gradhealth._tf import compat, gradpack, stepoutputs
+from tb_gradhealth._tf import blockstats, compat, gradpack, stepoutputs
 
 #: Marks the optimizer instance that carries this module's hooks.
 _OWNER = "_tb_gradhealth_capture"
@@ -99,8 +100,9 @@ class Capture:
         self.seed = seed
         self.record_updates = record_updates
         self.traced = False
-        #: Times the statistics were traced into a capturing step (none until a call holds a logged step).
-        self.statistics_traced = 0
+        #: Times the statistics were built: traced into a capturing step, or run after one (none until a call holds
+        #: a logged step).
+        self.statistics_built = 0
         #: Which train-function variant is being traced: "capture" (with the statistics) or "plain" (without).
         self.mode = "capture"
         #: ``guard(record, variables, weights_before)``, called in captured steps that copied the weights: the
@@ -109,8 +111,8 @@ class Capture:
         self._local = threading.local()  # replica functions may trace in parallel threads (MirroredStrategy)
         self._rows = {id(v): i for i, v in enumerate(self.variables)}
         self._make_buffers(model.distribute_strategy, slots, len(self.variables))
+        self.sizes = [int(np.prod(v.shape)) for v in self.variables]
         self._read_weights = tf.function(lambda: [tf.identity(v) for v in self.variables], autograph=False)
-        self._record_after = tf.function(self._after_step, autograph=False, reduce_retracing=True)
 
     def _make_buffers(self, strategy: Any, slots: int, n: int) -> None:
         """The ring buffer: ``slots`` records of ``n`` layers, their steps, and the counters the step reads."""
@@ -217,10 +219,10 @@ class Capture:
         return result
 
     def _step_output(self, data: Any) -> tuple[Any, ...] | None:
-        """The applied gradients packed into a few buffers (:mod:`tb_gradhealth._tf.gradpack`), returned by the
-        train step on the calls the host asked for (:attr:`wanted`; empty buffers on other calls, so that the
-        gradients live no longer than in the plain step); ``None`` when the update ran where its tensors cannot
-        leave (inside a conditional or a loop of the step) or did not run."""
+        """The applied gradients as a few outputs of the train step (:mod:`tb_gradhealth._tf.gradpack`: the
+        largest as they are, the others packed), on the calls the host asked for (:attr:`wanted`; empty tensors on
+        other calls, so that the gradients live no longer than in the plain step); ``None`` when the update ran
+        where its tensors cannot leave (inside a conditional or a loop of the step) or did not run."""
         kept = getattr(self._local, "applied", None)
         self._local.applied = None
         if kept is None:
@@ -252,15 +254,33 @@ class Capture:
         return self._read_weights() if self.record_updates else None
 
     def record_after(self, parts: Any, before: list[tf.Tensor] | None) -> None:
-        """After a logged call: the record of the gradients it returned, stored as the step's hook would."""
-        self._record_after(parts, before)
+        """After a call the host asked to log, eagerly: the record of the gradients it returned, stored as the
+        step's hook would if its step is a logged one (by the device's count: a call the host predicted to log may
+        not, after a step the host did not hear of)."""
+        if not bool(self._should_capture()):
+            return
+        rows = self.step_rows
+        if self.compiled:  # one XLA program for the whole model, compiled at the first logged step
+            before_rows = [before[r] for r in rows] if before is not None else None
+            self._store(self._compute(rows, gradpack.unpack(parts, self.step_layout), before_rows))
+            return
+        self.statistics_built += 1
+        at = {row: k for k, row in enumerate(rows)}
 
-    def _after_step(self, parts: Any, before: list[tf.Tensor] | None) -> None:
-        """The record of a call's returned gradients, stored if its step is a logged one (by the device's count:
-        a call the host predicted to log may not, after a step the host did not hear of)."""
-        rows, applied = self.step_rows, gradpack.unpack(parts, self.step_layout)
-        before = [before[r] for r in rows] if before is not None else None
-        self._store_if_logged(self._should_capture(), rows, applied, before)
+        def inputs_of(layers: list[int]) -> tuple[list[Any], list[Any], list[Any]]:
+            mine = [r for r in layers if r in at]
+            got = dict(zip(mine, gradpack.unpack(parts, self.step_layout, [at[r] for r in mine]), strict=True))
+            after = [tf.convert_to_tensor(self.variables[r]) for r in layers]
+            if before is None:
+                return [got.get(r) for r in layers], after, [None] * len(layers)
+            weights = [before[r] if r in at else w for r, w in zip(layers, after, strict=True)]
+            updates = [summary.Delta(before[r], w) if r in at else None for r, w in zip(layers, after, strict=True)]
+            return [got.get(r) for r in layers], weights, updates
+
+        rec = blockstats.compute(self.sizes, inputs_of, hist_sample=self.hist_sample or 0, seed=self.seed)
+        if self.guard is not None and before is not None:
+            self.guard(rec, [self.variables[r] for r in rows], [before[r] for r in rows])
+        self._store(rec)
 
     def _store_if_logged(self, logged: tf.Tensor, rows: list[int], applied: list[Any], before: Any) -> None:
         """Statistics, and their store, on logged steps only (a call of several steps may hold unlogged ones)."""
@@ -276,7 +296,7 @@ class Capture:
         return row
 
     def _compute(self, rows: list[int], applied: list[Any], before: list[Any] | None) -> summary.DeviceRecord:
-        self.statistics_traced += 1
+        self.statistics_built += 1
         n = len(self.variables)
         grads: list[Any] = [None] * n
         for row, g in zip(rows, applied, strict=True):

@@ -56,6 +56,9 @@ class LayerInputs(NamedTuple):
     sizes: Sequence[int]  # each variable's element count (static; what a missing gradient's record states)
     hist_sample: int  # values sampled for a large tensor's histogram (0: every value)
     seed: Any  # None (seed from the data) or a scalar integer tensor
+    #: Each layer's index in the whole model, which salts its histogram sample (``None``: its position here), so
+    #: that a record computed a few layers at a time samples as the whole model's would.
+    ids: Sequence[int] | None = None
 
 
 @functools.cache
@@ -413,7 +416,8 @@ def layer_record(inputs: LayerInputs, layer: int) -> tuple[tf.Tensor, tf.Tensor]
         grad = {k: tf.constant(v, tf.float32) for k, v in grad.items()}
         hist = tf.zeros([record.HIST_BINS], tf.float32)
     else:
-        kw = dict(hist_sample=inputs.hist_sample, layer=layer, seed=inputs.seed, fused=fused)
+        salt = layer if inputs.ids is None else inputs.ids[layer]
+        kw = dict(hist_sample=inputs.hist_sample, layer=salt, seed=inputs.seed, fused=fused)
         if isinstance(g, tf.IndexedSlices):
             c, grad, hist = _sparse_stats(g, size_rows(g, size), **kw)
         else:

@@ -357,10 +357,10 @@ def _mix32(x: tf.Tensor) -> tf.Tensor:
     return tf.bitwise.bitwise_and(tf.bitwise.bitwise_xor(x, shr(x, 16)), 0x7FFFFFFF)
 
 
-def _offsets(layers: np.ndarray, seed: Any, s: tf.Tensor, q: tf.Tensor) -> tf.Tensor:
-    """int64 ``[k]`` uniform offsets in ``[0, 2^62)``, one per sampled layer: from ``seed`` and the layer index,
-    or (no seed) from the layer's sums, so that they change from step to step with the data."""
-    salt = tf.constant(record.sample_salt(layers.astype(np.int32)))
+def _offsets(layers: np.ndarray, ids: np.ndarray, seed: Any, s: tf.Tensor, q: tf.Tensor) -> tf.Tensor:
+    """int64 ``[k]`` uniform offsets in ``[0, 2^62)``, one per sampled layer: from ``seed`` and the layer's index in
+    the model (``ids``), or (no seed) from the layer's sums, so that they change from step to step with the data."""
+    salt = tf.constant(record.sample_salt(ids.astype(np.int32)))
     if seed is not None:
         base = tf.fill(tf.shape(salt), tf.cast(seed, tf.int32))
     else:
@@ -381,6 +381,7 @@ class _Sampling(NamedTuple):
     """The layers whose histogram is sampled, and what their sample and its check need from the fast pass."""
 
     layers: np.ndarray  # indices of the sampled layers
+    ids: np.ndarray  # their indices in the whole model (what salts the sample)
     hist_sample: int
     seed: Any
     s: tf.Tensor  # per-layer sums and sums of squares: a data-dependent seed when none is given
@@ -440,7 +441,7 @@ def _sample_values(flat: Sequence[Any], sizes: Sequence[int | None], lay: Layout
     layers, k = sampling.layers, sampling.hist_sample
     ns = np.array([sizes[i] for i in layers], np.int64)
     strides = np.array([record.sample_stride(int(n)) for n in ns], np.int64)
-    offsets = _offsets(layers, sampling.seed, sampling.s, sampling.q)
+    offsets = _offsets(layers, sampling.ids, sampling.seed, sampling.s, sampling.q)
     pos = (offsets[:, None] + np.arange(k, dtype=np.int64)[None, :] * strides[:, None]) % ns[:, None]
     starts = lay.whole_piece_starts()
     base = np.array([starts.get(int(i), 0) for i in layers], np.int64)
@@ -564,7 +565,8 @@ def compute(inputs: LayerInputs, deferred: bool = False) -> Any:
     nf = tf.cast(size - nonfinite, tf.float64)
     mean = tf.where((m > 0) & (nf > 0), s / tf.maximum(nf, 1.0), tf.zeros_like(m))
     ssq_rel = tf.where(m > 0, q / tf.where(m > 0, m * m, tf.ones_like(m)), tf.zeros_like(m))
-    sampling = _Sampling(plan.sampled, hist_sample, inputs.seed, s, q, size - nonfinite - zero)
+    ids = plan.sampled if inputs.ids is None else np.asarray(inputs.ids, np.int64)[plan.sampled]
+    sampling = _Sampling(plan.sampled, ids, hist_sample, inputs.seed, s, q, size - nonfinite - zero)
     hist, kept, whole = _histograms(plan, buf, sampling, n)
     wm, wq = _norm_fields([_flat(w) for w in inputs.weights], n)
     um, uq = _norm_fields([_flat(u) for u in inputs.updates], n)
