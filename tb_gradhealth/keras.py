@@ -43,8 +43,8 @@ _log = logging.getLogger("tb_gradhealth")
 
 _STOP_CHOICES = ("nonfinite", "exploding")
 #: Logging more often than every this many steps compiles the statistics with XLA (a compile of seconds and its
-#: memory, for the cheapest logged step); sparser logging computes them as plain graph ops in the step (nothing to
-#: compile; a logged step costs more, paid once per ``update_freq`` steps). docs/PERFORMANCE.md has both.
+#: memory, for the cheapest logged step); sparser logging computes them as plain TensorFlow ops (nothing to compile;
+#: a logged step costs more, paid once per ``update_freq`` steps). docs/PERFORMANCE.md has both.
 _COMPILED_BELOW = 10
 
 
@@ -220,8 +220,9 @@ class GradientHealthCallback(keras.callbacks.Callback):
             user code) in :attr:`origin`, the log and the run (docs/NAN_ORIGIN.md). Free until then.
         compile_statistics: compute the statistics of a logged step as one XLA program (``True``: the cheapest
             logged step, after a compile of seconds at the first one, and the compiled program's memory) or as
-            plain TensorFlow ops in the step (``False``: nothing to compile and no XLA memory; a logged step costs
-            more). ``None`` (default): compiled when ``update_freq`` is below 10, plain ops for sparser logging
+            plain TensorFlow ops (``False``: nothing to compile and no XLA memory; a logged step costs more; run
+            eagerly a block of layers at a time where the record is taken after the step, else in the step).
+            ``None`` (default): compiled when ``update_freq`` is below 10, plain ops for sparser logging
             (docs/PERFORMANCE.md, *Real architectures*, has both costs). Inside a ``jit_compile=True`` step the
             statistics are compiled with it either way.
     """

@@ -130,7 +130,7 @@ def unpack(out: Any, where: Layout, which: Sequence[int] | None = None) -> list[
         if where.alone[k] >= 0:
             cut = kept[where.alone[k]]
         else:
-            cut = tf.slice(buffers[where.buffer[k]], tf.reshape(starts[k], [1]), tf.reshape(size_of[k], [1]))
+            cut = tf.slice(buffers[where.buffer[k]], tf.stack([starts[k]]), tf.stack([size_of[k]]))
         return tf.reshape(cut, [-1 if d is None else d for d in where.shapes[k]])
 
     grads = []
