@@ -31,7 +31,7 @@ class Layout:
 
     #: Per gradient: whether it is an ``IndexedSlices`` (two parts: values, indices) or dense (one part).
     sparse: tuple[bool, ...]
-    #: Per part: its position among the outputs that leave as they are (:func:`alone`), or ``-1``: packed.
+    #: Per part: its position among the outputs that leave as they are (the first of :func:`pack`), or ``-1``: packed.
     alone: tuple[int, ...]
     #: Per part: the index of its buffer (one buffer per dtype, in :attr:`dtypes` order); ``-1``: alone.
     buffer: tuple[int, ...]
