@@ -44,12 +44,13 @@ def compute(sizes: Sequence[int], inputs_of: InputsOf, *, hist_sample: int, seed
     """The :class:`DeviceRecord` of layers of ``sizes`` values, block by block (call it eagerly: in a traced
     function the blocks would share one graph, and its memory)."""
     counts, values = [], []
+    seed = None if seed is None else tf.convert_to_tensor(seed)
     for layers in blocks(sizes, limit):
         grads, weights, updates = inputs_of(layers)
         rec = packed.compute(LayerInputs(
             grads=tuple(grads), weights=tuple(weights), updates=tuple(updates),
             sizes=tuple(int(sizes[i]) for i in layers), hist_sample=int(hist_sample or 0),
-            seed=None if seed is None else tf.convert_to_tensor(seed), ids=tuple(layers),
+            seed=seed, ids=tuple(layers),
         ))
         counts.append(rec.counts)
         values.append(rec.values)

@@ -266,21 +266,34 @@ class Capture:
             return
         self.statistics_built += 1
         at = {row: k for k, row in enumerate(rows)}
+        before_of = {r: before[r] for r in rows} if before is not None else None
 
         def inputs_of(layers: list[int]) -> tuple[list[Any], list[Any], list[Any]]:
             mine = [r for r in layers if r in at]
-            got = dict(zip(mine, gradpack.unpack(parts, self.step_layout, [at[r] for r in mine]), strict=True))
-            after = [tf.convert_to_tensor(self.variables[r]) for r in layers]
-            if before is None:
-                return [got.get(r) for r in layers], after, [None] * len(layers)
-            weights = [before[r] if r in at else w for r, w in zip(layers, after, strict=True)]
-            updates = [summary.Delta(before[r], w) if r in at else None for r, w in zip(layers, after, strict=True)]
-            return [got.get(r) for r in layers], weights, updates
+            grads = dict(zip(mine, gradpack.unpack(parts, self.step_layout, [at[r] for r in mine]), strict=True))
+            return self._layer_inputs(layers, grads, before_of)
 
         rec = blockstats.compute(self.sizes, inputs_of, hist_sample=self.hist_sample or 0, seed=self.seed)
-        if self.guard is not None and before is not None:
-            self.guard(rec, [self.variables[r] for r in rows], [before[r] for r in rows])
+        self._guard(rec, before_of)
         self._store(rec)
+
+    def _layer_inputs(self, layers: list[int], grads: dict[int, Any], before: dict[int, Any] | None
+                      ) -> tuple[list[Any], list[Any], list[Any]]:
+        """The gradients, weights and updates of the rows ``layers``, from the applied gradients and the weights
+        before the update by row: a row the optimizer did not update has no gradient, its weight now, and no
+        update; an updated row its weight before and ``before - after`` (a :class:`summary.Delta`, subtracted
+        inside the statistics' loop over the update, never written out)."""
+        after = [tf.convert_to_tensor(self.variables[r]) for r in layers]
+        if before is None:
+            return [grads.get(r) for r in layers], after, [None] * len(layers)
+        weights = [before.get(r, w) for r, w in zip(layers, after, strict=True)]
+        updates = [summary.Delta(before[r], w) if r in before else None for r, w in zip(layers, after, strict=True)]
+        return [grads.get(r) for r in layers], weights, updates
+
+    def _guard(self, rec: summary.DeviceRecord, before: dict[int, Any] | None) -> None:
+        """The NaN-origin search's guard on a record whose weights from before the update were kept."""
+        if self.guard is not None and before is not None:
+            self.guard(rec, [self.variables[r] for r in before], list(before.values()))
 
     def _store_if_logged(self, logged: tf.Tensor, rows: list[int], applied: list[Any], before: Any) -> None:
         """Statistics, and their store, on logged steps only (a call of several steps may hold unlogged ones)."""
@@ -296,23 +309,14 @@ class Capture:
         return row
 
     def _compute(self, rows: list[int], applied: list[Any], before: list[Any] | None) -> summary.DeviceRecord:
+        """The record of every layer, in one function: ``applied`` and ``before`` are by position in ``rows``."""
         self.statistics_built += 1
-        n = len(self.variables)
-        grads: list[Any] = [None] * n
-        for row, g in zip(rows, applied, strict=True):
-            grads[row] = g
-        weights = [tf.convert_to_tensor(v) for v in self.variables]  # after the update
-        updates = None
-        if before is not None:  # variables the optimizer did not touch (no gradient) keep weights, update unknown
-            updates = [None] * n
-            for row, w in zip(rows, before, strict=True):
-                # before - after, subtracted inside the statistics' loop over the update (never written out).
-                updates[row] = summary.Delta(w, weights[row])
-                weights[row] = w
+        before_of = dict(zip(rows, before, strict=True)) if before is not None else None
+        grads, weights, updates = self._layer_inputs(list(range(len(self.variables))),
+                                                     dict(zip(rows, applied, strict=True)), before_of)
         rec = summary.compute(grads, weights, updates, hist_sample=self.hist_sample or 0, seed=self.seed,
                               jit=True if self.compiled else "graph")
-        if self.guard is not None and before is not None:
-            self.guard(rec, [self.variables[row] for row in rows], before)
+        self._guard(rec, before_of)
         return rec
 
     def _store(self, rec: summary.DeviceRecord) -> tf.Tensor:
