@@ -85,3 +85,15 @@ def test_unpack_a_few_gives_those_gradients_alone():
     packed = gradpack.pack(grads, where)
     for which in ([3, 1], [2], [4, 1, 0, 3, 2], [4], []):
         _assert_same([grads[i] for i in which], gradpack.unpack(packed, where, which))
+
+
+@pytest.mark.parametrize("alone_min", [None, 10])
+def test_unpack_flat_leaves_dense_gradients_flattened_and_sparse_ones_shaped(alone_min, monkeypatch):
+    if alone_min is not None:
+        monkeypatch.setattr(gradpack, "ALONE_MIN", alone_min)
+    grads = _grads(np.random.default_rng(3))
+    where = gradpack.layout(grads)
+    back = gradpack.unpack(gradpack.pack(grads, where), where, flat=True)
+    flat = [g if isinstance(g, tf.IndexedSlices) else tf.reshape(g, [-1]) for g in grads]
+    _assert_same(flat, back)
+    assert back[1].values.shape == (6, 4)

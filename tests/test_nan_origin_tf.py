@@ -29,9 +29,11 @@ def check(found: origin.NanOrigin, case: cases.Case, line: int) -> None:
     cases.nan_faults.assert_names_the_fault(found, case, where, line)
 
 
-def fit(case: cases.Case, log_dir: str, record_updates: bool = True, **kw) -> GradientHealthCallback:
+def fit(case: cases.Case, log_dir: str, record_updates: bool = True, update_freq: int = 1,
+        **kw) -> GradientHealthCallback:
     case.model.compile(optimizer=keras.optimizers.SGD(0.01), loss=case.loss, **kw)
-    cb = GradientHealthCallback(log_dir, update_freq=1, stop_on="nonfinite", record_updates=record_updates)
+    cb = GradientHealthCallback(log_dir, update_freq=update_freq, stop_on="nonfinite",
+                                record_updates=record_updates)
     how = dict(batch_size=cases.BATCH, epochs=1, shuffle=False, verbose=0)
     case.model.fit(case.x, case.y, callbacks=[cb], **how)  # fault: fit
     return cb
@@ -51,6 +53,17 @@ def test_keras_fit_names_the_origin(name, jit, tmp_path):
     assert all(np.isfinite(w).all() for w in case.model.get_weights())
     assert [o.to_json() for o in cases.nan_faults.stored(tmp_path / "train")] == [cb.origin.to_json()]
     assert "train_step" not in vars(case.model)  # the train step that returned its batch is gone after fit
+
+
+def test_keras_fit_puts_the_weights_back_when_recording_after_the_step(tmp_path):
+    """Logging every third step, the record is computed after the step from the weights read before it: those are
+    what the step's non-finite update is undone with."""
+    case = cases.CASES["sqrt"]()
+    cb = fit(case, str(tmp_path), update_freq=cases.FAULT_STEP, jit_compile=False)
+    assert cb._capture.after_step
+    check(cb.origin, case, cases.fault_line("sqrt"))
+    assert cb.stop_event is not None and cb.stop_event.step == cases.FAULT_STEP
+    assert all(np.isfinite(w).all() for w in case.model.get_weights())
 
 
 @pytest.mark.parametrize("setup", [dict(steps_per_execution=2), dict(record_updates=False)], ids=["spe2", "no-copy"])

@@ -32,6 +32,7 @@ places:
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -112,7 +113,8 @@ class Capture:
         self._rows = {id(v): i for i, v in enumerate(self.variables)}
         self._make_buffers(model.distribute_strategy, slots, len(self.variables))
         self.sizes = [int(np.prod(v.shape)) for v in self.variables]
-        self._read_weights = tf.function(lambda: [tf.identity(v) for v in self.variables], autograph=False)
+        #: Every trainable variable read and flattened, in one call (eagerly, one op instead of two per variable).
+        self._read_weights = tf.function(lambda: [tf.reshape(v, [-1]) for v in self.variables], autograph=False)
 
     def _make_buffers(self, strategy: Any, slots: int, n: int) -> None:
         """The ring buffer: ``slots`` records of ``n`` layers, their steps, and the counters the step reads."""
@@ -249,8 +251,8 @@ class Capture:
             self.wanted.assign(self._wanted_now)
 
     def weights_now(self) -> list[tf.Tensor] | None:
-        """Before a logged call (after the step): a read of every trainable variable, which the update leaves as
-        it is (it writes a new buffer while a read is alive); ``None`` without ``record_updates``."""
+        """Before a logged call (after the step): a read of every trainable variable, flattened, which the update
+        leaves as it is (it writes a new buffer while a read is alive); ``None`` without ``record_updates``."""
         return self._read_weights() if self.record_updates else None
 
     def record_after(self, parts: Any, before: list[tf.Tensor] | None) -> None:
@@ -260,9 +262,11 @@ class Capture:
         if not bool(self._should_capture()):
             return
         rows = self.step_rows
+        after = self._read_weights()
         if self.compiled:  # one XLA program for the whole model, compiled at the first logged step
             before_rows = [before[r] for r in rows] if before is not None else None
-            self._store(self._compute(rows, gradpack.unpack(parts, self.step_layout), before_rows))
+            self._store(self._compute(rows, gradpack.unpack(parts, self.step_layout, flat=True), before_rows,
+                                      after))
             return
         self.statistics_built += 1
         at = {row: k for k, row in enumerate(rows)}
@@ -270,20 +274,21 @@ class Capture:
 
         def inputs_of(layers: list[int]) -> tuple[list[Any], list[Any], list[Any]]:
             mine = [r for r in layers if r in at]
-            grads = dict(zip(mine, gradpack.unpack(parts, self.step_layout, [at[r] for r in mine]), strict=True))
-            return self._layer_inputs(layers, grads, before_of)
+            cut = gradpack.unpack(parts, self.step_layout, [at[r] for r in mine], flat=True)
+            return self._layer_inputs(layers, dict(zip(mine, cut, strict=True)), before_of, after)
 
         rec = blockstats.compute(self.sizes, inputs_of, hist_sample=self.hist_sample or 0, seed=self.seed)
         self._guard(rec, before_of)
         self._store(rec)
 
-    def _layer_inputs(self, layers: list[int], grads: dict[int, Any], before: dict[int, Any] | None
-                      ) -> tuple[list[Any], list[Any], list[Any]]:
+    def _layer_inputs(self, layers: list[int], grads: dict[int, Any], before: dict[int, Any] | None,
+                      now: Sequence[Any] | None = None) -> tuple[list[Any], list[Any], list[Any]]:
         """The gradients, weights and updates of the rows ``layers``, from the applied gradients and the weights
         before the update by row: a row the optimizer did not update has no gradient, its weight now, and no
         update; an updated row its weight before and ``before - after`` (a :class:`summary.Delta`, subtracted
-        inside the statistics' loop over the update, never written out)."""
-        after = [tf.convert_to_tensor(self.variables[r]) for r in layers]
+        inside the statistics' loop over the update, never written out). ``now``: every variable already read
+        (by row), else each is read here."""
+        after = [tf.convert_to_tensor(self.variables[r]) if now is None else now[r] for r in layers]
         if before is None:
             return [grads.get(r) for r in layers], after, [None] * len(layers)
         weights = [before.get(r, w) for r, w in zip(layers, after, strict=True)]
@@ -308,12 +313,14 @@ class Capture:
             )
         return row
 
-    def _compute(self, rows: list[int], applied: list[Any], before: list[Any] | None) -> summary.DeviceRecord:
-        """The record of every layer, in one function: ``applied`` and ``before`` are by position in ``rows``."""
+    def _compute(self, rows: list[int], applied: list[Any], before: list[Any] | None,
+                 now: Sequence[Any] | None = None) -> summary.DeviceRecord:
+        """The record of every layer, in one function: ``applied`` and ``before`` are by position in ``rows``,
+        ``now`` (the variables already read, else read here) by row."""
         self.statistics_built += 1
         before_of = dict(zip(rows, before, strict=True)) if before is not None else None
         grads, weights, updates = self._layer_inputs(list(range(len(self.variables))),
-                                                     dict(zip(rows, applied, strict=True)), before_of)
+                                                     dict(zip(rows, applied, strict=True)), before_of, now)
         rec = summary.compute(grads, weights, updates, hist_sample=self.hist_sample or 0, seed=self.seed,
                               jit=True if self.compiled else "graph")
         self._guard(rec, before_of)

@@ -80,7 +80,7 @@ class FitOrigin:
 
         def restore() -> tf.Tensor:
             for v, w in zip(variables, before, strict=True):
-                v.assign(w)
+                v.assign(tf.reshape(w, tf.shape(v)))  # those read before a step come flattened
             self.frozen.assign(1)
             return tf.constant(True)
 

@@ -118,20 +118,21 @@ def _starts(sizes: tf.Tensor, where: Layout) -> tuple[dict[int, Any], dict[int, 
     return starts, size_of
 
 
-def unpack(out: Any, where: Layout, which: Sequence[int] | None = None) -> list[Any]:
+def unpack(out: Any, where: Layout, which: Sequence[int] | None = None, *, flat: bool = False) -> list[Any]:
     """The gradients of :func:`pack`'s outputs: all of them, or those at the indices ``which`` (each cut out of its
-    buffer alone, so that a caller working through them a few at a time holds no copy of the rest)."""
+    buffer alone, so that a caller working through them a few at a time holds no copy of the rest). ``flat``: a
+    dense gradient stays flattened, as the statistics read it (run eagerly, each reshape is an op to dispatch)."""
     n_alone = sum(a >= 0 for a in where.alone)
     kept, (*buffers, sizes) = list(out[:n_alone]), out[n_alone:]
     starts, size_of = _starts(sizes, where)
     first = np.cumsum([0] + [2 if sparse else 1 for sparse in where.sparse])
 
-    def piece(k: int) -> tf.Tensor:
+    def piece(k: int, shaped: bool = True) -> tf.Tensor:
         if where.alone[k] >= 0:
             cut = kept[where.alone[k]]
         else:
             cut = tf.slice(buffers[where.buffer[k]], tf.stack([starts[k]]), tf.stack([size_of[k]]))
-        return tf.reshape(cut, [-1 if d is None else d for d in where.shapes[k]])
+        return tf.reshape(cut, [-1 if d is None else d for d in where.shapes[k]]) if shaped else cut
 
     grads = []
     for g in range(len(where.sparse)) if which is None else which:
@@ -140,5 +141,5 @@ def unpack(out: Any, where: Layout, which: Sequence[int] | None = None) -> list[
             dense = where.dense_shapes[int(np.sum(where.sparse[:g]))]
             grads.append(tf.IndexedSlices(piece(k), piece(k + 1), tf.constant(dense, tf.int64)))
         else:
-            grads.append(piece(k))
+            grads.append(piece(k, shaped=not flat))
     return grads

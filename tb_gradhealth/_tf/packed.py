@@ -332,7 +332,8 @@ def _flat(t: Any) -> Any:
         if before.dtype != after.dtype or before.dtype == tf.float64:
             return kernels._delta_flat(t)  # float64: subtract before rounding to float32
         return Delta(before, after)
-    return tf.reshape(tf.convert_to_tensor(t), [-1])
+    t = tf.convert_to_tensor(t)
+    return t if t.shape.rank == 1 else tf.reshape(t, [-1])
 
 
 def _as_float32(t: Any) -> tf.Tensor:
