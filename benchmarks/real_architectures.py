@@ -1,9 +1,9 @@
 """What gradient-health logging costs on real architectures: keras.applications models and a small transformer.
 
-Models (weights=None, 32x32x3 inputs, batch 16, 10 classes, Adam, random data made here): ResNet50, MobileNetV2,
-EfficientNetB0, DenseNet121, and a 2-block transformer built from keras.layers (32 tokens, width 64). They have
-hundreds of variables, most of them tiny (biases, batch-norm parameters), unlike the 10-variable MLP of
-``writer_overhead.py``: per-variable costs show here.
+Models (weights=None, 32x32x3 inputs unless ``--size``, batch 16, 10 classes, Adam, random data made here):
+ResNet50, MobileNetV2, EfficientNetB0, DenseNet121, and a 2-block transformer built from keras.layers (32 tokens,
+width 64). They have hundreds of variables, most of them tiny (biases, batch-norm parameters), unlike the
+10-variable MLP of ``writer_overhead.py``: per-variable costs show here.
 
 Configurations, each on its own copy of the model, all in ONE process, timed in interleaved rounds (each round runs
 ``--steps`` steps of every configuration in turn, a different one leading each round; per-round ratios to the plain
@@ -27,6 +27,12 @@ Python objects takes ~0.5 s and slows the step after it):
                does at every step, with several steps a call, a distribution strategy, ``jit_compile`` or
                ``LossScaleOptimizer``; otherwise it computes it after the step, from the gradients the step
                returns)
+  default_no_updates
+               ``default`` with ``record_updates=False``: no read of the weights kept across the update (so no
+               copy of them, and nothing for the NaN-origin search to put back)
+  default_norms, default_norms_chained
+               ``default_no_updates`` plus each large variable's weight and update norms computed in the step,
+               right after its update (a design measured and not taken: its peak RSS)
   floor        the plain step plus ONE ``reduce_max`` per gradient, kept in a variable (an optimizer whose
                ``apply`` takes it): the least any exact per-layer statistic costs on that model
   loop         a custom ``tf.function`` train step (GradientTape + optimizer.apply)
@@ -74,8 +80,10 @@ import numpy as np  # noqa: E402
 
 BATCH, CLASSES, SIZE = 16, 10, 32
 MODELS = ("resnet50", "mobilenetv2", "efficientnetb0", "densenet121", "transformer")
-CONFIGS = ("plain", "every", "every_graph", "default", "default_in_step", "floor", "loop", "loop_gh", "loop_xla",
-           "loop_xla_gh")
+CONFIGS = ("plain", "every", "every_graph", "default", "default_in_step", "default_no_updates",
+           "default_norms", "default_norms_chained", "floor", "loop", "loop_gh", "loop_xla", "loop_xla_gh")
+#: Variants of ``default``, by the suffix of their name.
+DEFAULT_VARIANTS = ("_in_step", "_no_updates", "_norms", "_norms_chained")
 #: The callback's configurations, by name without ``_in_step``.
 CALLBACK = ("every", "every_graph", "default")
 CONV = {"resnet50", "mobilenetv2", "efficientnetb0", "densenet121"}
@@ -138,8 +146,46 @@ def start_callback(model: Any, log_dir: str, in_step: bool = False, **options: A
 
 
 def base_config(config: str) -> str:
-    """The configuration without ``_in_step``."""
-    return config.removesuffix("_in_step")
+    """The configuration without the suffix of a ``default`` variant."""
+    for suffix in sorted(DEFAULT_VARIANTS, key=len, reverse=True):
+        if config.endswith(suffix):
+            return config.removesuffix(suffix)
+    return config
+
+
+def _norms_in_step(callback: Any, model: Any, chained: bool) -> None:
+    """A design measured and not taken: each large variable's weight and update norms computed in the step, right
+    after its own update (its read from before the update taken in a conditional on the logged calls, the norms
+    kept in a variable), so that no copy of all the weights outlives the update; ``chained``: each large
+    variable's update also waits for the norms of the one before, so that one copy at a time is alive. The host
+    copies no weights (``record_updates=False``); the record itself is not changed."""
+    import tensorflow as tf
+
+    opt, wanted = model.optimizer, callback._capture.wanted
+    large = {id(v.value): j for j, v in enumerate(v for v in model.trainable_variables if np.prod(v.shape) >= 2**16)}
+    norms = tf.Variable(tf.zeros([len(large), 4]), trainable=False)
+    original, last = opt.update_step, []
+
+    def update_step(grad: Any, var: Any, lr: Any) -> Any:
+        j = large.get(id(var))
+        if j is None:
+            return original(grad, var, lr)
+        on = wanted > 0
+        with tf.control_dependencies(last if chained else []):
+            before = tf.cond(on, lambda: tf.reshape(tf.identity(var), [-1]), lambda: tf.zeros([0]))
+        out = original(grad, var, lr)
+
+        def keep() -> Any:
+            d = before - tf.reshape(tf.convert_to_tensor(var), [-1])
+            s = tf.stack([tf.reduce_max(tf.abs(d)), tf.reduce_sum(d * d), tf.reduce_max(tf.abs(before)),
+                          tf.reduce_sum(before * before)])
+            norms.scatter_nd_update([[j]], s[None])
+            return tf.constant(True)
+
+        last[:] = [tf.cond(on, keep, lambda: tf.constant(False))]
+        return out
+
+    opt.update_step = update_step
 
 
 class Runner:
@@ -169,7 +215,10 @@ class Runner:
                 model, os.path.join(log_root, config), in_step=config.endswith("_in_step"),
                 update_freq=100 if base_config(config) == "default" else 1,
                 compile_statistics=False if config == "every_graph" else None,
+                record_updates=config == base_config(config) or config.endswith("_in_step"),
             )
+            if "_norms" in config:
+                _norms_in_step(self.callback, model, chained=config.endswith("_chained"))
         else:
             model.make_train_function(force=True)
         self._step = self._fit_step
@@ -286,7 +335,7 @@ def _peak_rss_mb() -> float:
 
 
 def run_child(model_name: str, config: str) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", f"{model_name}:{config}"]
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", f"{model_name}:{config}", "--size", str(SIZE)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -355,7 +404,7 @@ def report(res: dict) -> list[str]:
     lines = [f"\n{res['model']}: {res['variables']} variables, {res['params'] / 1e6:.2f}M parameters; "
              f"plain step {statistics.median(t['plain']) * 1e3:.0f} ms (median over rounds)"
              if "plain" in t else f"\n{res['model']}"]
-    lines.append(f"  {'config':12s} {'step ms':>9s} {'step ratio (min-max)':>26s} {'first s':>8s} {'first ratio':>12s}"
+    lines.append(f"  {'config':22s} {'step ms':>9s} {'step ratio (min-max)':>26s} {'first s':>8s} {'first ratio':>12s}"
                  f" {'fresh first':>12s} {'RSS MB':>8s} {'RSS ratio':>9s}")
     for c in t:
         base = "loop_xla" if c == "loop_xla_gh" else ("loop" if c.startswith("loop") else "plain")
@@ -367,9 +416,9 @@ def report(res: dict) -> list[str]:
             ffr = f"{ff / fresh[base]['first']:.2f}x"
         rss = fresh.get(c, {}).get("rss_mb")
         rr = f"{rss / fresh[base]['rss_mb']:.3f}x" if rss and base in fresh and c != base else ""
-        lines.append(f"  {c:12s} {statistics.median(t[c]) * 1e3:9.1f} {_ratio_cell(ratios):>26s} {first[c]:8.1f}"
+        lines.append(f"  {c:22s} {statistics.median(t[c]) * 1e3:9.1f} {_ratio_cell(ratios):>26s} {first[c]:8.1f}"
                      f" {fr:>12s} {ffr:>12s} {rss or 0:8.0f} {rr:>9s}")
-    for c in ("default", "default_in_step"):
+    for c in ("default", *(f"default{v}" for v in DEFAULT_VARIANTS)):
         logged = fresh.get(c, {}).get("logged")
         if logged and "plain" in fresh:
             lines.append(f"  {c}, fresh process: its first logged step (step 100, the second call) {logged:.1f} s ="
@@ -415,7 +464,7 @@ def goals(res: dict) -> list[str]:
     for c, per_round in _default_cadence(res).items():
         avg = statistics.median(per_round)
         out.append(f"  goal {c} cadence <= {GOALS['default']}x: {avg:.3f}x {mark(avg <= GOALS['default'])}")
-    for c in ("every", "every_graph", "default", "default_in_step"):
+    for c in ("every", "every_graph", "default", *(f"default{v}" for v in DEFAULT_VARIANTS)):
         src = fresh if c in fresh and "plain" in fresh else first
         if c in src and "plain" in src:
             v = src[c]["first"] / src["plain"]["first"] if src is fresh else src[c] / src["plain"]
@@ -428,6 +477,7 @@ def goals(res: dict) -> list[str]:
 
 
 def main() -> None:
+    global SIZE
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--configs", default=",".join(CONFIGS))
@@ -436,8 +486,11 @@ def main() -> None:
     p.add_argument("--no-rss", action="store_true", help="skip the fresh-process first step and peak RSS")
     p.add_argument("--fresh-rounds", type=int, default=1,
                    help="fresh processes per configuration, alternated (the median is printed)")
+    p.add_argument("--size", type=int, default=SIZE,
+                   help="image side of the keras.applications models (the transformer's input is fixed)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args()
+    SIZE = a.size
     if a.child:
         child(*a.child.split(":"))
         return
@@ -447,7 +500,7 @@ def main() -> None:
     if "plain" not in configs:
         configs.insert(0, "plain")
     print(f"TensorFlow {tf.__version__}, {os.cpu_count()} CPUs (shared with other jobs: read the spread), "
-          f"load average {os.getloadavg()[0]:.1f}; {a.rounds} rounds x {a.steps} steps; "
+          f"load average {os.getloadavg()[0]:.1f}; {a.rounds} rounds x {a.steps} steps; images {SIZE}x{SIZE}; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
     for m in a.models.split(","):
         t0 = time.perf_counter()
