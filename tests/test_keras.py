@@ -264,10 +264,11 @@ def test_the_model_is_traced_once_and_fit_never_sees_the_gradients(tmp_path, lar
     weights = WeightLog()
     seen_keys = set()
     keys = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: seen_keys.update(logs or {}))
-    cb = GradientHealthCallback(tmp_path, update_freq=3)
+    # logging every third step compiles the statistics unless told not to: the blocks are the plain-op path
+    cb = GradientHealthCallback(tmp_path, update_freq=3, compile_statistics=False if large else None)
     model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[weights, keys, cb])
     assert counter.traces == alone_counter.traces
-    assert cb._capture.after_step
+    assert cb._capture.after_step and cb._capture.compiled is not large
     assert cb._capture.step_layout.alone == ((0, -1, 1, -1) if large else (-1,) * 4)  # kernel, bias, kernel, bias
     assert seen_keys == {"loss"}
     assert_records_applied(tmp_path, weights, [3, 6, 9, 12])
