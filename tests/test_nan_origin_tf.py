@@ -30,10 +30,10 @@ def check(found: origin.NanOrigin, case: cases.Case, line: int) -> None:
 
 
 def fit(case: cases.Case, log_dir: str, record_updates: bool = True, update_freq: int = 1,
-        **kw) -> GradientHealthCallback:
+        compile_statistics: bool | None = None, **kw) -> GradientHealthCallback:
     case.model.compile(optimizer=keras.optimizers.SGD(0.01), loss=case.loss, **kw)
     cb = GradientHealthCallback(log_dir, update_freq=update_freq, stop_on="nonfinite",
-                                record_updates=record_updates)
+                                record_updates=record_updates, compile_statistics=compile_statistics)
     how = dict(batch_size=cases.BATCH, epochs=1, shuffle=False, verbose=0)
     case.model.fit(case.x, case.y, callbacks=[cb], **how)  # fault: fit
     return cb
@@ -55,12 +55,13 @@ def test_keras_fit_names_the_origin(name, jit, tmp_path):
     assert "train_step" not in vars(case.model)  # the train step that returned its batch is gone after fit
 
 
-def test_keras_fit_puts_the_weights_back_when_recording_after_the_step(tmp_path):
+@pytest.mark.parametrize("compiled", [None, False], ids=["xla_program", "plain_ops_in_blocks"])
+def test_keras_fit_puts_the_weights_back_when_recording_after_the_step(tmp_path, compiled):
     """Logging every third step, the record is computed after the step from the weights read before it: those are
-    what the step's non-finite update is undone with."""
+    what the step's non-finite update is undone with (whole-model XLA statistics, or plain ops block by block)."""
     case = cases.CASES["sqrt"]()
-    cb = fit(case, str(tmp_path), update_freq=cases.FAULT_STEP, jit_compile=False)
-    assert cb._capture.after_step
+    cb = fit(case, str(tmp_path), update_freq=cases.FAULT_STEP, compile_statistics=compiled, jit_compile=False)
+    assert cb._capture.after_step and cb._capture.compiled is (compiled is None)
     check(cb.origin, case, cases.fault_line("sqrt"))
     assert cb.stop_event is not None and cb.stop_event.step == cases.FAULT_STEP
     assert all(np.isfinite(w).all() for w in case.model.get_weights())
