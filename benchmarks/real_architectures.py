@@ -82,8 +82,11 @@ BATCH, CLASSES, SIZE = 16, 10, 32
 MODELS = ("resnet50", "mobilenetv2", "efficientnetb0", "densenet121", "transformer")
 CONFIGS = ("plain", "every", "every_graph", "default", "default_in_step", "default_no_updates",
            "default_norms", "default_norms_chained", "floor", "loop", "loop_gh", "loop_xla", "loop_xla_gh")
-#: Variants of ``default``, by the suffix of their name.
+#: Variants of ``default``, by the suffix of their name; those without the update's record (no copy of the weights).
 DEFAULT_VARIANTS = ("_in_step", "_no_updates", "_norms", "_norms_chained")
+NO_UPDATES = ("_no_updates", "_norms", "_norms_chained")
+#: ``default`` and its variants.
+DEFAULT_CONFIGS = ("default", *(f"default{v}" for v in DEFAULT_VARIANTS))
 #: The callback's configurations, by name without ``_in_step``.
 CALLBACK = ("every", "every_graph", "default")
 CONV = {"resnet50", "mobilenetv2", "efficientnetb0", "densenet121"}
@@ -215,7 +218,7 @@ class Runner:
                 model, os.path.join(log_root, config), in_step=config.endswith("_in_step"),
                 update_freq=100 if base_config(config) == "default" else 1,
                 compile_statistics=False if config == "every_graph" else None,
-                record_updates=config == base_config(config) or config.endswith("_in_step"),
+                record_updates=not config.endswith(NO_UPDATES),
             )
             if "_norms" in config:
                 _norms_in_step(self.callback, model, chained=config.endswith("_chained"))
@@ -418,7 +421,7 @@ def report(res: dict) -> list[str]:
         rr = f"{rss / fresh[base]['rss_mb']:.3f}x" if rss and base in fresh and c != base else ""
         lines.append(f"  {c:22s} {statistics.median(t[c]) * 1e3:9.1f} {_ratio_cell(ratios):>26s} {first[c]:8.1f}"
                      f" {fr:>12s} {ffr:>12s} {rss or 0:8.0f} {rr:>9s}")
-    for c in ("default", *(f"default{v}" for v in DEFAULT_VARIANTS)):
+    for c in DEFAULT_CONFIGS:
         logged = fresh.get(c, {}).get("logged")
         if logged and "plain" in fresh:
             lines.append(f"  {c}, fresh process: its first logged step (step 100, the second call) {logged:.1f} s ="
@@ -464,7 +467,7 @@ def goals(res: dict) -> list[str]:
     for c, per_round in _default_cadence(res).items():
         avg = statistics.median(per_round)
         out.append(f"  goal {c} cadence <= {GOALS['default']}x: {avg:.3f}x {mark(avg <= GOALS['default'])}")
-    for c in ("every", "every_graph", "default", *(f"default{v}" for v in DEFAULT_VARIANTS)):
+    for c in ("every", "every_graph", *DEFAULT_CONFIGS):
         src = fresh if c in fresh and "plain" in fresh else first
         if c in src and "plain" in src:
             v = src[c]["first"] / src["plain"]["first"] if src is fresh else src[c] / src["plain"]
