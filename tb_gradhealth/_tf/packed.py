@@ -69,6 +69,12 @@ class Layout:
     def packed_rows(self) -> int:
         return int(sum(self.piece_rows))
 
+    def only(self, layers: Sequence[int]) -> Layout:
+        """This layout restricted to ``layers``: their pieces and views as they are, in the same order (so each of
+        their rows holds the same values)."""
+        keep = {int(i) for i in layers}
+        return _layout_of([p for p in self.pieces if p[0] in keep], [v for v in self.in_place if v[0] in keep])
+
     def whole_piece_starts(self) -> dict[int, int]:
         """Where each layer packed whole starts in the flattened packed buffer (its first value's index)."""
         starts = np.concatenate([[0], np.cumsum(self.piece_rows)[:-1]]) * PACK_ROW if self.pieces else []
@@ -88,6 +94,11 @@ def layout(sizes: Sequence[int | None], in_place: Sequence[bool], first: Sequenc
                 pieces.append((i, n - n % ROW, n))
         else:
             pieces.append((i, 0, n))
+    return _layout_of(pieces, views)
+
+
+def _layout_of(pieces: Sequence[tuple[int, int, int]], views: Sequence[tuple[int, int]]) -> Layout:
+    """The :class:`Layout` of these pieces, packed in this order, and these in-place views."""
     rows = tuple(-(-(hi - lo) // PACK_ROW) for _, lo, hi in pieces)
     row_layer = [np.full(r, i, np.int32) for (i, _, _), r in zip(pieces, rows, strict=True)]
     valid = [
@@ -286,14 +297,25 @@ def _reduce_layers(flat: Sequence[Any], lay: Layout, n: int, rows_of: Any, kinds
     return _per_layer(results, kinds, lay, n)
 
 
-def _redo_where(bad: tf.Tensor, fast: list[tf.Tensor], exact: Any) -> list[tf.Tensor]:
-    """``fast``, with the layers flagged ``bad`` taken from ``exact()`` (computed only on steps that have one).
+def _redo_where(bad: tf.Tensor, fast: list[tf.Tensor], flat: Sequence[Any], lay: Layout, n: int, rows_of: Any,
+                kinds: Sequence[str], buf: tf.Tensor) -> list[tf.Tensor]:
+    """``fast``, with the layers flagged ``bad`` taken from the exact reduction ``rows_of`` of the same data.
 
-    ``exact`` reads the same layout as the fast pass (the packed buffer and the in-place views): packing every
-    tensor there instead compiles a little faster but makes XLA reserve a copy of the whole model as temporary
-    buffer (docs/PERFORMANCE.md) for a branch that healthy steps never run.
+    In a graph the exact pass reads the same layout as the fast pass (the packed buffer ``buf`` and the in-place
+    views), inside a conditional that only steps with a flagged layer run: packing every tensor there instead
+    compiles a little faster but makes XLA reserve a copy of the whole model as temporary buffer
+    (docs/PERFORMANCE.md) for a branch that healthy steps never run. Eagerly (the record after the step, a block
+    at a time) the flags are known: the flagged layers alone are packed again and redone, a few small tensors
+    where the whole block was (a network whose gradients vanish flags layers at every step). Each of their rows
+    holds the same values in either layout, so their results are the same, bit for bit.
     """
-    redo = tf.cond(tf.reduce_any(bad), exact, lambda: fast)
+    if tf.executing_eagerly():
+        only = np.flatnonzero(bad.numpy())
+        if not len(only):
+            return fast
+        redo = _reduce_layers(flat, lay.only(only), n, rows_of, kinds)
+    else:
+        redo = tf.cond(tf.reduce_any(bad), lambda: _reduce_layers(flat, lay, n, rows_of, kinds, buf), lambda: fast)
     return [tf.where(bad, r, f) for r, f in zip(redo, fast, strict=True)]
 
 
@@ -313,9 +335,7 @@ def _norm_fields(flat: Sequence[Any], n: int) -> tuple[tf.Tensor, tf.Tensor]:
     bad = m_bits >= _EXP_BITS
     if graph:  # float32 squares: a layer of tiny values is redone in float64
         bad |= (m_bits > 0) & (tf.bitcast(m_bits, tf.float32) < _GRAPH_FAST_MIN)
-    q, m_bits = _redo_where(
-        bad, [q, m_bits], lambda: _reduce_layers(flat, lay, n, _exact_norm_rows, ("sum", "max"), buf)
-    )
+    q, m_bits = _redo_where(bad, [q, m_bits], flat, lay, n, _exact_norm_rows, ("sum", "max"), buf)
     m = tf.cast(tf.bitcast(m_bits, tf.float32), tf.float64)
     ssq = tf.where(m > 0, q / tf.where(m > 0, m * m, tf.ones_like(m)), tf.zeros_like(m))
     present = tf.constant(np.array([z is not None for z in sizes], bool))
@@ -555,8 +575,7 @@ def compute(inputs: LayerInputs, deferred: bool = False) -> Any:
         redo |= (m0 > 0) & (m0 < _GRAPH_FAST_MIN)
     z = tf.zeros_like(zero)
     q, zero, kmax, kmin, nan, posinf, neginf, s = _redo_where(
-        redo, [q, zero, kmax, kmin, z, z, z, s],
-        lambda: _reduce_layers(plan.flat, lay, n, _exact_gradient_rows, _EXACT_KINDS, buf),
+        redo, [q, zero, kmax, kmin, z, z, z, s], plan.flat, lay, n, _exact_gradient_rows, _EXACT_KINDS, buf
     )
     size = tf.constant(np.array([max(int(z if g is None else g), 0) for z, g in zip(sizes, plan.sizes, strict=True)],
                                 np.int32))
