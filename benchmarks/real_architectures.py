@@ -33,6 +33,10 @@ Python objects takes ~0.5 s and slows the step after it):
   default_norms, default_norms_chained
                ``default_no_updates`` plus each large variable's weight and update norms computed in the step,
                right after its update (a design measured and not taken: its peak RSS)
+  default_traced
+               ``default`` with each block's statistics after the step traced once per block layout (a
+               ``tf.function`` called for every later logged step) instead of run eagerly: a design measured and
+               not taken (the functions' first trace and the memory they keep)
   floor        the plain step plus ONE ``reduce_max`` per gradient, kept in a variable (an optimizer whose
                ``apply`` takes it): the least any exact per-layer statistic costs on that model
   loop         a custom ``tf.function`` train step (GradientTape + optimizer.apply)
@@ -81,9 +85,10 @@ import numpy as np  # noqa: E402
 BATCH, CLASSES, SIZE = 16, 10, 32
 MODELS = ("resnet50", "mobilenetv2", "efficientnetb0", "densenet121", "transformer")
 CONFIGS = ("plain", "every", "every_graph", "default", "default_in_step", "default_no_updates",
-           "default_norms", "default_norms_chained", "floor", "loop", "loop_gh", "loop_xla", "loop_xla_gh")
+           "default_norms", "default_norms_chained", "default_traced", "floor", "loop", "loop_gh", "loop_xla",
+           "loop_xla_gh")
 #: Variants of ``default``, by the suffix of their name; those without the update's record (no copy of the weights).
-DEFAULT_VARIANTS = ("_in_step", "_no_updates", "_norms", "_norms_chained")
+DEFAULT_VARIANTS = ("_in_step", "_no_updates", "_norms", "_norms_chained", "_traced")
 NO_UPDATES = ("_no_updates", "_norms", "_norms_chained")
 #: ``default`` and its variants.
 DEFAULT_CONFIGS = ("default", *(f"default{v}" for v in DEFAULT_VARIANTS))
@@ -191,6 +196,65 @@ def _norms_in_step(callback: Any, model: Any, chained: bool) -> None:
     opt.update_step = update_step
 
 
+def _traced_blocks(callback: Any) -> None:
+    """A design measured and not taken: the record after the step with each block's statistics traced once per
+    block layout and called at every later logged step, instead of run eagerly (``blockstats.compute`` swapped for
+    the duration of this callback's record only; the record itself is not changed)."""
+    import tensorflow as tf
+
+    from tb_gradhealth._tf import blockstats, packed
+    from tb_gradhealth._tf.kernels import DeviceRecord, LayerInputs
+    from tb_gradhealth.record import Delta
+
+    functions: dict[tuple, Any] = {}
+
+    def kinds(xs: Any) -> tuple[str, ...]:
+        return tuple("none" if x is None else "delta" if isinstance(x, Delta) else "tensor" for x in xs)
+
+    def flat(xs: Any) -> list[Any]:
+        return [t for x in xs if x is not None for t in (x if isinstance(x, Delta) else (x,))]
+
+    def rebuilt(kind: tuple[str, ...], it: Any) -> tuple[Any, ...]:
+        return tuple(None if k == "none" else Delta(next(it), next(it)) if k == "delta" else next(it) for k in kind)
+
+    def block_function(layers: tuple[int, ...], sizes: tuple[int, ...], kind: tuple, hist_sample: int) -> Any:
+        def stats(tensors: list[Any], seed: Any) -> Any:
+            it = iter(tensors)
+            grads, weights, updates = (rebuilt(k, it) for k in kind)
+            rec = packed.compute(LayerInputs(grads=grads, weights=weights, updates=updates, sizes=sizes,
+                                             hist_sample=hist_sample, seed=seed, ids=layers))
+            return rec.counts, rec.values
+
+        return tf.function(stats, autograph=False)
+
+    def compute(sizes: Any, inputs_of: Any, *, hist_sample: int, seed: Any, limit: int = blockstats.BLOCK) -> Any:
+        seed = None if seed is None else tf.convert_to_tensor(seed)
+        counts, values = [], []
+        for layers in blockstats.blocks(sizes, limit):
+            parts = inputs_of(layers)
+            kind = tuple(kinds(p) for p in parts)
+            key = (tuple(layers), kind, seed is None)
+            if key not in functions:
+                functions[key] = block_function(tuple(layers), tuple(int(sizes[i]) for i in layers), kind,
+                                                int(hist_sample or 0))
+            c, v = functions[key]([t for p in parts for t in flat(p)], seed)
+            counts.append(c)
+            values.append(v)
+        return DeviceRecord(tf.concat(counts, 0), tf.concat(values, 0))
+
+    cap = callback._capture
+    eager, record_after = blockstats.compute, cap.record_after
+
+    def traced_record_after(parts: Any, before: Any) -> None:
+        blockstats.compute = compute
+        try:
+            record_after(parts, before)
+        finally:
+            blockstats.compute = eager
+
+    cap.record_after = traced_record_after
+
+
 class Runner:
     """One configuration on its own copy of a model: ``first()`` once, then ``run(k)`` steps per round."""
 
@@ -222,6 +286,8 @@ class Runner:
             )
             if "_norms" in config:
                 _norms_in_step(self.callback, model, chained=config.endswith("_chained"))
+            if config.endswith("_traced"):
+                _traced_blocks(self.callback)
         else:
             model.make_train_function(force=True)
         self._step = self._fit_step
