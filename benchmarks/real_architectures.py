@@ -198,59 +198,23 @@ def _norms_in_step(callback: Any, model: Any, chained: bool) -> None:
 
 def _traced_blocks(callback: Any) -> None:
     """A design measured and not taken: the record after the step with each block's statistics traced once per
-    block layout and called at every later logged step, instead of run eagerly (``blockstats.compute`` swapped for
-    the duration of this callback's record only; the record itself is not changed)."""
+    block layout and called at every later logged step, instead of run eagerly (``packed.compute`` swapped for a
+    ``tf.function`` of itself for the duration of this callback's record only; the record itself is not changed)."""
     import tensorflow as tf
 
-    from tb_gradhealth._tf import blockstats, packed
-    from tb_gradhealth._tf.kernels import DeviceRecord, LayerInputs
-    from tb_gradhealth.record import Delta
+    from tb_gradhealth._tf import compat, packed
 
-    functions: dict[tuple, Any] = {}
-
-    def kinds(xs: Any) -> tuple[str, ...]:
-        return tuple("none" if x is None else "delta" if isinstance(x, Delta) else "tensor" for x in xs)
-
-    def flat(xs: Any) -> list[Any]:
-        return [t for x in xs if x is not None for t in (x if isinstance(x, Delta) else (x,))]
-
-    def rebuilt(kind: tuple[str, ...], it: Any) -> tuple[Any, ...]:
-        return tuple(None if k == "none" else Delta(next(it), next(it)) if k == "delta" else next(it) for k in kind)
-
-    def block_function(layers: tuple[int, ...], sizes: tuple[int, ...], kind: tuple, hist_sample: int) -> Any:
-        def stats(tensors: list[Any], seed: Any) -> Any:
-            it = iter(tensors)
-            grads, weights, updates = (rebuilt(k, it) for k in kind)
-            rec = packed.compute(LayerInputs(grads=grads, weights=weights, updates=updates, sizes=sizes,
-                                             hist_sample=hist_sample, seed=seed, ids=layers))
-            return rec.counts, rec.values
-
-        return tf.function(stats, autograph=False)
-
-    def compute(sizes: Any, inputs_of: Any, *, hist_sample: int, seed: Any, limit: int = blockstats.BLOCK) -> Any:
-        seed = None if seed is None else tf.convert_to_tensor(seed)
-        counts, values = [], []
-        for layers in blockstats.blocks(sizes, limit):
-            parts = inputs_of(layers)
-            kind = tuple(kinds(p) for p in parts)
-            key = (tuple(layers), kind, seed is None)
-            if key not in functions:
-                functions[key] = block_function(tuple(layers), tuple(int(sizes[i]) for i in layers), kind,
-                                                int(hist_sample or 0))
-            c, v = functions[key]([t for p in parts for t in flat(p)], seed)
-            counts.append(c)
-            values.append(v)
-        return DeviceRecord(tf.concat(counts, 0), tf.concat(values, 0))
-
+    eager = packed.compute
+    traced = compat.quiet_retracing(tf.function(eager, autograph=False))  # one trace per block's signature
     cap = callback._capture
-    eager, record_after = blockstats.compute, cap.record_after
+    record_after = cap.record_after
 
     def traced_record_after(parts: Any, before: Any) -> None:
-        blockstats.compute = compute
+        packed.compute = traced
         try:
             record_after(parts, before)
         finally:
-            blockstats.compute = eager
+            packed.compute = eager
 
     cap.record_after = traced_record_after
 
