@@ -234,6 +234,62 @@ def fit_logged(model: Any, x: Any, y: Any, log_dir: str, *, batch: int, update_f
     return trace
 
 
+# --- twins: the healthy run beside a mutant, and where the mutant leaves its range ----------------------------------
+
+
+def logged_evidence(log_dir: str) -> tuple[list[str], list[int], np.ndarray, np.ndarray]:
+    """``(names, steps, log10 gradient norm, log10 ||update|| / ||weight||)`` ``[S, L]`` of the one gradient-health
+    run under ``log_dir``, read back from what the writer logged (NaN where not finite or not recorded)."""
+    from tb_gradhealth import reader, record
+
+    runs = [r for r in reader.read_logdir(log_dir).runs if r.num_steps]
+    if len(runs) != 1:
+        raise RuntimeError(f"{log_dir}: expected one gradient-health run, got {[r.run for r in runs]}")
+    d = record.derived(runs[0].records)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        grad, upd = np.log10(d["norm"]), np.log10(d["update_to_weight"])
+    return (list(runs[0].layers), [int(s) for s in runs[0].steps],
+            np.where(np.isfinite(grad), grad, np.nan), np.where(np.isfinite(upd), upd, np.nan))
+
+
+def twin_departures(run_dir: str, twin_dirs: Sequence[str]) -> dict[str, int | None]:
+    """Per variable, the first logged step at which its gradient norm or its update/weight ratio lies outside the
+    healthy twins' range at that step (``[min, max]`` over the twins, which differ only by their seed): where the
+    run stops being one of its healthy twins. A value that is not finite counts as outside; a step a twin did not
+    log is left out. None: the run never left the range."""
+    names, steps, grad, upd = logged_evidence(run_dir)
+    twins = [logged_evidence(d) for d in twin_dirs]
+    out: dict[str, int | None] = dict.fromkeys(names)
+    for i, n in enumerate(names):
+        for k, s in enumerate(steps):
+            rows = [(g[tw_steps.index(s), tw_names.index(n)], u[tw_steps.index(s), tw_names.index(n)])
+                    for tw_names, tw_steps, g, u in twins if s in tw_steps and n in tw_names]
+            if not rows:
+                continue
+            band = np.array(rows)
+            if any(_outside(x, band[:, j]) for j, x in enumerate((grad[k, i], upd[k, i]))):
+                out[n] = s
+                break
+    return out
+
+
+def _outside(x: float, twin: np.ndarray) -> bool:
+    """``x`` outside the twins' ``[min, max]`` (a NaN ``x`` where the twins are finite counts as outside)."""
+    known = twin[np.isfinite(twin)]
+    if not known.size:
+        return False
+    return not (known.min() <= x <= known.max())
+
+
+def loss_departure(loss: Sequence[float], twin_losses: Sequence[Sequence[float]]) -> int | None:
+    """The first step (1-based) from which the loss stays above every healthy twin's loss at the same step to the
+    end of the run (NaN counts as above): the loss running away from its twins. None: it never does."""
+    loss = np.asarray(loss, dtype=np.float64)
+    top = np.max(np.array([np.asarray(t, dtype=np.float64)[:loss.size] for t in twin_losses]), axis=0)
+    above = ~(loss <= top)
+    return next((s + 1 for s in range(loss.size) if above[s:].all()), None)
+
+
 # --- labelling rules ------------------------------------------------------------------------------------------
 
 
