@@ -850,20 +850,57 @@ def _diverging_fit(log_dir: str, model: Any, optimizer: Any, x: Any, y: Any, *, 
 # step (a warm-up gone wrong). The loss falls first, then rises exponentially until float32 overflows. Labelled by
 # the divergence rule from the raw loss and the weight norms measured before every step (SGD: a non-finite
 # gradient writes non-finite weights, which the trace sees at the next step).
-@case("lr_divergence_sgd", DIVERGE_RULE)
-def lr_divergence_sgd(log_dir: str) -> dict[str, Any]:
+def _diverge_model() -> Any:
     import keras
 
-    model = keras.Sequential([keras.Input((FEATURES,))]
-                             + [keras.layers.Dense(32, activation="relu", kernel_initializer="he_normal",
-                                                   name=f"relu_{i}") for i in range(4)]
-                             + [keras.layers.Dense(1, name="out")], name="diverge")
+    return keras.Sequential([keras.Input((FEATURES,))]
+                            + [keras.layers.Dense(32, activation="relu", kernel_initializer="he_normal",
+                                                  name=f"relu_{i}") for i in range(4)]
+                            + [keras.layers.Dense(1, name="out")], name="diverge")
+
+
+#: Seeds of the constant-learning-rate twins of ``lr_divergence_sgd`` beside the run's own (its case name's).
+DIVERGE_TWIN_SEEDS = (101, 102)
+
+
+@case("lr_divergence_sgd", DIVERGE_RULE + "; a variable's exploding episode starts where its gradient norm or "
+      "update/weight leaves the range of twins at the schedule's first learning rate (3 seeds, its own among them), "
+      "at the latest at the divergence rule's onset")
+def lr_divergence_sgd(log_dir: str) -> dict[str, Any]:
+    import tempfile
+
+    import keras
+
     rng = np.random.default_rng(21)
     x = rng.standard_normal((120 * 32, FEATURES)).astype(np.float32)
     y = (x @ rng.standard_normal((FEATURES, 1)) / math.sqrt(FEATURES)).astype(np.float32)
     lr = keras.optimizers.schedules.ExponentialDecay(2e-3, decay_steps=1, decay_rate=1.15)
-    return _diverging_fit(log_dir, model, keras.optimizers.SGD(lr), x, y, batch=32,
-                          loss=keras.losses.MeanSquaredError())
+    labels = _diverging_fit(log_dir, _diverge_model(), keras.optimizers.SGD(lr), x, y, batch=32,
+                            loss=keras.losses.MeanSquaredError())
+    with tempfile.TemporaryDirectory() as keep:
+        twins = []
+        for seed in (sum(map(ord, "lr_divergence_sgd")), *DIVERGE_TWIN_SEEDS):  # train() seeds the run by its name
+            keras.utils.set_random_seed(seed)
+            model = _diverge_model()
+            model.compile(optimizer=keras.optimizers.SGD(2e-3), loss=keras.losses.MeanSquaredError())
+            twins.append(os.path.join(keep, str(seed)))
+            fit_logged(model, x, y, twins[-1], batch=32)
+        return with_twin_departures(labels, twin_departures(log_dir, twins))
+
+
+def with_twin_departures(labels: dict[str, Any], dep: dict[str, int | None]) -> dict[str, Any]:
+    """A global cause's labels with each exploding episode starting at the variable's departure from its twins
+    (when earlier), the divergence rule's onset kept as the latest acceptable one (``latest_onset``)."""
+    for n, entry in labels["layers"].items():
+        eps = entry.get("episodes") or []
+        if eps and eps[0]["status"] == "exploding" and dep.get(n) is not None and dep[n] < eps[0]["from"]:
+            entry["latest_onset"] = eps[0]["from"]
+            eps[0]["from"] = entry["onset"] = dep[n]
+    labels["evidence"]["departures"] = dep
+    if any("latest_onset" in e for e in labels["layers"].values()):
+        labels["latest_onset"] = labels["onset"]
+        labels["onset"] = min(e["onset"] for e in labels["layers"].values() if e.get("onset") is not None)
+    return labels
 
 
 MIXED_RULE = ("healthy: overflowed steps are skipped by the loss-scale optimizer (measured: weights unchanged, "

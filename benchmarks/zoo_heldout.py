@@ -358,10 +358,10 @@ ORIGINAL_RULE = "healthy original of the mutations: He/ReLU MLP, SGD(0.02); the 
 
 
 def _original_run(log_dir: str, lr: float, kernel_initializer: str = "he_normal", optimizer: Any = None,
-                  depth: int = 5) -> dict[str, Any]:
+                  depth: int = 5, seed: int = 61) -> dict[str, Any]:
     import keras
 
-    keras.utils.set_random_seed(61)
+    keras.utils.set_random_seed(seed)
     model, _ = relu_mlp(depth, kernel_initializer=kernel_initializer)
     x, y = teacher_data(40 * 64, 61)
     return train_loop(log_dir, model, optimizer or keras.optimizers.SGD(lr), x, y, steps=40, batch=64)
@@ -372,9 +372,10 @@ def original_relu_sgd(log_dir: str) -> dict[str, Any]:
     return healthy_labels(_original_run(log_dir, 0.02), ORIGINAL_RULE)
 
 
-LR_RULE = ("mutation lr x100 of original_relu_sgd: onset = first step whose loss is above 4x the original's at "
-           "that step and stays so; every variable exploding from then while live, NaN/Inf and exact zeros as "
-           "measured; culprits: any variable (a global cause)")
+LR_RULE = ("mutation lr x100 of original_relu_sgd: every variable exploding from the first step its gradient norm "
+           "or update/weight leaves the range of the original over 3 seeds (its own among them) while live, at the "
+           "latest from the loss label (the first step whose loss is above 4x the original's at that step and "
+           "stays so); NaN/Inf and exact zeros as measured; culprits: any variable (a global cause)")
 
 
 def _lr_mutant(clipnorm: float | None) -> Callable[[str], dict[str, Any]]:
@@ -390,18 +391,15 @@ case("mutant_lr_x100", LR_RULE)(_lr_mutant(None))
 
 
 def _lr_mutant_run(log_dir: str, optimizer: Any) -> dict[str, Any]:
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as twin_dir:  # the original, trained again beside it (not logged here)
-        twin = _original_run(twin_dir, 0.02)
-    r = _original_run(log_dir, 2.0, optimizer=optimizer)
-    loss, ref = np.array(r["loss"]), np.array(twin["loss"])
-    worse = ~(loss <= 4.0 * ref)  # NaN counts as worse
-    onset = next((s + 1 for s in range(loss.size) if worse[s:].all()), None)
-    if onset is None:
-        raise RuntimeError("the lr x100 mutant did not diverge from its original")
-    labels = injection_labels(r, r["names"], "exploding", onset, "", LR_RULE)
-    labels["culprits"] = list(r["names"])
+    with tempfile.TemporaryDirectory() as keep:  # the original, trained again beside it over 3 seeds
+        twins = _twin_runs(lambda d, seed: _original_run(d, 0.02, seed=seed), (61, *TWIN_SEEDS[:2]), keep)
+        r = _original_run(log_dir, 2.0, optimizer=optimizer)
+        loss, ref = np.array(r["loss"]), np.array(twins[0]["loss"])
+        worse = ~(loss <= 4.0 * ref)  # NaN counts as worse
+        onset = next((s + 1 for s in range(loss.size) if worse[s:].all()), None)
+        if onset is None:
+            raise RuntimeError("the lr x100 mutant did not diverge from its original")
+        labels = global_cause_labels(r, log_dir, twins, "exploding", LR_RULE, loss_label=onset)
     labels["diverges"] = True
     labels["evidence"]["twin_loss"] = [float(v) for v in ref]
     return labels
@@ -688,12 +686,14 @@ def _mlp_run(d: str, seed: int, *, accumulate: bool, lr: float, x: np.ndarray, y
 
 
 def global_cause_labels(run: dict[str, Any], log_dir: str, twins: Sequence[dict[str, Any]], status: str,
-                        rule: str) -> dict[str, Any]:
+                        rule: str, loss_label: int | None = None) -> dict[str, Any]:
     """Labels of a cause acting on every layer at once, from its twins: each variable ``status`` from its own
-    departure from the twins' range (:func:`zoo_cases.twin_departures`), with the loss's departure as the latest
-    acceptable onset (``latest_onset``); measured NaN/Inf and exact zeros kept."""
+    departure from the twins' range (:func:`zoo_cases.twin_departures`), with the loss label (default: the loss's
+    own departure from its twins, :func:`zoo_cases.loss_departure`) as the latest acceptable onset
+    (``latest_onset``); measured NaN/Inf and exact zeros kept."""
     dep = zoo_cases.twin_departures(log_dir, [t["dir"] for t in twins])
-    loss_label = zoo_cases.loss_departure(run["loss"], [t["loss"] for t in twins])
+    if loss_label is None:
+        loss_label = zoo_cases.loss_departure(run["loss"], [t["loss"] for t in twins])
     if loss_label is None or all(v is None for v in dep.values()):
         raise RuntimeError(f"the mutant did not leave its twins' range: departures {dep}, loss {loss_label}")
     steps = list(range(1, len(run["states"]) + 1))
