@@ -10,7 +10,14 @@ from tb_gradhealth import record
 from tb_gradhealth.health.episodes import _follow_siblings, _nonfinite_origin, _onset, _timeline, _track
 from tb_gradhealth.health.kinds import explain_kinds
 from tb_gradhealth.health.optimizer import global_clip_note
-from tb_gradhealth.health.progress import LossTrend, loss_trend, weigh_progress
+from tb_gradhealth.health.progress import (
+    LossTrend,
+    loss_trend,
+    loss_windows,
+    update_growth,
+    weigh_growth,
+    weigh_progress,
+)
 from tb_gradhealth.health.reasons import _first_bad, _layer_health, cause_first
 from tb_gradhealth.health.result import _BASE, LayerHealth, RunHealth
 from tb_gradhealth.health.rules import _evaluate, _Steps
@@ -56,9 +63,11 @@ def diagnose_run(
         out = [LayerHealth(name, i, "missing", _BASE[MISSING], ["no record of this layer"], None, None)
                for i, name in enumerate(layers)]
         return RunHealth(None, t, out)
-    out, borrowed = _layer_healths(_evaluate(records, layers, t), steps, records, layers, t)
+    windows = loss_windows(steps, progress, t) if progress is not None else None
+    out, borrowed = _layer_healths(_evaluate(records, layers, t, windows), steps, records, layers, t)
     trend = loss_trend(progress[0], progress[1], int(steps[-1])) if progress is not None else None
     _add_evidence(out, records, t, trend, layer_info)
+    weigh_growth(out, trend, update_growth(steps, records) if trend is not None else None, int(steps[-1]))
     ranked, cause = cause_first(sorted(out, key=lambda lh: (-lh.severity, lh.index)), borrowed)
     return RunHealth(int(steps[-1]), t, ranked, _first_bad(ranked), _onset(out), _timeline(out), cause,
                      trend.to_json() if trend is not None else None)
