@@ -194,13 +194,24 @@ def _small_weights(weight_norm: np.ndarray, upd_rms: np.ndarray, size: np.ndarra
         return near_zero[None, :] & below & known
 
 
-def _reference(log_values: np.ndarray, signal: np.ndarray) -> np.ndarray:
-    """``[S]``: median of ``log_values`` over the reference layers: the last ``REFERENCE_FRACTION`` (at least
-    ``REFERENCE_MIN``) of the layers with ``signal`` at each step, i.e. those nearest the loss."""
+def _reference_layers(signal: np.ndarray) -> np.ndarray:
+    """``[S, L]``: the reference layers: the last ``REFERENCE_FRACTION`` (at least ``REFERENCE_MIN``) of the
+    layers with ``signal`` at each step, i.e. those nearest the loss."""
     n = signal.sum(axis=1)
     k = np.maximum(REFERENCE_MIN, np.ceil(REFERENCE_FRACTION * n)).astype(np.int64)
     from_end = np.cumsum(signal[:, ::-1], axis=1)[:, ::-1]
-    return _median_where(log_values, signal & (from_end <= k[:, None]))
+    return signal & (from_end <= k[:, None])
+
+
+def _reference(log_values: np.ndarray, signal: np.ndarray) -> np.ndarray:
+    """``[S]``: median of ``log_values`` over the reference layers (:func:`_reference_layers`)."""
+    return _median_where(log_values, _reference_layers(signal))
+
+
+def reference_top(log_values: np.ndarray, signal: np.ndarray) -> np.ndarray:
+    """``[S]``: the largest of ``log_values`` over the reference layers (-inf where there are none): the top of
+    the range the layers nearest the loss span at that step."""
+    return np.max(np.where(_reference_layers(signal) & ~np.isnan(log_values), log_values, -np.inf), axis=1)
 
 
 def _window_stats(log_rms: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:

@@ -28,6 +28,7 @@ from tb_gradhealth.health.levels import (
     layer_groups,
     layerwise_common,
     pinned_at_clip,
+    reference_top,
 )
 
 if TYPE_CHECKING:
@@ -234,8 +235,9 @@ def _trend(lv: _Levels, signal: np.ndarray, g: _Guards, t: th.Thresholds, loss: 
     """``[S, L]`` exploding by trend and the base it is measured from (the lowest log RMS of the previous window,
     over the steps with ``signal``): RMS grew ``growth_decades`` above that base and half as much above the window's
     mean, not rising out of the vanishing zone (a branch whose scale grows by design) and not at round-off, and
-    growing past where a learning layer goes: above the reference *and* above the largest it had been before the
-    window, or with the reference growing as fast (the whole network grows). A gradient that rises *to* the
+    growing past where a learning layer goes: above every reference layer *and* above the largest it had been
+    before the window, each by more than minibatch noise (0.4 decades, ``2 * growth_decades / growth_window``), or
+    with the reference growing as fast (the whole network grows). A gradient that rises *to* the
     reference or back to its own earlier scale is a layer starting to learn (a zero-initialised parameter, query and
     key kernels leaving their small init); within a decade below the reference it is a flag only where the loss
     says the network does not learn (it rises or swings by decades)."""
@@ -245,7 +247,10 @@ def _trend(lv: _Levels, signal: np.ndarray, g: _Guards, t: th.Thresholds, loss: 
     with np.errstate(invalid="ignore"):
         dec = lv.dec()
         ref_grew = (lv.ref - ref_low[:, 0] >= t.growth_decades)[:, None]
-        beyond = (dec > 0) & (log_sig > _peak_before(log_sig, t.growth_window))
+        # past a scale by more than minibatch noise (twice the trend's own per-step slope, as the onset reads it)
+        noise = 2.0 * t.growth_decades / t.growth_window
+        top = np.fmax(reference_top(lv.log_rms, signal)[:, None], _peak_before(log_sig, t.growth_window))
+        beyond = log_sig > top + noise
         heading = ref_grew | beyond | ((dec >= -1.0) & _against_learning(loss, t, dec.shape))
         out_of_zone = ~(typical - ref_mean <= -t.vanish_decades)
         trend = (signal & (log_sig - base >= t.growth_decades) & (log_sig - typical >= t.growth_decades / 2)
