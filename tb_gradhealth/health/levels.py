@@ -173,8 +173,9 @@ def _small_weights(weight_norm: np.ndarray, upd_rms: np.ndarray, size: np.ndarra
     RMS of the run's variables). It started near zero
     when, at its first record with weights, its weight is zero, or is both below its layer's scale and smaller than
     the optimizer's first step on it (its update RMS: on the optimizer's own scale it starts from nothing; a
-    kernel whose first update dwarfs it is a learning rate too high, not a small parameter). It is still growing
-    while its weight RMS stays below its layer's scale. No decade count: each parameter is judged against its
+    kernel whose first update dwarfs it is a learning rate too high, not a small parameter), and its layer took a
+    first step smaller than itself (:func:`_steady_start`). It is still growing while its weight RMS stays below
+    its layer's scale. No decade count: each parameter is judged against its
     layer and its own first step. False where weights are not recorded."""
     with np.errstate(invalid="ignore", divide="ignore"):
         w = weight_norm / np.sqrt(np.where(size > 0, size, np.nan))
@@ -190,8 +191,27 @@ def _small_weights(weight_norm: np.ndarray, upd_rms: np.ndarray, size: np.ndarra
         first = np.where(known.any(axis=0), np.argmax(known, axis=0), 0)
         cols = np.arange(w.shape[1])
         w0, u0 = w[first, cols], upd_rms[first, cols]
-        near_zero = known.any(axis=0) & ((w0 == 0) | ((w0 < u0) & below[first, cols]))
+        near_zero = (known.any(axis=0) & ((w0 == 0) | ((w0 < u0) & below[first, cols]))
+                     & _steady_start(w0, u0, groups))
         return near_zero[None, :] & below & known
+
+
+def _steady_start(w0: np.ndarray, u0: np.ndarray, groups: list[np.ndarray]) -> np.ndarray:
+    """``[L]``: at the first step, what a variable's layer is measured against moved by less than its own size (its
+    largest sibling; for a variable alone in its layer, the run's median variable): the optimizer's step is small
+    next to the layer, so a variable it moves by more than its own size is small, not blown up. Where the whole
+    layer takes steps larger than itself (a learning rate too high), nothing in it started near zero."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        moved = _log10(u0) - _log10(w0)
+        known = np.isfinite(moved)
+        out = np.full(w0.shape, bool(np.median(moved[known]) < 0) if known.any() else False)
+        for g in groups:
+            for c in g:
+                others = [o for o in g if o != c and w0[o] > 0]
+                if others:
+                    top = max(others, key=lambda o: w0[o])
+                    out[c] = bool(u0[top] < w0[top])
+    return out
 
 
 def _reference_layers(signal: np.ndarray) -> np.ndarray:
