@@ -36,6 +36,8 @@ NOT_LEARNING_FIX = ("the loss is flat and this layer barely learns: raise the le
 ACCUMULATE_FIX = ("gradients accumulate: call optimizer.zero_grad() (or set the gradients to None) before every "
                   "backward pass, or check the gradient accumulation (reset after each applied step, divide by the "
                   "number of micro-batches)")
+GROWING_LR_FIX = ("or a learning rate that grows step after step (a warm-up or schedule gone wrong): cap it, or lower "
+                  "its peak")
 
 
 @dataclass(frozen=True)
@@ -219,8 +221,9 @@ def weigh_growth(out: list[LayerHealth], trend: LossTrend | None, growth: Update
         since = int(growth.since[lh.index])
         lh.first_step = lh.status_since = since
         lh.episodes = [*lh.episodes, {"status": "exploding", "from": since, "to": last_step}]
-        lh.fixes = [ACCUMULATE_FIX]
+        lh.fixes = [ACCUMULATE_FIX, GROWING_LR_FIX]
         lh.reasons = [f"the loss rose ({moved}) while this layer's updates grew {10.0 ** g:.1f}x ({g:.2f} decades, "
                       f"the median layer's {growth.typical:.2f}: faster than the loss) since step {since}: "
-                      f"the steps drive the loss up, as when gradients accumulate instead of being zeroed",
+                      f"the steps drive the loss up, as when gradients accumulate instead of being zeroed (or a "
+                      f"learning rate grows step after step)",
                       *lh.reasons]
