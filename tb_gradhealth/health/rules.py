@@ -237,16 +237,17 @@ def _trend(lv: _Levels, signal: np.ndarray, g: _Guards, t: th.Thresholds, loss: 
     mean, not rising out of the vanishing zone (a branch whose scale grows by design) and not at round-off, and
     growing past where a learning layer goes: above every reference layer *and* above the largest it had been
     before the window, each by more than minibatch noise (0.4 decades, ``2 * growth_decades / growth_window``), or
-    with the reference growing as fast (the whole network grows). A gradient that rises *to* the
-    reference or back to its own earlier scale is a layer starting to learn (a zero-initialised parameter, query and
-    key kernels leaving their small init); within a decade below the reference it is a flag only where the loss
-    says the network does not learn (it rises or swings by decades)."""
+    with the reference rising by decades too (half the growth line: the whole network grows). A gradient that rises
+    *to* the reference or back to its own earlier scale is a layer starting to learn (a zero-initialised parameter,
+    query and key kernels leaving their small init); within a decade below the reference it is a flag only where
+    the loss says the network does not learn (it rises or swings by decades)."""
     log_sig = np.where(signal, lv.log_rms, np.nan)
     base, typical = _window_stats(log_sig, t.growth_window)
     ref_low, ref_mean = _window_stats(lv.ref[:, None], t.growth_window)
     with np.errstate(invalid="ignore"):
         dec = lv.dec()
-        ref_grew = (lv.ref - ref_low[:, 0] >= t.growth_decades)[:, None]
+        # the layers nearest the loss rise by decades too (half the growth line): the whole network grows
+        ref_grew = (lv.ref - ref_low[:, 0] >= t.growth_decades / 2)[:, None]
         # past a scale by more than minibatch noise (twice the trend's own per-step slope, as the onset reads it)
         noise = 2.0 * t.growth_decades / t.growth_window
         top = np.fmax(reference_top(lv.log_rms, signal)[:, None], _peak_before(log_sig, t.growth_window))
