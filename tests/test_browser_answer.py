@@ -19,6 +19,7 @@ import sys
 
 import pytest
 
+from tb_gradhealth import numbers
 from tests.test_browser import (  # noqa: F401 - fixtures used by name
     REPO,
     Page,
@@ -67,9 +68,9 @@ def answer_of(base: str, run: str) -> tuple[dict, dict]:
 def drawer_cause(page: object, run: str, layer: str) -> str:
     """Open ``layer``'s drawer and return the layer its cause line names."""
     drawer = page.locator("[data-testid=detail]")
+    page.keyboard.press("Escape")  # an open drawer covers the table
     panel(page, run).locator(f'tr[data-layer="{layer}"]').click()
-    cause = drawer.locator(f'.detail-layer:text-is("{layer}")')
-    cause.wait_for(timeout=30000)
+    drawer.locator(f'.detail-layer:text-is("{layer}")').wait_for(timeout=30000)
     return drawer.locator("[data-testid=drawer-cause]").get_attribute("data-layer")
 
 
@@ -106,8 +107,12 @@ def test_every_view_names_the_answers_layer(tensorboard: str, gh: Page) -> None:
             "drawer": drawer_cause(page, run, other),
         }
         assert len(set(named.values())) == 1, (run, named)
-        assert drawer_cause(page, run, answer["layer"]) == answer["layer"]
-        assert page.locator("[data-testid=drawer-cause]").inner_text().startswith("This layer is the run's cause")
+        drawer = page.locator("[data-testid=detail]")
+        assert drawer.locator("[data-testid=drawer-cause]").inner_text().endswith(answer["headline"])
+        drawer.locator("[data-testid=drawer-cause] .cause-link").click()  # the cause's name opens the cause
+        drawer.locator(f'.detail-layer:text-is("{answer["layer"]}")').wait_for(timeout=30000)
+        assert drawer.locator("[data-testid=drawer-cause]").inner_text() == (
+            f"This layer is the run's cause, first to go wrong: {answer['headline']}")
         page.keyboard.press("Escape")
         # every later timeline entry is true of the layer it names: that layer had an episode of it starting there
         episodes = {lj["layer"]: lj["episodes"] for lj in body["layers"]}
@@ -199,11 +204,11 @@ def test_depth_profile_opens_where_every_layer_is_finite_with_bands_in_order(ten
         chart = prof.locator(".chart")
         chart.wait_for(timeout=30000)
         page.wait_for_function("c => c.dataset.vanishingY && c.dataset.explodingY", arg=chart.element_handle())
-        ys = {k: float(chart.get_attribute(f"data-{k}-y")) for k in ("vanishing", "exploding", "reference")}
+        ys = {k: float(chart.get_attribute(f"data-{k}-y")) for k in ("vanishing", "exploding")}
         bands = served["bands"]
         assert bands["vanishing_below"] < bands["exploding_above"], (run, bands)
-        # on screen y grows downwards: the vanishing line is below the reference, the exploding line above it
-        assert ys["vanishing"] > ys["reference"] > ys["exploding"], (run, ys)
+        # on screen y grows downwards: the vanishing line is below the exploding line
+        assert ys["vanishing"] > ys["exploding"], (run, ys)
         canvas = chart.locator("canvas")
         for name, rgb in LINE_RGB.items():  # each line is drawn where the chart says it is
             assert _line_pixels(canvas, ys[name], rgb) > 60, (run, name, ys[name])
@@ -240,8 +245,8 @@ def test_numbers_print_as_the_report_prints_them(tensorboard: str, gh: Page) -> 
         return [m.map((x) => f.magnitude(x)), c.map((x) => f.count(x)), s.map((x) => f.severity(x)),
                 [f.magnitude(null), f.count(null), f.severity(NaN)]];
     }""", [magnitudes, counts, severities])
-    assert printed[0] == [f"{x:.3g}" for x in magnitudes]
-    assert printed[1] == [f"{n:,}" for n in counts]
-    assert printed[2] == [f"{round(x):,}" for x in severities]
+    assert printed[0] == [f"{x:.3g}" for x in magnitudes] == [numbers.format_magnitude(x) for x in magnitudes]
+    assert printed[1] == [f"{n:,}" for n in counts] == [numbers.format_count(n) for n in counts]
+    assert printed[2] == [f"{round(x):,}" for x in severities] == [numbers.format_severity(x) for x in severities]
     assert printed[3] == ["—", "—", "—"]
     gh.assert_clean()

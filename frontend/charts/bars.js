@@ -71,8 +71,11 @@ function bandLines(bands) {
  * screen), so a reader or a test can check the lines' order without reading pixels. */
 function exposeLines(root, lines, y) {
   for (const name of ['reference', 'vanishing', 'exploding']) delete root.dataset[`${name}Y`];
-  for (const [v, , , name] of lines) root.dataset[`${name}Y`] = y(v).toFixed(1);
+  for (const [v, , , name] of lines) root.dataset[`${name}Y`] = String(lineY(y, v));
 }
+
+/** The pixel row a band line at log value `v` is drawn on: the centre of a CSS pixel, so the line is crisp. */
+const lineY = (y, v) => Math.round(y(v)) + 0.5;
 
 /** Dashed lines with a white halo (readable on bars of the same colour), then their labels, so no line crosses a
  * label. */
@@ -82,8 +85,8 @@ function drawBandLines(ctx, lines, y, w, h) {
     ctx.strokeStyle = 'rgba(255,255,255,0.85)';
     ctx.lineWidth = 3;
     ctx.beginPath();
-    ctx.moveTo(MARGIN.left, y(v));
-    ctx.lineTo(MARGIN.left + w, y(v));
+    ctx.moveTo(MARGIN.left, lineY(y, v));
+    ctx.lineTo(MARGIN.left + w, lineY(y, v));
     ctx.stroke();
     ctx.setLineDash([5, 4]);
     ctx.strokeStyle = color;
