@@ -177,7 +177,7 @@ export function detailDrawer(model) {
       if (hist && !hist.error) blocks.push(heatmap(hist));
       else if (hist && hist.error) blocks.push(el('div', { class: 'notice notice-error', text: `Histogram: ${hist.error}` }));
       if (series.merged) {
-        blocks.push(el('p', { class: 'hint', text: `Charts show ${series.total_steps} logged steps as ${steps.length} `
+        blocks.push(el('p', { class: 'hint', text: `Charts show ${count(series.total_steps)} logged steps as ${count(steps.length)} `
           + 'windows of consecutive steps, each point at its first step: NaN/Inf counts are the window\'s totals, '
           + 'max |g| its largest value, norms the root mean square of its steps\' norms. The last step and the '
           + 'first NaN/Inf step start windows of their own.' }));

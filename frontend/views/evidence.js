@@ -5,7 +5,7 @@
  */
 
 import { el } from '../dom.js';
-import { magnitude } from '../format.js';
+import { count, magnitude } from '../format.js';
 import { sparkline } from '../charts/sparkline.js';
 
 /** "Dense, activation sigmoid" (or "" when the writer did not record the layer's kind). */
@@ -30,7 +30,7 @@ export function lossLine(health) {
   const text = trend
     ? `Loss ${trend.change >= 0 ? '+' : '−'}${magnitude(Math.abs(trend.change) * 100, 2)}% from the first to the last quarter `
       + `of steps ${trend.first_step}–${trend.last_step}: ${trendWord(trend)}`
-    : `Loss at ${loss.steps.length} logged step(s) ${first}–${last}: too few finite positive values to judge a trend`;
+    : `Loss at ${count(loss.steps.length)} logged step(s) ${first}–${last}: too few finite positive values to judge a trend`;
   const latest = loss.values[loss.values.length - 1];
   return el('div', { class: 'loss-trend', attrs: { 'data-testid': 'loss-trend' } },
     el('span', { class: 'loss-text', text }),
