@@ -6,8 +6,9 @@ module (in a subprocess: TensorFlow stays out of this process, and TensorBoard r
 diagnosis answered (``summary.answer``): the headline, the timeline's first entry, the table's rank 1 and the layer
 drawer; a layer whose gradient went NaN shows its last finite values; counts print exactly; the depth profile opens
 at the last step where every layer is finite, with its vanishing line below its exploding line; and the NaN origin
-the demo's exploding run records is named in full. Expected texts come from the JSON routes and Python's own number
-formatting (``f"{x:.3g}"``, ``f"{n:,}"``), never from the page's code.
+the demo's exploding run records is named in full. A small written run (:data:`RECOVERED`) adds an episode that
+ended before the cause's chain began, listed apart as earlier. Expected texts come from the JSON routes, the runs'
+construction and Python's own number formatting (``f"{x:.3g}"``, ``f"{n:,}"``), never from the page's code.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tb_gradhealth import numbers
 from tests.test_browser import (  # noqa: F401 - fixtures used by name
     REPO,
     Page,
+    _four_layer_run,
     api_json,
     browser,
     gh,
@@ -35,6 +37,10 @@ from tests.test_browser import (  # noqa: F401 - fixtures used by name
 pytestmark = [pytest.mark.browser, pytest.mark.e2e, pytest.mark.tf, pytest.mark.slow]
 
 EXPLODING = "exploding"
+#: A run whose first kernel is dead (all-zero gradient) at steps 2-9, then recovers, before its second kernel's
+#: gradient grows x4 a step from step 14: an earlier, recovered episode before the cause's chain.
+RECOVERED = "recovered"
+DEAD_STEPS = (2, 9)
 VANISHING = "vanishing/train"  # the Keras callback writes where keras.callbacks.TensorBoard writes: <run>/train
 DEMO_TIMEOUT_S = 600
 #: RGB of the band lines of frontend/charts/bars.js (Okabe-Ito blue and vermillion)
@@ -54,7 +60,17 @@ def logdir(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
                            "exploding,vanishing"], capture_output=True, text=True, timeout=DEMO_TIMEOUT_S, env=env,
                           cwd=str(REPO))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-    return str(root), {EXPLODING: None, VANISHING: None}
+    _four_layer_run(str(root), RECOVERED, recovered_scale, steps=24)
+    return str(root), {EXPLODING: None, VANISHING: None, RECOVERED: None}
+
+
+def recovered_scale(step: int, layer: str) -> float:
+    """The gradient scale of :data:`RECOVERED` at ``(step, layer)``."""
+    if layer == "dense_0/kernel" and DEAD_STEPS[0] <= step <= DEAD_STEPS[1]:
+        return 0.0
+    if layer == "dense_1/kernel" and step >= 14:
+        return 1e-3 * 4.0 ** (step - 13)
+    return 1e-3
 
 
 def answer_of(base: str, run: str) -> tuple[dict, dict]:
@@ -250,4 +266,22 @@ def test_numbers_print_as_the_report_prints_them(tensorboard: str, gh: Page) -> 
     assert printed[1] == [f"{n:,}" for n in counts] == [numbers.format_count(n) for n in counts]
     assert printed[2] == [f"{round(x):,}" for x in severities] == [numbers.format_severity(x) for x in severities]
     assert printed[3] == ["—", "—", "—"]
+    gh.assert_clean()
+
+
+def test_an_earlier_recovered_episode_is_listed_apart_from_the_answer(tensorboard: str, gh: Page) -> None:  # noqa: F811
+    body, answer = answer_of(tensorboard, RECOVERED)
+    assert answer["layer"] == "dense_1/kernel" and answer["status"] == "exploding"  # the growing kernel
+    page = open_runs(gh, tensorboard, [RECOVERED])
+    p = panel(page, RECOVERED)
+    marks = p.locator("[data-testid=timeline] .status-mark")
+    assert marks.count() == 1 and marks.first.get_attribute("data-layer") == answer["layer"]
+    earlier = p.locator("[data-testid=earlier] .status-mark")
+    assert earlier.count() == 1
+    assert earlier.first.inner_text().endswith(f"dead from {DEAD_STEPS[0]} — earlier, recovered: dense_0/kernel")
+    assert p.locator("tbody tr[data-layer]").first.get_attribute("data-layer") == answer["layer"]
+    dead = p.locator('tr[data-layer="dense_0/kernel"]')
+    assert dead.locator(".badge").get_attribute("data-status") == "healthy"
+    assert dead.locator("td.since").inner_text() == "—"  # healthy now: no onset, its past episode on hover
+    assert dead.locator("td.since").get_attribute("title") == f"dead {DEAD_STEPS[0]}–{DEAD_STEPS[1]}"
     gh.assert_clean()

@@ -23,7 +23,7 @@ const STATS = [
   ['severity', 'severity', 'severity'], ['status_since', null, 'step'], ['first_step', 'trouble since (step)', 'step'],
   ['step', 'diagnosed at step', 'step'], ['index', 'network index', 'step'],
   ['rms', 'RMS', 'magnitude'], ['max_abs', 'max |g|', 'magnitude'], ['norm', 'norm', 'magnitude'],
-  ['mean', 'mean', 'magnitude'], ['nan', 'NaN count', 'count'], ['inf', 'Inf count', 'count'],
+  ['mean', 'mean', 'magnitude'], ['size', 'values', 'count'], ['nan', 'NaN count', 'count'], ['inf', 'Inf count', 'count'],
   ['zero_fraction', 'zero fraction', 'magnitude'], ['weight_norm', 'weight norm', 'magnitude'],
   ['grad_to_weight', '|g| / |w|', 'magnitude'], ['update_to_weight', '|Δw| / |w|', 'magnitude'], ['noise', 'noise', 'magnitude'],
 ];

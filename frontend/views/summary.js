@@ -2,7 +2,8 @@
  * The answer for a run, in the words the diagnosis chose (`summary.answer`, `summary.timeline`; docs/API.md): how
  * many layers are in each status, the headline ("First to go wrong: dense_3/kernel: exploding since step 38,
  * nonfinite since step 54") with the first thing to do, then the timeline, each entry with its label
- * ("first to go wrong", "first layer to reach nonfinite"), and the episodes that ended before the cause's chain began.
+ * ("first to go wrong", "first layer to reach nonfinite"), and the episodes that began before the cause's chain
+ * ("earlier, recovered").
  * Nothing here decides which layer was first: the answer and the timeline say so, and every view prints them.
  */
 
@@ -41,7 +42,7 @@ function storyLine(health) {
   const parts = [
     chainLine(flaggedTimeline(health), 'Timeline', 'timeline',
       'when each status first appeared in the run, on which layer first (+ how many other layers ever had it)'),
-    chainLine(earlier, 'Earlier, recovered', 'earlier', 'episodes that ended before the cause\'s chain of trouble began'),
+    chainLine(earlier, 'Earlier', 'earlier', 'episodes that began before the cause\'s chain of trouble began'),
   ].filter(Boolean);
   return parts.length ? el('div', { class: 'summary-story' }, parts) : null;
 }
