@@ -32,13 +32,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tb_gradhealth import origin, record
+from tb_gradhealth import origin
+from tb_gradhealth._core import NONFINITE_COLUMNS
 from tb_gradhealth.origin import NanOrigin, nonfinite_samples
 
 __all__ = ["OriginFinder", "replay", "NanOrigin"]
 
 _log = logging.getLogger("tb_gradhealth")
-_NONFINITE = [record.INDEX[k] for k in ("nan", "posinf", "neginf")]
 #: Primitives whose body is a jaxpr to inline (``jit`` calls, custom derivatives keep their primal body).
 _CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
           "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",
@@ -223,7 +223,7 @@ class OriginFinder:
     def check(self, step: int, rows: np.ndarray, params: Any, *batch: Any) -> NanOrigin | None:
         """After step ``step``: ``rows`` its memory-form record (``tb_gradhealth.jax.to_memory``), ``params`` the
         weights the step started from; the origin, the first time the record shows a NaN/Inf."""
-        if self.origin is not None or not np.any(np.asarray(rows)[:, _NONFINITE] > 0):
+        if self.origin is not None or not np.any(np.asarray(rows)[:, NONFINITE_COLUMNS] > 0):
             return None
         found = replay(self.loss_fn, params, *batch, step=int(step))
         self.origin = found

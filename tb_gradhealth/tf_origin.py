@@ -33,19 +33,19 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tb_gradhealth import origin, record
+from tb_gradhealth import origin
+from tb_gradhealth._core import NONFINITE_COLUMNS
 from tb_gradhealth._tf import replay
 from tb_gradhealth.origin import NanOrigin
 
 __all__ = ["OriginFinder", "apply_if_finite", "NanOrigin"]
 
 _log = logging.getLogger("tb_gradhealth")
-_NONFINITE = [record.INDEX[k] for k in ("nan", "posinf", "neginf")]
 
 
 def _nonfinite_total(device_record: Any) -> tf.Tensor:
     counts = device_record[0]
-    return tf.reduce_sum(tf.gather(counts, _NONFINITE, axis=1))
+    return tf.reduce_sum(tf.gather(counts, NONFINITE_COLUMNS, axis=1))
 
 
 def apply_if_finite(optimizer: Any, grads_and_vars: Any, device_record: Any) -> tf.Tensor:
@@ -84,7 +84,7 @@ class OriginFinder:
         if self.origin is not None:
             return None
         counts = np.asarray(device_record[0])
-        if not counts[:, _NONFINITE].any():
+        if not counts[:, NONFINITE_COLUMNS].any():
             return None
         names = {f"batch[{i}]" if len(batch) > 1 else "batch": b for i, b in enumerate(batch)}
         found = replay.replay(lambda: self.loss_fn(*batch), self.variables, step=int(step), batch=names,

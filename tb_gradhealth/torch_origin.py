@@ -29,7 +29,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from tb_gradhealth import _frames, origin, record
+from tb_gradhealth import _frames, origin
+from tb_gradhealth._core import NONFINITE_COLUMNS
 from tb_gradhealth.origin import NanOrigin, nonfinite_samples
 
 __all__ = ["OriginFinder", "replay", "NanOrigin"]
@@ -210,7 +211,6 @@ def replay(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor], batch: 
     return NanOrigin(**{**found.__dict__, "seconds": time.perf_counter() - start})
 
 
-_NONFINITE = [record.INDEX[k] for k in ("nan", "posinf", "neginf")]
 
 
 class OriginFinder:
@@ -230,7 +230,7 @@ class OriginFinder:
                    before: Mapping[str, torch.Tensor] | None, batch: Sequence[Any] | None,
                    log_dir: str | None = None) -> NanOrigin | None:
         """Called by the recorder with the record it read: on the first NaN/Inf, undo the update and replay."""
-        if self.origin is not None or not np.any(np.asarray(rows)[:, _NONFINITE] > 0):
+        if self.origin is not None or not np.any(np.asarray(rows)[:, NONFINITE_COLUMNS] > 0):
             return None
         if before is not None:  # skip the step, as a GradScaler does: the weights it started from
             with torch.no_grad():

@@ -21,6 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from tb_gradhealth import origin, record
+from tb_gradhealth._core import NONFINITE_COLUMNS
 from tb_gradhealth._tf import compat, replay, stepoutputs
 from tb_gradhealth.origin import NanOrigin
 
@@ -28,7 +29,6 @@ _log = logging.getLogger("tb_gradhealth")
 
 #: The key under which the train functions return their batch (taken out again before ``fit`` sees the logs).
 BATCH_KEY = "_tb_gradhealth_batch"
-_NONFINITE = [record.INDEX[k] for k in ("nan", "posinf", "neginf")]
 
 
 def _unpack(data: Any) -> tuple[Any, Any, Any]:
@@ -76,7 +76,7 @@ class FitOrigin:
 
     def guard(self, rec: Any, variables: list[Any], before: list[Any]) -> None:
         """In the captured step: put the weights back when the gradient is not finite, or while frozen."""
-        bad = tf.reduce_sum(tf.gather(rec.counts, _NONFINITE, axis=1)) > 0
+        bad = tf.reduce_sum(tf.gather(rec.counts, NONFINITE_COLUMNS, axis=1)) > 0
 
         def restore() -> tf.Tensor:
             for v, w in zip(variables, before, strict=True):

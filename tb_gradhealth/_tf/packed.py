@@ -33,9 +33,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import tensorflow as tf
 
-from tb_gradhealth import record
+from tb_gradhealth import _core, record
+from tb_gradhealth._core import LayerInputs
 from tb_gradhealth._tf import compat, histogram, kernels, precompile
-from tb_gradhealth._tf.kernels import Delta, DeviceRecord, LayerInputs
+from tb_gradhealth._tf.kernels import Delta, DeviceRecord
 
 __all__ = ["compute", "compute_jit", "IN_PLACE_MIN"]
 
@@ -461,9 +462,8 @@ def _sample_values(flat: Sequence[Any], sizes: Sequence[int | None], lay: Layout
     random offset), and their layer ids: one gather from the packed buffer, one per in-place layer."""
     layers, k = sampling.layers, sampling.hist_sample
     ns = np.array([sizes[i] for i in layers], np.int64)
-    strides = np.array([record.sample_stride(int(n)) for n in ns], np.int64)
     offsets = _offsets(layers, sampling.ids, sampling.seed, sampling.s, sampling.q)
-    pos = (offsets[:, None] + np.arange(k, dtype=np.int64)[None, :] * strides[:, None]) % ns[:, None]
+    pos = _core.sample_positions(offsets[:, None], ns, k)
     starts = lay.whole_piece_starts()
     base = np.array([starts.get(int(i), 0) for i in layers], np.int64)
     pos = tf.cast(pos + base[:, None], tf.int32)

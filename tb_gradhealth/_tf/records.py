@@ -15,8 +15,9 @@ import numpy as np
 import tensorflow as tf
 
 from tb_gradhealth import record
+from tb_gradhealth._core import LayerInputs
 from tb_gradhealth._tf import compat, kernels, packed
-from tb_gradhealth._tf.kernels import DeviceRecord, LayerInputs
+from tb_gradhealth._tf.kernels import DeviceRecord
 from tb_gradhealth._tf.naming import is_variable, normalize
 from tb_gradhealth.record import Delta
 
