@@ -238,7 +238,14 @@ def _damaged_rows(points: list[_Checked], n_layers: int) -> list[tuple[int, int,
     return damaged
 
 
-def _join_blocks(good: list[tuple[TagData, tuple[str, ...]]]) -> list[tuple[TagData, tuple[str, ...]]]:
+class _Tag(NamedTuple):
+    """A tag whose metadata decodes, and the layers it names."""
+
+    data: TagData
+    layers: tuple[str, ...]
+
+
+def _join_blocks(good: list[_Tag]) -> list[_Tag]:
     """The step-block tags of one layer list (:func:`metadata.tag_for`) as one tag, their points in write order
     (wall time), so that the restart rule (:func:`supersede`) applies across blocks as to a tag of every step: a
     job restarted at step 50 replaces the earlier records from step 50 on, in whichever block they are."""
@@ -249,10 +256,10 @@ def _join_blocks(good: list[tuple[TagData, tuple[str, ...]]]) -> list[tuple[TagD
     out = []
     for (base, lay), tds in joined.items():
         if len(tds) == 1:
-            out.append((tds[0], lay))
+            out.append(_Tag(tds[0], lay))
             continue
         points = sorted((_as_point(p) for td in tds for p in td.points), key=lambda p: float(p.wall_time))
-        out.append((TagData(base, tds[0].content, points), lay))
+        out.append(_Tag(TagData(base, tds[0].content, points), lay))
     return out
 
 
@@ -289,13 +296,13 @@ def assemble(
     problems = list(problems)
     notes: list[str] = []
     good, info = _readable_tags(tags, problems)
-    tag_names = tuple(td.tag for td, _ in good)
+    tag_names = tuple(t.data.tag for t in good)
     good = _join_blocks(good)
     # The tag with the most layers is the backbone of the order; the others' new layers go in around it.
-    layers = _merge_order([lay for _, lay in sorted(good, key=lambda g: (-len(g[1]), g[0].tag))])
+    layers = _merge_order([t.layers for t in sorted(good, key=lambda t: (-len(t.layers), t.data.tag))])
     valid, downsampled = _checked_points(good, layers, problems, notes, sample_limit)
     if consume:  # from here on only ``valid`` holds the tensors
-        for td in [*tags, *(td for td, _ in good)]:
+        for td in [*tags, *(t.data for t in good)]:
             td.points.clear()
     steps = np.unique(np.array([v.step for v in valid], dtype=np.int64))
     records, bins = _decode(valid, steps, len(layers))
@@ -315,8 +322,8 @@ def assemble(
 
 
 def _readable_tags(tags: Sequence[TagData], problems: list[str]
-                   ) -> tuple[list[tuple[TagData, tuple[str, ...]]], dict[str, tuple[str, str]]]:
-    """``(tag, its layers)`` of each tag whose metadata decodes, by name (the others are problems), and the layers'
+                   ) -> tuple[list[_Tag], dict[str, tuple[str, str]]]:
+    """The :class:`_Tag` of each tag whose metadata decodes, by name (the others are problems), and the layers'
     kinds and activations where a tag's metadata has them."""
     good, info = [], {}
     for td in sorted(tags, key=lambda t: t.tag):
@@ -325,7 +332,7 @@ def _readable_tags(tags: Sequence[TagData], problems: list[str]
         except ValueError as e:  # including metadata.UnsupportedVersion (a future format version)
             problems.append(Problem(Kind.RECORDS, f"tag {td.tag}: skipped: {e}"))
             continue
-        good.append((td, content.layers))
+        good.append(_Tag(td, content.layers))
         info.update(zip(content.layers, content.layer_info, strict=False))  # () without info
     return good, info
 
@@ -341,7 +348,7 @@ class _Point(NamedTuple):
     ok: np.ndarray  # [rows] bool: rows that passed the checks
 
 
-def _checked_points(good: list[tuple[TagData, tuple[str, ...]]], layers: list[str], problems: list[str],
+def _checked_points(good: list[_Tag], layers: list[str], problems: list[str],
                     notes: list[str], sample_limit: int | None) -> tuple[list[_Point], bool]:
     """Pass 1: every tensor checked row by row, after the restart rule; and whether a tag reached the loader's
     sample limit (older steps may have been dropped)."""
