@@ -22,7 +22,9 @@ FRAMEWORKS = {"tensorflow": "tensorflow", "keras": "keras", "torch": "torch", "j
 #: The side that must run without any framework: the plugin and CLI, their readers and the diagnosis, the record
 #: and the TF-free writer.
 FRAMEWORK_FREE = ("plugin", "cli", "_payloads", "reader", "health", "record", "metadata", "writer", "_eventfile",
-                  "_storage", "testing", "_failsafe", "_filereader", "_tiers", "_core", "_devicestats", "_devicebatch")
+                  "_storage", "testing", "_failsafe", "_filereader", "_tiers")
+#: The writers' shared core and the statistics written once for PyTorch and JAX: numpy only.
+FRAMEWORK_FREE += ("_core", "_devicestats", "_devicebatch")
 
 
 def _modules() -> dict[str, Path]:
