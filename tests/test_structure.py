@@ -23,6 +23,7 @@ FRAMEWORKS = {"tensorflow": "tensorflow", "keras": "keras", "torch": "torch", "j
 #: and the TF-free writer.
 FRAMEWORK_FREE = ("plugin", "cli", "_payloads", "reader", "health", "record", "metadata", "writer", "_eventfile",
                   "_storage", "testing", "_failsafe", "_filereader", "_tiers")
+
 #: The writers' shared core and the statistics written once for PyTorch and JAX: numpy only.
 FRAMEWORK_FREE += ("_core", "_devicestats", "_devicebatch")
 
