@@ -23,42 +23,15 @@ import numpy as np
 import tensorflow as tf
 
 from tb_gradhealth import metadata, record
-from tb_gradhealth._tf import compat, kernels, packed
-from tb_gradhealth._tf.kernels import Delta, DeviceRecord, size_rows
-from tb_gradhealth._tf.naming import is_variable, layer_names, normalize, variable_names
+from tb_gradhealth._tf import compat, records
+from tb_gradhealth._tf.kernels import DeviceRecord, size_rows
+from tb_gradhealth._tf.naming import layer_names, normalize, variable_names
+from tb_gradhealth.record import Delta
 
 __all__ = [
     "DeviceRecord", "Delta", "compute", "layer_names", "normalize", "variable_names", "write", "gradients",
     "to_disk", "size_rows",
 ]
-
-
-def _static_size(g: Any, var: Any, w: Any) -> int:
-    for t in (var, w, g):
-        if t is None:
-            continue
-        if isinstance(t, tf.IndexedSlices):
-            dense = tf.get_static_value(t.dense_shape)
-            if dense is not None:
-                return int(np.prod(dense))
-            continue
-        shape = getattr(t, "shape", None)
-        if shape is not None:
-            n = tf.TensorShape(shape).num_elements()
-            if n is not None:
-                return int(n)
-    return -1
-
-
-def _as_tensor(t: Any) -> Any:
-    if t is None or isinstance(t, tf.IndexedSlices):
-        return t
-    if isinstance(t, Delta):
-        return Delta(_as_tensor(t.before), _as_tensor(t.after))
-    value = getattr(t, "value", None)  # Keras 3 variable -> its tf.Variable
-    if is_variable(t) and isinstance(value, tf.Variable):
-        t = value
-    return tf.convert_to_tensor(t)
 
 
 @tf.autograph.experimental.do_not_convert
@@ -83,33 +56,7 @@ def compute(
     and none of XLA's memory; slower per call: a few passes over the data instead of one fused loop; inside
     ``jit_compile=True`` the same as ``True``); ``jit=False`` uses plain TF ops, layer by layer.
     """
-    names, glist, wlist, variables = normalize(grads, weights)
-    if isinstance(updates, Mapping):
-        ulist = [updates.get(n) for n in names]
-    elif updates is None:
-        ulist = [None] * len(glist)
-    else:
-        ulist = list(updates)
-    sizes = tuple(_static_size(g, v, w) for g, v, w in zip(glist, variables, wlist, strict=True))
-    for g, size in zip(glist, sizes, strict=True):
-        if g is None and size < 0:
-            raise ValueError("a None gradient needs its variable (or weight) to know the layer's size")
-    inputs = kernels.LayerInputs(
-        grads=tuple(_as_tensor(g) for g in glist),
-        weights=tuple(_as_tensor(w) for w in wlist),
-        updates=tuple(_as_tensor(u) for u in ulist),
-        sizes=sizes,
-        hist_sample=int(hist_sample or 0),
-        seed=None if seed is None else tf.convert_to_tensor(seed),
-    )
-    xla = compat.in_xla_context()
-    if jit == "graph" and not xla:  # the all-layer statistics as plain graph ops
-        return packed.compute(inputs)
-    if not jit or not kernels.fused_reductions_available():
-        return kernels.compute_layers(inputs)
-    if xla:  # inside a compiled function: inline into its cluster
-        return packed.compute(inputs)
-    return packed.compute_deferring(inputs)
+    return records.compute(grads, weights, updates, hist_sample=hist_sample, seed=seed, jit=jit)
 
 
 # --- host-side write ------------------------------------------------------------------------------------------
