@@ -39,8 +39,9 @@ TF_REQUIREMENTS = ["tensorflow>=2.16,<2.22", "keras>=3.0,<3.16"]
 #: tests/test_docs.py checks that both name the same range.
 TF_CPU_REQUIREMENTS = ["tensorflow-cpu>=2.16,<2.22", "keras>=3.0,<3.16"]
 
+#: (``junitparser``: the CLI's JUnit XML is read back as CI servers read it; ``build``: the wheel and sdist checks.)
 TEST = ["pytest", "pytest-xdist", "playwright", "ruff", "hypothesis", "fsspec", "gcsfs", "s3fs", "moto[server]",
-        "gcp-storage-emulator"]
+        "gcp-storage-emulator", "junitparser", "build"]
 
 #: Test-only libraries of the torch and jax tiers: the loops the integrations plug into, the peers the overhead
 #: benchmark compares with.
