@@ -64,6 +64,7 @@ def counts(tmp_path_factory):
             w.add_loss(step, 1.0 / (step + 1))
     return logdir
 
+
 def run(capsys, *argv):
     rc = cli.main(["report", *map(str, argv)])
     out, err = capsys.readouterr()
