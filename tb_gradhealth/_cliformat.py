@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tb_gradhealth import health
+from tb_gradhealth.numbers import format_count, format_magnitude, format_severity
 
 #: Statuses that count as "flagged" (the others: a layer that is fine, or a parameter that only gets round-off).
 FLAGGED = tuple(s for s in health.STATUSES if s not in ("healthy", "inert"))
@@ -23,21 +24,6 @@ FLAGGED = tuple(s for s in health.STATUSES if s not in ("healthy", "inert"))
 REASONS_WIDTH = 100
 #: How far the wrapped reasons are indented under their row.
 REASONS_INDENT = 8
-
-
-def format_count(n: Any) -> str:
-    """An exact count with thousands separators: ``1,024``."""
-    return "-" if n is None else f"{int(n):,}"
-
-
-def format_severity(x: Any) -> str:
-    """A severity rounded to an integer with thousands separators: ``6,052``."""
-    return "-" if x is None else f"{round(float(x)):,}"
-
-
-def format_magnitude(x: Any) -> str:
-    """RMS, max|g|, norm: 3 significant figures (``1.23e-05``); ``-`` where there is no value."""
-    return "-" if x is None else f"{float(x):.3g}"
 
 
 def plain(s: str) -> str:
@@ -57,15 +43,7 @@ def run_label(run: str, logdir: str) -> str:
 def answer_of(summary: dict[str, Any]) -> dict[str, Any] | None:
     """The run's answer (``summary.answer``: the cause layer, its chain and headline); None when nothing is
     flagged."""
-    if "answer" in summary:
-        return summary["answer"]
-    cause = summary.get("cause")  # a diagnosis without ``answer``: its ``cause`` holds the same facts
-    if not cause:
-        return None
-    head = f"{cause['layer']}: {cause['status']} since step {cause['step']}"
-    if cause.get("now") and cause["now"] != cause["status"]:
-        head += f", {cause['now']} since step {cause['since']}"
-    return {**cause, "now_since": cause.get("since"), "headline": head}
+    return summary.get("answer")
 
 
 def loss_text(summary: dict[str, Any]) -> str | None:

@@ -42,6 +42,8 @@ NAN, INF, SIZE = 1024, 2048, 8192
 NAN_FROM = 6
 #: The widest the reasons may get on one line of the table.
 WIDTH = 100
+#: A table row: its rank, right-aligned in 4 after 2 spaces (wrapped reasons under it are indented by 8).
+ROW = re.compile(r"^ {2,5}\d+  ")
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +121,7 @@ def test_table_ranks_worst_first_and_prints_names_literally(capsys, demo):
     assert rc == 0
     lines = out.split("run vanishing:")[1].split("\n\n")[0].splitlines()
     header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["#", "status"])
-    rows = [ln.split() for ln in lines[header + 1:] if re.match(r"^\s+\d+\s", ln)]  # reasons wrap under rows
+    rows = [ln.split() for ln in lines[header + 1:] if ROW.match(ln)]  # reasons wrap under rows
     assert [r[0] for r in rows] == [str(i) for i in range(1, len(facts["vanishing"].layers) + 1)]
     assert {r[4] for r in rows[:3]} == set(facts["vanishing"].vanishing)
     assert all(r[1] == "vanishing" for r in rows[:3]) and all(r[1] == "healthy" for r in rows[3:])
@@ -128,7 +130,7 @@ def test_table_ranks_worst_first_and_prints_names_literally(capsys, demo):
     block = out.split("run vanishing:")[1].strip().splitlines()
     header = next(i for i, line in enumerate(block) if line.split()[:2] == ["#", "status"])
     assert "... 8 more layers" in out and block[-1].strip().startswith("... 8 more layers")
-    assert [ln.split()[0] for ln in block[header + 1:] if re.match(r"^\s+\d+\s", ln)] == ["1", "2"]
+    assert [ln.split()[0] for ln in block[header + 1:] if ROW.match(ln)] == ["1", "2"]
 
 
 @pytest.mark.unit
@@ -219,7 +221,7 @@ def _block(out: str, run: str) -> list[str]:
 def _rows(block: list[str]) -> dict[str, list[str]]:
     """Table rows by layer name: the row's whitespace-separated cells."""
     header = next(i for i, line in enumerate(block) if line.split()[:2] == ["#", "status"])
-    rows = [ln.split() for ln in block[header + 1:] if re.match(r"^\s+\d+\s", ln)]
+    rows = [ln.split() for ln in block[header + 1:] if ROW.match(ln)]
     return {r[4]: r for r in rows}
 
 
@@ -301,7 +303,7 @@ def test_long_reasons_wrap_under_their_row(capsys, demo):
     start = block[header].index("reasons")
     lines, layer = {}, None
     for ln in block[header + 1:]:
-        if re.match(r"^\s+\d+\s", ln):
+        if ROW.match(ln):
             layer = ln.split()[4]
             lines[layer] = [ln[start:]]
         elif not ln.strip().startswith(("episodes:", "*")):
