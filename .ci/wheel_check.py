@@ -141,9 +141,14 @@ def check_served(bin_dir: Path, logdir: Path, work: Path) -> None:
         listing = json.loads(wait_for(f"{base}/data/plugins_listing", proc, log))
         if "gradhealth" not in listing:
             raise SystemExit(f"[wheel-check] FAILED: the gradhealth tab is not listed: {sorted(listing)}")
-        runs = json.loads(wait_for(f"{base}/data/plugin/gradhealth/runs", proc, log))
-        if "wheel_run" not in json.dumps(runs):
-            raise SystemExit(f"[wheel-check] FAILED: /data/plugin/gradhealth/runs does not list the run: {runs}")
+        deadline = time.monotonic() + SERVE_TIMEOUT_S
+        while True:  # the first answers may come before TensorBoard read the logdir
+            runs = json.loads(wait_for(f"{base}/data/plugin/gradhealth/runs", proc, log))
+            if [r.get("run") for r in runs.get("runs", [])] == ["wheel_run"]:
+                break
+            if time.monotonic() > deadline:
+                raise SystemExit(f"[wheel-check] FAILED: /data/plugin/gradhealth/runs does not list the run: {runs}")
+            time.sleep(1)
         for name in ("index.js",):
             served = wait_for(f"{base}/data/plugin/gradhealth/{name}", proc, log)
             if served != (REPO / "frontend" / name).read_bytes():
@@ -151,14 +156,21 @@ def check_served(bin_dir: Path, logdir: Path, work: Path) -> None:
         status, _ = get(f"{base}/data/plugin/gradhealth/setup.py")
         if status == 200:
             raise SystemExit("[wheel-check] FAILED: the static route serves a file that is not a frontend file")
-        step(f"tensorboard serves the tab: plugins_listing, runs ({len(runs) if isinstance(runs, list) else 1}), "
-             "index.js")
+        step("tensorboard serves the tab: listed in plugins_listing, the run in its runs route, index.js from the "
+             "installed package")
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen, grace_s: int = 30) -> None:
+    """End ``proc``: SIGTERM, then SIGKILL if it is still running after ``grace_s`` seconds."""
+    proc.terminate()
+    for _ in range(grace_s):
+        if proc.poll() is not None:
+            return
+        time.sleep(1)
+    proc.kill()
+    proc.wait()
 
 
 def check_cli(bin_dir: Path, logdir: Path) -> None:
