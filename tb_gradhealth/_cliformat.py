@@ -85,8 +85,9 @@ def headline(body: dict[str, Any], v: Verdict) -> str:
     0-99)``, or ``ok, 0 of 14 layers flagged; loss -62% (steps 0-99)``."""
     answer = answer_of(body["summary"])
     loss = loss_text(body["summary"])
-    if v.word == "ok" or answer is None:
-        text = f"{v.word}, {format_count(v.flagged)} of {format_count(v.layers)} layers flagged"
+    if v.word == "ok" or answer is None:  # nothing flagged (a FAIL then fails on healthy or inert layers)
+        word = v.word if v.word == "ok" else f"{v.word} {v.status}"
+        text = f"{word}, {format_count(v.flagged)} of {format_count(v.layers)} layers flagged"
     else:
         text = f"{v.word} {v.status} — {plain(answer['headline'])}"
     return text + (f"; {loss}" if loss else "")

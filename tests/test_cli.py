@@ -101,7 +101,9 @@ def test_fail_on_none_and_other_statuses(capsys, demo, healthy):
     assert run(capsys, logdir, "--run", "vanishing", "--fail-on", "vanishing")[0] == 1
     assert run(capsys, logdir, "--run", "vanishing", "--fail-on", "exploding,dead")[0] == 0
     assert run(capsys, healthy, "--fail-on", ",".join(s for s in health.STATUSES if s != "healthy"))[0] == 0
-    assert run(capsys, healthy, "--fail-on", "healthy")[0] == 1
+    rc, out, err = run(capsys, healthy, "--fail-on", "healthy")
+    assert rc == 1 and "run healthy: FAIL healthy, 0 of 8 layers flagged" in out
+    assert "tb-gradhealth: failing: run 'healthy': dense_0/kernel healthy and 7 more layers" in err
 
 
 @pytest.mark.unit
