@@ -138,13 +138,15 @@ def write(
     *,
     kind: str = "gradients",
     hist_sample: int = record.DEFAULT_HIST_SAMPLE,
+    layer_info: Sequence[tuple[str, str]] = (),
 ) -> tf.Tensor | bool:
     """Write a device record (or a callable making one, evaluated only when recording) as one summary event.
 
     Uses the default ``tf.summary`` writer; ``step`` defaults to ``tf.summary.experimental.get_step()``. Returns
     what ``tf.summary.write`` returns (whether a summary was written). Not usable inside ``jit_compile=True``.
     The tag carries the step's block (:func:`metadata.tag_for`), as the numpy ``Writer``'s, so that a run of any
-    length is read in bounded answers.
+    length is read in bounded answers. ``layer_info``: per row, ``(layer kind, activation)`` of the model
+    (:func:`tb_gradhealth.layerinfo.model_layer_info`), which the diagnosis uses to word its fixes.
     """
     if compat.in_xla_context():
         raise RuntimeError(
@@ -152,7 +154,8 @@ def write(
             "summary.compute(...) from the compiled step and call summary.write(record, names) outside it"
         )
     layers = [str(n) for n in layers]
-    md = metadata.create_summary_metadata(layers, kind=kind, hist_sample=hist_sample)
+    md = metadata.create_summary_metadata(layers, kind=kind, hist_sample=hist_sample,
+                                          layer_info=tuple(tuple(x) for x in layer_info))
 
     def tensor() -> tf.Tensor:
         rec = device_record() if callable(device_record) else device_record
