@@ -73,6 +73,7 @@ def test_a_dead_saturating_layer_gets_the_saturation_fix_never_relu_advice(activ
     assert lh.status == "dead"
     assert f"{activation} units are saturated" in lh.fixes[0]
     assert not any(w in f for f in lh.fixes for w in RELU_WORDS), lh.fixes
+    assert not any("ReLU" in r or "relu" in r for r in lh.reasons), lh.reasons  # nor in the why
 
 
 def test_a_dead_relu_layer_gets_the_dead_unit_fix():

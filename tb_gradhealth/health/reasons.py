@@ -14,6 +14,7 @@ from tb_gradhealth.health import thresholds as th
 from tb_gradhealth.health.answer import deepest_first
 from tb_gradhealth.health.episodes import _episodes, _Track
 from tb_gradhealth.health.fixes import fixes
+from tb_gradhealth.health.kinds import RECTIFIERS, SATURATING
 from tb_gradhealth.health.optimizer import optimizer_notes
 from tb_gradhealth.health.result import _BASE, _SPAN, LayerHealth
 from tb_gradhealth.health.rules import ROUNDOFF, _Steps
@@ -33,7 +34,7 @@ def _layer_health(ev: _Steps, steps: np.ndarray, layers: Sequence[str], i: int, 
     last = track.runs[-1]
     chain = track.chain_start()
     ctx = _Ctx(ev, steps, s, i, last[2] - last[1] + 1, int(steps[track.rows[last[1]]]), t,
-               int(track.rows[last[1] - 1]) if last[1] > 0 else int(track.rows[0]), th.STATUSES[code])
+               int(track.rows[last[1] - 1]) if last[1] > 0 else int(track.rows[0]), th.STATUSES[code], info[1])
     reasons, excess = _reasons(code, ctx, d, i)
     if track.unconfirmed is not None:
         need = max(2, track.need) if track.unconfirmed[0] == th.DEAD else track.need
@@ -152,6 +153,7 @@ class _Ctx:
     t: th.Thresholds
     before_row: int = 0  # row just before the current run (its first row when it starts the layer's history)
     status: str = ""  # the layer's current status, named where the text says since when
+    activation: str = ""  # the layer's activation where the writer recorded it
 
     def lasting(self) -> str:
         n = self.run_len
@@ -268,6 +270,16 @@ def _vanishing_reasons(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], fl
     return reasons, excess
 
 
+def _dead_example(activation: str) -> str:
+    """What makes an all-zero gradient, for the layer's activation where it is known."""
+    act = activation.lower()
+    if act in SATURATING:
+        return f"its {act} units saturated: {act}' is exactly 0 in floating point; or a path cut by stop_gradient"
+    if act in RECTIFIERS:
+        return f"its {act} units died: zero output for every input of the batch; or a path cut by stop_gradient"
+    return "e.g. dead ReLU units, saturated tanh/sigmoid units, or a path cut by stop_gradient"
+
+
 def _inert_reason(c: _Ctx) -> str:
     ev, s, i = c.ev, c.s, c.i
     gap = float(ev.sibling[s, i] - ev.log_rms[s, i])
@@ -291,7 +303,7 @@ def _reasons(code: int, c: _Ctx, d: dict[str, np.ndarray], i: int) -> tuple[list
     if code == th.DEAD:
         size = int(d["size"][i])
         return [f"all {size:,} gradient values are exactly zero {c.lasting()}: no signal reaches this variable "
-                f"(e.g. a dead ReLU, or a path cut by stop_gradient)"], 0.0
+                f"({_dead_example(c.activation)})"], 0.0
     if code == th.MISSING:
         return [f"no gradient reached this variable (None gradient) {c.lasting()}"], 0.0
     if code == th.INERT:
