@@ -292,3 +292,19 @@ def test_a_read_only_file_system_is_a_fault_that_may_clear(tmpfs):
     with pytest.raises(StrictWriteError, match="Read-only file system"):
         Writer(str(tmpfs.path / "strict"), strict=True)
     tmpfs.remount("rw")
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("module, name", [("lightning", "GradHealth"), ("transformers", "GradHealthCallback")])
+def test_training_loop_callbacks_refuse_a_log_dir_that_can_never_be_written(tmp_path, module, name):
+    import importlib
+
+    pytest.importorskip(module)
+    callback = getattr(importlib.import_module(f"tb_gradhealth.{module}"), name)
+    afile = tmp_path / "passwd"
+    afile.write_text("x")
+    with pytest.raises(NotADirectoryError, match="not a directory") as e:
+        callback(str(afile / "gradlogs"))
+    assert str(afile / "gradlogs") in str(e.value)
+    assert callback(str(tmp_path / "run"), strict=True).strict  # a writable one is fine; strict kept for its Writer
+    assert callback().log_dir is None  # no log_dir: the trainer's, checked when the writer is made
