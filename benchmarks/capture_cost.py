@@ -15,7 +15,7 @@ the plain step; the ratios are per round, the median and the spread printed:
   every          the default logged step: gradient, weight and update statistics
   every_graph    the same as plain TensorFlow ops (``compile_statistics=False``)
 
-``capture_only``, ``gradient`` and ``weights_before`` replace ``summary.compute`` as the capture module sees it
+``capture_only``, ``gradient`` and ``weights_before`` replace ``records.compute`` as the capture module sees it
 (a measurement only: the records they write are not right). Run under ``flock /tmp/gradhealth-heavy.lock``; the
 figures move with the machine's load (read the spread).
 
@@ -44,14 +44,15 @@ PARTS = ("capture_only", "gradient", "weights_before")
 
 
 class PartialStatistics:
-    """``summary`` as the capture module sees it, with ``compute`` cut down to ``part`` while a step is traced."""
+    """``records`` (:mod:`tb_gradhealth._tf.records`) as the capture module sees it, with ``compute`` cut down to
+    ``part`` while a step is traced."""
 
-    def __init__(self, summary: Any) -> None:
-        self._summary = summary
+    def __init__(self, records: Any) -> None:
+        self._records = records
         self.part = "all"
 
     def __getattr__(self, name: str) -> Any:
-        return self._compute if name == "compute" else getattr(self._summary, name)
+        return self._compute if name == "compute" else getattr(self._records, name)
 
     def _compute(self, grads: Any, weights: Any, updates: Any, **kw: Any) -> Any:
         import tensorflow as tf
@@ -59,15 +60,15 @@ class PartialStatistics:
         from tb_gradhealth import record
 
         if self.part == "gradient":
-            return self._summary.compute(grads, None, None, **kw)
+            return self._records.compute(grads, None, None, **kw)
         if self.part == "weights_before":
-            return self._summary.compute(grads, weights, None, **kw)
+            return self._records.compute(grads, weights, None, **kw)
         if self.part == "capture_only":
             n = len(grads)
             m = tf.stack([tf.reduce_max(g) if g is not None else tf.constant(0.0) for g in grads])
             values = tf.concat([m[:, None], tf.zeros([n, record.NUM_VALUES + record.HIST_BINS - 1])], 1)
-            return self._summary.DeviceRecord(tf.zeros([n, record.NUM_COUNTS], tf.int32), values)
-        return self._summary.compute(grads, weights, updates, **kw)
+            return self._records.DeviceRecord(tf.zeros([n, record.NUM_COUNTS], tf.int32), values)
+        return self._records.compute(grads, weights, updates, **kw)
 
 
 def make_runner(ra: Any, model: str, config: str, log_root: str, partial: PartialStatistics) -> Any:
@@ -94,14 +95,13 @@ def main() -> None:
     args = p.parse_args()
     import real_architectures as ra
 
-    from tb_gradhealth import summary
-    from tb_gradhealth._tf import capture
+    from tb_gradhealth._tf import capture, records
 
     configs = args.configs.split(",")
     if "plain" not in configs:
         configs.insert(0, "plain")
-    partial = PartialStatistics(summary)
-    capture.summary = partial
+    partial = PartialStatistics(records)
+    capture.records = partial
     log_root = tempfile.mkdtemp(prefix="gradhealth-capture-cost-")
     runners = [make_runner(ra, args.model, c, log_root, partial) for c in configs]
     for r in runners:

@@ -9,8 +9,9 @@ run                  network                                              writer
 ===================  ===================================================  ===========================================
 ``healthy/train``    He-initialised Dense/BatchNorm/ReLU MLP, Adam        ``keras.GradientHealthCallback``
 ``vanishing/train``  12-layer sigmoid MLP, SGD: the first layers vanish   ``keras.GradientHealthCallback``
-``exploding``        deep tanh stack, too-large init, growing step size:  ``summary.gradients`` in a custom loop
-                     gradients grow for a dozen steps, then Inf/NaN
+``exploding``        deep tanh stack, too-large init, growing step size:  ``summary.compute``/``write`` in a custom
+                     gradients grow for a dozen steps, then NaN; where    loop, ``tf_origin.OriginFinder``
+                     the NaN was made is replayed and stored
 ``accumulation``     MLP trained with 4 micro-batches per step            ``accumulate.GradientAccumulator`` (noise)
 ``tpu_host_call``    MLP on 4 simulated TPU shards                        ``tpu.host_call`` (shards merged on host)
 ``numpy_writer``     two-layer numpy MLP with hand-written backprop       ``tb_gradhealth.Writer`` (no TensorFlow)
@@ -151,14 +152,21 @@ def run_exploding(logdir: str, steps: int) -> int:
     """A deep tanh stack with too large an init, trained by SGD whose learning rate grows 10% a step (a warm-up gone
     wrong): the loss improves for a while, then the steps overshoot, the weights and gradients grow by orders of
     magnitude over a dozen logged steps (the trend the diagnosis flags as exploding before anything overflows),
-    and finally float32 overflows to Inf and the next update turns everything into NaN. The loop is a custom
-    ``tf.function`` step logging with ``tb_gradhealth.summary.gradients`` every step; it stops 5 steps after the
-    first NaN loss, as a job with a NaN guard would.
+    the saturated tanh units pass exactly zero back, and finally the backward pass makes NaN.
+
+    The loop is a custom ``tf.function`` step, written as docs/NAN_ORIGIN.md shows: it returns the step's record
+    (``summary.compute``, written with ``summary.write`` and the layers' kinds), applies the update only when the
+    record is finite (``tf_origin.apply_if_finite``), and ``OriginFinder.check`` replays the first step whose record
+    holds a NaN/Inf, op by op, on the weights it started from: the op, layer, direction and source line go to the
+    run's event files (the tab's headline, ``tb-gradhealth report``). It stops 5 steps after the first NaN/Inf, as a
+    job with a NaN guard would.
     """
     tf = _tf()
     import keras
 
     import tb_gradhealth.summary as ghs
+    from tb_gradhealth.layerinfo import model_layer_info
+    from tb_gradhealth.tf_origin import OriginFinder, apply_if_finite
 
     keras.utils.set_random_seed(3)
     rng = np.random.default_rng(3)
@@ -173,25 +181,36 @@ def run_exploding(logdir: str, steps: int) -> int:
     )
     lr = keras.optimizers.schedules.ExponentialDecay(1e-2, decay_steps=1, decay_rate=1.1)  # rate > 1: grows
     opt = keras.optimizers.SGD(lr)
+    variables = model.trainable_variables
+    opt.build(variables)
+    info = model_layer_info(model, variables)  # ("Dense", "tanh") per variable: the fixes are worded for it
     writer = tf.summary.create_file_writer(logdir)
 
+    def loss_fn(xb):
+        return tf.reduce_mean(tf.square(model(xb, training=True) - target))
+
+    finder = OriginFinder(loss_fn, variables, logdir, root=model)
+
     @tf.function
-    def train_step(step):
+    def train_step(xb, step):
         with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(model(x, training=True) - target))
-        grads = tape.gradient(loss, model.trainable_variables)
+            loss = loss_fn(xb)
+        grads = tape.gradient(loss, variables)
+        pairs = list(zip(grads, variables, strict=True))
+        rec = ghs.compute(pairs, weights=True)
         with writer.as_default(step=step):
-            ghs.gradients(zip(grads, model.trainable_variables, strict=True))  # weights recorded too
+            ghs.write(rec, ghs.layer_names(pairs), layer_info=info)
             tf.summary.scalar("loss", loss)
-            tf.summary.scalar("learning_rate", lr(step))
-        opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-        return loss
+            tf.summary.scalar("learning_rate", lr(opt.iterations))
+        apply_if_finite(opt, zip(grads, variables, strict=True), rec)
+        return rec
 
     nan_steps = 0
     step = 0
     for step in range(steps):
-        loss = float(train_step(tf.constant(step, tf.int64)))
-        if not np.isfinite(loss):
+        rec = train_step(x, tf.constant(step, tf.int64))
+        finder.check(step, rec, x)
+        if finder.origin is not None:
             nan_steps += 1
             if nan_steps >= 5:
                 break
@@ -320,17 +339,14 @@ def run_numpy_writer(logdir: str, steps: int) -> int:
 
 
 def run_pytorch(logdir: str, steps: int) -> int:
-    """A PyTorch MLP; records computed on the device by ``tb_gradhealth.torch`` (skipped without PyTorch).
+    """A PyTorch MLP; records computed on the device by ``tb_gradhealth.torch`` (skipped without PyTorch:
+    :func:`unavailable`).
 
     It trains in a child process (a fresh interpreter): TensorFlow and PyTorch in one process can crash
     (``import tensorflow`` then ``import torch._dynamo`` segfaults with some releases), and a PyTorch user's
     process has no TensorFlow in it anyway."""
-    import importlib.util
     import multiprocessing
 
-    if importlib.util.find_spec("torch") is None:
-        log("pytorch: skipped (PyTorch is not installed: pip install '.[torch]')")
-        return 0
     child = multiprocessing.get_context("spawn").Process(target=_train_pytorch, args=(logdir, steps))
     child.start()
     child.join()
@@ -481,6 +497,16 @@ def port_in_use(host: str, port: int) -> str | None:
     return None
 
 
+def unavailable(name: str) -> str | None:
+    """Why run ``name`` cannot be trained here (``"torch not installed"``: ``pip install ".[torch]"`` adds it),
+    or None."""
+    import importlib.util
+
+    if name == "pytorch" and importlib.util.find_spec("torch") is None:
+        return "torch not installed"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logdir = Path(args.logdir).expanduser().resolve()
@@ -497,6 +523,10 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = logdir / name
         if run_dir.exists():  # a re-run replaces the run instead of appending a second history to it
             shutil.rmtree(run_dir)
+        why = unavailable(name)
+        if why:  # its framework is not installed: no folder is made, and the line says so
+            log(f"{name}: skipped ({why})")
+            continue
         log(f"{name}: training ...")
         t0, c0 = time.perf_counter(), time.process_time()
         done = fn(str(run_dir), steps)

@@ -3,10 +3,11 @@
     python demo/demo.py --logdir /tmp/gradhealth-demo --serve --port 6006 &
     python demo/screenshot.py http://localhost:6006 docs/screenshot.png
 
-Opens TensorBoard's page on the tab, waits for the first ranked table, moves the first run's step slider
-``--back`` logged steps back from the last one (the exploding run's last steps are all NaN, which leaves its depth
-profile empty) and saves a 1400 x 1000 screenshot. Uses Debian's chromium (``/usr/bin/chromium``) through
-playwright.
+Opens TensorBoard's page on the tab, waits for the first ranked table and its depth profile, moves the first run's
+step slider to logged step ``--step`` (default 38: the demo's exploding run mid-explosion, every layer's bar
+growing, before its layers die at 47 and go NaN at 54; ``--step -1`` keeps the step the profile opens at, the last
+one where every layer is finite) and saves a 1400 x 1000 screenshot. Uses Debian's chromium (``/usr/bin/chromium``)
+through playwright.
 """
 
 from __future__ import annotations
@@ -17,7 +18,22 @@ import time
 from playwright.sync_api import sync_playwright
 
 
-def take(url: str, out: str, back: int, chromium: str) -> None:
+def move_slider(frame: object, step: int) -> None:
+    """Move the first run's step slider with the arrow keys until its label shows ``step`` (as a user would)."""
+    slider = frame.locator("section.run-panel input[type=range]").first
+    label = frame.locator("section.run-panel .step-label").first
+    if not slider.count():
+        return
+    slider.focus()
+    for _ in range(int(slider.get_attribute("max") or 0) + 1):
+        shown = int(label.inner_text() or step)
+        if shown == step:
+            return
+        slider.press("ArrowLeft" if shown > step else "ArrowRight")
+    raise SystemExit(f"screenshot: the first run has no logged step {step}")
+
+
+def take(url: str, out: str, step: int, chromium: str) -> None:
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, headless=True, args=["--no-sandbox", "--disable-gpu"])
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
@@ -25,15 +41,13 @@ def take(url: str, out: str, back: int, chromium: str) -> None:
         frame = None
         deadline = time.monotonic() + 120
         while frame is None and time.monotonic() < deadline:
-            frame = next((f for f in page.frames if f.locator("section.run-panel tr[data-layer]").count()), None)
+            frame = next((f for f in page.frames if f.locator("section.run-panel tr[data-layer]").count()
+                          and f.locator("section.run-panel [data-testid=profile] canvas").count()), None)
             time.sleep(0.5)
         if frame is None:
             raise SystemExit("screenshot: the tab drew no table within 120 s")
-        slider = frame.locator("section.run-panel input[type=range]").first
-        if back and slider.count():
-            slider.focus()
-            for _ in range(back):
-                slider.press("ArrowLeft")
+        if step >= 0:
+            move_slider(frame, step)
         time.sleep(2)
         page.screenshot(path=out)
         browser.close()
@@ -43,10 +57,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("url", help="TensorBoard's address, e.g. http://localhost:6006")
     p.add_argument("out", help="the PNG to write")
-    p.add_argument("--back", type=int, default=18, help="steps to move the first run's slider back (default 18)")
+    p.add_argument("--step", type=int, default=38,
+                   help="the logged step to show the first run's depth profile at (default 38; -1: where it opens)")
     p.add_argument("--chromium", default="/usr/bin/chromium")
     args = p.parse_args()
-    take(args.url, args.out, args.back, args.chromium)
+    take(args.url, args.out, args.step, args.chromium)
 
 
 if __name__ == "__main__":

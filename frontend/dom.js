@@ -44,26 +44,6 @@ export function replace(node, ...children) {
   return append(node, children);
 }
 
-/**
- * Format a number for people: '—' for null/NaN, compact exponent notation outside [1e-3, 1e4), 3 significant
- * digits inside. Gradient magnitudes span 70 decades, so the exponent is what matters.
- */
-export function fmt(x, digits = 3) {
-  if (x === null || x === undefined || Number.isNaN(x)) return '—';
-  if (x === Infinity) return '+inf';
-  if (x === -Infinity) return '-inf';
-  if (x === 0) return '0';
-  const a = Math.abs(x);
-  if (a >= 1e4 || a < 1e-3) return x.toExponential(Math.max(digits - 2, 0)).replace('e+', 'e');
-  return String(Number(x.toPrecision(digits)));
-}
-
-/** Format an integer count with thin grouping. */
-export function fmtInt(x) {
-  if (x === null || x === undefined || Number.isNaN(x)) return '—';
-  return Math.round(x).toLocaleString('en-US');
-}
-
 /** Call `fn` at most once per `ms` after the last call (for sliders and text filters). */
 export function debounce(fn, ms) {
   let timer = null;

@@ -24,19 +24,12 @@ from typing import Any
 import numpy as np
 
 from tb_gradhealth import _storage, _tiers, metadata, record
+from tb_gradhealth._assembly import RunSeries, TagData, assemble
 from tb_gradhealth._eventfile import ScanEnd, scan_framed
+from tb_gradhealth._logdirreader import add_event, find_runs, read_run_dir
+from tb_gradhealth._providerreader import LISTING_TTL_S, ProviderError
+from tb_gradhealth._streams import run_of, split_streams
 from tb_gradhealth.problems import Kind, any_of_kind
-from tb_gradhealth.reader import (
-    LISTING_TTL_S,
-    ProviderError,
-    RunSeries,
-    TagData,
-    add_event,
-    assemble,
-    find_runs,
-    read_run_dir,
-    split_streams,
-)
 
 #: Bytes of an event file read and decoded at a time: the most disk-form data held besides the records.
 CHUNK_BYTES = 32 << 20
@@ -258,7 +251,7 @@ class FileReader:
     def _dirs_for(self, name: str, listing: Mapping[str, list[str]]) -> list[str]:
         with self._lock:
             known = self._names.get(name)
-        guesses = [known, name, name.rpartition(" [")[0] if name.endswith("]") else None]
+        guesses = [known, name, run_of(name)]
         return list(dict.fromkeys(d for d in guesses if d is not None and d in listing))
 
     def _sizes(self, paths: Sequence[str]) -> tuple[tuple[str, int], ...]:

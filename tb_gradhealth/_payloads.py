@@ -250,14 +250,20 @@ def histograms_payload(series: RunSeries, layer: str) -> dict[str, Any]:
 
 
 def profile_index(series: RunSeries, step: int | None) -> int:
-    """The depth profile's step: the latest logged step ≤ ``step``; without a step, the last one where some layer
-    has a finite value (an all-NaN last step would draw an empty chart)."""
+    """The depth profile's step: the latest logged step ≤ ``step``; without a step, the last one where every layer
+    that has a record there has finite values (a run that ended in NaN opens on the gradients just before it), else
+    the last one with the most layers whose values are all finite (an all-NaN last step would draw an empty chart)."""
     k = at_index(series, step)
     if step is None:
+        present = ~np.isnan(series.records[..., record.INDEX["size"]])
         with np.errstate(invalid="ignore"):
-            shows = np.flatnonzero((record.finite_count(series.records) > 0).any(axis=1))
-        if shows.size:
-            k = int(shows[-1])
+            finite = present & (record.nonfinite_count(series.records) == 0)
+        shown = finite.sum(axis=1)
+        every = np.flatnonzero(present.any(axis=1) & (shown == present.sum(axis=1)))
+        if every.size:
+            k = int(every[-1])
+        elif shown.any():
+            k = int(np.flatnonzero(shown == shown.max())[-1])
     return k
 
 

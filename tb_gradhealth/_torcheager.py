@@ -14,8 +14,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from tb_gradhealth import _devicestats, record
+from tb_gradhealth import _core, _devicestats, record
 from tb_gradhealth import _torchstats as ts
+from tb_gradhealth._core import LayerInputs
 
 #: Flag bytes that one int64 row sum adds without a carry between its eight byte lanes: 255 words of 8 bytes.
 _COUNT_ROW = 255
@@ -83,10 +84,11 @@ class _Batch:
         return self.reduce(count_normal, lambda b: b.seg_sum((b.values.view(torch.int32) & 0x7F800000).bool().long()))
 
 
-def compute(grads: Sequence[Any], weights: Sequence[Any], updates: Sequence[Any], sizes: Sequence[int],
-            hist_sample: int, offsets: Sequence[int] | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+def compute(inputs: LayerInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(counts int64 [L, 5], values float32 [L, NUM_VALUES + HIST_BINS])`` of every layer, or ``None`` when the
-    tensors are on more than one device (then each layer is computed on its own)."""
+    tensors are on more than one device (then each layer is computed on its own). ``inputs.offsets``: ints."""
+    grads, weights, updates, offsets = inputs.grads, inputs.weights, inputs.updates, inputs.offsets
+    sizes, hist_sample = inputs.sizes, inputs.hist_sample
     dense = [ts.flat(g) if g is not None and not g.is_sparse and g.numel() else None for g in grads]
     norms = [None if t is None else ts.norm_input(t) for t in (*weights, *updates)]
     tensors = [x for x in (*dense, *norms) if x is not None]
@@ -159,10 +161,9 @@ def _sample(x: torch.Tensor, hist_sample: int, offset: Any, layer: int) -> torch
     if not hist_sample or n <= hist_sample:
         return x
     if offset is None:
-        offset = ts.data_offset(x, layer)
-        pos = (offset + torch.arange(hist_sample, device=x.device) * record.sample_stride(n)) % n
+        pos = _core.sample_positions(ts.data_offset(x, layer), n, hist_sample, const=lambda a: ts.const(a, x))
     else:  # on the host: one small copy instead of three device ops
-        pos = torch.from_numpy((offset + np.arange(hist_sample, dtype=np.int64) * record.sample_stride(n)) % n)
+        pos = torch.from_numpy(_core.sample_positions(offset, n, hist_sample))
     return x[pos.to(x.device)]
 
 

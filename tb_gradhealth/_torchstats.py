@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tb_gradhealth import _devicebatch, _devicestats, record
+from tb_gradhealth import _core, _devicebatch, _devicestats, record
+from tb_gradhealth._core import LayerInputs
 from tb_gradhealth.record import Delta
 
 _EDGES: dict[torch.device, torch.Tensor] = {}
@@ -34,10 +35,8 @@ def edges(device: torch.device) -> torch.Tensor:
 
 def data_offset(x: torch.Tensor, layer: int) -> torch.Tensor:
     """A sampling offset from the data (four probes' float32 bits, mixed with the layer index): no host input."""
-    n = x.numel()
-    probes = x[torch.tensor([0, n // 3, n // 2, n - 1], device=x.device)].float().view(torch.int32).long()
-    mix = probes[0] ^ (probes[1] * 31) ^ (probes[2] * 131 + probes[3]) ^ record.sample_salt(layer)
-    return mix & 0x7FFFFFFFFFFF
+    probes = x[torch.tensor(_core.probe_indices(x.numel()), device=x.device)].float().view(torch.int32).long()
+    return (_core.probe_hash(probes) ^ record.sample_salt(layer)) & 0x7FFFFFFFFFFF
 
 
 def seed_offset(seed: int, layer: int) -> int:
@@ -82,13 +81,12 @@ BE = _devicestats.Backend(
 
 
 def sampler(n: int, hist_sample: int, offset: Any) -> Any:
-    """The sampling rule: ``hist_sample`` positions ``(offset + i * stride) % n`` (``None``: exact histogram)."""
+    """The values at :func:`_core.sample_positions` of a tensor of ``n`` (``None``: the exact histogram is due)."""
     if not hist_sample or n <= hist_sample:
         return None
 
     def sample(x: torch.Tensor) -> torch.Tensor:
-        i = torch.arange(hist_sample, device=x.device, dtype=torch.int64)
-        return x[(offset + i * record.sample_stride(n)) % n]
+        return x[_core.sample_positions(offset, n, hist_sample, const=lambda a: const(a, x))]
 
     return sample
 
@@ -134,10 +132,11 @@ def flat_size(g: torch.Tensor) -> int:
     return g.numel() if not g.is_sparse else g._nnz() * int(np.prod(g.shape[g.sparse_dim():], dtype=np.int64))
 
 
-def traced_records(grads: Sequence[Any], weights: Sequence[Any], updates: Sequence[Any], sizes: Sequence[int],
-                   hist_sample: int, offsets: Any, be: _devicestats.Backend = BE) -> tuple[torch.Tensor, torch.Tensor]:
+def traced_records(inputs: LayerInputs, be: _devicestats.Backend = BE) -> tuple[torch.Tensor, torch.Tensor]:
     """``(counts [L, 5], values [L, 89])`` of every layer with one conditional for the whole model
     (:mod:`tb_gradhealth._devicebatch`, with backend ``be``): what ``torch.compile`` traces."""
+    grads, weights, updates, offsets = inputs.grads, inputs.weights, inputs.updates, inputs.offsets
+    sizes, hist_sample = inputs.sizes, inputs.hist_sample
     device = next((t.device for t in (*grads, *weights) if isinstance(t, torch.Tensor)), torch.device("cpu"))
     dense = [flat(g) if g is not None and not g.is_sparse and g.numel() else None for g in grads]
     samplers = []

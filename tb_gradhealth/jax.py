@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from tb_gradhealth import _devicestats, record
+from tb_gradhealth import _core, _devicestats, record
+from tb_gradhealth._core import LayerInputs
 from tb_gradhealth._failsafe import Failsafe
 from tb_gradhealth.writer import Writer
 
@@ -105,18 +106,17 @@ def _mix(h: jax.Array) -> jax.Array:
 
 
 def _sampler(x: jax.Array, hist_sample: int, layer: int, seed: Any) -> Callable[[jax.Array], jax.Array] | None:
-    """The sampling rule: ``hist_sample`` positions ``(offset + i * stride) % n``; offset from seed or data."""
+    """The values at :func:`_core.sample_positions` of ``x``, the offset from ``seed`` or the data (``None``: the
+    exact histogram is due)."""
     n = int(x.size)
     if not hist_sample or n <= hist_sample:
         return None
-    base = jnp.asarray((np.arange(hist_sample, dtype=np.int64) * record.sample_stride(n)) % n, jnp.uint32)
     if seed is None:
-        probes = lax.bitcast_convert_type(x[jnp.asarray([0, n // 3, n // 2, n - 1])], jnp.uint32)
-        h = probes[0] ^ (probes[1] * jnp.uint32(31)) ^ (probes[2] * jnp.uint32(131) + probes[3])
+        h = _core.probe_hash(lax.bitcast_convert_type(x[jnp.asarray(_core.probe_indices(n))], jnp.uint32))
     else:
         h = jnp.asarray(seed).astype(jnp.uint32) * jnp.uint32(0x9E3779B9)
     offset = _mix(h + jnp.uint32(record.sample_salt(layer) & 0xFFFFFFFF)) % jnp.uint32(n)
-    pos = (base + offset) % jnp.uint32(n)
+    pos = _core.sample_positions(offset, n, hist_sample, const=lambda a: jnp.asarray(a, jnp.uint32))
     return lambda v: v[pos.astype(jnp.int32)]
 
 
@@ -141,31 +141,44 @@ def compute(grads: Any, weights: Any = None, updates: Any = None, *, hist_sample
     ``shard_map``, the mesh axis over which ``grads`` are sharded: the shards' records are merged (:func:`merge`).
     """
     names, glist = _leaves(grads)
-    wlist, ulist = _aligned(weights, names), _aligned(updates, names)
-    counts, values = [], []
-    for i, (g, w, u) in enumerate(zip(glist, wlist, ulist, strict=True)):
-        wr = None if w is None else _devicestats.norm_stats(_BE, _flat(w))
-        ur = None if u is None else _devicestats.norm_stats(_BE, _flat(u))
-        if g is None or np.size(g) == 0:
-            size = 0 if g is not None else (int(np.size(w)) if w is not None else 0)
-            c = jnp.asarray([size, 0, 0, 0, 0], jnp.int32)
-            gv = _devicestats.empty_values(_BE, None)
-        else:
-            x = _flat(g)
-            c, gv = _devicestats.grad_stats(_BE, x, 0, hist_sample, _sampler(x, hist_sample, i, seed))
-        counts.append(c.astype(jnp.int32))
-        values.append(_devicestats.assemble(_BE, gv, wr, ur, g is None))
-    if not counts:
+    wlist = _aligned(weights, names)
+    inputs = LayerInputs(grads=glist, weights=wlist, updates=_aligned(updates, names),
+                         sizes=[_size(g, w) for g, w in zip(glist, wlist, strict=True)],
+                         hist_sample=hist_sample, seed=seed)
+    rows = [_layer_record(inputs, i) for i in range(len(names))]
+    if not rows:
         return jnp.zeros((0, record.NUM_FIELDS), jnp.float32)
-    c, v = jnp.stack(counts), jnp.stack(values)
+    c, v = jnp.stack([c for c, _ in rows]), jnp.stack([v for _, v in rows])
     if axis_name is not None:
         return merge(c, v, axis_name)
     return _stack(c, v)
 
 
+def _size(g: Any, w: Any) -> int:
+    """A layer's element count: its gradient's, else (missing) its weight's, else 0."""
+    t = g if g is not None else w
+    return 0 if t is None else int(np.size(t))
+
+
+def _layer_record(inputs: LayerInputs, i: int) -> tuple[jax.Array, jax.Array]:
+    """``(counts int32 [5], values float32 [89])`` of layer ``i`` (a ``None`` or empty gradient: the empty record
+    of the layer's size)."""
+    g, w, u = inputs.grads[i], inputs.weights[i], inputs.updates[i]
+    wr = None if w is None else _devicestats.norm_stats(_BE, _flat(w))
+    ur = None if u is None else _devicestats.norm_stats(_BE, _flat(u))
+    if g is None or np.size(g) == 0:
+        c = jnp.asarray([inputs.sizes[i], 0, 0, 0, 0], jnp.int32)
+        gv = _devicestats.empty_values(_BE, None)
+    else:
+        x = _flat(g)
+        c, gv = _devicestats.grad_stats(_BE, x, 0, inputs.hist_sample, _sampler(x, inputs.hist_sample, i, inputs.seed))
+    return c.astype(jnp.int32), _devicestats.assemble(_BE, gv, wr, ur, g is None)
+
+
 def _stack(counts: jax.Array, values: jax.Array) -> jax.Array:
-    return jnp.concatenate([lax.bitcast_convert_type(counts.astype(jnp.int32), jnp.float32),
-                            values.astype(jnp.float32)], axis=1)
+    """``[L, 5]`` int counts and ``[L, 89]`` float32 values -> the stacked ``[L, 94]`` float32 array."""
+    return _core.stack(lax.bitcast_convert_type(counts.astype(jnp.int32), jnp.float32), values.astype(jnp.float32),
+                       lambda p: jnp.concatenate(p, axis=1))
 
 
 def merge(counts: jax.Array, values: jax.Array, axis_name: Any) -> jax.Array:
@@ -178,8 +191,7 @@ def merge(counts: jax.Array, values: jax.Array, axis_name: Any) -> jax.Array:
 
 def to_memory(stacked: Any) -> np.ndarray:
     """Packed records (device or host) -> memory-form rows ``[L, NUM_FIELDS]`` float64: the one host copy."""
-    p = np.ascontiguousarray(jax.device_get(stacked), dtype=np.float32)
-    return record.from_device(p[:, : record.NUM_COUNTS].copy().view(np.int32), p[:, record.NUM_COUNTS :])
+    return _core.decode_stacked(jax.device_get(stacked))
 
 
 def add_records(writer: Writer, step: int, names: list[str], stacked: Any, *, name: str = "gradients") -> str:

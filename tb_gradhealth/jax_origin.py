@@ -32,13 +32,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tb_gradhealth import origin, record
+from tb_gradhealth import origin
 from tb_gradhealth.origin import NanOrigin, nonfinite_samples
 
 __all__ = ["OriginFinder", "replay", "NanOrigin"]
 
 _log = logging.getLogger("tb_gradhealth")
-_NONFINITE = [record.INDEX[k] for k in ("nan", "posinf", "neginf")]
 #: Primitives whose body is a jaxpr to inline (``jit`` calls, custom derivatives keep their primal body).
 _CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
           "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",
@@ -213,19 +212,18 @@ def replay(loss_fn: Callable[..., Any], params: Any, *batch: Any, step: int) -> 
     return NanOrigin(**{**found.__dict__, "seconds": time.perf_counter() - start})
 
 
-class OriginFinder:
+class OriginFinder(origin.OriginSearch):
     """Replays the first step whose record holds a NaN/Inf; the answer in :attr:`origin` (and in ``log_dir``)."""
 
     def __init__(self, loss_fn: Callable[..., Any], log_dir: str | None = None, *, name: str = "gradients") -> None:
-        self.loss_fn, self.log_dir, self.name = loss_fn, log_dir, name
-        self.origin: NanOrigin | None = None
+        super().__init__(log_dir, name)
+        self.loss_fn = loss_fn
 
     def check(self, step: int, rows: np.ndarray, params: Any, *batch: Any) -> NanOrigin | None:
         """After step ``step``: ``rows`` its memory-form record (``tb_gradhealth.jax.to_memory``), ``params`` the
         weights the step started from; the origin, the first time the record shows a NaN/Inf."""
-        if self.origin is not None or not np.any(np.asarray(rows)[:, _NONFINITE] > 0):
-            return None
-        found = replay(self.loss_fn, params, *batch, step=int(step))
-        self.origin = found
-        origin.announce(found, self.log_dir, self.name)
-        return found
+        return self.find(step, rows, params=params, batch=batch)
+
+    def replay(self, step: int, *, params: Any, batch: Sequence[Any]) -> NanOrigin:
+        """The step's jaxpr evaluated equation by equation from ``params`` on ``batch`` (:func:`replay`)."""
+        return replay(self.loss_fn, params, *batch, step=step)

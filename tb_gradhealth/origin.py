@@ -21,9 +21,11 @@ import numpy as np
 from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.util import tensor_util
 
+from tb_gradhealth._core import NONFINITE_COLUMNS
 from tb_gradhealth._eventfile import EventFile, iter_framed
 
-__all__ = ["NanOrigin", "PLUGIN_NAME", "write", "read_event_files", "read_provider", "UnsupportedVersion"]
+__all__ = ["NanOrigin", "OriginSearch", "PLUGIN_NAME", "write", "read_event_files", "read_provider",
+           "UnsupportedVersion"]
 
 PLUGIN_NAME = "gradhealth_origin"
 #: Tags are ``gradhealth_origin/<name>``: outside the ``gradhealth/`` prefix that record readers claim.
@@ -173,6 +175,44 @@ def announce(found: NanOrigin, logdir: str | None, name: str = "gradients") -> N
             _log.warning("tb_gradhealth: could not store the NaN origin: %s", e)
     _log.warning("tb_gradhealth: %s", found.message())
     return found
+
+
+class OriginSearch:
+    """The one NaN-origin protocol: each framework's finder is an ``OriginSearch`` and answers
+    :meth:`find` the same way; only :meth:`replay` (how the step is replayed) is its own.
+
+    ``log_dir`` (optional) is the run directory where the answer is stored for TensorBoard and
+    ``tb-gradhealth report``; ``name`` the record stream it belongs to.
+    """
+
+    def __init__(self, log_dir: str | None = None, name: str = "gradients") -> None:
+        self.log_dir = None if log_dir is None else str(log_dir)
+        self.name = name
+        #: The answer (a :class:`NanOrigin`) once a record held a NaN/Inf; None before.
+        self.origin: NanOrigin | None = None
+
+    def find(self, step: int, counts: Any, *, log_dir: str | None = None, **inputs: Any) -> NanOrigin | None:
+        """After step ``step``, whose record's counts are ``counts`` (memory-form rows, or device counts
+        ``[L, 5]``: the count columns are the same): the first time they hold a NaN/Inf, the step is replayed
+        (:meth:`replay` with ``inputs``, what the framework's replay needs) and the answer kept in
+        :attr:`origin`, stored in the finder's ``log_dir`` (else the ``log_dir`` given here) and returned;
+        otherwise None."""
+        if self.origin is not None:
+            return None
+        if not np.any(np.asarray(counts)[:, NONFINITE_COLUMNS] > 0):
+            self.finite(step)
+            return None
+        found = self.replay(int(step), **inputs)
+        self.origin = found
+        announce(found, self.log_dir or log_dir, self.name)
+        return found
+
+    def replay(self, step: int, **inputs: Any) -> NanOrigin:
+        """The answer for step ``step``, whose record holds a NaN/Inf (found or not, with the reason)."""
+        raise NotImplementedError
+
+    def finite(self, step: int) -> None:
+        """What a finder does with a record of step ``step`` that holds no NaN/Inf (by default nothing)."""
 
 
 def _decode_value(value: Any, problems: list[str], where: str) -> NanOrigin | None:

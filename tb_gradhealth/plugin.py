@@ -45,6 +45,7 @@ from tb_gradhealth._payloads import (
     runs_payload,
     series_payload,
 )
+from tb_gradhealth._streams import run_of
 from tb_gradhealth.reader import ProviderError, ProviderReader, RunSeries
 
 _log = logging.getLogger(__name__)
@@ -258,7 +259,7 @@ class GradHealthPlugin(base_plugin.TBPlugin):
             return None
         try:
             return self._losses.get(plugin_util.context(request.environ), plugin_util.experiment_id(request.environ),
-                                    run.split(" [", 1)[0])
+                                    run_of(run))
         except Exception:  # noqa: BLE001 - the data provider's own failure: the gradients alone speak
             _log.warning("gradhealth: reading the loss of run %r failed", run, exc_info=True)
             return None
@@ -310,7 +311,7 @@ class GradHealthPlugin(base_plugin.TBPlugin):
         ``origin`` null when none was stored."""
         _no_extra(request.args, ("run",))
         run = _required(request.args, "run")
-        directory = run.split(" [", 1)[0]  # a run's other streams ("run [probe_gradients]") share its directory
+        directory = run_of(run)  # a run's other streams ("run [probe_gradients]") share its directory
         problems: list[str] = []
         try:
             found = origin.first(origin.read_provider(self._context.data_provider, plugin_util.context(request.environ),

@@ -20,6 +20,7 @@ import numpy as np
 from tensorboard.util import tensor_util
 
 from tb_gradhealth._eventfile import iter_summary_values
+from tb_gradhealth._streams import run_of
 
 #: The loss as the Keras callback records it (v1).
 LOSS_TAG = "gradhealth_progress_v1/loss"
@@ -118,5 +119,4 @@ def run_paths(runs: Mapping[str, Sequence[str]], run: str) -> Sequence[str]:
     its run's directory)."""
     if run in runs:
         return runs[run]
-    base = run.rsplit(" [", 1)[0]
-    return runs.get(base, ())
+    return runs.get(run_of(run), ())

@@ -2,9 +2,10 @@
 
 * :func:`compute` turns gradients into a :class:`DeviceRecord` ``(counts int32 [L, 5], values float32 [L, 89])``
   with the numbers of :func:`tb_gradhealth.record.compute` (the float64 reference). All layers' statistics run in
-  one compiled XLA function (:mod:`tb_gradhealth._tf.packed`: a fixed number of loops whatever the number of layers,
-  so a model of hundreds of variables compiles in seconds), inlined into the caller's cluster inside a
-  ``jit_compile=True`` step; ``jit="graph"`` runs the same layout as plain TF ops (nothing to compile).
+  one layout (:mod:`tb_gradhealth._tf.packed`: a fixed number of loops whatever the number of layers): by default
+  as plain TF ops in the caller's graph, inlined into the caller's cluster inside a ``jit_compile=True`` step, so
+  nothing compiles XLA that the user did not ask to compile; ``jit=True`` compiles them as one XLA function of
+  their own even in a plain ``tf.function`` (a model of hundreds of variables compiles in seconds).
 * :func:`write` encodes a device record on the host (``tf.numpy_function`` calling :func:`record.to_disk`: one
   encoder) and writes it with ``tf.summary.write``.
 * :func:`gradients` = compute + write, for custom training loops (eager or ``tf.function``). Inside
@@ -23,42 +24,15 @@ import numpy as np
 import tensorflow as tf
 
 from tb_gradhealth import metadata, record
-from tb_gradhealth._tf import compat, kernels, packed
-from tb_gradhealth._tf.kernels import Delta, DeviceRecord, size_rows
-from tb_gradhealth._tf.naming import is_variable, layer_names, normalize, variable_names
+from tb_gradhealth._tf import compat, records
+from tb_gradhealth._tf.kernels import DeviceRecord, size_rows
+from tb_gradhealth._tf.naming import layer_names, normalize, variable_names
+from tb_gradhealth.record import Delta
 
 __all__ = [
     "DeviceRecord", "Delta", "compute", "layer_names", "normalize", "variable_names", "write", "gradients",
     "to_disk", "size_rows",
 ]
-
-
-def _static_size(g: Any, var: Any, w: Any) -> int:
-    for t in (var, w, g):
-        if t is None:
-            continue
-        if isinstance(t, tf.IndexedSlices):
-            dense = tf.get_static_value(t.dense_shape)
-            if dense is not None:
-                return int(np.prod(dense))
-            continue
-        shape = getattr(t, "shape", None)
-        if shape is not None:
-            n = tf.TensorShape(shape).num_elements()
-            if n is not None:
-                return int(n)
-    return -1
-
-
-def _as_tensor(t: Any) -> Any:
-    if t is None or isinstance(t, tf.IndexedSlices):
-        return t
-    if isinstance(t, Delta):
-        return Delta(_as_tensor(t.before), _as_tensor(t.after))
-    value = getattr(t, "value", None)  # Keras 3 variable -> its tf.Variable
-    if is_variable(t) and isinstance(value, tf.Variable):
-        t = value
-    return tf.convert_to_tensor(t)
 
 
 @tf.autograph.experimental.do_not_convert
@@ -69,47 +43,21 @@ def compute(
     *,
     hist_sample: int = record.DEFAULT_HIST_SAMPLE,
     seed: Any = None,
-    jit: bool | str = True,
+    jit: bool | str = "graph",
 ) -> DeviceRecord:
     """Device records of ``grads`` (pairs, dict or lists: see :func:`normalize`), rows in :func:`layer_names` order.
 
     ``weights=True`` (with pairs) or a list/dict of tensors adds the weight norms; ``updates`` (list/dict) the
     applied-update norms, each a tensor or a :class:`Delta` ``(before, after)`` (cheaper: the difference is
     fused into the update's loop, never written out). ``seed`` (int or scalar tensor, e.g. the step) seeds
-    histogram sampling; by default the seed comes from the data. ``jit=True`` (or ``"cluster"``) computes every
-    layer's statistics in one XLA function, compiled once per model signature (:mod:`tb_gradhealth._tf.packed`; works
-    eagerly and in ``tf.function``; inside ``jit_compile=True`` it is inlined into the caller's cluster);
-    ``jit="graph"`` computes the same all-layer statistics as plain TF ops in the caller's graph (no XLA compile
-    and none of XLA's memory; slower per call: a few passes over the data instead of one fused loop; inside
-    ``jit_compile=True`` the same as ``True``); ``jit=False`` uses plain TF ops, layer by layer.
+    histogram sampling; by default the seed comes from the data. ``jit="graph"`` (default) computes every layer's
+    statistics as plain TF ops in the caller's graph (no XLA compile and none of XLA's memory; inside
+    ``jit_compile=True`` they are compiled with the caller's cluster, as with ``True``); ``jit=True`` (or
+    ``"cluster"``) computes them in one XLA function, compiled once per model signature even outside a compiled
+    step (:mod:`tb_gradhealth._tf.packed`; eagerly and in ``tf.function``: one fused loop over the data, at the
+    price of a compile and XLA's memory); ``jit=False`` uses plain TF ops, layer by layer.
     """
-    names, glist, wlist, variables = normalize(grads, weights)
-    if isinstance(updates, Mapping):
-        ulist = [updates.get(n) for n in names]
-    elif updates is None:
-        ulist = [None] * len(glist)
-    else:
-        ulist = list(updates)
-    sizes = tuple(_static_size(g, v, w) for g, v, w in zip(glist, variables, wlist, strict=True))
-    for g, size in zip(glist, sizes, strict=True):
-        if g is None and size < 0:
-            raise ValueError("a None gradient needs its variable (or weight) to know the layer's size")
-    inputs = kernels.LayerInputs(
-        grads=tuple(_as_tensor(g) for g in glist),
-        weights=tuple(_as_tensor(w) for w in wlist),
-        updates=tuple(_as_tensor(u) for u in ulist),
-        sizes=sizes,
-        hist_sample=int(hist_sample or 0),
-        seed=None if seed is None else tf.convert_to_tensor(seed),
-    )
-    xla = compat.in_xla_context()
-    if jit == "graph" and not xla:  # the all-layer statistics as plain graph ops
-        return packed.compute(inputs)
-    if not jit or not kernels.fused_reductions_available():
-        return kernels.compute_layers(inputs)
-    if xla:  # inside a compiled function: inline into its cluster
-        return packed.compute(inputs)
-    return packed.compute_deferring(inputs)
+    return records.compute(grads, weights, updates, hist_sample=hist_sample, seed=seed, jit=jit)
 
 
 # --- host-side write ------------------------------------------------------------------------------------------
@@ -137,13 +85,15 @@ def write(
     *,
     kind: str = "gradients",
     hist_sample: int = record.DEFAULT_HIST_SAMPLE,
+    layer_info: Sequence[tuple[str, str]] = (),
 ) -> tf.Tensor | bool:
     """Write a device record (or a callable making one, evaluated only when recording) as one summary event.
 
     Uses the default ``tf.summary`` writer; ``step`` defaults to ``tf.summary.experimental.get_step()``. Returns
     what ``tf.summary.write`` returns (whether a summary was written). Not usable inside ``jit_compile=True``.
     The tag carries the step's block (:func:`metadata.tag_for`), as the numpy ``Writer``'s, so that a run of any
-    length is read in bounded answers.
+    length is read in bounded answers. ``layer_info``: per row, ``(layer kind, activation)`` of the model
+    (:func:`tb_gradhealth.layerinfo.model_layer_info`), which the diagnosis uses to word its fixes.
     """
     if compat.in_xla_context():
         raise RuntimeError(
@@ -151,7 +101,8 @@ def write(
             "summary.compute(...) from the compiled step and call summary.write(record, names) outside it"
         )
     layers = [str(n) for n in layers]
-    md = metadata.create_summary_metadata(layers, kind=kind, hist_sample=hist_sample)
+    md = metadata.create_summary_metadata(layers, kind=kind, hist_sample=hist_sample,
+                                          layer_info=tuple(tuple(x) for x in layer_info))
 
     def tensor() -> tf.Tensor:
         rec = device_record() if callable(device_record) else device_record
@@ -177,12 +128,13 @@ def gradients(
     *,
     updates: Any = None,
     seed: Any = None,
-    jit: bool | str = True,
+    jit: bool | str = "graph",
 ) -> tf.Tensor | bool:
     """Record gradient health as one summary: ``compute`` + ``write``, for custom loops (eager or ``tf.function``).
 
     Use it under ``writer.as_default()`` like any ``tf.summary`` op; nothing is computed when no summary is being
-    recorded (``tf.summary.record_if``). ``weights=True`` also records the norms of the pairs' variables.
+    recorded (``tf.summary.record_if``). ``weights=True`` also records the norms of the pairs' variables. ``jit``
+    as for :func:`compute`: by default nothing is compiled with XLA (``jit=True`` compiles the statistics).
     Inside ``jit_compile=True`` it raises: return ``compute(...)`` from the compiled step, ``write(...)`` outside.
     """
     if compat.in_xla_context():

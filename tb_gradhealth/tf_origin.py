@@ -30,22 +30,21 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import tensorflow as tf
 
-from tb_gradhealth import origin, record
+from tb_gradhealth import origin
+from tb_gradhealth._core import NONFINITE_COLUMNS
 from tb_gradhealth._tf import replay
 from tb_gradhealth.origin import NanOrigin
 
 __all__ = ["OriginFinder", "apply_if_finite", "NanOrigin"]
 
 _log = logging.getLogger("tb_gradhealth")
-_NONFINITE = [record.INDEX[k] for k in ("nan", "posinf", "neginf")]
 
 
 def _nonfinite_total(device_record: Any) -> tf.Tensor:
     counts = device_record[0]
-    return tf.reduce_sum(tf.gather(counts, _NONFINITE, axis=1))
+    return tf.reduce_sum(tf.gather(counts, NONFINITE_COLUMNS, axis=1))
 
 
 def apply_if_finite(optimizer: Any, grads_and_vars: Any, device_record: Any) -> tf.Tensor:
@@ -60,7 +59,7 @@ def apply_if_finite(optimizer: Any, grads_and_vars: Any, device_record: Any) -> 
     return tf.cond(_nonfinite_total(device_record) > 0, lambda: tf.constant(False), apply)
 
 
-class OriginFinder:
+class OriginFinder(origin.OriginSearch):
     """Replays the first step whose record holds a NaN/Inf and keeps the answer in :attr:`origin`.
 
     ``loss_fn(*batch)`` computes the step's loss (the forward pass in training mode) with the current weights;
@@ -71,24 +70,16 @@ class OriginFinder:
 
     def __init__(self, loss_fn: Callable[..., Any], variables: Sequence[Any], log_dir: str | None = None, *,
                  name: str = "gradients", root: Any = None) -> None:
+        super().__init__(log_dir, name)
         self.loss_fn = loss_fn
         self.variables = list(variables)
-        self.log_dir = None if log_dir is None else str(log_dir)
-        self.name = name
         self.root = root
-        #: The answer (a :class:`NanOrigin`) once a record held a NaN/Inf; None before.
-        self.origin: NanOrigin | None = None
 
     def check(self, step: int, device_record: Any, *batch: Any) -> NanOrigin | None:
         """After step ``step`` (its record and batch): the origin, the first time the record shows a NaN/Inf."""
-        if self.origin is not None:
-            return None
-        counts = np.asarray(device_record[0])
-        if not counts[:, _NONFINITE].any():
-            return None
+        return self.find(step, device_record[0], batch=batch)
+
+    def replay(self, step: int, *, batch: Sequence[Any]) -> NanOrigin:
+        """The step replayed op by op on ``batch`` (:func:`tb_gradhealth._tf.replay.replay`)."""
         names = {f"batch[{i}]" if len(batch) > 1 else "batch": b for i, b in enumerate(batch)}
-        found = replay.replay(lambda: self.loss_fn(*batch), self.variables, step=int(step), batch=names,
-                                  root=self.root)
-        self.origin = found
-        origin.announce(found, self.log_dir, self.name)
-        return found
+        return replay.replay(lambda: self.loss_fn(*batch), self.variables, step=step, batch=names, root=self.root)

@@ -38,8 +38,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from tb_gradhealth import _devicebatch, _devicestats, _torcheager, record
+from tb_gradhealth import _core, _devicebatch, _devicestats, _torcheager, record
 from tb_gradhealth import _torchstats as ts
+from tb_gradhealth._core import LayerInputs
 from tb_gradhealth._failsafe import Failsafe
 from tb_gradhealth.record import Delta
 from tb_gradhealth.torch_kinds import layer_info_for
@@ -58,7 +59,8 @@ __all__ = [
     "to_memory",
 ]
 
-_VI = {name: record.NUM_COUNTS + i for i, name in enumerate(record.VALUE_FIELDS)}
+#: The stacked columns of the applied update's norms (:func:`after_step` fills them in).
+_UPDATE_COLUMNS = [_core.stacked_column("update_max_abs"), _core.stacked_column("update_ssq_rel")]
 
 
 # --- inputs -------------------------------------------------------------------------------------------------
@@ -96,41 +98,35 @@ def _local(t: Any) -> Any:
 
 def _stack(counts: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """``[L, 5]`` int counts and ``[L, 89]`` float32 values -> the stacked ``[L, 94]`` float32 tensor."""
-    return torch.cat([counts.to(torch.int32).view(torch.float32), values.float()], dim=1)
+    return _core.stack(counts.to(torch.int32).view(torch.float32), values.float(), lambda p: torch.cat(p, dim=1))
 
 
 def _unstack(stacked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return stacked[:, : record.NUM_COUNTS].contiguous().view(torch.int32).long(), stacked[:, record.NUM_COUNTS :]
+    """The stacked tensor -> its ``[L, 5]`` int64 counts and ``[L, 89]`` float32 values."""
+    bits, values = _core.unstack(stacked)
+    return bits.contiguous().view(torch.int32).long(), values
 
 
-def _per_layer(
-    grads: Sequence[Any], weights: Sequence[Any], updates: Sequence[Any], sizes: Sequence[int],
-    hist_sample: int, offsets: Any,
-) -> torch.Tensor:
+def _per_layer(inputs: LayerInputs) -> torch.Tensor:
     """Each layer on its own (tensors on several devices)."""
-    rows = []
-    for i, (g, w, u, size) in enumerate(zip(grads, weights, updates, sizes, strict=True)):
-        rows.append(ts.layer_record(g, w, u, size, hist_sample, i, None if offsets is None else offsets[i]))
+    offsets = inputs.offsets
+    rows = [ts.layer_record(g, w, u, size, inputs.hist_sample, i, None if offsets is None else offsets[i])
+            for i, (g, w, u, size) in enumerate(zip(inputs.grads, inputs.weights, inputs.updates, inputs.sizes,
+                                                    strict=True))]
     return _stack(torch.stack([c for c, _ in rows]), torch.stack([v for _, v in rows]))
 
 
-def _traced(
-    grads: Sequence[Any], weights: Sequence[Any], updates: Sequence[Any], sizes: Sequence[int],
-    hist_sample: int, offsets: Any,
-) -> torch.Tensor:
+def _traced(inputs: LayerInputs) -> torch.Tensor:
     """Every layer at once with one conditional for the model: under ``torch.compile``."""
-    return _stack(*ts.traced_records(grads, weights, updates, sizes, hist_sample, offsets))
+    return _stack(*ts.traced_records(inputs))
 
 
-def _speculated(
-    grads: Sequence[Any], weights: Sequence[Any], updates: Sequence[Any], sizes: Sequence[int],
-    hist_sample: int, offsets: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _speculated(inputs: LayerInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """``(stacked records, whether they hold)``: every layer through the common branches only (one graph for
     ``compile=True``); they hold unless some tensor needs the scaled passes or the exact histogram."""
     taken: list[torch.Tensor] = []
     be = _devicebatch.speculative(ts.BE, taken)
-    stacked = _stack(*ts.traced_records(grads, weights, updates, sizes, hist_sample, offsets, be))
+    stacked = _stack(*ts.traced_records(inputs, be))
     return stacked, torch.stack(taken).all() if taken else torch.ones((), dtype=torch.bool)
 
 
@@ -158,29 +154,36 @@ def compute(
     if isinstance(weights, Mapping):
         wlist = [weights.get(n) for n in names]
     ulist = [updates.get(n) for n in names] if isinstance(updates, Mapping) else [None] * len(names)
-    glist = [_local(g) for g in glist]
-    wlist = [_local(w) for w in wlist]
-    sizes = [_size(g, w) for g, w in zip(glist, wlist, strict=True)]
-    hs = int(hist_sample or 0)
+    glist = tuple(_local(g) for g in glist)
+    wlist = tuple(_local(w) for w in wlist)
+    sizes = tuple(_size(g, w) for g, w in zip(glist, wlist, strict=True))
     offsets = None if seed is None else [ts.seed_offset(int(seed), i) for i in range(len(names))]
+    inputs = LayerInputs(grads=glist, weights=wlist, updates=tuple(ulist), sizes=sizes,
+                         hist_sample=int(hist_sample or 0), seed=None, offsets=offsets)
     if not names:
         return torch.zeros((0, record.NUM_FIELDS), dtype=torch.float32)
     if compile and not any(g is not None and g.is_sparse for g in glist):
-        global _compiled
-        if _compiled is None:
-            _compiled = torch.compile(_speculated, dynamic=False)
-        dev = next((g.device for g in glist if g is not None), torch.device("cpu"))
-        ts.edges(dev)  # filled before tracing: a cache that changes under the compiled code would recompile it
-        if offsets is not None:  # a tensor, so that a new seed does not recompile
-            offsets = torch.tensor(offsets, dtype=torch.int64, device=dev)
-        stacked, holds = _compiled(glist, wlist, ulist, sizes, hs, offsets)
-        if bool(holds):  # else a tensor needs the scaled passes or the exact histogram: the eager passes below
+        stacked = _compiled_common_branches(inputs)
+        if stacked is not None:
             return stacked
-        offsets = offsets.tolist() if offsets is not None else None
     if torch.compiler.is_compiling():  # traced inside the caller's torch.compile
-        return _traced(glist, wlist, ulist, sizes, hs, offsets)
-    batched = _torcheager.compute(glist, wlist, ulist, sizes, hs, offsets)
-    return _per_layer(glist, wlist, ulist, sizes, hs, offsets) if batched is None else _stack(*batched)
+        return _traced(inputs)
+    batched = _torcheager.compute(inputs)
+    return _per_layer(inputs) if batched is None else _stack(*batched)
+
+
+def _compiled_common_branches(inputs: LayerInputs) -> torch.Tensor | None:
+    """The stacked records through ``torch.compile`` of the common branches, or ``None`` when some tensor needs the
+    scaled passes or the exact histogram (then the eager passes compute them)."""
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(_speculated, dynamic=False)
+    dev = next((g.device for g in inputs.grads if g is not None), torch.device("cpu"))
+    ts.edges(dev)  # filled before tracing: a cache that changes under the compiled code would recompile it
+    if inputs.offsets is not None:  # a tensor, so that a new seed does not recompile
+        inputs = inputs._replace(offsets=torch.tensor(inputs.offsets, dtype=torch.int64, device=dev))
+    stacked, holds = _compiled(inputs)
+    return stacked if bool(holds) else None
 
 
 def _size(g: Any, w: Any) -> int:
@@ -216,9 +219,7 @@ def merge(stacked: torch.Tensor, group: Any = None) -> torch.Tensor:
 
 def to_memory(stacked: torch.Tensor | np.ndarray) -> np.ndarray:
     """Packed records -> memory-form rows ``[L, NUM_FIELDS]`` float64 on the host (the only host copy)."""
-    p = stacked.detach().cpu().numpy() if isinstance(stacked, torch.Tensor) else np.asarray(stacked)
-    p = np.ascontiguousarray(p, dtype=np.float32)
-    return record.from_device(p[:, : record.NUM_COUNTS].copy().view(np.int32), p[:, record.NUM_COUNTS :])
+    return _core.decode_stacked(stacked.detach().cpu().numpy() if isinstance(stacked, torch.Tensor) else stacked)
 
 
 def _rank(group: Any = None) -> int:
@@ -299,7 +300,7 @@ def after_step(pending: tuple[torch.Tensor, dict[str, torch.Tensor] | None],
             update = [ts.flat(u) for u in snapshot]
         else:
             update = [ts.norm_input(Delta(before[n], a)) for (n, _), a in zip(params, after, strict=True)]
-        stacked[:, [_VI["update_max_abs"], _VI["update_ssq_rel"]]] = _torcheager.norms(update)
+        stacked[:, _UPDATE_COLUMNS] = _torcheager.norms(update)
     if sharded:
         stacked = merge(stacked, group)
     return to_memory(stacked) if _rank(group) == 0 else None

@@ -29,7 +29,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from tb_gradhealth import _frames, origin, record
+from tb_gradhealth import _frames, origin
 from tb_gradhealth.origin import NanOrigin, nonfinite_samples
 
 __all__ = ["OriginFinder", "replay", "NanOrigin"]
@@ -210,10 +210,7 @@ def replay(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor], batch: 
     return NanOrigin(**{**found.__dict__, "seconds": time.perf_counter() - start})
 
 
-_NONFINITE = [record.INDEX[k] for k in ("nan", "posinf", "neginf")]
-
-
-class OriginFinder:
+class OriginFinder(origin.OriginSearch):
     """The NaN-origin search of a :class:`~tb_gradhealth.torch.StepRecorder`; the answer in :attr:`origin`.
 
     ``loss_fn(*batch)`` computes the step's loss (forward pass included) with the current weights; ``log_dir``
@@ -222,28 +219,26 @@ class OriginFinder:
 
     def __init__(self, model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor], log_dir: str | None = None,
                  *, name: str = "gradients") -> None:
-        self.model, self.loss_fn, self.log_dir, self.name = model, loss_fn, log_dir, name
-        #: The answer once a record held a NaN/Inf; None before.
-        self.origin: NanOrigin | None = None
+        super().__init__(log_dir, name)
+        self.model, self.loss_fn = model, loss_fn
 
     def after_step(self, step: int, rows: np.ndarray, params: Sequence[tuple[str, torch.nn.Parameter]],
                    before: Mapping[str, torch.Tensor] | None, batch: Sequence[Any] | None,
                    log_dir: str | None = None) -> NanOrigin | None:
         """Called by the recorder with the record it read: on the first NaN/Inf, undo the update and replay."""
-        if self.origin is not None or not np.any(np.asarray(rows)[:, _NONFINITE] > 0):
-            return None
-        if before is not None:  # skip the step, as a GradScaler does: the weights it started from
-            with torch.no_grad():
-                for n, p in params:
-                    p.copy_(before[n])
+        return self.find(step, rows, log_dir=log_dir, params=params, before=before, batch=batch)
+
+    def replay(self, step: int, *, params: Sequence[tuple[str, torch.nn.Parameter]],
+               before: Mapping[str, torch.Tensor] | None, batch: Sequence[Any] | None) -> NanOrigin:
+        """The update undone (the weights ``before`` it put back, as a GradScaler skips a step), then the step
+        replayed op by op on ``batch`` (:func:`replay`)."""
         if before is None:
-            found = NanOrigin(step=step, found=False, framework="torch", reason="the step's update was applied "
-                              "(updates=False keeps no copy of the weights to put back)")
-        elif batch is None:
-            found = NanOrigin(step=step, found=False, framework="torch",
-                              reason="no batch was given to recorder.step(step, batch=...)")
-        else:
-            found = replay(self.model, self.loss_fn, tuple(batch), step=step)
-        self.origin = found
-        origin.announce(found, self.log_dir or log_dir, self.name)
-        return found
+            return NanOrigin(step=step, found=False, framework="torch", reason="the step's update was applied "
+                             "(updates=False keeps no copy of the weights to put back)")
+        with torch.no_grad():
+            for n, p in params:
+                p.copy_(before[n])
+        if batch is None:
+            return NanOrigin(step=step, found=False, framework="torch",
+                             reason="no batch was given to recorder.step(step, batch=...)")
+        return replay(self.model, self.loss_fn, tuple(batch), step=step)

@@ -607,7 +607,7 @@ def episode_label(ep: dict) -> str:
     return f"{ep['status']} {ep['from']}" if ep["from"] == ep["to"] else f"{ep['status']} {ep['from']}–{ep['to']}"
 
 
-def test_since_column_is_the_onset_and_the_summary_tells_the_story(
+def test_since_column_shows_both_onsets_and_the_summary_tells_the_story(
         tensorboard: str, gh: Page, logdir: tuple[str, dict]) -> None:
     _, facts = logdir
     body = api_json(tensorboard, "health", run="exploding")
@@ -616,28 +616,34 @@ def test_since_column_is_the_onset_and_the_summary_tells_the_story(
     cells = p.locator("tbody tr[data-layer]").evaluate_all("""trs => trs.map(tr => {
         const td = tr.querySelector('td.since');
         const glyphs = td.querySelectorAll('.episode-chain > span').length;
-        return [tr.dataset.layer, td.lastChild.textContent, td.title, glyphs];
+        const text = (id) => {
+            const e = td.querySelector(`[data-testid=${id}]`);
+            return e ? e.lastChild.textContent : null;
+        };
+        return [tr.dataset.layer, text('status-since'), text('trouble-since'), td.title, glyphs];
     })""")
     by_layer = {lj["layer"]: lj for lj in body["layers"]}
-    for layer, since, title, glyphs in cells:
+    for layer, status_since, trouble, title, glyphs in cells:
         lj = by_layer[layer]
-        assert since == str(lj["first_step"]), layer
+        assert lj["status"] not in ("healthy", "inert")  # every layer of this run is flagged
+        assert status_since == f"{lj['status']} since {lj['status_since']}", layer
+        assert trouble == f"trouble since {lj['first_step']}", layer
         assert title == " → ".join(episode_label(ep) for ep in lj["episodes"]), layer
         assert glyphs == (len(lj["episodes"]) if len(lj["episodes"]) > 1 else 0), layer
     top = by_layer[facts["exploding"].first_nan_layer]
     # gradients grow x2 per step from step 10 and turn NaN at nan_step: the chain starts before the NaN
     assert top["first_step"] < facts["exploding"].nan_step <= top["status_since"]
     assert [ep["status"] for ep in top["episodes"]][-1] == "nonfinite"
-    # One story, cause first: the layer whose chain began first, its first status and step, then what followed.
-    cause = body["summary"]["cause"]
-    story = p.locator("[data-testid=onset]").inner_text()
-    assert f"{cause['status']} from step {cause['step']}" in story and cause["layer"] in story
-    assert cause["layer"] == body["layers"][0]["layer"]  # the table's first row
+    # One answer, cause first: the headline prints it, and it is the table's first row.
+    answer = body["summary"]["answer"]
+    assert p.locator("[data-testid=headline] .headline-text").inner_text() == answer["headline"]
+    top_row = p.locator("tbody tr[data-layer]").first.get_attribute("data-layer")
+    assert answer["layer"] == body["layers"][0]["layer"] == top_row
     timeline = [t for t in body["summary"]["timeline"] if t["status"] not in ("inert", "healthy")]
     marks = p.locator("[data-testid=timeline] .status-mark").all_inner_texts()
     assert len(marks) == len(timeline) >= 2
     for mark, entry in zip(marks, timeline, strict=True):
-        assert f"{entry['status']} from {entry['step']}" in mark
+        assert f"{entry['status']} from {entry['step']} — {entry['label']}: {entry['layer']}" in mark
     shot(p, "09_since_and_timeline.png")
     gh.assert_clean()
 
@@ -680,24 +686,33 @@ def test_detail_shades_the_episodes(tensorboard: str, gh: Page, logdir: tuple[st
     gh.assert_clean()
 
 
-def test_all_nan_layer_shows_dashes_not_zeros(tensorboard: str, gh: Page) -> None:
+def test_all_nan_layer_shows_its_last_finite_values_not_zeros(tensorboard: str, gh: Page) -> None:
     body = api_json(tensorboard, "health", run=ALL_NAN_RUN)
     lj = next(lj for lj in body["layers"] if lj["layer"] == ALL_NAN_LAYER)
     assert lj["status"] == "nonfinite" and lj["rms"] is None and lj["norm"] is None and lj["max_abs"] is None
+    # every element NaN from step 12 on (make_all_nan): its last finite record is step 11's, as the series has it
+    last = lj["last_finite"]
+    series = api_json(tensorboard, "series", run=ALL_NAN_RUN, layer=ALL_NAN_LAYER)
+    at = series["steps"].index(11)
+    assert last["step"] == 11
+    for key in ("rms", "max_abs", "norm"):
+        assert last[key] == pytest.approx(series["fields"][key][at], rel=1e-6), key
     page = open_runs(gh, tensorboard, [ALL_NAN_RUN])
     row = panel(page, ALL_NAN_RUN).locator(f'tr[data-layer="{ALL_NAN_LAYER}"]')
     headers = panel(page, ALL_NAN_RUN).locator("thead th").evaluate_all("ths => ths.map(th => th.dataset.key)")
-    cells = row.locator("td").all_inner_texts()
+    cells = row.locator("td")
     for key in ("rms", "max_abs", "norm"):
-        assert cells[headers.index(key)] == "—", key
+        cell = cells.nth(headers.index(key))
+        assert cell.locator(".last-finite-value").inner_text() == f"{last[key]:.3g}", key
+        assert cell.locator(".cell-note").inner_text() == "last finite (step 11)", key
     row.click()
     drawer = page.locator("[data-testid=detail]")
     drawer.locator(".stat-grid").wait_for(timeout=30000)
     grid = drawer.locator(".stat-grid")
     stats = dict(zip(grid.locator("dt").all_inner_texts(), grid.locator("dd").all_inner_texts(), strict=True))
-    for label in ("RMS", "max |g|", "norm", "mean"):
-        assert stats[label] == "—", label
-    assert stats["NaN count"] == str(lj["nan"]) and lj["nan"] > 0
+    assert stats["RMS, last finite (step 11)"] == f"{last['rms']:.3g}"
+    assert stats["mean"] == "—"  # unknown, never 0: the last finite record is shown for the magnitudes only
+    assert stats["NaN count"] == "64" == str(lj["nan"])  # every element of the 64-element kernel
     gh.assert_clean()
 
 
@@ -762,7 +777,7 @@ def test_inert_layer_is_muted_and_not_flagged(tensorboard: str, gh: Page) -> Non
     assert badge.evaluate("b => getComputedStyle(b).backgroundColor") == "rgb({}, {}, {})".format(*STATUS_RGB["inert"])
     summary = p.locator("[data-testid=summary]").inner_text()
     assert "No layer flagged" in summary and "1 inert" in summary.replace("\n", " ")
-    assert p.locator("[data-testid=timeline]").count() == 0 and p.locator("[data-testid=onset]").count() == 0
+    assert p.locator("[data-testid=timeline]").count() == 0 and p.locator("[data-testid=headline]").count() == 0
     page.locator('.filter-bar input[data-status="inert"]').check()
     page.wait_for_function(f"""() => document.querySelectorAll('section[data-run="{INERT_RUN}"] tbody tr[data-layer]')
                                 .length === 1""")

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from tb_gradhealth import reader, record
+from tests.test_health_answer import check_answer
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "demo" / "demo.py"
@@ -122,6 +123,20 @@ def test_vanishing_run_flags_the_layers_that_do_not_learn(demo, health):
     run = health["vanishing/train"]
     assert run["layers"][0]["layer"] in sick and run["summary"]["first_bad"]["layer"] == run["layers"][0]["layer"]
     assert run["summary"]["onset"]["step"] == int(series.steps[0])
+    # The answer is the layer whose gradient is lowest at the last step (from the records), by its kernel, everywhere.
+    rms = record.derived(series.records[-1])["rms"]
+    lowest = series.layers[int(np.nanargmin(rms))].rsplit("/", 1)[0] + "/kernel"
+    sm = run["summary"]
+    assert sm["answer"]["layer"] == lowest == sm["timeline"][0]["layer"] == run["layers"][0]["layer"]
+    assert sm["answer"]["headline"] == f"{lowest}: vanishing since step {int(series.steps[0])}"
+
+
+@pytest.mark.e2e
+@pytest.mark.tf
+@pytest.mark.slow
+def test_every_run_tells_one_answer(health):
+    for run in health.values():
+        check_answer(run)
 
 
 @pytest.mark.e2e
@@ -142,6 +157,8 @@ def test_exploding_run_ends_nonfinite_and_was_exploding_before(demo, health):
     assert timeline[0]["status"] == "exploding" and timeline[0]["step"] < nan_step - 5
     assert timeline[-1]["status"] == "nonfinite" and timeline[-1]["step"] == nan_step
     assert run["summary"]["onset"]["step"] == timeline[0]["step"]
+    origin = run["nan_origin"]  # where the NaN/Inf was made, replayed by the demo's loop
+    assert origin is not None and origin["found"] and origin["step"] == nan_step and origin["op"] and origin["line"]
     # Before the first NaN, the growth was already flagged as exploding (the point of the trend rule).
     proc = _report(logdir, "--json", "--fail-on", "none", "--run", "exploding", "--step", str(nan_step - 1))
     before = json.loads(proc.stdout)["runs"][0]
@@ -254,3 +271,21 @@ def test_serve_on_a_busy_port_says_so_before_training(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert f"--port {port}" in proc.stderr and "in use" in proc.stderr and "Traceback" not in proc.stderr
     assert "training" not in proc.stdout
+
+
+@pytest.mark.unit
+def test_a_run_whose_framework_is_missing_is_skipped_and_makes_no_folder(tmp_path, monkeypatch, capsys):
+    """Without PyTorch the demo says the pytorch run is skipped, not "0 steps ... -> DIR/pytorch" for a folder it
+    never makes."""
+    spec = importlib.util.spec_from_file_location("demo_script", DEMO)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a, **kw: None if name.split(".")[0] == "torch" else real(name, *a, **kw))
+    assert script.main(["--logdir", str(tmp_path), "--runs", "numpy_writer,pytorch", "--steps", "0.1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "[demo] pytorch: skipped (torch not installed)" in out
+    assert not any(line.startswith(("[demo] pytorch: training", "[demo] pytorch: 0 steps")) for line in out), out
+    assert any(re.match(r"\[demo\] numpy_writer: \d+ steps in", line) for line in out), out
+    assert sorted(os.listdir(tmp_path)) == ["numpy_writer"]

@@ -214,7 +214,8 @@ def test_nonfinite_first_step_and_deepest_layer_first():
     assert h.first_bad == {"layer": "layer_3/kernel", "status": "nonfinite", "step": 40}
     assert h.layers[0].layer == "layer_3/kernel"  # the origin ranks first
     assert any("started here" in r and "deepest" in r for r in by["layer_3/kernel"].reasons)
-    assert any("first nonfinite layer was layer_3/kernel at step 40" in r for r in by["layer_0/kernel"].reasons)
+    assert any("first layer to reach nonfinite was layer_3/kernel, at step 40" in r
+               for r in by["layer_0/kernel"].reasons)
     assert by["layer_0/kernel"].nan == 64 and by["layer_0/kernel"].to_json()["rms"] is None
     # Before the NaN the run was healthy.
     assert set(diagnose_run(_names(5), np.arange(8) * 10, recs, at_step=39).statuses()) == {"healthy"}
@@ -327,13 +328,19 @@ def test_json_shape_matches_the_contract():
     rms[:, 0] = 1e-11
     h = _diag(rms).to_json()
     assert set(h) == {"step", "thresholds", "threshold_spec", "summary", "layers"}
-    assert set(h["summary"]) == {"counts", "first_bad", "cause", "onset", "timeline", "order", "loss_trend"}
+    assert set(h["summary"]) == {"counts", "answer", "first_bad", "cause", "onset", "timeline", "earlier", "order",
+                                 "loss_trend"}
     assert h["summary"]["loss_trend"] is None  # no loss given
     assert set(h["summary"]["counts"]) == set(STATUSES) and sum(h["summary"]["counts"].values()) == 6
     assert set(h["layers"][0]) == {
         "layer", "index", "status", "severity", "reasons", "fixes", "first_step", "status_since", "episodes", "step",
         "norm", "rms", "max_abs", "mean",
-        "nan", "inf", "zero_fraction", "grad_to_weight", "update_to_weight", "noise", "weight_norm"}
+        "nan", "inf", "zero_fraction", "grad_to_weight", "update_to_weight", "noise", "weight_norm", "size", "rank",
+        "rank_reason", "last_finite"}
+    assert set(h["summary"]["answer"]) == {"layer", "index", "status", "step", "now", "now_since", "chain", "story",
+                                           "fixes", "flagged", "headline"}
+    assert [x["rank"] for x in h["layers"]] == list(range(1, 7)) and h["layers"][0]["rank_reason"] == "cause"
+    assert {e["label"] for e in h["summary"]["timeline"][:1]} == {"first to go wrong"}
     assert h["layers"][0]["grad_to_weight"] is None  # not recorded: NaN -> null
     json.dumps(h, allow_nan=False)
 

@@ -19,12 +19,12 @@ from tests.write_faults import logged
 
 pytestmark = pytest.mark.tf
 #: Bound by tests/conftest.py when a test here runs, never at collection: ``tf`` and these names.
-TF_IMPORTS = {"keras": "keras", "capture": "tb_gradhealth._tf.capture", "summary": "tb_gradhealth.summary",
+TF_IMPORTS = {"keras": "keras", "capture": "tb_gradhealth._tf.capture", "records": "tb_gradhealth._tf.records",
               "GradientHealthCallback": "tb_gradhealth.keras:GradientHealthCallback"}
 tf: Any = None
 keras: Any = None
 capture: Any = None
-summary: Any = None
+records: Any = None
 GradientHealthCallback: Any = None
 
 EPOCHS, STEPS = 4, 8
@@ -118,7 +118,7 @@ def test_fit_falls_back_to_the_plain_step_when_the_statistics_cannot_be_built(tm
     def broken(*args, **kwargs):
         raise ValueError("injected failure while tracing the statistics")
 
-    monkeypatch.setattr(summary, "compute", broken)
+    monkeypatch.setattr(records, "compute", broken)
     cb = GradientHealthCallback(str(tmp_path), update_freq=update_freq, seed=0)
     loss = _fit([cb], steps_per_execution)
     np.testing.assert_allclose(loss, plain_loss, rtol=1e-6)

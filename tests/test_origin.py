@@ -88,3 +88,34 @@ def test_the_documented_answer_has_the_fields_of_the_stored_form():
     assert set(body["origin"]) == set(FOUND.to_json())
     assert origin.decode(json.dumps({"v": origin.FORMAT_VERSION, **body["origin"]})).message() == \
         body["origin"]["message"]
+
+
+class _Counting(origin.OriginSearch):
+    """A finder whose replay says which inputs it got: the protocol without a framework."""
+
+    def __init__(self, log_dir=None):
+        super().__init__(log_dir)
+        self.replays, self.finite_steps = [], []
+
+    def replay(self, step, *, batch):
+        self.replays.append((step, batch))
+        return origin.NanOrigin(step=step, found=False, framework="none", reason="replayed")
+
+    def finite(self, step):
+        self.finite_steps.append(step)
+
+
+@pytest.mark.unit
+def test_the_origin_protocol_replays_the_first_nonfinite_record_once(tmp_path):
+    import numpy as np
+
+    from tb_gradhealth import record
+
+    finite = np.stack([record.compute(np.ones(4)), record.compute(np.zeros(3))])
+    bad = np.stack([record.compute(np.ones(4)), record.compute(np.array([1.0, np.inf, 2.0]))])
+    finder = _Counting()
+    assert finder.find(0, finite, batch="b0") is None and finder.finite_steps == [0] and not finder.replays
+    found = finder.find(1, bad[:, : record.NUM_COUNTS].astype(np.int32), log_dir=str(tmp_path), batch="b1")
+    assert found is finder.origin and found.step == 1 and finder.replays == [(1, "b1")]
+    assert finder.find(2, bad, batch="b2") is None and finder.replays == [(1, "b1")]  # the first one only
+    assert {run: o.step for run, o in origin.read_logdir(str(tmp_path)).items()} == {".": 1}  # stored where asked

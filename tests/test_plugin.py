@@ -394,3 +394,38 @@ def test_reading_the_files_answers_every_route_as_the_data_provider(client, demo
         for route in (f"health?run={run}", f"health?run={run}&vanish_decades=2.5", f"series?run={run}&layer={layer}",
                       f"histograms?run={run}&layer={layer}", f"profile?run={run}&step={f.steps[len(f.steps) // 2]}"):
             assert get_json(files, f"{base}/{route}") == get_json(client, f"/{route}"), route
+
+
+@pytest.mark.e2e
+def test_concurrent_requests_let_no_warning_reach_the_terminal(demo):
+    """TensorBoard serves requests on threads; Python's warning filters are process-wide, so a backend that
+    silenced its warnings with ``warnings.catch_warnings()`` leaked them to the terminal under load. Every route,
+    12 threads at once, on runs that end in NaN, against a fresh plugin (nothing cached): no warning at all."""
+    import threading
+    import warnings
+
+    _, facts, provider = demo
+    p = plugin.GradHealthPlugin(base_plugin.TBContext(data_provider=provider, sampling_hints={"gradhealth": 0}))
+    app = PluginApp(p.get_plugin_apps())
+    urls = [u for run, f in facts.items() for u in (
+        f"/health?run={run}", f"/profile?run={run}", f"/health?run={run}&step={f.steps[len(f.steps) // 2]}",
+        f"/series?run={run}&layer={f.layers[-1]}", f"/nan_origin?run={run}")]
+    failures: list[str] = []
+
+    def serve(offset: int) -> None:
+        c = Client(app)
+        fresh = [f"/health?run={run}&vanish_decades={2 + offset / 8 + k / 64}" for k in range(4) for run in facts]
+        for url in fresh + urls[offset:] + urls[:offset]:  # distinct thresholds: diagnoses computed side by side
+            r = c.get(url)
+            if r.status_code != 200:
+                failures.append(f"{url}: {r.status_code}")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        threads = [threading.Thread(target=serve, args=(k,)) for k in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not failures, failures
+    assert [f"{w.filename}:{w.lineno}: {w.message}" for w in caught] == []

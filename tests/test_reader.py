@@ -110,6 +110,49 @@ def test_streams_of_one_run_are_separate_series(tmp_path):
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize(("name", "run", "stream"), [
+    ("keras", "keras", None),
+    ("keras [probe_gradients]", "keras", "probe_gradients"),
+    ("exp [v2] [probe_gradients]", "exp [v2]", "probe_gradients"),  # a directory named with brackets keeps them
+    ("a/b [x/y]", "a/b", "x/y"),
+    ("half [open", "half [open", None),
+])
+def test_series_names_parse_back_to_their_run_and_stream(name, run, stream):
+    assert reader.parse_series(name) == (run, stream) and reader.run_of(name) == run
+    assert reader.series_name(run, stream) == name
+
+
+@pytest.mark.unit
+def test_split_streams_names_each_stream_as_the_parser_reads_it():
+    tags = [metadata.tag_for(["a"], "gradients"), metadata.tag_for(["a"], "probe"), metadata.tag_for(["b"], "x/y")]
+    names = reader.split_streams("runs/exp", tags)
+    assert sorted(names) == ["runs/exp", "runs/exp [probe]", "runs/exp [x/y]"]
+    assert {reader.parse_series(n) for n in names} == {("runs/exp", None), ("runs/exp", "probe"),
+                                                        ("runs/exp", "x/y")}
+
+
+@pytest.mark.unit
+def test_sampling_knows_the_loaders_by_their_types_not_their_names():
+    from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
+
+    provider = data_provider.MultiplexerDataProvider(plugin_event_multiplexer.EventMultiplexer(), "")
+    assert reader.sampling(provider, None) == (reader.SAMPLE_ALL, reader.PYTHON_LOADER_DEFAULT)
+    impostor = type("MultiplexerDataProvider", (), {})()  # the class name alone says nothing
+    assert reader.sampling(impostor, None) == (reader.SAMPLE_ALL, None)
+
+
+@pytest.mark.unit
+def test_points_read_from_event_files_are_named(tmp_path):
+    run_dir = str(tmp_path / "r")
+    tag = metadata.tag_for(["a"])
+    gl.write_events(gl.event_file_path(run_dir), [gl.record_event(3, tag, _rows(1, 1e-3)[0][None], layers=["a"],
+                                                                  wall_time=7.0)])
+    (td,) = reader.read_run_dir(reader.find_runs(str(tmp_path))["r"], [])
+    (p,) = td.points
+    assert isinstance(p, reader.TagPoint) and (p.step, p.wall_time, p.tensor.shape) == (3, 7.0, (1, p.tensor.shape[1]))
+
+
+@pytest.mark.unit
 def test_rewritten_step_keeps_the_last_written_record(tmp_path):
     run_dir = str(tmp_path / "r")
     tag = metadata.tag_for(["a"])

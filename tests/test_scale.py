@@ -6,6 +6,7 @@ mechanisms on small runs with small budgets, against independent references and 
 
 from __future__ import annotations
 
+import grpc
 import numpy as np
 import pytest
 
@@ -138,6 +139,20 @@ def test_a_run_that_fits_is_shown_step_by_step():
 # --- reads through TensorBoard's data server in bounded answers ----------------------------------------------------
 
 
+class MessageTooLarge(grpc.RpcError):
+    """What a gRPC call raises when the answer exceeds the channel's message limit (the data server's reads)."""
+
+    def __init__(self, details: str):
+        super().__init__(details)
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def details(self) -> str:
+        return self._details
+
+
 class CountingProvider:
     """A data provider that forwards to TensorBoard's and records each read's tags and answer size; ``limit``
     makes a read fail like the data server's gRPC message limit when its answer holds more layer-rows."""
@@ -156,7 +171,7 @@ class CountingProvider:
         rows = sum(d.numpy.shape[0] for run in data.values() for ts in run.values() for d in ts)
         self.reads.append((sorted(run_tag_filter.tags), downsample, rows))
         if self.limit is not None and rows > self.limit:
-            raise OSError(f"Received message larger than max ({rows} vs. {self.limit})")
+            raise MessageTooLarge(f"Received message larger than max ({rows} vs. {self.limit})")
         return data
 
 

@@ -22,7 +22,10 @@ FRAMEWORKS = {"tensorflow": "tensorflow", "keras": "keras", "torch": "torch", "j
 #: The side that must run without any framework: the plugin and CLI, their readers and the diagnosis, the record
 #: and the TF-free writer.
 FRAMEWORK_FREE = ("plugin", "cli", "_payloads", "reader", "health", "record", "metadata", "writer", "_eventfile",
-                  "_storage", "testing", "_failsafe", "_filereader", "_tiers")
+                  "_storage", "testing", "_failsafe", "_filereader", "_tiers", "numbers")
+
+#: The writers' shared core and the statistics written once for PyTorch and JAX: numpy only.
+FRAMEWORK_FREE += ("_core", "_devicestats", "_devicebatch")
 
 
 def _modules() -> dict[str, Path]:
@@ -146,3 +149,29 @@ def test_private_modules_are_imported_not_exposed():
             with pytest.raises(AttributeError):
                 getattr(tb_gradhealth, name)
     assert importlib.import_module("tb_gradhealth._storage").__name__ == "tb_gradhealth._storage"
+
+
+#: The modules users import to record or to read: the package's own modules build on the layers below them and
+#: never import these (an import from one points back up, and drags in all that the entry point loads).
+ENTRY_POINTS = ("summary", "keras", "torch", "jax", "tpu", "distribute", "accumulate", "lightning", "transformers",
+                "plugin", "cli")
+
+
+def test_private_modules_import_no_entry_point():
+    """A private module (``_x.py``, ``_tf/...``) takes each name from the module that defines it, never through a
+    public entry point that re-exports it."""
+    modules = _modules()
+    private = [name for name in modules if name.split(".")[0].startswith("_")]
+    assert "_tf.capture" in private and "_devicestats" in private
+    broken = {name: sorted(_imports(name, modules[name], modules)[0] & set(ENTRY_POINTS)) for name in private}
+    broken = {name: mods for name, mods in broken.items() if mods}
+    assert not broken, "\n".join(f"{n} imports {', '.join(m)}" for n, m in broken.items())
+
+
+def test_the_entry_point_check_sees_an_import_up(tmp_path):
+    """The check above reads a private module's ``from tb_gradhealth import summary`` (at any depth) as an import of
+    the entry point, so that it cannot pass on a parse that misses them."""
+    path = tmp_path / "_probe.py"
+    path.write_text("def f():\n    from tb_gradhealth import summary, record\n    from . import keras\n")
+    modules = {**_modules(), "_probe": path}
+    assert {"summary", "keras", "record"} <= _imports("_probe", path, modules)[0]

@@ -7,7 +7,8 @@
  * dashed box at the floor (never filled like a bar), so no layer silently disappears or passes for a tiny bar.
  */
 
-import { el, fmt, replace } from '../dom.js';
+import { el, replace } from '../dom.js';
+import { magnitude } from '../format.js';
 import { STATUSES, STATUS_STYLE, statusColor } from '../status.js';
 import {
   beginFrame, drawDecadeGrid, drawOnResize, linearTicks, log10OrNull, logDomain,
@@ -54,17 +55,27 @@ function labelBox(yLine, width, plot, placed) {
 }
 
 /**
- * The band's lines at this step, [log10 value, colour, label]: the reference the relative rules compare with (the
- * layers nearest the loss; the median layer when the answer has no reference), vanishing below, exploding above.
+ * The band's lines at this step, [log10 value, colour, label, name]: the reference the relative rules compare with
+ * (the layers nearest the loss; the median layer when the answer has no reference), vanishing below, exploding above.
  */
 function bandLines(bands) {
   const ref = bands.reference_rms !== undefined
-    ? [log10OrNull(bands.reference_rms), '#333333', 'reference (layers nearest the loss)']
-    : [log10OrNull(bands.median_rms), '#333333', 'median'];
+    ? [log10OrNull(bands.reference_rms), '#333333', 'reference (layers nearest the loss)', 'reference']
+    : [log10OrNull(bands.median_rms), '#333333', 'median', 'reference'];
   return [ref,
-    [log10OrNull(bands.vanishing_below), '#0072B2', 'vanishing below'],
-    [log10OrNull(bands.exploding_above), '#D55E00', 'exploding above']];
+    [log10OrNull(bands.vanishing_below), '#0072B2', 'vanishing below', 'vanishing'],
+    [log10OrNull(bands.exploding_above), '#D55E00', 'exploding above', 'exploding']];
 }
+
+/** Expose where each band line was drawn (`data-vanishing-y` ..., CSS pixels from the canvas top; larger is lower on
+ * screen), so a reader or a test can check the lines' order without reading pixels. */
+function exposeLines(root, lines, y) {
+  for (const name of ['reference', 'vanishing', 'exploding']) delete root.dataset[`${name}Y`];
+  for (const [v, , , name] of lines) root.dataset[`${name}Y`] = String(lineY(y, v));
+}
+
+/** The pixel row a band line at log value `v` is drawn on: the centre of a CSS pixel, so the line is crisp. */
+const lineY = (y, v) => Math.round(y(v)) + 0.5;
 
 /** Dashed lines with a white halo (readable on bars of the same colour), then their labels, so no line crosses a
  * label. */
@@ -74,8 +85,8 @@ function drawBandLines(ctx, lines, y, w, h) {
     ctx.strokeStyle = 'rgba(255,255,255,0.85)';
     ctx.lineWidth = 3;
     ctx.beginPath();
-    ctx.moveTo(MARGIN.left, y(v));
-    ctx.lineTo(MARGIN.left + w, y(v));
+    ctx.moveTo(MARGIN.left, lineY(y, v));
+    ctx.lineTo(MARGIN.left + w, lineY(y, v));
     ctx.stroke();
     ctx.setLineDash([5, 4]);
     ctx.strokeStyle = color;
@@ -183,7 +194,9 @@ export function depthBars({ layers, key = 'rms', bands = {}, onSelect = null, he
       ctx.fillStyle = statusColor(layer.status);
       ctx.fillRect(x0, top, bw, base - top);
     });
-    if (key === 'rms') drawBandLines(ctx, bandLines(bands).filter(([v]) => v !== null && v >= lo && v <= hi), y, w, h);
+    const lines = key === 'rms' ? bandLines(bands).filter(([v]) => v !== null && v >= lo && v <= hi) : [];
+    drawBandLines(ctx, lines, y, w, h);
+    exposeLines(root, lines, y);
     if (!domain) {
       ctx.fillStyle = '#555';
       ctx.textAlign = 'center';
@@ -214,7 +227,7 @@ export function depthBars({ layers, key = 'rms', bands = {}, onSelect = null, he
     if (i === null) return;
     const layer = layers[i];
     replace(readout, el('b', { text: `#${layer.index} ` }), el('span', { class: 'mono', text: layer.layer }),
-      ` · ${layer.status} · rms ${fmt(layer.rms)} · max|g| ${fmt(layer.max_abs)} · norm ${fmt(layer.norm)}`);
+      ` · ${layer.status} · rms ${magnitude(layer.rms)} · max|g| ${magnitude(layer.max_abs)} · norm ${magnitude(layer.norm)}`);
   });
   canvas.addEventListener('mouseleave', () => {
     hover = null;

@@ -5,7 +5,8 @@
  * Hovering a cell reads out the step, the decade and the count (marked "estimated" when the histogram was sampled).
  */
 
-import { el, fmtInt, replace } from '../dom.js';
+import { el, replace } from '../dom.js';
+import { count } from '../format.js';
 import { beginFrame, decadeLabel, drawEmpty, drawOnResize, linearTicks, stepLabel, viridis } from './scale.js';
 
 const MARGIN = { left: 58, right: 12, top: 8, bottom: 22 };
@@ -94,7 +95,7 @@ export function heatmap(data, { title = 'Log-magnitude histogram (|g| decades x 
     else if (row.kind === 'nonfinite') what = 'NaN/Inf elements';
     else what = `|g| in [${decadeLabel(row.d)}, ${decadeLabel(row.d + 1)})`;
     const estimated = row.kind === 'bin' && exact[s] === false ? ' (estimated from a sample)' : '';
-    replace(readout, el('b', { text: `step ${steps[s]}` }), ` · ${what} · ${fmtInt(c)} elements${estimated}`);
+    replace(readout, el('b', { text: `step ${steps[s]}` }), ` · ${what} · ${count(c)} elements${estimated}`);
   });
   return root;
 }

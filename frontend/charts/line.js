@@ -3,7 +3,8 @@
  * Canvas-drawn (≤ 500 points per series by the series route), redrawn on hover for the crosshair.
  */
 
-import { el, fmt, replace } from '../dom.js';
+import { el, replace } from '../dom.js';
+import { magnitude } from '../format.js';
 import { statusColor } from '../status.js';
 import {
   beginFrame, drawDecadeGrid, drawEmpty, drawOnResize, linearTicks, log10OrNull, logDomain, stepLabel,
@@ -31,7 +32,8 @@ function drawEpisodes(ctx, episodes, steps, x, h) {
 /**
  * @param {object} opts
  * @param {number[]} opts.steps x values
- * @param {{name:string, values:(number|null)[], color:string, dash?:number[]}[]} opts.series
+ * @param {{name:string, values:(number|null)[], color:string, dash?:number[], format?:(v:number)=>string}[]} opts.series
+ *   `format` prints a value in the read-out (default: a magnitude, 3 significant figures; counts pass `count`)
  * @param {{value:number, label:string, color:string, reach?:number}[]} [opts.thresholds] horizontal lines; `reach`:
  *   how many decades beyond the data a line may widen the axis to be shown (default 4)
  * @param {{status:string, from:number, to:number, label:string}[]} [opts.episodes] the layer's episodes (inclusive logged steps),
@@ -179,7 +181,7 @@ export function lineChart({ steps, series, thresholds: allThresholds = [], episo
     replace(readout, el('b', { text: `step ${steps[best]}` }),
       inside ? el('span', { class: 'readout-item readout-episode', text: `in episode: ${inside.label}` }) : null,
       series.map((s) => el('span', { class: 'readout-item' },
-        el('span', { class: 'legend-swatch', style: { background: s.color } }), `${s.name} ${fmt(s.values[best])}`)));
+        el('span', { class: 'legend-swatch', style: { background: s.color } }), `${s.name} ${(s.format || magnitude)(s.values[best])}`)));
   });
   canvas.addEventListener('mouseleave', () => {
     hoverIndex = null;

@@ -4,25 +4,70 @@
  * were recorded, NaN/Inf and zero counts when there are any, and the log-magnitude histogram as a heatmap.
  */
 
-import { el, fmt, replace } from '../dom.js';
+import { el, replace } from '../dom.js';
+import { count, magnitude, severity, step } from '../format.js';
 import { heatmap } from '../charts/heatmap.js';
 import { lineChart } from '../charts/line.js';
 import { api } from '../model.js';
-import { badge } from '../status.js';
+import { badge, isFlagged } from '../status.js';
 import { episodeText, episodesOf, statusChain } from './episodes.js';
 import { kindText } from './evidence.js';
 import { originNote } from './origin.js';
+import { answerOf } from './summary.js';
 import { thresholdLines } from './reference.js';
 
 const C = { rms: '#0072B2', max_abs: '#D55E00', norm: '#009E73', ratio: '#CC79A7', ratio2: '#56B4E9', noise: '#E69F00' };
 
+/** The numbers of the layer at the diagnosed step: [field, label, kind]; kind picks the printing rule. */
 const STATS = [
-  ['severity', 'severity'], ['first_step', 'onset (step)'], ['status_since', 'current status since'],
-  ['step', 'diagnosed at step'], ['index', 'network index'],
-  ['rms', 'RMS'], ['max_abs', 'max |g|'], ['norm', 'norm'], ['mean', 'mean'], ['nan', 'NaN count'],
-  ['inf', 'Inf count'], ['zero_fraction', 'zero fraction'], ['weight_norm', 'weight norm'],
-  ['grad_to_weight', '|g| / |w|'], ['update_to_weight', '|Δw| / |w|'], ['noise', 'noise'],
+  ['severity', 'severity', 'severity'], ['status_since', null, 'step'], ['first_step', 'trouble since (step)', 'step'],
+  ['step', 'diagnosed at step', 'step'], ['index', 'network index', 'step'],
+  ['rms', 'RMS', 'magnitude'], ['max_abs', 'max |g|', 'magnitude'], ['norm', 'norm', 'magnitude'],
+  ['mean', 'mean', 'magnitude'], ['size', 'values', 'count'], ['nan', 'NaN count', 'count'], ['inf', 'Inf count', 'count'],
+  ['zero_fraction', 'zero fraction', 'magnitude'], ['weight_norm', 'weight norm', 'magnitude'],
+  ['grad_to_weight', '|g| / |w|', 'magnitude'], ['update_to_weight', '|Δw| / |w|', 'magnitude'], ['noise', 'noise', 'magnitude'],
 ];
+const PRINT = { severity, step, magnitude, count };
+const LAST_FINITE = new Set(['rms', 'max_abs', 'norm']);
+
+/** One stat: [label, text]; a magnitude with no finite value now shows the last finite one, labelled with its step. */
+function stat(entry, [key, label, kind]) {
+  const name = label || `${entry.status} since (step)`;
+  const last = entry.last_finite;
+  if (LAST_FINITE.has(key) && (entry[key] === null || entry[key] === undefined) && last) {
+    return [`${name}, last finite (step ${last.step})`, magnitude(last[key])];
+  }
+  return [name, PRINT[kind](entry[key])];
+}
+
+/** The stat grid of a layer (`data-testid=stats`; each value's `data-key` names its field). */
+function statGrid(entry) {
+  return el('dl', { class: 'stat-grid', attrs: { 'data-testid': 'stats' } }, STATS.filter(([k]) => entry[k] !== undefined).map((spec) => {
+    const [label, text] = stat(entry, spec);
+    return [el('dt', { text: label }), el('dd', { class: 'mono', text, attrs: { 'data-key': spec[0] } })];
+  }));
+}
+
+/** "nonfinite since 54 · trouble since 31" for a flagged layer, or null. */
+function sinceLine(entry) {
+  if (!entry || !isFlagged(entry.status) || entry.first_step === null || entry.first_step === undefined) return null;
+  return el('p', { class: 'drawer-since', attrs: { 'data-testid': 'drawer-since' } },
+    el('span', { class: 'since-status', text: `${entry.status} since ${step(entry.status_since)}` }), ' · ',
+    el('span', { class: 'since-trouble', text: `trouble since ${step(entry.first_step)}` }));
+}
+
+/** The run's cause (its answer's headline), saying whether it is this layer; its name opens it otherwise. */
+function causeLine(answer, layer, open) {
+  if (!answer) return null;
+  const self = answer.layer === layer;
+  const name = self ? el('span', { class: 'mono', text: answer.layer })
+    : el('a', { href: '#', class: 'mono cause-link', text: answer.layer,
+      on: { click: (event) => { event.preventDefault(); open(answer.layer); } } });
+  const rest = answer.headline.startsWith(`${answer.layer}:`) ? answer.headline.slice(answer.layer.length) : `: ${answer.headline}`;
+  return el('p', { class: 'drawer-cause', attrs: { 'data-testid': 'drawer-cause', 'data-layer': answer.layer } },
+    el('b', { text: self ? 'This layer is the run\'s cause, first to go wrong: ' : 'The run\'s cause, first to go wrong: ' }),
+    name, rest);
+}
 
 /** The layer's episodes as a chain of status marks ("▲ exploding 38–43 → ■ dead 44–53"), or null. */
 function episodeList(entry) {
@@ -65,6 +110,8 @@ export function detailDrawer(model) {
     replace(content,
       el('div', { class: 'detail-head' }, entry ? badge(entry.status) : null,
         el('h2', { class: 'detail-layer mono', text: layer }), el('span', { class: 'detail-run', text: `run ${run}` })),
+      sinceLine(entry),
+      causeLine(answerOf(health), layer, (other) => show(run, other)),
       kindText(entry) ? el('p', { class: 'layer-kind', attrs: { 'data-testid': 'layer-kind' } },
         el('b', { text: 'Layer: ' }), kindText(entry)) : null,
       entry && entry.reasons && entry.reasons.length
@@ -76,9 +123,7 @@ export function detailDrawer(model) {
         : null,
       episodeList(entry),
       originNote(run, layer, entry), // where the run's first NaN/Inf was made, if it concerns this layer
-      entry ? el('dl', { class: 'stat-grid' }, STATS.filter(([k]) => entry[k] !== undefined).map(([k, label]) => [
-        el('dt', { text: label }), el('dd', { class: 'mono', text: k.endsWith('step') || k === 'index'
-          ? String(entry[k] ?? '—') : fmt(entry[k]) })])) : null,
+      entry ? statGrid(entry) : null,
       charts);
     try {
       const [series, hist, profile] = await Promise.all([
@@ -124,7 +169,7 @@ export function detailDrawer(model) {
       if (anyPositive(nonfinite) || anyPositive(f.zero_fraction)) {
         blocks.push(lineChart({ title: 'NaN/Inf elements and zero fraction (log scale)', steps,
           series: [
-            anyPositive(nonfinite) ? { name: 'NaN+Inf elements', values: nonfinite, color: '#000000' } : null,
+            anyPositive(nonfinite) ? { name: 'NaN+Inf elements', values: nonfinite, color: '#000000', format: count } : null,
             anyPositive(f.zero_fraction) ? { name: 'zero fraction', values: f.zero_fraction, color: C.ratio, dash: [4, 3] } : null,
           ].filter(Boolean),
           episodes }));
@@ -132,7 +177,7 @@ export function detailDrawer(model) {
       if (hist && !hist.error) blocks.push(heatmap(hist));
       else if (hist && hist.error) blocks.push(el('div', { class: 'notice notice-error', text: `Histogram: ${hist.error}` }));
       if (series.merged) {
-        blocks.push(el('p', { class: 'hint', text: `Charts show ${series.total_steps} logged steps as ${steps.length} `
+        blocks.push(el('p', { class: 'hint', text: `Charts show ${count(series.total_steps)} logged steps as ${count(steps.length)} `
           + 'windows of consecutive steps, each point at its first step: NaN/Inf counts are the window\'s totals, '
           + 'max |g| its largest value, norms the root mean square of its steps\' norms. The last step and the '
           + 'first NaN/Inf step start windows of their own.' }));

@@ -4,6 +4,7 @@
  */
 
 import { el } from '../dom.js';
+import { count } from '../format.js';
 
 const WRITER_EXAMPLE = `# numpy / any framework
 from tb_gradhealth import Writer
@@ -36,7 +37,7 @@ export function downsampledNotice(run) {
   const limit = run.sample_limit;
   return el('div', { class: 'notice notice-warn', attrs: { 'data-testid': 'downsampled' } },
     el('b', { text: 'Only some steps are loaded. ' }),
-    `TensorBoard kept ${kept} logged steps of this run${limit ? ` (its limit is ${limit})` : ''}, so first-bad `
+    `TensorBoard kept ${count(kept)} logged steps of this run${limit ? ` (its limit is ${count(limit)})` : ''}, so first-bad `
     + 'steps and trends are approximate. Restart TensorBoard with ',
     el('code', { text: '--samples_per_plugin=gradhealth=0' }), ' to keep every step.');
 }

@@ -33,20 +33,23 @@ export function chainGlyphs(layer) {
     }));
 }
 
-/** A status glyph in its colour, then `text`. */
-function statusMark(status, text) {
+/** A status glyph in its colour, then `content` (text or nodes); `attrs` are added to the mark. */
+function statusMark(status, content, attrs = {}) {
   const style = STATUS_STYLE[status] || { color: '#999999', glyph: '·' };
-  return el('span', { class: `status-mark status-mark-${status}`, attrs: { 'data-status': status } },
+  return el('span', { class: `status-mark status-mark-${status}`, attrs: { ...attrs, 'data-status': status } },
     el('span', { class: 'count-glyph', text: style.glyph, style: { color: style.color }, attrs: { 'aria-hidden': 'true' } }),
-    text);
+    content);
 }
 
-/** `[[status, text], ...]` as status marks joined by arrows ("▲ exploding from 38 → ■ dead from 44"). */
+/**
+ * `[[status, content, attrs?], ...]` as status marks joined by arrows ("▲ exploding from 38 → ■ dead from 44");
+ * `content` is text or nodes, `attrs` extra attributes of the mark (e.g. the layer it names).
+ */
 export function statusChain(items) {
   const out = [];
-  items.forEach(([status, text], i) => {
+  items.forEach(([status, content, attrs], i) => {
     if (i) out.push(el('span', { class: 'chain-arrow', text: ' → ' }));
-    out.push(statusMark(status, text));
+    out.push(statusMark(status, content, attrs));
   });
   return out;
 }

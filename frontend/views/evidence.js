@@ -4,7 +4,8 @@
  * diagnosis weighed. Both are absent from runs whose writer did not record them.
  */
 
-import { el, fmt } from '../dom.js';
+import { el } from '../dom.js';
+import { count, magnitude } from '../format.js';
 import { sparkline } from '../charts/sparkline.js';
 
 /** "Dense, activation sigmoid" (or "" when the writer did not record the layer's kind). */
@@ -27,12 +28,12 @@ export function lossLine(health) {
   const first = loss.steps[0];
   const last = loss.steps[loss.steps.length - 1];
   const text = trend
-    ? `Loss ${trend.change >= 0 ? '+' : '−'}${fmt(Math.abs(trend.change) * 100, 2)}% from the first to the last quarter `
+    ? `Loss ${trend.change >= 0 ? '+' : '−'}${magnitude(Math.abs(trend.change) * 100, 2)}% from the first to the last quarter `
       + `of steps ${trend.first_step}–${trend.last_step}: ${trendWord(trend)}`
-    : `Loss at ${loss.steps.length} logged step(s) ${first}–${last}: too few finite positive values to judge a trend`;
+    : `Loss at ${count(loss.steps.length)} logged step(s) ${first}–${last}: too few finite positive values to judge a trend`;
   const latest = loss.values[loss.values.length - 1];
   return el('div', { class: 'loss-trend', attrs: { 'data-testid': 'loss-trend' } },
     el('span', { class: 'loss-text', text }),
     sparkline(loss.values, { width: 160, height: 24, color: '#333333',
-      title: `training loss at steps ${first}…${last} (log scale); last ${fmt(latest)}` }));
+      title: `training loss at steps ${first}…${last} (log scale); last ${magnitude(latest)}` }));
 }

@@ -20,7 +20,9 @@ export function profileView(model, run, onSelect) {
   const keySelect = el('select', { attrs: { 'aria-label': 'magnitude' } },
     el('option', { value: 'rms', text: 'RMS' }), el('option', { value: 'max_abs', text: 'max |g|' }),
     el('option', { value: 'norm', text: 'norm' }));
-  const latest = el('button', { class: 'btn btn-quiet', text: 'latest' });
+  // the step the profile opens at (chosen by the server: the last step where every layer's values are finite)
+  const latest = el('button', { class: 'btn btn-quiet', text: 'last finite step',
+    title: 'back to the step the profile opens at: the last logged step where every layer has finite values' });
   const root = el('div', { class: 'profile' },
     el('div', { class: 'profile-controls' },
       el('span', { class: 'hint', text: 'one bar per layer, input → output, log scale of' }),

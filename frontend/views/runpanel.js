@@ -5,6 +5,7 @@
  */
 
 import { el, replace } from '../dom.js';
+import { count } from '../format.js';
 import { afterPaint, timing } from '../model.js';
 import { downsampledNotice, problemsNotice } from './empty.js';
 import { lossLine } from './evidence.js';
@@ -34,7 +35,7 @@ export function runPanel(model, run, openDetail) {
   function drawHead() {
     const info = model.runInfo(run);
     if (!info) return;
-    meta.textContent = `${info.layers.length} layers · ${info.num_steps} logged steps (${info.first_step}–${info.last_step})`;
+    meta.textContent = `${count(info.layers.length)} layers · ${count(info.num_steps)} logged steps (${info.first_step}–${info.last_step})`;
     replace(notices, info.maybe_downsampled ? downsampledNotice(info) : null, problemsNotice(info.problems));
     origin.reload();
   }

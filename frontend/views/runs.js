@@ -4,6 +4,7 @@
  */
 
 import { el, replace } from '../dom.js';
+import { count } from '../format.js';
 
 export const AUTO_REFRESH_MS = 15000;
 
@@ -59,7 +60,7 @@ export function runSelector(model, refresh) {
         const chosen = model.runs.map((r) => r.run).filter((r) => (r === info.run ? box.checked : model.selected.includes(r)));
         choose(chosen);
       });
-      const steps = info.num_steps ? `${info.layers.length} layers · steps ${info.first_step}–${info.last_step}` : 'no steps';
+      const steps = info.num_steps ? `${count(info.layers.length)} layers · steps ${info.first_step}–${info.last_step}` : 'no steps';
       return el('label', { class: 'run-item', title: steps }, box, el('span', { class: 'run-name', text: info.run }),
         el('span', { class: 'run-meta', text: steps }),
         model.training.has(info.run) ? el('span', { class: 'training', text: 'training' }) : null,

@@ -1,71 +1,92 @@
 /**
- * The answer for a run: how many layers are in each status and one story of what went wrong, cause first: the layer
- * whose chain began first and what followed ("dense_3: exploding from step 38 → dead from step 44"); then the
- * timeline of the whole run ("exploding from 38 (dense_3 +4) → dead from 44 → nonfinite from 54").
+ * The answer for a run, in the words the diagnosis chose (`summary.answer`, `summary.timeline`; docs/API.md): how
+ * many layers are in each status, the headline ("First to go wrong: dense_3/kernel: exploding since step 38,
+ * nonfinite since step 54") with the first thing to do, then the timeline, each entry with its label
+ * ("first to go wrong", "first layer to reach nonfinite"), and the episodes that began before the cause's chain
+ * ("earlier, recovered").
+ * Nothing here decides which layer was first: the answer and the timeline say so, and every view prints them.
  */
 
 import { el } from '../dom.js';
-import { STATUSES, STATUS_STYLE, badge, isFlagged } from '../status.js';
+import { count } from '../format.js';
+import { STATUSES, STATUS_STYLE, isFlagged } from '../status.js';
 import { statusChain } from './episodes.js';
 
-const known = (x) => x !== null && x !== undefined;
+/** The run's answer (`summary.answer`), or null when no layer is flagged. */
+export function answerOf(health) {
+  return (health && health.summary && health.summary.answer) || null;
+}
 
 /** `summary.timeline` entries that are problems (an inert parameter is no part of what went wrong). */
 export function flaggedTimeline(health) {
   return ((health.summary && health.summary.timeline) || []).filter((t) => isFlagged(t.status));
 }
 
-/** "exploding from 38 (dense_3 +4)" for one timeline entry. */
-function timelineText(entry) {
-  const others = entry.layers > 1 ? ` +${entry.layers - 1}` : '';
-  return `${entry.status} from ${entry.step}${entry.layer ? ` (${entry.layer}${others})` : ''}`;
+/** One timeline entry as nodes: "exploding from 38 — first to go wrong: dense_3/kernel (+4 other layers)". */
+function entryContent(entry) {
+  const others = entry.layers > 1 ? ` (+${count(entry.layers - 1)} other layer${entry.layers > 2 ? 's' : ''})` : '';
+  return [`${entry.status} from ${entry.step}`,
+    entry.layer ? [' — ', el('span', { class: 'timeline-label', text: `${entry.label}: ` }),
+      el('span', { class: 'mono', text: entry.layer }), others] : ''];
+}
+
+/** A labelled chain of timeline entries (`data-testid` names it for tests), or null when it is empty. */
+function chainLine(entries, title, testid, tip) {
+  if (!entries.length) return null;
+  const chain = statusChain(entries.map((e) => [e.status, entryContent(e), { 'data-layer': e.layer || '', 'data-step': String(e.step) }]));
+  return el('span', { class: 'timeline', title: tip, attrs: { 'data-testid': testid } }, el('b', { text: `${title}: ` }), chain);
 }
 
 function storyLine(health) {
-  const timeline = flaggedTimeline(health);
-  if (!timeline.length) return null;
-  const parts = [];
-  if (timeline.length) {
-    const chain = statusChain(timeline.map((entry) => [entry.status, timelineText(entry)]));
-    parts.push(el('span', { class: 'timeline', attrs: { 'data-testid': 'timeline' },
-      title: 'when each status first appeared in the run, on which layer first (+ how many other layers had it)' },
-    'Timeline: ', chain));
-  }
-  return el('div', { class: 'summary-story' }, parts);
+  const earlier = ((health.summary && health.summary.earlier) || []).filter((t) => isFlagged(t.status));
+  const parts = [
+    chainLine(flaggedTimeline(health), 'Timeline', 'timeline',
+      'when each status first appeared in the run, on which layer first (+ how many other layers ever had it)'),
+    chainLine(earlier, 'Earlier', 'earlier', 'episodes that began before the cause\'s chain of trouble began'),
+  ].filter(Boolean);
+  return parts.length ? el('div', { class: 'summary-story' }, parts) : null;
+}
+
+/** The headline text, the layer name set in monospace when the headline starts with it. */
+function headlineText(answer) {
+  const text = answer.headline;
+  const lead = `${answer.layer}:`;
+  if (!text.startsWith(lead)) return el('span', { class: 'headline-text', text });
+  return el('span', { class: 'headline-text' }, el('span', { class: 'mono', text: answer.layer }), text.slice(answer.layer.length));
+}
+
+/** "First to go wrong: LAYER: exploding since step 31, nonfinite since step 54", the chain when the headline skips
+ * a status, and the first fix. */
+function headline(answer) {
+  const story = answer.chain && answer.chain.length > 2 && answer.story ? answer.story.replaceAll(' -> ', ' → ') : null;
+  return el('div', { class: 'headline', attrs: { 'data-testid': 'headline', 'data-layer': answer.layer, 'data-step': String(answer.step) } },
+    el('b', { class: 'headline-label', text: 'First to go wrong: ' }), headlineText(answer),
+    story ? el('span', { class: 'headline-story hint', text: ` (${story})` }) : null,
+    answer.fixes && answer.fixes.length
+      ? el('div', { class: 'cause-fix', attrs: { 'data-testid': 'cause-fix' } }, el('b', { text: 'What to do: ' }), answer.fixes[0])
+      : null);
 }
 
 /** @param {object} health the `health` route answer */
 export function summaryLine(health) {
   const counts = (health.summary && health.summary.counts) || {};
-  const firstBad = health.summary ? health.summary.first_bad : null;
   const chips = STATUSES.filter((s) => counts[s]).map((s) => el('span', {
     class: `count-chip count-${s}`,
-    title: s === 'inert' ? `${counts[s]} parameter(s) receive only round-off gradient (informational, not flagged)`
-      : `${counts[s]} layer(s) ${s}`,
+    title: s === 'inert' ? `${count(counts[s])} parameter(s) receive only round-off gradient (informational, not flagged)`
+      : `${count(counts[s])} layer(s) ${s}`,
     style: { borderColor: STATUS_STYLE[s].color },
   }, el('span', { class: 'count-glyph', text: STATUS_STYLE[s].glyph, style: { color: STATUS_STYLE[s].color } }),
-  el('b', { text: String(counts[s]) }), ` ${s}`));
+  el('b', { text: count(counts[s]) }), ` ${s}`));
   const total = (health.layers || []).length;
-  let verdict;
-  const cause = health.summary ? health.summary.cause : null;
-  if (firstBad) {
-    const story = cause && cause.story ? cause.story.replaceAll(' -> ', ' → ') : null;
-    verdict = el('span', { class: 'first-bad onset',
-      attrs: { 'data-testid': 'onset', 'data-step': String(cause ? cause.step : firstBad.step) } },
-    'First went wrong: ', el('span', { class: 'mono', text: firstBad.layer }), ' ',
-    story ? el('b', { text: story }) : badge(firstBad.status),
-    story ? [' (now ', badge(firstBad.status), ')'] : (known(firstBad.step) ? ` — in trouble since step ${firstBad.step}` : ''),
-    cause && cause.fixes && cause.fixes.length
-      ? el('span', { class: 'cause-fix', attrs: { 'data-testid': 'cause-fix' }, text: ` What to do: ${cause.fixes[0]}.` })
-      : null);
-  } else {
-    const inert = counts.inert ? ` (${counts.inert} inert)` : '';
+  const answer = answerOf(health);
+  let verdict = null;
+  if (!answer) {
+    const inert = counts.inert ? ` (${count(counts.inert)} inert)` : '';
     verdict = el('span', { class: 'first-bad ok', text: `No layer flagged at step ${health.step}${inert}.` });
   }
-  const order = health.summary && health.summary.order;
   return el('div', { class: 'summary-line', attrs: { 'data-testid': 'summary' } },
     el('div', { class: 'summary-counts' },
-      el('span', { class: 'summary-total', text: `${total} layers · step ${health.step ?? '—'}` }),
-      chips, verdict, order ? el('span', { class: 'summary-order', title: order, text: 'how ranked?' }) : null),
+      el('span', { class: 'summary-total', text: `${count(total)} layers · step ${health.step ?? '—'}` }), chips, verdict),
+    answer ? headline(answer) : null,
     storyLine(health));
 }

@@ -8,7 +8,8 @@
  * scroll into view.
  */
 
-import { el, fmt, replace } from '../dom.js';
+import { el, replace } from '../dom.js';
+import { count, magnitude, severity } from '../format.js';
 import { lazySparkline, sparklineObserver } from '../charts/sparkline.js';
 import { afterPaint, timing } from '../model.js';
 import { badge, isFlagged, statusColor, statusRank } from '../status.js';
@@ -17,15 +18,18 @@ import { kindText } from './evidence.js';
 
 export const ROW_PAGE = 50;
 
+const LAST_FINITE_TIP = '; for a layer whose last record has NaN/Inf, its values at its last all-finite step, labelled';
+
 const COLUMNS = [
-  { key: 'rank', label: '#', title: 'rank (worst first)', num: true },
+  { key: 'rank', label: '#', title: 'rank: the cause first (marked), then by severity', num: true },
   { key: 'status', label: 'Status', title: 'diagnosis' },
   { key: 'layer', label: 'Layer', title: 'variable name' },
   { key: 'severity', label: 'Severity', title: 'how far outside the healthy band, times persistence', num: true },
-  { key: 'first_step', label: 'Since step', title: 'onset of the current chain of episodes (hover a cell for the chain)', num: true },
-  { key: 'rms', label: 'RMS', title: 'root mean square of the gradient at the diagnosed step', num: true },
-  { key: 'max_abs', label: 'max |g|', title: 'largest gradient magnitude at the diagnosed step', num: true },
-  { key: 'norm', label: 'Norm', title: 'L2 norm of the gradient at the diagnosed step', num: true },
+  { key: 'first_step', label: 'Since', title: '<status> since: where the current status began; trouble since: where the '
+    + 'chain of episodes began (sorts by it; hover a cell for the chain)', num: true },
+  { key: 'rms', label: 'RMS', title: `root mean square of the gradient at the diagnosed step${LAST_FINITE_TIP}`, num: true },
+  { key: 'max_abs', label: 'max |g|', title: `largest gradient magnitude at the diagnosed step${LAST_FINITE_TIP}`, num: true },
+  { key: 'norm', label: 'Norm', title: `L2 norm of the gradient at the diagnosed step${LAST_FINITE_TIP}`, num: true },
   { key: 'spark', label: 'RMS over steps', title: 'log-scale RMS history', sortable: false },
   { key: 'reasons', label: 'Why', title: 'the rule(s) that fired, with the numbers', sortable: false },
 ];
@@ -57,7 +61,7 @@ function compareBy(key, dir) {
 export function visibleLayers(health, view) {
   const needle = view.nameFilter.trim().toLowerCase();
   let layers = health.layers.map((layer, i) => {
-    layer.__rank = i + 1;
+    layer.__rank = layer.rank ?? i + 1;
     return layer;
   });
   if (view.statuses.size) layers = layers.filter((l) => view.statuses.has(l.status));
@@ -66,26 +70,53 @@ export function visibleLayers(health, view) {
   return layers;
 }
 
-/** The "since" cell: the onset of the layer's episode chain, the chain's glyphs, and the chain in full on hover. */
+const known = (x) => x !== null && x !== undefined;
+
+/**
+ * The "since" cell of a flagged layer: "<status> since N" (where its current status began) above "trouble since M"
+ * (where its chain of episodes began), the chain's glyphs before it; the chain in full on hover. `—` when healthy.
+ */
 function sinceCell(layer) {
-  const known = layer.first_step !== null && layer.first_step !== undefined;
-  return el('td', { class: 'num since', title: chainText(layer) }, chainGlyphs(layer), known ? String(layer.first_step) : '—');
+  const td = el('td', { class: 'num since', title: chainText(layer) });
+  if (!isFlagged(layer.status) || !known(layer.first_step)) return replace(td, '—');
+  return replace(td,
+    el('span', { class: 'since-status', attrs: { 'data-testid': 'status-since' } },
+      `${layer.status} since ${known(layer.status_since) ? layer.status_since : '—'}`),
+    el('span', { class: 'since-trouble', attrs: { 'data-testid': 'trouble-since' } }, chainGlyphs(layer),
+      `trouble since ${layer.first_step}`));
+}
+
+/** A magnitude cell: the value at the diagnosed step, or (NaN/Inf there) the last finite one, labelled with its step. */
+export function magnitudeCell(layer, key) {
+  const last = layer.last_finite;
+  if (known(layer[key]) || !last) return el('td', { class: 'num', text: magnitude(layer[key]) });
+  return el('td', { class: 'num last-finite', title: `no finite value at step ${layer.step}; the layer's values at step `
+    + `${last.step}, its last record with every value finite` },
+  el('span', { class: 'last-finite-value', text: magnitude(last[key]) }),
+  el('span', { class: 'cell-note', text: `last finite (step ${last.step})` }));
+}
+
+/** The layer cell: the name, a "cause" tag on the row ranked first as the cause, the kind of a flagged layer. */
+function layerCell(layer) {
+  const kind = kindText(layer);
+  return el('td', { class: 'layer-name mono', title: kind ? `${layer.layer} (${kind})` : layer.layer },
+    el('span', { class: 'layer-name-text', text: layer.layer }),
+    layer.rank_reason === 'cause' ? el('span', { class: 'cause-tag', attrs: { 'data-testid': 'cause-tag' },
+      text: 'cause', title: 'ranked first as the cause: the first to go wrong (its severity may be lower than the rows below)' }) : null,
+    kind && isFlagged(layer.status) ? el('span', { class: 'layer-kind-tag', text: kind }) : null);
 }
 
 function row(layer, history, onSelect, observer) {
   const reasons = layer.reasons || [];
-  const kind = kindText(layer);
-  const tr = el('tr', { class: `row row-${layer.status}`, tabIndex: 0, attrs: { 'data-layer': layer.layer } },
-    el('td', { class: 'num rank', text: String(layer.__rank) }),
+  const tr = el('tr', { class: `row row-${layer.status}`, tabIndex: 0, attrs: { 'data-layer': layer.layer, 'data-rank': String(layer.__rank) } },
+    el('td', { class: 'num rank', text: count(layer.__rank) }),
     el('td', {}, badge(layer.status)),
-    el('td', { class: 'layer-name mono', title: kind ? `${layer.layer} (${kind})` : layer.layer },
-      el('span', { class: 'layer-name-text', text: layer.layer }),
-      kind && isFlagged(layer.status) ? el('span', { class: 'layer-kind-tag', text: kind }) : null),
-    el('td', { class: 'num', text: fmt(layer.severity) }),
+    layerCell(layer),
+    el('td', { class: 'num', text: severity(layer.severity) }),
     sinceCell(layer),
-    el('td', { class: 'num', text: fmt(layer.rms) }),
-    el('td', { class: 'num', text: fmt(layer.max_abs) }),
-    el('td', { class: 'num', text: fmt(layer.norm) }),
+    magnitudeCell(layer, 'rms'),
+    magnitudeCell(layer, 'max_abs'),
+    magnitudeCell(layer, 'norm'),
     el('td', { class: 'spark-cell' }, lazySparkline(layer.rms_history, observer, {
       color: statusColor(layer.status),
       title: history.length ? `RMS at steps ${history[0]}…${history[history.length - 1]}` : '',
@@ -113,7 +144,17 @@ export function layerTable(model, onSelect) {
   const tbody = el('tbody');
   const more = el('div', { class: 'table-more' });
   const table = el('table', { class: 'layer-table' }, thead, tbody);
-  const root = el('div', { class: 'table-wrap' }, table, more);
+  const key = el('div', { class: 'table-key', attrs: { 'data-testid': 'table-key' } });
+  const root = el('div', { class: 'table-wrap' }, key, table, more);
+
+  /** The visible key of the order: what # means, without hovering (the full rule on hover). */
+  function drawKey() {
+    const order = health.summary && health.summary.order;
+    const sorted = model.view.sortKey !== 'rank' || model.view.sortDir !== 1;
+    replace(key, el('b', { text: 'Ranked: cause first, then severity' }),
+      el('span', { class: 'hint', text: sorted ? ' (# keeps the rank; click # to return to it)' : ' · click a column to sort by it' }));
+    key.title = order || '';
+  }
 
   function header() {
     const { sortKey, sortDir } = model.view;
@@ -173,10 +214,10 @@ export function layerTable(model, onSelect) {
     clearMore();
     if (layers.length > shown.length) {
       const rest = layers.length - shown.length;
-      more.appendChild(el('span', { text: `Showing ${shown.length} of ${layers.length} layers. ` }));
-      more.appendChild(el('button', { class: 'btn', text: `Show ${Math.min(rest, ROW_PAGE * 4)} more`,
+      more.appendChild(el('span', { text: `Showing ${count(shown.length)} of ${count(layers.length)} layers. ` }));
+      more.appendChild(el('button', { class: 'btn', text: `Show ${count(Math.min(rest, ROW_PAGE * 4))} more`,
         on: { click: () => grow(ROW_PAGE * 4) } }));
-      more.appendChild(el('button', { class: 'btn', text: `Show all ${layers.length}`,
+      more.appendChild(el('button', { class: 'btn', text: `Show all ${count(layers.length)}`,
         attrs: { 'data-testid': 'show-all' }, on: { click: () => grow(Infinity) } }));
     }
     table.dataset.rows = String(shown.length);
@@ -207,6 +248,7 @@ export function layerTable(model, onSelect) {
         observer = sparklineObserver();
       }
       if (!health) return;
+      drawKey();
       header();
       body();
     },

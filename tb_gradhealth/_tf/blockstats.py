@@ -15,8 +15,9 @@ from typing import Any
 
 import tensorflow as tf
 
+from tb_gradhealth._core import LayerInputs
 from tb_gradhealth._tf import packed
-from tb_gradhealth._tf.kernels import DeviceRecord, LayerInputs
+from tb_gradhealth._tf.kernels import DeviceRecord
 
 #: Values per block: the temporaries of one block are a few times its float32 size.
 BLOCK = 1 << 20

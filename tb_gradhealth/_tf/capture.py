@@ -9,8 +9,8 @@ The hooks wrap two methods of the model's optimizer *instance* (through :mod:`tb
   (``loss_scale_factor``, ``LossScaleOptimizer``: its inner optimizer is the one wrapped), clipped them and
   averaged accumulated ones; it is where the variables change.
 
-The record (:func:`tb_gradhealth.summary.compute` of the applied gradient, the weights from before the update and
-the update ``w_before - w_after``, a :class:`tb_gradhealth.summary.Delta`) is stored with its step into a ring
+The record (:func:`tb_gradhealth._tf.records.compute` of the applied gradient, the weights from before the update and
+the update ``w_before - w_after``, a :class:`tb_gradhealth.record.Delta`) is stored with its step into a ring
 buffer of non-trainable variables that the host reads (:meth:`Capture.read_new`). It is computed in one of two
 places:
 
@@ -38,8 +38,11 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tb_gradhealth import record, summary
-from tb_gradhealth._tf import blockstats, compat, gradpack, stepoutputs
+from tb_gradhealth import record
+from tb_gradhealth._tf import blockstats, compat, gradpack, records, stepoutputs
+from tb_gradhealth._tf.kernels import DeviceRecord
+from tb_gradhealth._tf.naming import variable_names
+from tb_gradhealth.record import Delta
 
 #: Marks the optimizer instance that carries this module's hooks.
 _OWNER = "_tb_gradhealth_capture"
@@ -94,7 +97,7 @@ class Capture:
         #: ``gradient_accumulation_steps``), so steps line up with keras.callbacks.TensorBoard's batch steps.
         self.steps = compat.optimizer_step_counter(optimizer)
         self.variables = list(model.trainable_variables)
-        self.layers = summary.variable_names(self.variables)
+        self.layers = variable_names(self.variables)
         self.period = period
         self.slots = slots
         self.hist_sample = hist_sample
@@ -285,17 +288,17 @@ class Capture:
                       now: Sequence[Any] | None = None) -> tuple[list[Any], list[Any], list[Any]]:
         """The gradients, weights and updates of the rows ``layers``, from the applied gradients and the weights
         before the update by row: a row the optimizer did not update has no gradient, its weight now, and no
-        update; an updated row its weight before and ``before - after`` (a :class:`summary.Delta`, subtracted
+        update; an updated row its weight before and ``before - after`` (a :class:`record.Delta`, subtracted
         inside the statistics' loop over the update, never written out). ``now``: every variable already read
         (by row), else each is read here."""
         after = [tf.convert_to_tensor(self.variables[r]) if now is None else now[r] for r in layers]
         if before is None:
             return [grads.get(r) for r in layers], after, [None] * len(layers)
         weights = [before.get(r, w) for r, w in zip(layers, after, strict=True)]
-        updates = [summary.Delta(before[r], w) if r in before else None for r, w in zip(layers, after, strict=True)]
+        updates = [Delta(before[r], w) if r in before else None for r, w in zip(layers, after, strict=True)]
         return [grads.get(r) for r in layers], weights, updates
 
-    def _guard(self, rec: summary.DeviceRecord, before: dict[int, Any] | None) -> None:
+    def _guard(self, rec: DeviceRecord, before: dict[int, Any] | None) -> None:
         """The NaN-origin search's guard on a record whose weights from before the update were kept."""
         if self.guard is not None and before is not None:
             self.guard(rec, [self.variables[r] for r in before], list(before.values()))
@@ -314,19 +317,19 @@ class Capture:
         return row
 
     def _compute(self, rows: list[int], applied: list[Any], before: list[Any] | None,
-                 now: Sequence[Any] | None = None) -> summary.DeviceRecord:
+                 now: Sequence[Any] | None = None) -> DeviceRecord:
         """The record of every layer, in one function: ``applied`` and ``before`` are by position in ``rows``,
         ``now`` (the variables already read, else read here) by row."""
         self.statistics_built += 1
         before_of = dict(zip(rows, before, strict=True)) if before is not None else None
         grads, weights, updates = self._layer_inputs(list(range(len(self.variables))),
                                                      dict(zip(rows, applied, strict=True)), before_of, now)
-        rec = summary.compute(grads, weights, updates, hist_sample=self.hist_sample or 0, seed=self.seed,
+        rec = records.compute(grads, weights, updates, hist_sample=self.hist_sample or 0, seed=self.seed,
                               jit=True if self.compiled else "graph")
         self._guard(rec, before_of)
         return rec
 
-    def _store(self, rec: summary.DeviceRecord) -> tf.Tensor:
+    def _store(self, rec: DeviceRecord) -> tf.Tensor:
         step = self._step()
         count = self.count.read_value()
         slot = tf.reshape(tf.cast(count % self.slots, tf.int32), [1, 1])

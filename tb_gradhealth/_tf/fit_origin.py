@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tb_gradhealth import origin, record
+from tb_gradhealth import origin
+from tb_gradhealth._core import NONFINITE_COLUMNS
 from tb_gradhealth._tf import compat, replay, stepoutputs
 from tb_gradhealth.origin import NanOrigin
 
@@ -28,7 +29,6 @@ _log = logging.getLogger("tb_gradhealth")
 
 #: The key under which the train functions return their batch (taken out again before ``fit`` sees the logs).
 BATCH_KEY = "_tb_gradhealth_batch"
-_NONFINITE = [record.INDEX[k] for k in ("nan", "posinf", "neginf")]
 
 
 def _unpack(data: Any) -> tuple[Any, Any, Any]:
@@ -40,20 +40,18 @@ def _unpack(data: Any) -> tuple[Any, Any, Any]:
     return data, None, None
 
 
-class FitOrigin:
+class FitOrigin(origin.OriginSearch):
     """The NaN-origin state of one ``fit``: kept batches by step, the freeze flag, and the answer once found."""
 
     def __init__(self, model: Any, log_dir: str, name: str, *, stop_after: bool, restores: bool) -> None:
+        super().__init__(log_dir, name)
         self.model = model
         self.restores = restores
-        self.log_dir = log_dir
-        self.name = name
         self.stop_after = stop_after
         strategy = model.distribute_strategy
         self.keeps_batches = int(getattr(model, "steps_per_execution", 1) or 1) == 1 and \
             strategy.num_replicas_in_sync == 1 and not getattr(model, "run_eagerly", False)
         self.batches: dict[int, Any] = {}
-        self.origin: NanOrigin | None = None
         with strategy.scope():
             #: 1 from a step with a NaN/Inf gradient until the host has replayed it: captured updates are undone.
             self.frozen = tf.Variable(tf.constant(0, tf.int32), trainable=False, name="gh_frozen")
@@ -76,7 +74,7 @@ class FitOrigin:
 
     def guard(self, rec: Any, variables: list[Any], before: list[Any]) -> None:
         """In the captured step: put the weights back when the gradient is not finite, or while frozen."""
-        bad = tf.reduce_sum(tf.gather(rec.counts, _NONFINITE, axis=1)) > 0
+        bad = tf.reduce_sum(tf.gather(rec.counts, NONFINITE_COLUMNS, axis=1)) > 0
 
         def restore() -> tf.Tensor:
             for v, w in zip(variables, before, strict=True):
@@ -88,11 +86,15 @@ class FitOrigin:
 
     def check(self, step: int, rows: np.ndarray) -> NanOrigin | None:
         """After a record was read: the first non-finite one is replayed, stored and returned (else None)."""
-        if self.origin is not None:
-            return None
-        if not np.any(record.nonfinite_count(rows) > 0):
-            self.batches = {s: b for s, b in self.batches.items() if s > step}
-            return None
+        return self.find(step, rows)
+
+    def finite(self, step: int) -> None:
+        """A finite record of ``step``: the batches of it and of earlier steps are no longer needed."""
+        self.batches = {s: b for s, b in self.batches.items() if s > step}
+
+    def replay(self, step: int) -> NanOrigin:
+        """The kept batch of ``step`` replayed from the weights put back (or why it cannot be); the weights are
+        unfrozen after it unless training stops."""
         batch = self.batches.pop(step, None)
         self.batches.clear()
         if batch is None:
@@ -110,8 +112,6 @@ class FitOrigin:
             except Exception as e:  # noqa: BLE001 - never raise from inside fit because of the data
                 found = NanOrigin(step=step, found=False, framework="tensorflow",
                                   reason=f"the replay failed: {type(e).__name__}: {e}")
-        self.origin = found
-        origin.announce(found, self.log_dir, self.name)
         if not self.stop_after:
             self.frozen.assign(0)
         return found

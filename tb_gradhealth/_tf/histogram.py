@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tb_gradhealth import record
+from tb_gradhealth import _core, record
 
 __all__ = ["histogram", "bin_index"]
 
@@ -29,10 +29,8 @@ def _seed_for(x: tf.Tensor, layer: Any, seed: Any) -> tf.Tensor:
     salt = tf.cast(record.sample_salt(layer), tf.int32)
     if seed is not None:
         return tf.stack([tf.cast(seed, tf.int32), salt])
-    n = x.shape.num_elements()
-    probes = tf.cast(tf.gather(x, [0, n // 3, n // 2, n - 1]), tf.float32)
-    bits = tf.bitcast(probes, tf.int32)
-    mix = tf.bitwise.bitwise_xor(tf.bitwise.bitwise_xor(bits[0], bits[1] * 31), bits[2] * 131 + bits[3])
+    probes = tf.cast(tf.gather(x, _core.probe_indices(x.shape.num_elements())), tf.float32)
+    mix = _core.probe_hash(tf.unstack(tf.bitcast(probes, tf.int32)), tf.bitwise.bitwise_xor)
     return tf.stack([salt, mix])
 
 
@@ -43,11 +41,9 @@ def _sample_positions(x: tf.Tensor, n: int, k: int, layer: Any, seed: Any, valid
     are spread evenly (lower variance than independent draws). One random number per tensor instead of ``k``
     independent draws, which cost a noticeable part of the record under XLA (docs/PERFORMANCE.md).
     """
-    m = tf.cast(n if valid_len is None else tf.maximum(valid_len, 1), tf.int64)
-    stride = record.sample_stride(n)
+    length = None if valid_len is None else tf.cast(tf.maximum(valid_len, 1), tf.int64)
     offset = tf.random.stateless_uniform([], seed=_seed_for(x, layer, seed), minval=0, maxval=2**62, dtype=tf.int64)
-    i = tf.range(k, dtype=tf.int64)
-    return tf.cast((offset + i * stride) % m, tf.int32)
+    return tf.cast(_core.sample_positions(offset, n, k, const=tf.constant, length=length), tf.int32)
 
 
 def bin_index(a: tf.Tensor) -> tf.Tensor:

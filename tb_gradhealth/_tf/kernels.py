@@ -29,6 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from tb_gradhealth import record
+from tb_gradhealth._core import LayerInputs
 from tb_gradhealth._tf import compat, histogram
 from tb_gradhealth.record import Delta
 
@@ -41,24 +42,6 @@ class DeviceRecord(NamedTuple):
 
     counts: Any
     values: Any
-
-
-class LayerInputs(NamedTuple):
-    """What the records of ``L`` layers are computed from: one entry per layer in each sequence, then the sampling.
-
-    Passed whole to the compiled functions of :mod:`tb_gradhealth._tf.packed`: the sequences' tensors are their
-    arguments, ``sizes`` and ``hist_sample`` (Python ints) part of their signature.
-    """
-
-    grads: Sequence[Any]  # dense tensors, ``IndexedSlices``, or None (no gradient: the missing record)
-    weights: Sequence[Any]  # each variable's value, or None (weight fields not recorded)
-    updates: Sequence[Any]  # each applied update, a tensor or a :class:`Delta` ``(before, after)``, or None
-    sizes: Sequence[int]  # each variable's element count (static; what a missing gradient's record states)
-    hist_sample: int  # values sampled for a large tensor's histogram (0: every value)
-    seed: Any  # None (seed from the data) or a scalar integer tensor
-    #: Each layer's index in the whole model, which salts its histogram sample (``None``: its position here), so
-    #: that a record computed a few layers at a time samples as the whole model's would.
-    ids: Sequence[int] | None = None
 
 
 @functools.cache

@@ -33,9 +33,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import tensorflow as tf
 
-from tb_gradhealth import record
+from tb_gradhealth import _core, record
+from tb_gradhealth._core import LayerInputs
 from tb_gradhealth._tf import compat, histogram, kernels, precompile
-from tb_gradhealth._tf.kernels import Delta, DeviceRecord, LayerInputs
+from tb_gradhealth._tf.kernels import Delta, DeviceRecord
 
 __all__ = ["compute", "compute_jit", "IN_PLACE_MIN"]
 
@@ -461,9 +462,8 @@ def _sample_values(flat: Sequence[Any], sizes: Sequence[int | None], lay: Layout
     random offset), and their layer ids: one gather from the packed buffer, one per in-place layer."""
     layers, k = sampling.layers, sampling.hist_sample
     ns = np.array([sizes[i] for i in layers], np.int64)
-    strides = np.array([record.sample_stride(int(n)) for n in ns], np.int64)
     offsets = _offsets(layers, sampling.ids, sampling.seed, sampling.s, sampling.q)
-    pos = (offsets[:, None] + np.arange(k, dtype=np.int64)[None, :] * strides[:, None]) % ns[:, None]
+    pos = _core.sample_positions(offsets[:, None], ns, k)
     starts = lay.whole_piece_starts()
     base = np.array([starts.get(int(i), 0) for i in layers], np.int64)
     pos = tf.cast(pos + base[:, None], tf.int32)
@@ -588,22 +588,28 @@ def compute(inputs: LayerInputs, deferred: bool = False) -> Any:
     ids = plan.sampled if inputs.ids is None else np.asarray(inputs.ids, np.int64)[plan.sampled]
     sampling = _Sampling(plan.sampled, ids, hist_sample, inputs.seed, s, q, size - nonfinite - zero)
     hist, kept, whole = _histograms(plan, buf, sampling, n)
-    wm, wq = _norm_fields([_flat(w) for w in inputs.weights], n)
-    um, uq = _norm_fields([_flat(u) for u in inputs.updates], n)
-    fields = {
-        "min": mn, "max": mx, "mean": tf.cast(mean, tf.float32), "ssq_rel": tf.cast(ssq_rel, tf.float32),
-        "weight_max_abs": wm, "weight_ssq_rel": wq, "update_max_abs": um, "update_ssq_rel": uq,
-        "missing": tf.constant(np.array([g is None for g in grads], np.float32)), "hist_sample": kept,
-    }
-    count_fields = {"size": size, "nan": nan, "posinf": posinf, "neginf": neginf, "zero": zero}
-    counts = tf.stack([count_fields[name] for name in record.COUNT_FIELDS], 1)
-    values = tf.concat([kernels.stack_values(fields, [n]), hist], 1)
+    counts, values = _stacked(inputs, {"size": size, "nan": nan, "posinf": posinf, "neginf": neginf, "zero": zero},
+                              {"min": mn, "max": mx, "mean": tf.cast(mean, tf.float32),
+                               "ssq_rel": tf.cast(ssq_rel, tf.float32), "hist_sample": kept}, hist)
     if whole is not None and not deferred:
         values = tf.cond(tf.reduce_any(whole), lambda: _with_whole(values, whole, plan, buf), lambda: values)
     if any(isinstance(g, tf.IndexedSlices) for g in grads):
         counts, values = _with_sparse_rows(counts, values, inputs)
     rec = DeviceRecord(counts, values)
     return (rec, whole) if deferred else rec
+
+
+def _stacked(inputs: LayerInputs, counts: dict[str, tf.Tensor], grad: dict[str, tf.Tensor],
+             hist: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """The record's counts ``[L, 5]`` and values ``[L, 89]``: the count fields, the gradient's value fields and
+    histogram, the norms of the weights and updates of ``inputs``, and which layers had no gradient."""
+    n = len(inputs.grads)
+    wm, wq = _norm_fields([_flat(w) for w in inputs.weights], n)
+    um, uq = _norm_fields([_flat(u) for u in inputs.updates], n)
+    fields = {**grad, "weight_max_abs": wm, "weight_ssq_rel": wq, "update_max_abs": um, "update_ssq_rel": uq,
+              "missing": tf.constant(np.array([g is None for g in inputs.grads], np.float32))}
+    return (tf.stack([counts[name] for name in record.COUNT_FIELDS], 1),
+            tf.concat([kernels.stack_values(fields, [n]), hist], 1))
 
 
 def _small_slices_dense(inputs: LayerInputs) -> LayerInputs:

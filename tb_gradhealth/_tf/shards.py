@@ -17,7 +17,9 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tb_gradhealth import metadata, record, summary
+from tb_gradhealth import _storage, metadata, record
+from tb_gradhealth._tf import records
+from tb_gradhealth._tf.naming import layer_names
 
 __all__ = ["merge_shards", "flush"]
 
@@ -25,6 +27,7 @@ __all__ = ["merge_shards", "flush"]
 def check_log_dir(log_dir: Any) -> str:
     if log_dir is None or not isinstance(log_dir, str | os.PathLike) or not str(log_dir):
         raise ValueError(f"log_dir must be a non-empty path (str or os.PathLike), got {log_dir!r}")
+    _storage.check_writable(os.fspath(log_dir))  # a log_dir that can never be written fails here, not silently
     return os.fspath(log_dir)
 
 
@@ -48,7 +51,7 @@ def scalar_tensor(value: Any, what: str, dtype: tf.DType | None = None) -> tf.Te
 
 
 def prepare(grads_and_vars: Any, layers: Sequence[str] | None) -> tuple[list[str], Any]:
-    """(layer names, the input in a re-iterable form) from any form ``summary.normalize`` accepts, checked now."""
+    """(layer names, the input in a re-iterable form) from any form ``naming.normalize`` accepts, checked now."""
     if grads_and_vars is None:
         raise ValueError("no gradients given: grads_and_vars is None")
     if not isinstance(grads_and_vars, Mapping):
@@ -63,7 +66,7 @@ def prepare(grads_and_vars: Any, layers: Sequence[str] | None) -> tuple[list[str
                 f"mismatched gradients and variables: {len(grads_and_vars[0])} gradients, "
                 f"{len(grads_and_vars[1])} variables"
             )
-    names = summary.layer_names(grads_and_vars)
+    names = layer_names(grads_and_vars)
     if not names:
         raise ValueError("no gradients given: grads_and_vars is empty")
     if layers is not None:
@@ -82,7 +85,7 @@ def compute(
 ) -> Any:
     if weights is None:
         weights = True if record_weights else None
-    return summary.compute(grads_and_vars, weights, hist_sample=hist_sample or 0, seed=seed)
+    return records.compute(grads_and_vars, weights, hist_sample=hist_sample or 0, seed=seed)
 
 
 def _merge_device_records(counts: np.ndarray, values: np.ndarray) -> np.ndarray:

@@ -11,10 +11,12 @@ steps); a layer's status is that of its last record, and ``first_step`` is the o
 episodes. ``layers`` are in network (forward) order: backprop computes gradients deepest layer first.
 
 The package's modules follow that design: ``thresholds`` (status words, knobs), ``levels`` (what the rules read),
-``rules`` (per-step rules), ``episodes`` (runs of one status, onset, timeline), ``reasons`` (text, severity, the cause,
-first_bad), ``fixes`` (what to do), ``optimizer`` (clipping and layer-wise updates read from the records),
-``progress`` (the loss as evidence), ``kinds`` (layer kind and activation in reasons and fixes), ``result`` (the
-public result), ``diagnose`` (``diagnose_run``) and ``profile`` (one step).
+``rules`` (per-step rules), ``episodes`` (runs of one status, onset, timeline), ``reasons`` (text, severity, the
+cause), ``answer`` (the run's answer: the cause layer, since when, its story, fixes and headline, defined once
+for every view, with the ranks and the tie-breaks the timeline shares), ``fixes`` (what to do), ``optimizer``
+(clipping and layer-wise updates read from the records), ``progress`` (the loss as evidence), ``kinds`` (layer kind
+and activation in reasons and fixes), ``result`` (the public result), ``diagnose`` (``diagnose_run``) and
+``profile`` (one step).
 """
 
 from __future__ import annotations

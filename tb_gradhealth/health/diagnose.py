@@ -7,7 +7,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from tb_gradhealth import record
-from tb_gradhealth.health.episodes import _follow_siblings, _nonfinite_origin, _onset, _timeline, _track
+from tb_gradhealth.health.answer import assign_ranks, deepest_first, group_depth, legacy_fields, run_answer
+from tb_gradhealth.health.episodes import _follow_siblings, _onset, _timeline, _track
 from tb_gradhealth.health.kinds import explain_kinds
 from tb_gradhealth.health.optimizer import global_clip_note
 from tb_gradhealth.health.progress import (
@@ -18,7 +19,7 @@ from tb_gradhealth.health.progress import (
     weigh_growth,
     weigh_progress,
 )
-from tb_gradhealth.health.reasons import _first_bad, _layer_health, cause_first
+from tb_gradhealth.health.reasons import _layer_health, cause_first
 from tb_gradhealth.health.result import _BASE, LayerHealth, RunHealth
 from tb_gradhealth.health.rules import _evaluate, _Steps
 from tb_gradhealth.health.thresholds import MISSING, Thresholds
@@ -63,14 +64,21 @@ def diagnose_run(
         out = [LayerHealth(name, i, "missing", _BASE[MISSING], ["no record of this layer"], None, None)
                for i, name in enumerate(layers)]
         return RunHealth(None, t, out)
+    depth = group_depth(layers)
     windows = loss_windows(steps, progress, t) if progress is not None else None
-    out, borrowed = _layer_healths(_evaluate(records, layers, t, windows), steps, records, layers, t)
+    out, borrowed = _layer_healths(_evaluate(records, layers, t, windows), steps, records, layers, t, depth,
+                                   layer_info or {})
     trend = loss_trend(progress[0], progress[1], int(steps[-1])) if progress is not None else None
     _add_evidence(out, records, t, trend, layer_info)
     weigh_growth(out, trend, update_growth(steps, records) if trend is not None else None, int(steps[-1]))
-    ranked, cause = cause_first(sorted(out, key=lambda lh: (-lh.severity, lh.index)), borrowed)
-    return RunHealth(int(steps[-1]), t, ranked, _first_bad(ranked), _onset(out), _timeline(out), cause,
-                     trend.to_json() if trend is not None else None)
+    _last_finite(out, steps, records)
+    ranked, is_cause = cause_first(sorted(out, key=lambda lh: (-lh.severity, lh.index)), borrowed, depth)
+    answer = run_answer(ranked, is_cause, (int(steps[0]), int(steps[-1])))
+    assign_ranks(ranked, answer)
+    first_bad, cause = legacy_fields(answer)
+    timeline, earlier = _timeline(out, answer, depth)
+    return RunHealth(int(steps[-1]), t, ranked, first_bad, _onset(out), timeline, cause,
+                     trend.to_json() if trend is not None else None, answer, earlier)
 
 
 def _up_to(steps: np.ndarray, records: np.ndarray, at_step: int | None) -> tuple[np.ndarray, np.ndarray]:
@@ -83,20 +91,51 @@ def _up_to(steps: np.ndarray, records: np.ndarray, at_step: int | None) -> tuple
     return steps[:end], records[:end]
 
 
-def _layer_healths(ev: _Steps, steps: np.ndarray, records: np.ndarray, layers: Sequence[str],
-                   t: Thresholds) -> tuple[list[LayerHealth], frozenset[str]]:
-    """Each layer's episodes, status, reasons and severity, in network order, and the layers whose onset is that of
-    a larger variable of their layer."""
+def _layer_healths(ev: _Steps, steps: np.ndarray, records: np.ndarray, layers: Sequence[str], t: Thresholds,
+                   depth: np.ndarray, info: Mapping[str, tuple[str, str]]) -> tuple[list[LayerHealth], frozenset[str]]:
+    """Each layer's episodes, status, reasons, severity and fixes (for its kind, ``info``), in network order, and
+    the layers whose onset is that of a larger variable of their layer."""
     # A skipped NaN/Inf step counts when NaN/Inf follows it at the next step (the update was NaN, not skipped).
     follows = np.zeros_like(ev.nonfinite)
     follows[:-1] = ev.nonfinite[1:]
-    origin = _nonfinite_origin(ev.nonfinite & ~(ev.skipped & ~follows))
+    origin = _first_nonfinite(ev.nonfinite & ~(ev.skipped & ~follows), depth, ev.size.max(axis=0))
     present = ev.present
     last_rows = np.where(present.any(axis=0), present.shape[0] - 1 - np.argmax(present[::-1], axis=0), 0)
     d = record.derived(records[last_rows, np.arange(len(layers))])
     tracks = [_track(ev, i, t) if ev.columns("present")[i].any() else None for i in range(len(layers))]
     borrowed = _follow_siblings(tracks, ev, layers)
-    return [_layer_health(ev, steps, layers, i, d, origin, t, tracks[i]) for i in range(len(layers))], borrowed
+    return [_layer_health(ev, steps, layers, i, d, origin, t, tracks[i], info.get(layers[i], ("", "")))
+            for i in range(len(layers))], borrowed
+
+
+def _first_nonfinite(nonfinite: np.ndarray, depth: np.ndarray, size: np.ndarray) -> tuple[int, int, int] | None:
+    """(first step row with NaN/Inf, the layer where it started, how many layers were nonfinite there) or None.
+    Backprop computes the deepest layer first, so the deepest nonfinite layer is where it started; of that layer's
+    variables, the largest (:func:`deepest_first`: a bias and its kernel receive one upstream gradient)."""
+    rows = np.flatnonzero(nonfinite.any(axis=1))
+    if rows.size == 0:
+        return None
+    r = int(rows[0])
+    bad = np.flatnonzero(nonfinite[r])
+    return r, int(max(bad, key=lambda i: deepest_first(depth, size, int(i)))), int(bad.size)
+
+
+def _last_finite(out: list[LayerHealth], steps: np.ndarray, records: np.ndarray) -> None:
+    """``last_finite`` of each layer whose last record holds NaN/Inf: the step and magnitudes of its latest record
+    whose values were all finite (what the gradient was just before), None when it has none."""
+    counts = record.nonfinite_count(records)  # [S, L], NaN where a layer has no record
+    present = ~np.isnan(records[..., record.INDEX["size"]])
+    with np.errstate(invalid="ignore"):
+        finite = present & (counts == 0) & (record.finite_count(records) > 0)
+    for lh in out:
+        col = present[:, lh.index]
+        if not col.any() or counts[np.flatnonzero(col)[-1], lh.index] == 0:
+            continue
+        good = np.flatnonzero(finite[:, lh.index])
+        if good.size == 0:
+            continue
+        d = record.derived(records[good[-1], lh.index][None])
+        lh.last_finite = {"step": int(steps[good[-1]]), **{k: float(d[k][0]) for k in ("rms", "max_abs", "norm")}}
 
 
 def _add_evidence(out: list[LayerHealth], records: np.ndarray, t: Thresholds, trend: LossTrend | None,

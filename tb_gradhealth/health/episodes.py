@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from tb_gradhealth.health import thresholds as th
+from tb_gradhealth.health.answer import deepest_first
 from tb_gradhealth.health.levels import layer_groups
 from tb_gradhealth.health.result import LayerHealth
 from tb_gradhealth.health.rules import TREND_MIN_SIZE, _Steps
@@ -209,21 +210,46 @@ def _onset(layers: list[LayerHealth]) -> dict[str, Any] | None:
     return best[1] if best else None
 
 
-def _timeline(layers: list[LayerHealth]) -> list[dict[str, Any]]:
-    """When each status first appeared in the run, on which layer first (ties deepest), how many layers had it."""
-    first: dict[str, tuple[tuple[int, int], str]] = {}
-    count: dict[str, int] = {}
+def _timeline(layers: list[LayerHealth], answer: dict[str, Any] | None, depth: np.ndarray
+              ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(timeline, earlier)``. The timeline is chronological from the answer's chain start: entry 0 is the answer's
+    first status on its layer ("first to go wrong"), then each other status when a layer first reached it from there
+    on ("first layer to reach <status>"). Episodes that began before the chain are in ``earlier`` ("earlier,
+    recovered" when every one of them ended before it, else "earlier, lasted past step N"). Ties at one step go to
+    the answer's layer, else to the deepest layer's largest variable (:func:`deepest_first`); ``layers`` counts the
+    layers that ever had the status. Without an answer, every episode is ``earlier``."""
+    start = answer["step"] if answer is not None else None
+    ever: dict[str, set[str]] = {}
+    late: dict[str, tuple[tuple, LayerHealth, int]] = {}
+    early: dict[str, tuple[tuple, LayerHealth, int]] = {}
+    early_to: dict[str, int] = {}
+    sizes = np.array([lh.size for lh in sorted(layers, key=lambda x: x.index)], dtype=np.float64)
     for lh in layers:
-        seen = set()
         for e in lh.episodes:
-            key = (e["from"], -lh.index)
-            if e["status"] not in first or key < first[e["status"]][0]:
-                first[e["status"]] = (key, lh.layer)
-            seen.add(e["status"])
-        for st in seen:
-            count[st] = count.get(st, 0) + 1
-    items = sorted(first.items(), key=lambda kv: kv[1][0])
-    return [{"status": st, "step": key[0], "layer": layer, "layers": count[st]} for st, (key, layer) in items]
+            st = e["status"]
+            ever.setdefault(st, set()).add(lh.layer)
+            before = start is None or e["from"] < start
+            ours = answer is not None and lh.layer == answer["layer"]
+            key = (e["from"], not ours, *(-k for k in deepest_first(depth, sizes, lh.index)))
+            bucket = early if before else late
+            if st not in bucket or key < bucket[st][0]:
+                bucket[st] = (key, lh, e["from"])
+            if before:
+                early_to[st] = max(early_to.get(st, e["to"]), e["to"])
+    earlier = [_entry(st, lh, step, len(ever[st]), "earlier, recovered" if start is None or early_to[st] < start
+                      else f"earlier, lasted past step {start}") for st, (_, lh, step) in sorted(
+                          early.items(), key=lambda kv: kv[1][0])]
+    if answer is None:
+        return [], earlier
+    first = {"status": answer["status"], "step": answer["step"], "layer": answer["layer"],
+             "layers": len(ever.get(answer["status"], ())) or 1, "label": "first to go wrong"}
+    rest = [_entry(st, lh, step, len(ever[st]), f"first layer to reach {st}")
+            for st, (_, lh, step) in sorted(late.items(), key=lambda kv: kv[1][0]) if st != answer["status"]]
+    return [first, *rest], earlier
+
+
+def _entry(status: str, lh: LayerHealth, step: int, count: int, label: str) -> dict[str, Any]:
+    return {"status": status, "step": int(step), "layer": lh.layer, "layers": count, "label": label}
 
 
 def _nonfinite_origin(nonfinite: np.ndarray) -> tuple[int, int, int] | None:

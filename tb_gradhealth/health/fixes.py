@@ -1,14 +1,15 @@
 """What to do about a layer's status: short suggestions chosen from the evidence that flagged it.
 
 A chain is fixed at its cause: a layer that exploded and then died gets the explosion's fixes first. The records do
-not know a layer's activation or kind, so where the fix depends on it the suggestion names the condition ("if the
-activation saturates"); where the writer recorded them, :mod:`tb_gradhealth.health.kinds` puts the fix for that
-kind first.
+not know a layer's activation or kind, so where the fix depends on it and the writer did not record them, the
+suggestion names the condition ("if the activations saturate"); where it did, :func:`kinds.kind_fix` words the
+fix for that kind (a tanh layer never reads ReLU advice, a ReLU layer reads the dead-unit one).
 """
 
 from __future__ import annotations
 
 from tb_gradhealth.health.episodes import _Track
+from tb_gradhealth.health.kinds import kind_fix
 from tb_gradhealth.health.rules import _Steps
 from tb_gradhealth.health.thresholds import DEAD, EXPLODING, INERT, MISSING, NONFINITE, VANISHING
 
@@ -19,16 +20,20 @@ _DEPTH_GROWTH = ("the gradient grows through depth: use an initialisation that k
 _VANISHING = ("if the activations saturate (sigmoid/tanh), use ReLU/GELU with He initialisation; add normalisation "
               "or residual connections so the gradient reaches the early layers")
 _ADAPTIVE = "an adaptive optimizer (Adam) rescales small gradients; plain SGD passes them on as they are"
-_DEAD = ("an all-zero gradient behind ReLUs: a lower learning rate, LeakyReLU/GELU, or a bias initialised at or above "
-         "zero; or a path cut on purpose (stop_gradient, a zero multiplier)")
+_DEAD = ("an all-zero gradient: the units feeding this variable give no gradient (rectifiers that died: LeakyReLU/GELU "
+         "or a lower learning rate; saturated tanh/sigmoid: smaller initial weights or inputs, normalisation), or a "
+         "path is cut on purpose (stop_gradient, a zero multiplier)")
 _NONFINITE_HERE = ("NaN/Inf appears first here: check this layer's numerics (log or division of 0, sqrt of negatives, "
                    "exp overflow); with float16, use dynamic loss scaling")
 _MISSING = "the variable is not connected to the loss: remove it or set trainable=False"
 _INERT = "the parameter is unused (e.g. a bias before BatchNormalization): use_bias=False removes it"
 
 
-def fixes(code: int, ev: _Steps, track: _Track, i: int, nan_here: bool) -> list[str]:
-    """Suggestions for a layer whose confirmed status is ``code``, cause first (its chain's first status)."""
+def fixes(code: int, ev: _Steps, track: _Track, i: int, nan_here: bool,
+          info: tuple[str, str] = ("", "")) -> list[str]:
+    """Suggestions for a layer whose confirmed status is ``code``, in the order of its chain (the cause's fix first:
+    a layer that exploded and then died gets the explosion's fix before the dead one's), each worded for the layer's
+    kind and activation ``info`` where the writer recorded them (:func:`kinds.kind_fix`)."""
     if code == INERT:
         return [_INERT]
     if code == MISSING:
@@ -43,11 +48,11 @@ def fixes(code: int, ev: _Steps, track: _Track, i: int, nan_here: bool) -> list[
             depth = ev.exp_rel[rows, i].any()
             out += ([_LEARNING_RATE] if lr or not depth else []) + ([_DEPTH_GROWTH] if depth else [])
         elif c == VANISHING:
-            out.append(_VANISHING)
+            out.append(kind_fix("vanishing", *info) or _VANISHING)
             if not ev.learns[rows, i].any():
                 out.append(_ADAPTIVE)
         elif c == DEAD:
-            out.append(_DEAD)
+            out.append(kind_fix("dead", *info) or _DEAD)
         elif c == NONFINITE:
             out.append(_NONFINITE_HERE if nan_here else _LEARNING_RATE)
     return list(dict.fromkeys(out))

@@ -1,8 +1,10 @@
 """Each layer's kind and activation (where its writer knew the model) in the reasons and the fixes.
 
 The records cannot tell a sigmoid Dense layer from a ReLU convolution; where the tag's metadata says what a variable's
-layer is (:mod:`tb_gradhealth.layerinfo`), a flagged layer's reasons name it and its first fix is the one for that
-kind: vanishing through a saturating activation, vanishing although the activation does not saturate, dead ReLUs.
+layer is (:mod:`tb_gradhealth.layerinfo`), a flagged layer's reasons name it and its fixes are worded for that
+kind: vanishing through a saturating activation, vanishing although the activation does not saturate, dead ReLUs,
+dead (saturated) tanh/sigmoid units. A saturating layer never reads rectifier advice, nor a rectifier saturation
+advice.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ SATURATING = frozenset({"sigmoid", "tanh", "hard_sigmoid", "softsign", "softmax"
 RECTIFIERS = frozenset({"relu", "relu6"})
 
 
-def _fix(status: str, kind: str, act: str) -> str | None:
+def kind_fix(status: str, kind: str, act: str) -> str | None:
+    """The fix for ``status`` on a layer of this kind and activation, None where they do not decide it (unknown)."""
     what = f"this {kind or 'layer'}"
+    act = act.lower()
     if status == "vanishing" and act in SATURATING:
         return (f"{what} uses {act}, which saturates: use ReLU/GELU with He initialisation, add normalisation "
                 f"(BatchNorm/LayerNorm) or residual connections")
@@ -30,17 +34,20 @@ def _fix(status: str, kind: str, act: str) -> str | None:
     if status == "dead" and act in RECTIFIERS:
         return (f"{what}'s {act} units are dead: lower the learning rate, use LeakyReLU/GELU, or initialise its "
                 f"bias at or above zero")
+    if status == "dead" and act in SATURATING:
+        return (f"{what}'s {act} units are saturated: their inputs are so large that {act}' is exactly 0 in floating "
+                f"point; lower the learning rate, use smaller initial weights (Glorot) or normalise the inputs "
+                f"(BatchNorm/LayerNorm)")
+    if status == "dead" and act:
+        return (f"{what}'s activation ({act}) does not die or saturate: the gradient is cut before it (a "
+                f"stop_gradient, a zero multiplier, a layer deeper in the network whose units are dead)")
     return None
 
 
 def explain_kinds(out: list[LayerHealth], info: Mapping[str, tuple[str, str]]) -> None:
-    """Name each flagged layer's kind and activation in its reasons, and put the fix for that kind first."""
+    """Name each flagged layer's kind and activation in its reasons (its fixes are worded for them already)."""
     for lh in out:
         kind, act = info.get(lh.layer, ("", ""))
         if lh.status not in FLAGS or not (kind or act):
             continue
         lh.reasons.append(f"layer: {kind or 'unknown kind'}" + (f", activation {act}" if act else ""))
-        fix = _fix(lh.status, kind, act)
-        if fix is not None:
-            lh.fixes = [fix, *(f for f in lh.fixes if not f.startswith(("if the activations saturate",
-                                                                        "an all-zero gradient behind ReLUs")))]

@@ -4,7 +4,6 @@ statistics over ``[S, L]`` arrays; the rules themselves are in :mod:`tb_gradheal
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -48,6 +47,20 @@ def _sorted_quantile(sorted_rows: np.ndarray, q: float) -> np.ndarray:
     lo = np.take_along_axis(sorted_rows, lo_i[..., None], axis=-1)[..., 0]
     hi = np.take_along_axis(sorted_rows, hi_i[..., None], axis=-1)[..., 0]
     return np.where(n > 0, lo + (hi - lo) * (pos - lo_i), np.nan)
+
+
+def _masked_max(values: np.ndarray, mask: np.ndarray, axis: int) -> np.ndarray:
+    """Largest of ``values`` where ``mask`` along ``axis``, NaN where nothing is selected. ``np.nanmax`` warns on an
+    all-NaN slice through :mod:`warnings`, whose filters are process-wide (not thread-safe to silence under a
+    threaded server); an explicit mask raises nothing."""
+    any_ = mask.any(axis=axis)
+    top = np.max(np.where(mask, values, -np.inf), axis=axis, initial=-np.inf)
+    return np.where(any_, top, np.nan)
+
+
+def _masked_min(values: np.ndarray, mask: np.ndarray, axis: int) -> np.ndarray:
+    """Smallest of ``values`` where ``mask`` along ``axis``, NaN where nothing is selected (see :func:`_masked_max`)."""
+    return -_masked_max(-values, mask, axis)
 
 
 def _median_where(values: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -99,11 +112,10 @@ def layerwise_common(upd_ratio: np.ndarray, weight_norm: np.ndarray, size: np.nd
     r = np.where(ok, ratios, np.nan)
     w = np.where(ok, scale, np.nan)
     n = ok.sum(axis=1)
-    with np.errstate(invalid="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN rows
-        spread = np.nanmax(r, axis=1) - np.nanmin(r, axis=1)
-        wspread = np.nanmax(w, axis=1) - np.nanmin(w, axis=1)
-        common = 10.0 ** np.nanmedian(r, axis=1)
+    with np.errstate(invalid="ignore", over="ignore"):
+        spread = _masked_max(r, ok, axis=1) - _masked_min(r, ok, axis=1)
+        wspread = _masked_max(w, ok, axis=1) - _masked_min(w, ok, axis=1)
+        common = 10.0 ** _median_where(r, ok)
     layerwise = (n >= 3) & (spread <= 2 * LAYERWISE_SPREAD) & (wspread >= WEIGHT_SPREAD)
     return np.where(layerwise, common, np.nan)
 
@@ -112,12 +124,11 @@ def adaptive(upd_rms: np.ndarray, rms: np.ndarray, live: np.ndarray, size: np.nd
     """The optimizer rescales each variable's gradient: over the logged steps, the median spread (largest minus
     smallest across the variables of at least 16 elements) of log10 update RMS / gradient RMS exceeds
     ``ADAPTIVE_SPREAD``. False where updates are not recorded."""
-    with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # steps without two such variables
+    with np.errstate(invalid="ignore", divide="ignore"):
         ratio = _log10(upd_rms) - _log10(rms)
-        ratio = np.where(live & (size >= 16), ratio, np.nan)
-        spread = np.nanmax(ratio, axis=1) - np.nanmin(ratio, axis=1)
-        typical = np.nanmedian(spread) if np.isfinite(spread).any() else np.nan
+        ok = live & (size >= 16) & np.isfinite(ratio)
+        spread = _masked_max(ratio, ok, axis=1) - _masked_min(ratio, ok, axis=1)
+        typical = _median_where(spread, np.isfinite(spread))
     return bool(typical > ADAPTIVE_SPREAD)
 
 
@@ -275,9 +286,8 @@ def pinned_at_clip(norm: np.ndarray) -> np.ndarray:
     """``[S, L]``: the variable's gradient norm sits at its clip: it equals, to float32 rounding, the largest norm
     the variable has had, which it does at ``CLIP_STEPS`` or more logged steps (per-variable ``clipnorm``: the
     record holds the clipped gradient, so a gradient larger than the clip is recorded at the clip)."""
-    with np.errstate(invalid="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns
-        top = np.nanmax(np.where(norm > 0, norm, np.nan), axis=0)
+    with np.errstate(invalid="ignore"):
+        top = _masked_max(norm, norm > 0, axis=0)
         at_top = (norm > 0) & (np.abs(norm - top) <= CLIP_SAME * top)
     return at_top & (at_top.sum(axis=0) >= CLIP_STEPS)
 

@@ -26,7 +26,8 @@ def profile(
     sustain). Pass ``statuses`` (network order, e.g. ``RunHealth.statuses()``) to show the full diagnosis instead.
     A layer without a record at the step is ``missing``. Bands (JSON, None when unknown): ``reference_rms`` (the
     layers nearest the loss), ``median_rms``; ``vanishing_below`` = the larger of the relative and absolute
-    vanishing lines; ``exploding_above`` = the smaller of the relative and absolute exploding lines.
+    vanishing lines; ``exploding_above`` = the smaller of the relative and absolute exploding lines; always
+    ``vanishing_below < exploding_above`` (:func:`_band_lines`).
     """
     rows = np.asarray(records_at_step, dtype=np.float64)
     if rows.ndim != 2 or rows.shape != (len(layers), record.NUM_FIELDS):
@@ -40,8 +41,7 @@ def profile(
     live = ev.log_rms[0][np.isfinite(ev.log_rms[0])]
     median = 10.0 ** float(np.median(live)) if live.size else None
     ref = 10.0 ** ref_log if math.isfinite(ref_log) else None
-    vanish = max(ref * 10.0 ** -t.vanish_decades, t.vanish_rms_below) if ref else t.vanish_rms_below
-    explode = min(ref * 10.0 ** t.explode_decades, t.explode_rms_above) if ref else t.explode_rms_above
+    vanish, explode = _band_lines(ref, t)
     out_layers = []
     for i, name in enumerate(layers):
         code = int(ev.raw[0, i])
@@ -54,3 +54,16 @@ def profile(
             "bands": {"reference_rms": ref, "median_rms": median,
                       "vanishing_below": _json_float(vanish) if vanish > 0 else None,
                       "exploding_above": _json_float(explode)}}
+
+
+def _band_lines(ref: float | None, t: Thresholds) -> tuple[float, float]:
+    """``(vanishing_below, exploding_above)``. The relative lines follow the reference; a reference that is itself
+    beyond the absolute lines (a run blowing up: 1e22 near the loss) would put the relative vanishing line above the
+    absolute exploding one, and a layer there is exploding, not vanishing (exploding outranks it). The chart then
+    draws the absolute lines, the only ones that still separate the two (none for vanishing where the thresholds
+    themselves cross)."""
+    vanish = max(ref * 10.0 ** -t.vanish_decades, t.vanish_rms_below) if ref else t.vanish_rms_below
+    explode = min(ref * 10.0 ** t.explode_decades, t.explode_rms_above) if ref else t.explode_rms_above
+    if not vanish < explode:
+        vanish, explode = t.vanish_rms_below, t.explode_rms_above
+    return (vanish if vanish < explode else 0.0), explode  # 0: no vanishing line (thresholds that cross)

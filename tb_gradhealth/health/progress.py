@@ -10,13 +10,12 @@ or more early in the run has converged and is not "not learning".
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from tb_gradhealth.health.levels import _update_stats
+from tb_gradhealth.health.levels import _median_where, _update_stats
 from tb_gradhealth.health.result import _BASE, LayerHealth
 from tb_gradhealth.health.thresholds import EXPLODING, VANISHING, Thresholds
 
@@ -184,10 +183,10 @@ def update_growth(steps: np.ndarray, records: np.ndarray) -> UpdateGrowth | None
     if steps.size < MIN_POINTS or not np.isfinite(log).any():
         return None
     q = max(2, steps.size // 4)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # a layer without updates in a quarter
-        growth = np.nanmedian(log[-q:], axis=0) - np.nanmedian(log[:q], axis=0)
-        typical = np.nanmedian(log, axis=1)
+    known = np.isfinite(log)
+    with np.errstate(invalid="ignore"):
+        growth = _median_where(log[-q:].T, known[-q:].T) - _median_where(log[:q].T, known[:q].T)
+        typical = _median_where(log, known)
     above = ~(typical <= typical[0])  # NaN (no update at that step) does not break the rise
     k0 = next((k for k in range(1, steps.size) if above[k:].all()), None)
     if k0 is None:

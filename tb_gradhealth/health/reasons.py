@@ -11,15 +11,20 @@ import numpy as np
 
 from tb_gradhealth import record
 from tb_gradhealth.health import thresholds as th
+from tb_gradhealth.health.answer import deepest_first
 from tb_gradhealth.health.episodes import _episodes, _Track
 from tb_gradhealth.health.fixes import fixes
+from tb_gradhealth.health.kinds import RECTIFIERS, SATURATING
 from tb_gradhealth.health.optimizer import optimizer_notes
 from tb_gradhealth.health.result import _BASE, _SPAN, LayerHealth
 from tb_gradhealth.health.rules import ROUNDOFF, _Steps
 
 
 def _layer_health(ev: _Steps, steps: np.ndarray, layers: Sequence[str], i: int, d: dict[str, np.ndarray],
-                  origin: tuple[int, int, int] | None, t: th.Thresholds, track: _Track | None) -> LayerHealth:
+                  origin: tuple[int, int, int] | None, t: th.Thresholds, track: _Track | None,
+                  info: tuple[str, str] = ("", "")) -> LayerHealth:
+    """One layer's diagnosis: status, reasons, severity, fixes (for its kind and activation ``info`` where the writer
+    recorded them), chain start and the onset of its current status."""
     name = layers[i]
     if track is None:
         return LayerHealth(name, i, "missing", _BASE[th.MISSING] + 1.0,
@@ -29,7 +34,7 @@ def _layer_health(ev: _Steps, steps: np.ndarray, layers: Sequence[str], i: int, 
     last = track.runs[-1]
     chain = track.chain_start()
     ctx = _Ctx(ev, steps, s, i, last[2] - last[1] + 1, int(steps[track.rows[last[1]]]), t,
-               int(track.rows[last[1] - 1]) if last[1] > 0 else int(track.rows[0]))
+               int(track.rows[last[1] - 1]) if last[1] > 0 else int(track.rows[0]), th.STATUSES[code], info[1])
     reasons, excess = _reasons(code, ctx, d, i)
     if track.unconfirmed is not None:
         need = max(2, track.need) if track.unconfirmed[0] == th.DEAD else track.need
@@ -55,64 +60,86 @@ def _layer_health(ev: _Steps, steps: np.ndarray, layers: Sequence[str], i: int, 
         # whose weights became NaN often has an all-zero gradient afterwards).
         severity = _BASE[th.NONFINITE] + _SPAN - 1.0
     nan_here = origin is not None and origin[1] == i
+    first_step = int(steps[track.rows[chain]]) if flagged else None
+    since = int(steps[track.rows[max(last[1], chain)]]) if flagged else None
+    episodes = _episodes(track, steps)
+    if flagged and first_step is not None and since is not None and first_step < since:
+        reasons.append(_chain_note(episodes, first_step, th.STATUSES[code], since))
     return LayerHealth(
         layer=name, index=i, status=th.STATUSES[code], severity=float(severity), reasons=reasons,
-        fixes=fixes(code, ev, track, i, nan_here) if code not in (th.HEALTHY,) else [],
-        first_step=int(steps[track.rows[chain]]) if flagged else None, step=int(steps[s]),
-        status_since=int(steps[track.rows[max(last[1], chain)]]) if flagged else None,
-        episodes=_episodes(track, steps),
+        fixes=fixes(code, ev, track, i, nan_here, info) if code not in (th.HEALTHY,) else [],
+        first_step=first_step, step=int(steps[s]), status_since=since, episodes=episodes,
+        size=int(d["size"][i]) if np.isfinite(d["size"][i]) else 0,
         **{k: float(d[k][i]) for k in ("norm", "rms", "max_abs", "mean", "zero_fraction", "grad_to_weight",
                                        "update_to_weight", "noise", "weight_norm")},
         nan=int(d["nan"][i]), inf=int(d["inf"][i]),
     )
 
 
-def cause_first(ranked: list[LayerHealth], borrowed: frozenset[str] = frozenset()
-                ) -> tuple[list[LayerHealth], dict[str, Any] | None]:
-    """The ranking with the cause first, and the cause: among the layers with the most severe current status, the
-    one whose chain of episodes began first (ties: see :func:`_culprit`). A learning rate that explodes every layer
-    at step 1 and kills their ReLUs by step 3 is told as "exploding from step 1 -> dead from 3", not as "dead since
-    1". ``borrowed``: layers whose onset is a larger variable's of their layer (a small tensor follows its layer);
-    the onset is their layer's, not evidence of their own, so they are the cause only when nothing else ties."""
+def cause_first(ranked: list[LayerHealth], borrowed: frozenset[str] = frozenset(), depth: np.ndarray | None = None
+                ) -> tuple[list[LayerHealth], bool]:
+    """The ranking with the cause first, and whether it has one: among the layers with the most severe current status,
+    the one whose chain of episodes began first (ties: see :func:`_culprit`). A learning rate that explodes every
+    layer at step 1 and kills their ReLUs by step 3 is told as "exploding from step 1 -> dead from 3", not as "dead
+    since 1". ``borrowed``: layers whose onset is a larger variable's of their layer (a small tensor follows its
+    layer); the onset is their layer's, not evidence of their own, so they are the cause only when nothing else ties.
+    ``depth``: :func:`~tb_gradhealth.health.answer.group_depth` of the layers (default: each variable its own
+    layer). The answer's words are :func:`tb_gradhealth.health.answer.run_answer`'s."""
     if not ranked or ranked[0].status not in th.FLAGS:
-        return ranked, None
+        return ranked, False
+    if depth is None:
+        depth = np.arange(max(lh.index for lh in ranked) + 1)
     worst = ranked[0].status
     chains = [lh for lh in ranked if lh.status == worst and lh.first_step is not None]
     began = min((lh.first_step for lh in chains), default=None)
     tied = [lh for lh in chains if lh.first_step == began]
     tied = [lh for lh in tied if lh.layer not in borrowed] or tied
-    top = _culprit(tied, worst) if chains else ranked[0]
-    chain = [e for e in top.episodes if top.first_step is not None and e["from"] >= top.first_step]
-    first = chain[0] if chain else {"status": top.status, "from": top.first_step}
-    story = " -> ".join(f"{e['status']} from step {e['from']}" for e in chain) or f"{top.status}"
-    cause = {"layer": top.layer, "status": first["status"], "step": first["from"], "now": top.status,
-             "since": top.status_since, "story": story, "fixes": list(top.fixes)}
-    return [top] + [lh for lh in ranked if lh is not top], cause
+    top = _culprit(tied, worst, ranked, depth) if chains else ranked[0]
+    return [top] + [lh for lh in ranked if lh is not top], True
 
 
-#: Vanishing layers within this many decades of the most vanished one sit on the same plateau of the flow.
+#: Vanishing layers within this many decades of the most vanished one sit on the same plateau of the flow; a rise of
+#: more than this from the plateau's deepest layer to the next deeper one is a cliff: the gradient is cut there.
 PLATEAU_DECADES = 1.0
 
 
-def _culprit(tied: list[LayerHealth], status: str) -> LayerHealth:
-    """Where a chain that began at one step on several layers started. Exploding, NaN and the rest: the deepest
-    layer, which backprop reaches first. Vanishing: the gradient falls on its way to the input, so the cause is where
-    it reached its lowest: the deepest layer of the most vanished plateau (a smooth sigmoid decay: the input end, not
-    a borderline layer near the line; a gradient cut at one layer: that layer, whose shallower layers are as low)."""
+def _culprit(tied: list[LayerHealth], status: str, ranked: list[LayerHealth], depth: np.ndarray) -> LayerHealth:
+    """Where a chain that began at one step on several layers started, named by that layer's largest tied variable
+    (:func:`deepest_first`). Exploding, NaN and the rest: the deepest layer, which backprop reaches first.
+    Vanishing: see :func:`_vanishing_layer`."""
     if status == "vanishing":
-        logs = {id(lh): math.log10(lh.rms) for lh in tied if lh.rms > 0 and math.isfinite(lh.rms)}
-        if logs:
-            low = min(logs.values())
-            tied = [lh for lh in tied if logs.get(id(lh), math.inf) <= low + PLATEAU_DECADES]
-    return max(tied, key=lambda lh: lh.index)
+        tied = _vanishing_layer(tied, ranked, depth) or tied
+    size = np.zeros(len(depth))
+    for lh in ranked:
+        size[lh.index] = lh.size
+    return max(tied, key=lambda lh: deepest_first(depth, size, lh.index))
 
 
-def _first_bad(ranked: list[LayerHealth]) -> dict[str, Any] | None:
-    """The layer ranked first, when it is flagged, with the onset of its episode chain."""
-    top = ranked[0] if ranked else None
-    if top is None or top.status not in th.FLAGS:
-        return None
-    return {"layer": top.layer, "status": top.status, "step": top.first_step}
+def _levels(layers: list[LayerHealth]) -> dict[int, float]:
+    return {lh.index: math.log10(lh.rms) for lh in layers if lh.rms > 0 and math.isfinite(lh.rms)}
+
+
+def _vanishing_layer(tied: list[LayerHealth], ranked: list[LayerHealth], depth: np.ndarray) -> list[LayerHealth]:
+    """The tied variables of the layer a vanishing chain is blamed on. The gradient falls on its way to the input, so
+    the cause is where it is lowest: the most vanished layer (a smooth sigmoid decay: its input end, not a borderline
+    layer near the line). Except at a cliff: when the deepest layer of the most vanished plateau (within
+    ``PLATEAU_DECADES`` of the lowest) lies more than ``PLATEAU_DECADES`` below the next deeper layer, the gradient is
+    cut there (a tiny multiplier, a stop_gradient'ed branch) and every shallower layer is as low because of it: the
+    cut layer is named. Empty when no tied layer has a live RMS."""
+    logs = _levels(tied)
+    if not logs:
+        return []
+    low_i = min(logs, key=lambda i: (logs[i], -i))
+    low = logs[low_i]
+    edge = max((i for i, v in logs.items() if v <= low + PLATEAU_DECADES), key=lambda i: (depth[i], i))
+    level = _levels(ranked)
+    here = max(v for i, v in level.items() if depth[i] == depth[edge])
+    deeper = [int(depth[i]) for i in level if depth[i] > depth[edge]]
+    if deeper:
+        nxt = min(deeper)
+        if max(v for i, v in level.items() if depth[i] == nxt) - here > PLATEAU_DECADES:
+            low_i = edge
+    return [lh for lh in tied if depth[lh.index] == depth[low_i]]
 
 
 @dataclass
@@ -125,12 +152,15 @@ class _Ctx:
     run_first_step: int
     t: th.Thresholds
     before_row: int = 0  # row just before the current run (its first row when it starts the layer's history)
+    status: str = ""  # the layer's current status, named where the text says since when
+    activation: str = ""  # the layer's activation where the writer recorded it
 
     def lasting(self) -> str:
         n = self.run_len
         if n <= 1:
             return f"at step {int(self.steps[self.s])}"
-        return f"for the last {n} logged steps (since step {self.run_first_step})"
+        since = f"{self.status} since" if self.status else "since"
+        return f"for the last {n} logged steps ({since} step {self.run_first_step})"
 
     def ref_text(self) -> str:
         ref = float(self.ev.ref[self.s])
@@ -248,6 +278,16 @@ def _vanishing_reasons(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], fl
     return reasons, excess
 
 
+def _dead_example(activation: str) -> str:
+    """What makes an all-zero gradient, for the layer's activation where it is known."""
+    act = activation.lower()
+    if act in SATURATING:
+        return f"its {act} units saturated: {act}' is exactly 0 in floating point; or a path cut by stop_gradient"
+    if act in RECTIFIERS:
+        return f"its {act} units died: zero output for every input of the batch; or a path cut by stop_gradient"
+    return "e.g. dead ReLU units, saturated tanh/sigmoid units, or a path cut by stop_gradient"
+
+
 def _inert_reason(c: _Ctx) -> str:
     ev, s, i = c.ev, c.s, c.i
     gap = float(ev.sibling[s, i] - ev.log_rms[s, i])
@@ -271,7 +311,7 @@ def _reasons(code: int, c: _Ctx, d: dict[str, np.ndarray], i: int) -> tuple[list
     if code == th.DEAD:
         size = int(d["size"][i])
         return [f"all {size:,} gradient values are exactly zero {c.lasting()}: no signal reaches this variable "
-                f"(e.g. a dead ReLU, or a path cut by stop_gradient)"], 0.0
+                f"({_dead_example(c.activation)})"], 0.0
     if code == th.MISSING:
         return [f"no gradient reached this variable (None gradient) {c.lasting()}"], 0.0
     if code == th.INERT:
@@ -311,9 +351,18 @@ def _origin_note(origin: tuple[int, int, int], i: int, layers: Sequence[str], st
         if count == 1:
             return f"NaN/Inf started here: the only nonfinite layer at step {step}, the first step with NaN/Inf"
         return (f"NaN/Inf started here: at step {step}, the first step with NaN/Inf, {count} layers were nonfinite "
-                f"and backprop computes gradients deepest layer first, so the deepest of them (this one) went "
-                f"first; the shallower ones received it (or it came from the loss above)")
-    return f"the first nonfinite layer was {layers[first]} at step {step} (deepest nonfinite layer, backprop order)"
+                f"and backprop computes gradients deepest layer first, so the deepest layer among them (this one) "
+                f"went first; the shallower ones received it (or it came from the loss above)")
+    return (f"the first layer to reach nonfinite was {layers[first]}, at step {step} (the deepest of the layers "
+            f"nonfinite at the first step with NaN/Inf: backprop computes it first)")
+
+
+def _chain_note(episodes: list[dict[str, Any]], first_step: int, status: str, since: int) -> str:
+    """``trouble since step 31 (exploding from step 31 -> dead from step 47 -> nonfinite from step 54); nonfinite
+    since step 54``: the chain's start beside the current status's own onset."""
+    chain = [e for e in episodes if e["to"] >= first_step]
+    story = " -> ".join(f"{e['status']} from step {max(e['from'], first_step)}" for e in chain)
+    return f"trouble since step {first_step} ({story}); {status} since step {since}"
 
 
 #: (ratio key, label, th.Thresholds field above, field below, why above, why below); ``{r}`` is the weight change of

@@ -13,13 +13,21 @@ from tb_gradhealth.health.thresholds import STATUSES, Thresholds
 _SPAN = 1000.0
 _BASE = {code: (len(STATUSES) - 1 - code) * _SPAN for code in range(len(STATUSES))}
 _ORDER = (
-    "layers worst first: severity descending (nonfinite > exploding > vanishing > dead > missing > inert > "
-    "healthy), ties by network index, except that the cause comes first: among the layers with the most severe "
-    "status, the one whose chain of episodes began first (ties to the deepest layer; for vanishing, to the deepest "
-    "within a decade of the most vanished); first_bad is the layer ranked first when it is flagged, with the onset "
-    "of its episode chain; onset is the first step any layer was flagged, ties to the deepest layer (backprop "
-    "computes the deepest layer first)"
+    "rank 1 is the run's answer, the cause (rank_reason \"cause\"; it may have a lower severity than rank 2): "
+    "among the layers with the most severe status, the one whose chain of episodes began first (ties to the deepest "
+    "layer, named by its largest variable; for vanishing, to the most vanished layer, or to the layer where the "
+    "gradient is cut when a cliff of more than a decade separates it from the next deeper layer); the other layers "
+    "follow worst first: severity descending (nonfinite > exploding > vanishing > dead > missing > inert > "
+    "healthy), ties by network index (rank_reason \"severity\"); first_bad, cause and timeline[0] name the same "
+    "layer as the answer; onset is the first step any layer was flagged, ties to the deepest layer"
 )
+
+
+def _copy(answer: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A copy of the answer whose lists can be changed without changing the diagnosis."""
+    if answer is None:
+        return None
+    return {**answer, "chain": [dict(e) for e in answer["chain"]], "fixes": list(answer["fixes"])}
 
 
 def _json_float(x: Any) -> float | None:
@@ -55,6 +63,14 @@ class LayerHealth:
     weight_norm: float = math.nan
     #: what to do about the status, cause first (empty when healthy)
     fixes: list[str] = field(default_factory=list)
+    #: values in the last record (0 when the layer has none)
+    size: int = 0
+    #: 1-based position in the run's ranking, and why it is there: "cause" (the run's answer), else "severity"
+    rank: int = 0
+    rank_reason: str = "severity"
+    #: where the last record has NaN/Inf: the latest record whose values were all finite,
+    #: ``{"step", "rms", "max_abs", "norm"}``; None otherwise (or when no record was finite)
+    last_finite: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -71,6 +87,10 @@ class LayerHealth:
             **{k: _json_float(getattr(self, k)) for k in ("norm", "rms", "max_abs", "mean")},
             "nan": int(self.nan),
             "inf": int(self.inf),
+            "size": int(self.size),
+            "rank": int(self.rank),
+            "rank_reason": self.rank_reason,
+            "last_finite": dict(self.last_finite) if self.last_finite is not None else None,
             **{k: _json_float(getattr(self, k)) for k in (
                 "zero_fraction", "grad_to_weight", "update_to_weight", "noise", "weight_norm")},
         }
@@ -91,6 +111,11 @@ class RunHealth:
     cause: dict[str, Any] | None = None
     #: how the training loss moved up to the step, where it is recorded (``LossTrend.to_json``), else None
     loss_trend: dict[str, Any] | None = None
+    #: the run's answer (:func:`tb_gradhealth.health.answer.run_answer`): the cause layer, since when, its story,
+    #: fixes and the headline every view prints; None when no layer is flagged
+    answer: dict[str, Any] | None = None
+    #: episodes that began before the answer's chain (``timeline`` entries, labelled "earlier, ...")
+    earlier: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def counts(self) -> dict[str, int]:
@@ -114,8 +139,8 @@ class RunHealth:
             "step": self.step,
             "thresholds": self.thresholds.to_dict(),
             "threshold_spec": Thresholds.spec(),
-            "summary": {"counts": self.counts, "first_bad": self.first_bad, "cause": self.cause, "onset": self.onset,
-                        "timeline": [dict(e) for e in self.timeline], "order": _ORDER,
-                        "loss_trend": self.loss_trend},
+            "summary": {"counts": self.counts, "answer": _copy(self.answer), "first_bad": self.first_bad,
+                        "cause": self.cause, "onset": self.onset, "timeline": [dict(e) for e in self.timeline],
+                        "earlier": [dict(e) for e in self.earlier], "order": _ORDER, "loss_trend": self.loss_trend},
             "layers": [lh.to_json() for lh in self.layers],
         }
