@@ -219,7 +219,7 @@ def test_nothing_of_the_statistics_is_built_before_the_first_logged_step(tmp_pat
     class Peek(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             cap = cb._capture
-            seen.append((cb._book.last_mode, cap.statistics_built, int(cap.count.numpy())))
+            seen.append((cb._book.last_mode, cap.kit.statistics.built, int(cap.kit.ring.count.numpy())))
 
     model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[cb, Peek()])
     assert seen == [("plain", 0, 0), ("plain", 0, 0), ("capture", 1, 1), ("plain", 1, 1)]
