@@ -236,7 +236,7 @@ def make_kit(model: Any, optimizer: Any, *, period: int, slots: int, record_upda
     return CaptureKit(model, optimizer, ring, stats)
 
 
-class Call(NamedTuple):
+class CallResult(NamedTuple):
     """What one call of a capture path's train function gave: the logs for ``fit``, and what the callback acts on."""
 
     logs: Any
@@ -326,7 +326,7 @@ class Capture:
         self.functions = {}
         compat.set_train_function(self.kit.model, None)
 
-    def call(self, mode: str, iterator: Any) -> Call:
+    def call(self, mode: str, iterator: Any) -> CallResult:
         """One train call: ``mode`` ``"capture"`` for a call that may hold a logged step, else ``"plain"``."""
         raise NotImplementedError
 
@@ -365,21 +365,21 @@ class InStep(Capture):
         #: The capture variant has run once (so it was built: a later error of it is the model's).
         self.ran = False
 
-    def call(self, mode: str, iterator: Any) -> Call:
+    def call(self, mode: str, iterator: Any) -> CallResult:
         """One call of the ``mode`` variant; the plain one instead if the capturing one fails for the statistics'
         sake (then the caller records nothing more in this fit)."""
         self.mode = mode
         if mode == "plain":
-            return Call(self.functions[mode](iterator))
+            return CallResult(self.functions[mode](iterator))
         try:
             out = self.functions[mode](iterator)
         except Exception as e:  # noqa: BLE001 - sorted out by _is_ours
             if not self._is_ours(e):
                 raise
             self.mode = "plain"
-            return Call(self.functions["plain"](iterator), failure=("the step that records gradient health", e))
+            return CallResult(self.functions["plain"](iterator), failure=("the step that records gradient health", e))
         self.ran = True
-        return Call(out)
+        return CallResult(out)
 
     def _is_ours(self, error: Exception) -> bool:
         """Whether an exception of the capturing step may come from the statistics (then ``fit`` goes on with the
@@ -442,7 +442,7 @@ class AfterStep(Capture):
         stepoutputs.remove(self.kit.model, GRADIENTS_KEY)
         super().uninstall()
 
-    def call(self, mode: str, iterator: Any) -> Call:
+    def call(self, mode: str, iterator: Any) -> CallResult:
         """One call of the train function; on a capturing call, the weights read before it and the record of
         the gradients it returned computed after it. A failure of the record is the statistics' alone (the step
         has run)."""
@@ -451,14 +451,14 @@ class AfterStep(Capture):
         before = self.weights_now() if capturing else None
         logs, applied = stepoutputs.take(self.functions["plain"](iterator), GRADIENTS_KEY)
         if not capturing:
-            return Call(logs)
+            return CallResult(logs)
         if applied is None:  # traced: the update ran where its gradients cannot leave the step
-            return Call(logs, conditional_update=self.traced)
+            return CallResult(logs, conditional_update=self.traced)
         try:
             self.record_after(applied, before)
         except Exception as e:  # noqa: BLE001 - the step itself has run: only the record is lost
-            return Call(logs, failure=("recording gradient health after the step", e))
-        return Call(logs)
+            return CallResult(logs, failure=("recording gradient health after the step", e))
+        return CallResult(logs)
 
     def _step(self) -> tf.Tensor:
         return tf.cast(tf.convert_to_tensor(self.kit.ring.steps), tf.int64)
