@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -184,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--keep", action="store_true", help="keep the temporary folder (its path is printed)")
     args = p.parse_args(argv)
+    # CI ends it with SIGTERM when the tests fail first: the `finally`s then stop TensorBoard and remove the folder
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     start = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="gradhealth-wheel-check-"))
     try:
