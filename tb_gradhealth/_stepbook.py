@@ -1,5 +1,6 @@
 """The Keras callback's host-side step bookkeeping, with no TensorFlow in it: which train-function call must run
-the capturing step, and when to read the ring buffer back.
+the capturing step, when to read the ring buffer back (:class:`StepBook`), and the batch loss recorded beside a
+logged step (:class:`LossBook`).
 
 Why on the host: the capturing step costs the statistics, so the host predicts, from the optimizer step it counts,
 which calls contain a logged step (every ``period``-th optimizer step; ``period`` 0: the last step of each epoch),
@@ -13,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["StepBook", "batch_loss", "ring_plan"]
+__all__ = ["LossBook", "StepBook", "batch_loss", "ring_plan"]
 
 #: The host reads the ring buffer once per this many capturing calls (at most), so that logging every step does
 #: not pay a device read, a decode and an event write per step.
@@ -63,8 +64,6 @@ class StepBook:
     last_mode: str = "plain"
     #: the capturing step raised once: plain steps only, until the next fit
     capture_failed: bool = False
-    #: the capturing step has run once (so it was built)
-    capture_ran: bool = False
     #: steps the next call runs (fewer than ``spe`` at the end of an epoch of known length)
     call_steps: int = 0
 
@@ -118,6 +117,15 @@ class StepBook:
         self.pending += 1
         return first, self.pending >= self.calls_per_read
 
+    def stop_capturing(self) -> None:
+        """The statistics failed: this call counts as a plain one, and so does every later call of this fit."""
+        self.capture_failed = True
+        self.last_mode = "plain"
+
+    def resync(self, device_step: int) -> None:
+        """The device's step count, read again because a read found fewer records than predicted."""
+        self.host_step = device_step
+
     def take_pending(self) -> int:
         """The capturing calls since the last read (now read: the count restarts)."""
         pending, self.pending = self.pending, 0
@@ -142,3 +150,34 @@ def batch_loss(before: tuple[int, float], now: tuple[int, float]) -> float:
     if k <= k0:
         return float(m)
     return (k * float(m) - k0 * float(m0)) / (k - k0)
+
+
+@dataclass
+class LossBook:
+    """The batch loss behind Keras' running mean of an epoch: the batches and mean of the last call seen
+    (``seen``), and the epoch's batches once the current call is done (``call_batches``)."""
+
+    seen: tuple[int, Any] = (0, 0.0)
+    call_batches: int = 0
+
+    def epoch_begin(self) -> None:
+        """Keras' running mean restarts with each epoch."""
+        self.seen = (0, 0.0)
+
+    def call_begin(self, batch: int, steps: int) -> None:
+        """A call of ``steps`` batches starts at the epoch's ``batch`` (the call's first batch: the batch Keras
+        passes ``on_train_batch_begin`` on every version, unlike ``on_train_batch_end``)."""
+        self.call_batches = batch + steps
+
+    def batch_loss(self, mean: Any) -> Any:
+        """This call's batches' mean loss, from Keras' running ``mean`` after it; a ``mean`` that is no number is
+        given back as it is (the writer says so, once, and writes nothing)."""
+        seen, before = self.seen
+        try:
+            return batch_loss((seen, float(before)), (self.call_batches, float(mean)))
+        except (TypeError, ValueError):
+            return mean
+
+    def saw(self, mean: Any) -> None:
+        """Keras' running mean after this call, kept as given: read only when a later call logs."""
+        self.seen = (self.call_batches, mean)

@@ -11,6 +11,13 @@ only if such a call comes (not at ``update_freq=1``). Either way, other steps co
 reads the records back in batches and writes them with the TF-free :class:`tb_gradhealth.writer.Writer` under
 ``log_dir/train``, the directory ``keras.callbacks.TensorBoard`` writes its training scalars to.
 
+The callback's state is one object per concern: the cadence (:class:`tb_gradhealth._stepbook.StepBook`, which
+calls hold a logged step, and :class:`tb_gradhealth._stepbook.LossBook`, the batch loss beside them), the capture
+path (a :class:`tb_gradhealth._tf.capture.Capture`, chosen once per ``fit`` by :func:`_choose_capture`, which a step
+that turns out to update inside a conditional calls once more), where the records go (:class:`_RecordSink`), the
+NaN-origin search (:class:`tb_gradhealth._tf.fit_origin.FitOrigin`), ``stop_on`` (:class:`_StopWatch`) and the
+probe batch (:class:`_Probe`).
+
 Steps are counted like ``keras.callbacks.TensorBoard``'s batch summaries: the record of the optimizer's ``s``-th
 step (``s`` = the raw step count after it, 1-based; with ``gradient_accumulation_steps`` the count of batches) is
 written at step ``s``, next to ``batch_loss`` of the same batch; it describes the gradient evaluated at the weights
@@ -19,7 +26,6 @@ written at step ``s``, next to ``batch_loss`` of the same batch; it describes th
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -32,9 +38,10 @@ import tensorflow as tf
 
 from tb_gradhealth import _storage, layerinfo, record, summary
 from tb_gradhealth._failsafe import Failsafe
-from tb_gradhealth._stepbook import StepBook, batch_loss, ring_plan
-from tb_gradhealth._tf import compat, stepoutputs
-from tb_gradhealth._tf.capture import CUSTOM_LOOP_ADVICE, GRADIENTS_KEY, Capture, CaptureError
+from tb_gradhealth._stepbook import LossBook, StepBook, ring_plan
+from tb_gradhealth._tf import capture, compat
+from tb_gradhealth._tf.capture import CUSTOM_LOOP_ADVICE, Capture, CaptureError, CaptureKit, Ring
+from tb_gradhealth._tf.fit_origin import FitOrigin
 from tb_gradhealth.writer import Writer
 
 __all__ = ["GradientHealthCallback", "CaptureError", "StopEvent"]
@@ -75,18 +82,29 @@ class StopEvent:
         return f"tb_gradhealth: {self.status} gradient in layer {self.layer!r} at step {self.step}{others}{made}"
 
 
-def _records_after_step(model: Any, spe: int, period: int) -> bool:
+def _records_after_step(model: Any, spe: int, period: int, conditional_update: bool = False) -> bool:
     """Whether the record is computed after the step from the gradients it returns: when some calls log and
     others do not (else the capturing step is the only one traced, and its statistics run beside its update),
     with one step a call, one replica, a step not compiled with XLA (there the statistics fuse into the compiled
     step instead of making it write the gradients out), and an update that does not run inside a conditional
-    (``LossScaleOptimizer``, gradient accumulation). A step that still applies its gradients where they cannot
-    leave it falls back at its first logged call (:meth:`GradientHealthCallback._record_in_step`)."""
+    (``LossScaleOptimizer``, gradient accumulation, or ``conditional_update``: a step found at its first logged
+    call to apply its gradients where they cannot leave it)."""
     optimizer = model.optimizer
-    return (period != 1 and spe == 1 and model.distribute_strategy.num_replicas_in_sync == 1
+    return (not conditional_update and period != 1 and spe == 1
+            and model.distribute_strategy.num_replicas_in_sync == 1
             and not getattr(model, "jit_compile", False)
             and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
             and not getattr(optimizer, "gradient_accumulation_steps", None))
+
+
+def _choose_capture(kit: CaptureKit, spe: int, *, conditional_update: bool = False) -> Capture:
+    """The capture path of a ``fit``, decided here and nowhere else: after the step where
+    :func:`_records_after_step` allows it, else in the step. Called when training begins, and once more by a step
+    whose first logged call finds its update inside a conditional (``conditional_update``: that update was traced,
+    so the step does reach the optimizer)."""
+    if _records_after_step(kit.model, spe, kit.ring.period, conditional_update):
+        return capture.AfterStep(kit)
+    return capture.InStep(kit, traced=conditional_update)
 
 
 def _innermost_optimizer(optimizer: Any) -> Any:
@@ -123,6 +141,8 @@ class _StopWatch:
         self.stop_on = stop_on
         self.thresholds = self._make_thresholds(thresholds) if "exploding" in stop_on else None
         self.history: list[tuple[int, np.ndarray]] = []
+        #: The first stop event (``None`` until a record shows a watched status).
+        self.event: StopEvent | None = None
 
     @staticmethod
     def _make_thresholds(thresholds: Any) -> Any:
@@ -134,8 +154,9 @@ class _StopWatch:
             return health.Thresholds.from_mapping({str(k): str(v) for k, v in thresholds.items()})
         return thresholds
 
-    def check(self, layers: Sequence[str], step: int, rows: np.ndarray) -> StopEvent | None:
-        """The stop event of this step's record, or ``None`` when no watched status shows."""
+    def check(self, layers: Sequence[str], step: int, rows: np.ndarray, origin: Any = None) -> StopEvent | None:
+        """The stop event of this step's record (kept in :attr:`event`, with ``origin``: where the first NaN/Inf
+        was made, if known), or ``None`` when no watched status shows."""
         bad: dict[str, str] = {}
         if "nonfinite" in self.stop_on:
             for i in np.flatnonzero(record.nonfinite_count(rows) > 0):
@@ -146,7 +167,8 @@ class _StopWatch:
             return None
         ordered = tuple(n for n in layers if n in bad)
         first = ordered[-1]  # deepest: the backward pass reaches it first
-        return StopEvent(step=step, layer=first, status=bad[first], layers=ordered)
+        self.event = StopEvent(step=step, layer=first, status=bad[first], layers=ordered, origin=origin)
+        return self.event
 
     def _exploding(self, layers: Sequence[str], step: int, rows: np.ndarray) -> dict[str, str]:
         from tb_gradhealth import health
@@ -185,6 +207,75 @@ class _Probe:
         step = int(compat.optimizer_step_counter(_innermost_optimizer(self.model.optimizer)).numpy())
         rows = record.from_device(rec.counts.numpy(), rec.values.numpy())
         writer.add_records(step, self.layers, rows, name="probe_gradients", kind="gradients")
+
+
+class _RecordSink:
+    """Where the records go: a :class:`Writer` under ``log_dir/train`` for the length of each ``fit``, the layers'
+    names and kinds written with them, how far the device's ring buffer has been read, and what was dropped."""
+
+    def __init__(self, train_dir: str, name: str, *, hist_sample: int | None, seed: int | None, strict: bool,
+                 failsafe: Failsafe) -> None:
+        self.train_dir, self.name = train_dir, name
+        self.hist_sample, self.seed, self.strict = hist_sample, seed, strict
+        self.failsafe = failsafe
+        self.writer: Writer | None = None
+        #: The ring buffer's records already read (its count at the last read).
+        self.read_upto = 0
+        self.layers: Sequence[str] = ()
+        #: Each variable's layer kind and activation, kept in the tag's metadata to explain a status.
+        self.layer_info: Sequence[Any] = ()
+        #: Records the writers of earlier fits dropped.
+        self.closed_dropped = 0
+
+    @property
+    def is_open(self) -> bool:
+        return self.writer is not None
+
+    @property
+    def dropped_records(self) -> int:
+        """Records not written: by the writers so far (the logdir could not be written for longer than a queue
+        holds) and by failed host-side work."""
+        writer = self.writer.dropped_records if self.writer is not None else 0
+        return self.closed_dropped + writer + self.failsafe.dropped_records
+
+    def open(self) -> None:
+        """A fresh writer, and the ring buffer of a new fit read from its start."""
+        self.writer = Writer(self.train_dir, hist_sample=self.hist_sample, seed=self.seed,
+                             filename_suffix=".gradhealth", strict=self.strict)
+        self.read_upto = 0
+        self.layers, self.layer_info = (), ()
+
+    def describe(self, model: Any, variables: Sequence[Any], layers: Sequence[str]) -> None:
+        """The row names of this fit's records, and each variable's layer kind and activation."""
+        self.layers = layers
+        self.layer_info = self.failsafe.run("reading the layers' kinds", layerinfo.model_layer_info, model,
+                                            variables) or ()
+
+    def read(self, ring: Ring) -> tuple[int, list[tuple[int, np.ndarray]]]:
+        """``(records read, [(step, rows)] new since the last read)`` from the device's ring buffer; the records
+        overwritten before this read are said in the log."""
+        before = self.read_upto
+        read = self.failsafe.run("reading the recorded gradients back from the device", ring.read_new, before)
+        if read is None:
+            return 0, []
+        self.read_upto, new, lost = read
+        if lost:
+            _log.warning("tb_gradhealth: %d logged steps were overwritten before the host read them", lost)
+        return self.read_upto - before, new
+
+    def write(self, step: int, rows: np.ndarray) -> None:
+        self.failsafe.run("writing a gradient-health record", self.writer.add_records, step, self.layers, rows,
+                          name=self.name, kind="gradients", layer_info=self.layer_info, records=1)
+
+    def flush(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.failsafe.run("closing the gradient-health writer", self.writer.close)
+            self.closed_dropped += self.writer.dropped_records
+            self.writer = None
 
 
 class GradientHealthCallback(keras.callbacks.Callback):
@@ -265,33 +356,39 @@ class GradientHealthCallback(keras.callbacks.Callback):
         self.probe_data = tuple(probe_data) if probe_data is not None else None
         self.stop_on = stop_on
         self._thresholds = thresholds
-        #: Set when ``stop_on`` stopped training (else ``None``).
-        self.stop_event: StopEvent | None = None
-        self._capture: Capture | None = None
-        self._writer: Writer | None = None
-        self._probe: _Probe | None = None
-        self._stop_watch = _StopWatch(self.stop_on, thresholds) if self.stop_on else None
         self.nan_origin = bool(nan_origin)
         self.compile_statistics = compile_statistics
-        #: Where the first NaN/Inf was made (:class:`tb_gradhealth.origin.NanOrigin`), once one was recorded.
-        self.origin: Any = None
-        self._origin: Any = None
         self._failsafe = Failsafe()
-        self._loss_seen: tuple[int, Any] = (0, 0.0)  # (batches of this epoch so far, Keras' mean loss over them)
-        self._call_batches = 0
-        self._writer_dropped = 0
+        # one object per concern, each (re)made for a fit in on_train_begin
+        self._sink = _RecordSink(self.train_dir, name, hist_sample=hist_sample, seed=seed, strict=self.strict,
+                                 failsafe=self._failsafe)
+        self._book: StepBook | None = None
+        self._loss = LossBook()
+        self._capture: Capture | None = None
+        self._origin: FitOrigin | None = None
+        self._stop_watch = _StopWatch(self.stop_on, thresholds) if self.stop_on else None
+        self._probe: _Probe | None = None
 
     @property
     def dropped_records(self) -> int:
         """Logged steps whose records were not written: the logdir could not be written for longer than the
         writer's queue holds, or the host-side work failed (each failure is logged once; training went on)."""
-        writer = self._writer.dropped_records if self._writer is not None else 0
-        return self._writer_dropped + writer + self._failsafe.dropped_records
+        return self._sink.dropped_records
 
     @property
     def train_dir(self) -> str:
         """Where the records go: ``log_dir/train``, as ``keras.callbacks.TensorBoard``'s training writer."""
         return os.path.join(self.log_dir, "train")
+
+    @property
+    def stop_event(self) -> StopEvent | None:
+        """Set when ``stop_on`` stopped training (else ``None``)."""
+        return self._stop_watch.event if self._stop_watch is not None else None
+
+    @property
+    def origin(self) -> Any:
+        """Where the first NaN/Inf was made (:class:`tb_gradhealth.origin.NanOrigin`), once one was recorded."""
+        return self._origin.origin if self._origin is not None else None
 
     # --- fit life cycle -----------------------------------------------------------------------------------------
 
@@ -299,156 +396,105 @@ class GradientHealthCallback(keras.callbacks.Callback):
         model = self.model
         if getattr(model, "optimizer", None) is None:
             raise CaptureError("GradientHealthCallback needs a compiled model with an optimizer (call compile()).")
-        self.stop_event = None
-        self.origin = None
         if self._stop_watch is not None:
             self._stop_watch = _StopWatch(self.stop_on, self._thresholds)
-        self._capture = None
-        self._writer = Writer(self.train_dir, hist_sample=self.hist_sample, seed=self.seed,
-                              filename_suffix=".gradhealth", strict=self.strict)
-        self._read_upto = 0  # captures already written
-        self._book: StepBook | None = None
+        self._capture, self._book, self._origin = None, None, None
+        self._sink.open()
         if self.update_freq is not None:
             self._start_capture(model)
 
     def _start_capture(self, model: Any) -> None:
-        """Install the hooks and two fresh train functions; ``fit`` then calls :meth:`_dispatch` for each step."""
+        """The ring buffer, the capture path chosen for this fit and its hooks; ``fit`` then calls
+        :meth:`_dispatch` for each train call."""
         spe = max(1, int(getattr(model, "steps_per_execution", 1) or 1))
         row_bytes = len(model.trainable_variables) * (record.NUM_FIELDS - 1) * 4
         period, slots, calls_per_read = ring_plan(self.update_freq, spe, row_bytes, bool(self.stop_on))
-        cap = self._capture = Capture(
-            model,
-            _innermost_optimizer(model.optimizer),
-            period=period,
-            slots=slots,
-            record_updates=self.record_updates,
-            hist_sample=self.hist_sample,
-            seed=self.seed,
-            compiled=_compiled_statistics(self.update_freq, self.compile_statistics),
-            after_step=_records_after_step(model, spe, period),
-        )
+        self._origin = self._make_origin(model)
+        # without the batch there is nothing to replay: leave the weights to the optimizer
+        guard = self._origin.guard if self._origin is not None and self._origin.keeps_batches else None
+        kit = capture.make_kit(model, _innermost_optimizer(model.optimizer), period=period, slots=slots,
+                               record_updates=self.record_updates, hist_sample=self.hist_sample, seed=self.seed,
+                               compiled=_compiled_statistics(self.update_freq, self.compile_statistics), guard=guard)
+        cap = self._capture = _choose_capture(kit, spe)
         cap.install()
-        self._origin = self._start_origin(model, cap)
-        # each variable's layer kind and activation, kept in the tag's metadata to explain a status
-        self._layer_info = self._failsafe.run("reading the layers' kinds", layerinfo.model_layer_info, model,
-                                              cap.variables) or ()
+        if self._origin is not None:
+            self._origin.install()  # the train step returns its batch, for the replay
+        self._sink.describe(model, kit.statistics.variables, kit.statistics.layers)
         # The optimizer step as the host predicts it (no device read per batch); a later fit continues the count.
         epoch_steps = self.params.get("steps") if self.params else None
-        self._book = StepBook(period, spe, epoch_steps, calls_per_read, host_step=int(cap.steps.numpy()))
-        # fit() made (and may have traced) its train function before this call. Fresh ones trace with the hooks in
-        # place: after the step, one that returns the applied gradients; in the step, "capture" computes and stores
-        # the statistics on logged steps and "plain" is the ordinary step. Calls that contain no logged step run
-        # "plain", so they cost nothing, even under XLA where a conditional on the gradients would keep them from
-        # fusing into the update.
-        self._functions = compat.train_functions(model, ("plain",) if cap.after_step else ("plain", "capture"))
-        compat.set_train_function(model, self._dispatch)
+        self._book = StepBook(period, spe, epoch_steps, calls_per_read, host_step=kit.ring.device_step())
+        # fit() made (and may have traced) its train function before this call: the path's fresh ones trace with
+        # the hooks in place. Calls that contain no logged step run the plain step, so they cost nothing, even
+        # under XLA where a conditional on the gradients would keep them from fusing into the update.
+        cap.take_over(self._dispatch)
+
+    def _make_origin(self, model: Any) -> FitOrigin | None:
+        """The NaN-origin search of this fit (:mod:`tb_gradhealth._tf.fit_origin`), or None when switched off."""
+        if not self.nan_origin:
+            return None
+        return FitOrigin(model, self.train_dir, self.name, stop_after="nonfinite" in self.stop_on,
+                         restores=self.record_updates)
 
     def _dispatch(self, iterator: Any) -> Any:
+        """One train call of ``fit``, through the capture path: the capturing call where the book predicts a
+        logged step (none once the sink is closed: a fit that ended by an exception left this dispatcher)."""
         book = self._book
-        # a fit that ended by an exception left this dispatcher in place (no writer): stay inert
-        mode = self._capture.mode = book.next_mode(inert=self._writer is None)  # read when the call traces
-        logs = self._run(mode, iterator)
+        done = self._capture.call(book.next_mode(inert=not self._sink.is_open), iterator)
+        if done.failure is not None:
+            self._stop_recording(*done.failure)
+        if done.conditional_update:
+            self._choose_again()
+        logs = done.logs
         if self._origin is not None:  # the batch, kept for a replay: out of the logs before fit sees them
             logs = self._origin.take_batch(logs, book.host_step + book.call_steps, keep=book.last_mode == "capture")
         return logs
 
-    def _run(self, mode: str, iterator: Any) -> Any:
-        """One call of the ``mode`` train function; the plain one instead if the capturing one fails for the
-        statistics' sake (then for the rest of this fit)."""
-        book = self._book
-        if self._capture.after_step:
-            return self._run_then_record(mode, iterator)
-        if mode == "plain":
-            return self._functions[mode](iterator)
-        try:
-            out = self._functions[mode](iterator)
-        except Exception as e:  # noqa: BLE001 - sorted out by _is_ours
-            if not self._is_ours(e):
-                raise
-            self._stop_recording("the step that records gradient health", e)
-            return self._functions["plain"](iterator)
-        book.capture_ran = True
-        return out
-
-    def _run_then_record(self, mode: str, iterator: Any) -> Any:
-        """One call of the train function; on a capturing call, the weights read before it and the record of
-        the gradients it returned computed after it. A failure of the record is the statistics' alone (the step
-        has run): it is logged and the rest of this fit records nothing."""
-        cap = self._capture
-        cap.want(mode == "capture")
-        before = cap.weights_now() if mode == "capture" else None
-        logs, applied = stepoutputs.take(self._functions["plain"](iterator), GRADIENTS_KEY)
-        if mode != "capture":
-            return logs
-        if applied is None:
-            if cap.traced:
-                self._record_in_step()
-            return logs
-        try:
-            cap.record_after(applied, before)
-            self._book.capture_ran = True
-        except Exception as e:  # noqa: BLE001 - the step itself has run: only the record is lost
-            self._stop_recording("recording gradient health after the step", e)
-        return logs
-
     def _stop_recording(self, what: str, error: Exception) -> None:
         """The statistics failed: every later call runs the plain step (training goes on), said once."""
-        self._book.capture_failed = True
-        self._capture.mode = self._book.last_mode = "plain"
+        self._book.stop_capturing()
         _log.warning("tb_gradhealth: %s failed (%s: %s); training goes on with the plain step and records nothing "
                      "more in this fit", what, type(error).__name__, error, exc_info=True)
 
-    def _record_in_step(self) -> None:
+    def _choose_again(self) -> None:
         """The step applied its gradients where they cannot be returned (inside a conditional of a custom
-        ``train_step``): from the next call on, the two train-function variants record in the step instead
-        (this call's record is lost)."""
+        ``train_step``): the path is chosen again, knowing that, and its train functions take over from the next
+        call on (this call's record is lost)."""
         _log.info("tb_gradhealth: the train step's update runs inside a conditional; recording in the step")
-        self._capture.record_in_step()
-        self._functions = compat.train_functions(self.model, ("plain", "capture"))
-        compat.set_train_function(self.model, self._dispatch)
-
-    def _is_ours(self, error: Exception) -> bool:
-        """Whether an exception of the capturing step may come from the statistics (then ``fit`` goes on with the
-        plain step): any error while it is built (traced, compiled: its first run), and later a Python error or
-        running out of memory; never the end of the data (Keras ends the epoch on it) nor an op's error at run time
-        (the user's model raises it in the plain step too)."""
-        if isinstance(error, (StopIteration, tf.errors.OutOfRangeError)):
-            return False
-        if not self._book.capture_ran:
-            return True
-        return not isinstance(error, tf.errors.OpError) or isinstance(error, tf.errors.ResourceExhaustedError)
+        old = self._capture
+        old.uninstall()
+        self._capture = _choose_capture(old.kit, self._book.spe, conditional_update=True)
+        self._capture.install()
+        self._capture.take_over(self._dispatch)
 
     def on_epoch_begin(self, epoch: int, logs: Mapping[str, Any] | None = None) -> None:
-        self._loss_seen = (0, 0.0)  # Keras' running mean of the loss restarts with each epoch
+        self._loss.epoch_begin()  # Keras' running mean of the loss restarts with each epoch
         if self._capture is None:
             return
         # One device read per epoch keeps the host's step count exact: Keras can run a step the callbacks never
         # hear of (the call that finds a dataset of unknown length exhausted still advances the optimizer).
-        remaining = self._book.epoch_begin(int(self._capture.steps.numpy()))
+        remaining = self._book.epoch_begin(self._capture.kit.ring.device_step())
         if remaining is not None:  # unknown epoch length: record the first step of the epoch
-            self._capture.remaining.assign(remaining)
+            self._capture.kit.ring.arm(remaining)
 
     def on_train_batch_begin(self, batch: int, logs: Mapping[str, Any] | None = None) -> None:
         if self._capture is None:
             return
         remaining = self._book.batch_begin(batch)
-        # the epoch's batches once this call is done (the batch passed to on_train_batch_end is the call's first on
-        # Keras 3.0 and its last on later versions; the first, passed here, is the same on both)
-        self._call_batches = batch + self._book.call_steps
+        self._loss.call_begin(batch, self._book.call_steps)
         if remaining is not None:  # this call runs the epoch's last step: record its steps
-            self._capture.remaining.assign(remaining)
+            self._capture.kit.ring.arm(remaining)
 
     def on_train_batch_end(self, batch: int, logs: Mapping[str, Any] | None = None) -> None:
-        cap = self._capture
+        cap, book = self._capture, self._book
         if cap is None:
             return
-        first, read = self._book.batch_end(batch)
+        first, read = book.batch_end(batch)
         if logs and "loss" in logs:
-            if self._book.last_mode == "capture" and self._writer is not None:
+            if book.last_mode == "capture" and self._sink.is_open:
                 # training progress beside the records: this call's batches' loss, from Keras' running mean
-                self._failsafe.run("recording the loss", self._record_loss, self._call_batches, logs["loss"])
-            self._loss_seen = (self._call_batches, logs["loss"])  # kept as given: read only when the next call logs
-        if first and not cap.traced and not self._book.capture_failed:
+                self._failsafe.run("recording the loss", self._record_loss, logs["loss"])
+            self._loss.saw(logs["loss"])
+        if first and not cap.traced and not book.capture_failed:
             self._teardown()
             raise CaptureError(
                 "GradientHealthCallback captured no gradient: the train step never called the model "
@@ -456,88 +502,59 @@ class GradientHealthCallback(keras.callbacks.Callback):
                 + CUSTOM_LOOP_ADVICE
             )
         if read:  # else later: the ring buffer holds the records of several calls
-            before, pending = self._read_upto, self._book.pending
-            self._flush_captures()
-            if StepBook.lags(self._read_upto - before, pending):
+            pending = book.pending
+            if StepBook.lags(self._flush_captures(), pending):
                 # Predicted a logged step in every call but fewer ran: the device's step count lags the host's
                 # (e.g. steps skipped by LossScaleOptimizer, or the first call). Re-read it: one device read.
-                self._book.host_step = int(cap.steps.numpy())
+                book.resync(cap.kit.ring.device_step())
 
-    def _record_loss(self, batches: int, mean: Any) -> None:
-        seen, before = self._loss_seen
-        try:
-            value = batch_loss((seen, float(before)), (batches, float(mean)))
-        except (TypeError, ValueError):
-            value = mean  # not a number: add_loss says so (once) and writes nothing
-        self._writer.add_loss(self._book.host_step, value)
+    def _record_loss(self, mean: Any) -> None:
+        self._sink.writer.add_loss(self._book.host_step, self._loss.batch_loss(mean))
 
     def on_epoch_end(self, epoch: int, logs: Mapping[str, Any] | None = None) -> None:
-        if self._capture is not None:
-            self._flush_captures(latest_only=self.update_freq == "epoch")
-        if self.probe_data is not None and self._writer is not None:
+        self._flush_captures(latest_only=self.update_freq == "epoch")
+        if self.probe_data is not None and self._sink.is_open:
             self._failsafe.run("recording the probe batch's gradient", self._write_probe, records=1)
-        if self._writer is not None:
-            self._writer.flush()
+        self._sink.flush()
 
     def on_train_end(self, logs: Mapping[str, Any] | None = None) -> None:
-        if self._capture is not None:
-            self._flush_captures(latest_only=self.update_freq == "epoch")
+        self._flush_captures(latest_only=self.update_freq == "epoch")
         self._teardown()
 
     def _teardown(self) -> None:
         if self._origin is not None:
             self._origin.uninstall()
         if self._capture is not None:
-            self._capture.uninstall()
-            # Drop the traced functions that hold the hooks: later fit() calls without this callback pay nothing.
-            compat.set_train_function(self.model, None)
-        if self._writer is not None:
-            self._failsafe.run("closing the gradient-health writer", self._writer.close)
-            self._writer_dropped += self._writer.dropped_records
-            self._writer = None
+            self._capture.close()
+        self._sink.close()
 
     # --- host-side writing ----------------------------------------------------------------------------------
 
-    def _flush_captures(self, latest_only: bool = False) -> None:
-        cap = self._capture
-        if cap is None or self._writer is None:
-            return
+    def _flush_captures(self, latest_only: bool = False) -> int:
+        """Write the records the device stored since the last read (``latest_only``: the newest one); each is
+        then checked by the NaN-origin search and ``stop_on``. Returns how many were read."""
+        if self._capture is None or not self._sink.is_open:
+            return 0
         self._book.take_pending()
-        read = self._failsafe.run("reading the recorded gradients back from the device", cap.read_new, self._read_upto)
-        if read is None:
-            return
-        self._read_upto, new, lost = read
-        if lost:
-            _log.warning("tb_gradhealth: %d logged steps were overwritten before the host read them", lost)
-        if latest_only and new:
-            new = new[-1:]
-        for step, rows in new:
-            self._failsafe.run("writing a gradient-health record", self._writer.add_records, step, cap.layers, rows,
-                               name=self.name, kind="gradients", layer_info=self._layer_info, records=1)
-            if self._origin is not None and self.origin is None:
-                self.origin = self._failsafe.run("finding where the NaN/Inf was made", self._origin.check, step, rows)
-            if self._stop_watch is not None and self.stop_event is None:
-                self.stop_event = self._failsafe.run("checking stop_on", self._stop_watch.check, cap.layers, step, rows)
-                if self.stop_event is not None and self.origin is not None:
-                    self.stop_event = dataclasses.replace(self.stop_event, origin=self.origin)
-                if self.stop_event is not None:
-                    _log.warning("%s; stopping training", self.stop_event.message())
-                    self.model.stop_training = True
+        read, new = self._sink.read(self._capture.kit.ring)
+        for step, rows in new[-1:] if latest_only else new:
+            self._sink.write(step, rows)
+            self._check_record(step, rows)
+        return read
 
-    def _start_origin(self, model: Any, cap: Capture) -> Any:
-        """The NaN-origin search of this fit (:mod:`tb_gradhealth._tf.fit_origin`), or None when switched off."""
-        if not self.nan_origin:
-            return None
-        from tb_gradhealth._tf.fit_origin import FitOrigin
-
-        found = FitOrigin(model, self.train_dir, self.name, stop_after="nonfinite" in self.stop_on,
-                          restores=self.record_updates)
-        found.install()  # the train step returns its batch, for the replay
-        if found.keeps_batches:  # without the batch there is nothing to replay: leave the weights to the optimizer
-            cap.guard = found.guard
-        return found
+    def _check_record(self, step: int, rows: np.ndarray) -> None:
+        """A written record, looked at by the NaN-origin search (the first non-finite one is replayed) and by
+        ``stop_on`` (the first watched status stops training)."""
+        if self._origin is not None and self._origin.origin is None:
+            self._failsafe.run("finding where the NaN/Inf was made", self._origin.check, step, rows)
+        watch = self._stop_watch
+        if watch is not None and watch.event is None:
+            event = self._failsafe.run("checking stop_on", watch.check, self._sink.layers, step, rows, self.origin)
+            if event is not None:
+                _log.warning("%s; stopping training", event.message())
+                self.model.stop_training = True
 
     def _write_probe(self) -> None:
         if self._probe is None:
             self._probe = _Probe(self.model, self.probe_data, self.hist_sample, self.seed)
-        self._probe.write(self._writer)
+        self._probe.write(self._sink.writer)

@@ -219,7 +219,7 @@ def test_nothing_of_the_statistics_is_built_before_the_first_logged_step(tmp_pat
     class Peek(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             cap = cb._capture
-            seen.append((cb._book.last_mode, cap.statistics_built, int(cap.count.numpy())))
+            seen.append((cb._book.last_mode, cap.kit.statistics.built, int(cap.kit.ring.count.numpy())))
 
     model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[cb, Peek()])
     assert seen == [("plain", 0, 0), ("plain", 0, 0), ("capture", 1, 1), ("plain", 1, 1)]
@@ -568,3 +568,76 @@ def test_strict_ends_fit_on_a_failed_write_and_default_trains_on(tmp_path, monke
     else:
         fit()
         assert callback.dropped_records == 8  # the 4 logged steps: a record and a loss each; training went on
+
+
+#: The modules of the callback's parts (a Writer, the thresholds and the like are other modules' to check).
+PART_MODULES = {"keras.py": "tb_gradhealth.keras", "_tf/capture.py": "tb_gradhealth._tf.capture",
+                "_stepbook.py": "tb_gradhealth._stepbook", "_tf/fit_origin.py": "tb_gradhealth._tf.fit_origin",
+                "_failsafe.py": "tb_gradhealth._failsafe", "origin.py": "tb_gradhealth.origin"}
+
+
+def _own_objects(root) -> list:
+    """Every object of the parts' classes reachable from ``root`` through attributes, lists, tuples and dicts."""
+    seen, todo, out = set(), [root], []
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, (str, bytes, int, float, np.ndarray)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            todo.extend(obj)
+        elif type(obj).__module__ in PART_MODULES.values() and hasattr(obj, "__dict__"):
+            out.append(obj)
+            todo.extend(vars(obj).values())
+    return out
+
+
+@pytest.mark.tf
+@pytest.mark.parametrize("setup", ["after_the_step", "conditional_update", "in_the_step"])
+def test_after_a_fit_every_part_holds_only_the_attributes_its_init_sets(tmp_path, setup):
+    """The callback and every object of its own it holds after a ``fit`` (the capture path, its kit, ring and
+    statistics, the books, the sink, the NaN-origin search, the stop watch, the probe) have the attributes their
+    ``__init__`` sets, read from the source, and no others. ``after_the_step``: with a probe batch and
+    ``stop_on``; ``conditional_update``: the path chosen again mid-fit (after the step, then in the step);
+    ``in_the_step``: several steps a call."""
+    from tb_gradhealth import keras as gh_keras
+    from tests.attributes import ROOT, classes_of, init_names
+
+    classes = {}
+    for part in PART_MODULES:
+        classes.update(classes_of(ROOT / part))
+    x, y = make_data(32)
+    if setup == "conditional_update":
+        keras.utils.set_random_seed(0)
+        inp = keras.Input((5,))
+        model = SkipNonFinite(inp, keras.layers.Dense(2)(keras.layers.Dense(4, activation="tanh")(inp)))
+        model.compile(loss="mse", optimizer=keras.optimizers.SGD(LR), jit_compile=False)
+        cb = GradientHealthCallback(tmp_path, update_freq=2)
+    elif setup == "after_the_step":
+        model = make_model(jit_compile=False)
+        cb = GradientHealthCallback(tmp_path, update_freq=3, probe_data=(x[:4], y[:4]), stop_on="exploding")
+    else:
+        model = make_model(jit_compile=False, steps_per_execution=2)
+        cb = GradientHealthCallback(tmp_path, update_freq=1)
+    model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=[cb])
+    keras_base = keras.callbacks.Callback()
+    keras_base.set_model(model)
+    keras_base.set_params({"epochs": 2})
+    objects = _own_objects(cb)
+    kinds = {type(o).__name__ for o in objects}
+    assert {"GradientHealthCallback", "CaptureKit", "Ring", "Statistics", "StepBook", "LossBook", "_RecordSink",
+            "FitOrigin", "Failsafe", "_Trace"} <= kinds, kinds
+    path = {"after_the_step": "AfterStep", "conditional_update": "InStep", "in_the_step": "InStep"}[setup]
+    assert path in kinds or keras.__version__.startswith("3.0.")  # 3.0: that conditional's gradients come out
+    assert {"_StopWatch", "_Probe"} <= kinds or setup != "after_the_step"
+    for obj in objects:
+        allowed = init_names(classes, type(obj).__name__)
+        if isinstance(obj, keras.callbacks.Callback):
+            allowed |= set(vars(keras_base))
+        assert set(vars(obj)) <= allowed, (type(obj).__name__, set(vars(obj)) - allowed)
+    # the path held is the one the decision function gives for this set-up
+    again = gh_keras._choose_capture(cb._capture.kit, 2 if setup == "in_the_step" else 1,
+                                     conditional_update=setup == "conditional_update")
+    assert type(cb._capture) is type(again)

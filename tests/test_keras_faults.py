@@ -74,7 +74,7 @@ def test_fit_goes_on_through_a_full_disk_and_writes_everything_once_space_is_bac
 
 def test_fit_goes_on_through_an_inconsistent_record_and_a_failing_write(tmp_path, caplog, monkeypatch, plain_loss):
     caplog.set_level(logging.WARNING, logger="tb_gradhealth")
-    real_read = capture.Capture.read_new
+    real_read = capture.Ring.read_new
 
     def corrupt_step_5(self, already):
         count, new, lost = real_read(self, already)
@@ -83,7 +83,7 @@ def test_fit_goes_on_through_an_inconsistent_record_and_a_failing_write(tmp_path
                 rows[0, record.INDEX["zero"]] = rows[0, record.INDEX["size"]] + 3  # more zeros than values
         return count, new, lost
 
-    monkeypatch.setattr(capture.Capture, "read_new", corrupt_step_5)
+    monkeypatch.setattr(capture.Ring, "read_new", corrupt_step_5)
     from tb_gradhealth import writer as writer_module
 
     real_add = writer_module.Writer.add_records

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tb_gradhealth._stepbook import MAX_BUFFER_BYTES, MAX_CALLS_PER_READ, StepBook, batch_loss, ring_plan
+from tb_gradhealth._stepbook import MAX_BUFFER_BYTES, MAX_CALLS_PER_READ, LossBook, StepBook, batch_loss, ring_plan
 
 pytestmark = pytest.mark.unit
 
@@ -83,6 +83,45 @@ def test_inert_and_failed_books_never_capture():
     assert book.next_mode(inert=True) == "plain"
     book.capture_failed = True
     assert book.next_mode() == "plain"
+
+
+def test_a_book_that_stops_capturing_counts_the_failed_call_and_every_later_one_as_plain():
+    book = StepBook(1, 1, 6, calls_per_read=1, host_step=0)
+    book.epoch_begin(0)
+    book.batch_begin(0)
+    assert book.next_mode() == "capture"
+    book.stop_capturing()  # the capturing call failed and ran as the plain step
+    assert book.batch_end(0) == (True, False)  # nothing pending: no read for a call that stored nothing
+    calls, modes, reads = simulate(book, 1, 6, 1, start=1)
+    assert modes == ["plain"] * 6 and reads == []
+
+
+def test_a_resynced_book_predicts_from_the_device_s_count():
+    book = StepBook(4, 1, None, calls_per_read=1, host_step=0)
+    book.resync(6)  # two steps the host did not hear of
+    assert book.next_mode() == "plain"  # step 7 (from its own count, step 1)
+    book.batch_end(0)
+    assert book.next_mode() == "capture"  # step 8 (from its own count, step 2: plain)
+
+
+@pytest.mark.parametrize("per_call", [1, 2])
+def test_the_loss_book_gives_each_logged_call_its_own_batches_mean(per_call):
+    """Keras' running mean (float64 here) of two epochs, after each call of ``per_call`` batches: each value is
+    the mean of the batches since the last mean the book saw (the callback shows it every call's: then the call's
+    own batches); here it sees only every third call's, so the others' values span the calls between."""
+    losses = np.random.default_rng(per_call).lognormal(0.0, 1.0, (2, 12))
+    book = LossBook()
+    for epoch in range(2):
+        book.epoch_begin()
+        seen_upto = 0
+        for first in range(0, 12, per_call):
+            book.call_begin(first, per_call)
+            mean = float(losses[epoch, :first + per_call].mean())
+            assert book.batch_loss(mean) == pytest.approx(losses[epoch, seen_upto:first + per_call].mean())
+            if first % (3 * per_call) == 0:  # an unlogged call's mean is not seen: the next value spans it
+                book.saw(mean)
+                seen_upto = first + per_call
+    assert book.batch_loss("not a number") == "not a number"
 
 
 def test_ring_plan():
