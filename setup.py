@@ -34,9 +34,14 @@ def read_long_description() -> str:
 #: The TensorFlow / Keras range the TF writers support: CI runs their tests on the oldest (tensorflow 2.16.2, keras
 #: 3.0.5) and the newest of it; the private TF/Keras internals they use are listed in tb_gradhealth/_tf/compat.py.
 TF_REQUIREMENTS = ["tensorflow>=2.16,<2.22", "keras>=3.0,<3.16"]
+#: The same range with TensorFlow's CPU-only build (no CUDA libraries: a smaller, faster install where no GPU is used;
+#: the README's first command and CI install this one).
+#: tests/test_docs.py checks that both name the same range.
+TF_CPU_REQUIREMENTS = ["tensorflow-cpu>=2.16,<2.22", "keras>=3.0,<3.16"]
 
+#: (``junitparser``: the CLI's JUnit XML is read back as CI servers read it; ``build``: the wheel and sdist checks.)
 TEST = ["pytest", "pytest-xdist", "playwright", "ruff", "hypothesis", "fsspec", "gcsfs", "s3fs", "moto[server]",
-        "gcp-storage-emulator"]
+        "gcp-storage-emulator", "junitparser", "build"]
 
 #: Test-only libraries of the torch and jax tiers: the loops the integrations plug into, the peers the overhead
 #: benchmark compares with.
@@ -61,6 +66,7 @@ setup(
     install_requires=["tensorboard>=2.12", "numpy", "werkzeug", "google-crc32c"],
     extras_require={
         "tf": TF_REQUIREMENTS,
+        "tf-cpu": TF_CPU_REQUIREMENTS,
         # Kept for old install commands: google-crc32c is now a dependency (the reader checks every data checksum).
         "fast": [],
         # Logdirs on object storage (tb_gradhealth/_storage.py): fsspec with its GCS or S3 backend, imported lazily.

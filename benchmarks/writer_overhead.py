@@ -9,7 +9,8 @@ least disturbed by other processes on a shared machine):
   sampled            shuffle(flatten)[:1000] + tf.summary.histogram per variable
   fullhist           tf.summary.histogram on each full gradient (Keras-style histograms)
   probe              extra forward/backward on a fixed batch + scalars + full histograms
-  ours               tb_gradhealth.summary.gradients(...) inside the plain tf.function step
+  ours               tb_gradhealth.summary.gradients(...) inside the plain tf.function step (its default: the
+                     statistics as plain graph ops, no XLA compile)
   ours_xla           jit_compile=True step returning summary.compute(...); summary.write(...) outside (ratio to
                      base_xla)
   floor / floor_xla  ONE plain reduce_sum(g * g) over every gradient (the least an exact norm needs), returned from
@@ -21,14 +22,16 @@ least disturbed by other processes on a shared machine):
   floor_minmax / floor_minmax_xla
                      reduce_max(g) and reduce_min(g) of each gradient: two of the record's exact fields, nothing else
 
-  --alternatives     our other designs, for docs/PERFORMANCE.md: ours_ops (plain TF ops, no nested XLA), ours_cluster
-                     (all layers in one XLA cluster), ours_noweights (no weight norms), ours_every10 (logging
-                     every 10th step via tf.summary.record_if)
+  --alternatives     our other designs, for docs/PERFORMANCE.md: ours_ops (plain TF ops, layer by layer),
+                     ours_cluster (jit=True: all layers in one XLA function compiled of its own, the former
+                     default), ours_noweights (no weight norms), ours_every10 (logging every 10th step via
+                     tf.summary.record_if)
 
 Also prints bytes on disk per layer-step for ours, and the Keras callback rows (with their
 own baseline). Wall time and process CPU time are both shown; CPU time is steadier when other jobs share the CPU.
 Run under ``flock /tmp/gradhealth-bench.lock``.
 Usage: python benchmarks/writer_overhead.py [--steps 40] [--rounds 3] [--no-baselines] [--alternatives] [--only a,b]
+       [--no-keras]
 """
 
 from __future__ import annotations
@@ -51,8 +54,8 @@ BASELINE_VARIANTS = ("stats", "sampled", "fullhist", "probe")
 #: Our variants without XLA: the default, and the alternatives measured for docs/FORMAT.md (use --only NAME).
 OURS_OPTIONS = {
     "ours": {},
-    "ours_ops": {"jit": False},  # plain TF ops, no nested XLA cluster
-    "ours_cluster": {"jit": "cluster"},  # every layer in one XLA cluster
+    "ours_ops": {"jit": False},  # plain TF ops, layer by layer
+    "ours_cluster": {"jit": True},  # every layer in one XLA function of its own
     "ours_noweights": {"weights": False},
     "ours_every10": {},  # logging every 10th step through tf.summary.record_if
 }
@@ -87,6 +90,7 @@ class Bench:
         self.loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         self.bytes_per_layer_step: float | None = None
         self.cpu: dict[str, list[float]] = {}  # process CPU seconds per step: steadier than wall time under load
+        self.first: dict[str, list[float]] = {}  # seconds of each variant's first call: tracing and compiling
 
     def make_step(self, variant: str):
         """Returns ``(step_fn, writer, logdir)`` for one variant; step_fn() runs one logged train step."""
@@ -160,7 +164,10 @@ class Bench:
 
     def time_variant(self, variant: str, steps: int) -> float:
         train, writer, logdir = self.make_step(variant)
-        for _ in range(5):
+        t = time.perf_counter()
+        train().numpy()  # the first call traces the step (and compiles what XLA compiles)
+        self.first.setdefault(variant, []).append(time.perf_counter() - t)
+        for _ in range(4):
             train()
         t, c = time.perf_counter(), time.process_time()
         for _ in range(steps):
@@ -292,6 +299,7 @@ def main() -> None:
     p.add_argument("--only", default="", help="comma-separated variants (base and base_xla always run)")
     p.add_argument("--no-baselines", action="store_true", help="skip the other logging recipes")
     p.add_argument("--alternatives", action="store_true", help="also time our alternative designs (OURS_OPTIONS)")
+    p.add_argument("--no-keras", action="store_true", help="skip the Keras callback rows")
     args = p.parse_args()
     variants = ["base", *FLOOR_VARIANTS, "ours", "base_xla", *(f + "_xla" for f in FLOOR_VARIANTS), "ours_xla"]
     if not args.no_baselines:
@@ -307,15 +315,18 @@ def main() -> None:
         for v in variants:
             steps = args.steps if v not in ("fullhist", "probe") else max(5, args.steps // 4)
             res.setdefault(v, []).append(bench.time_variant(v, steps))
-    keras_variants(bench)  # prints its own table (its own baseline)
+    if not args.no_keras:
+        keras_variants(bench)  # prints its own table (its own baseline)
     best = {v: min(ts) for v, ts in res.items()}
     cpu = {v: min(ts) for v, ts in bench.cpu.items()}
-    print(f"{'variant':15s} {'wall ms':>8s} {'ratio':>6s} {'cpu ms':>8s} {'ratio':>6s}"
-          f"  (min over {args.rounds} rounds of {args.steps} steps; *_xla vs base_xla)")
+    first = {v: min(ts) for v, ts in bench.first.items()}
+    print(f"{'variant':15s} {'wall ms':>8s} {'steps/s':>8s} {'ratio':>6s} {'cpu ms':>8s} {'ratio':>6s} {'first s':>8s}"
+          f"  (min over {args.rounds} rounds of {args.steps} steps; *_xla vs base_xla; first s: the first call, "
+          f"tracing and any XLA compile)")
     for v, t in best.items():
         ref = "base_xla" if v.endswith("_xla") else "base"
-        c = f"{cpu[v] * 1e3:8.2f} {cpu[v] / cpu[ref]:6.3f}" if v in cpu else ""
-        print(f"{v:15s} {t * 1e3:8.2f} {t / best[ref]:6.3f} {c}")
+        c = f"{cpu[v] * 1e3:8.2f} {cpu[v] / cpu[ref]:6.3f}" if v in cpu else f"{'':8s} {'':6s}"
+        print(f"{v:15s} {t * 1e3:8.2f} {1 / t:8.1f} {t / best[ref]:6.3f} {c} {first.get(v, float('nan')):8.2f}")
     if bench.bytes_per_layer_step is not None:
         print(f"ours: {bench.bytes_per_layer_step:.1f} bytes on disk per layer-step")
 

@@ -339,17 +339,14 @@ def run_numpy_writer(logdir: str, steps: int) -> int:
 
 
 def run_pytorch(logdir: str, steps: int) -> int:
-    """A PyTorch MLP; records computed on the device by ``tb_gradhealth.torch`` (skipped without PyTorch).
+    """A PyTorch MLP; records computed on the device by ``tb_gradhealth.torch`` (skipped without PyTorch:
+    :func:`unavailable`).
 
     It trains in a child process (a fresh interpreter): TensorFlow and PyTorch in one process can crash
     (``import tensorflow`` then ``import torch._dynamo`` segfaults with some releases), and a PyTorch user's
     process has no TensorFlow in it anyway."""
-    import importlib.util
     import multiprocessing
 
-    if importlib.util.find_spec("torch") is None:
-        log("pytorch: skipped (PyTorch is not installed: pip install '.[torch]')")
-        return 0
     child = multiprocessing.get_context("spawn").Process(target=_train_pytorch, args=(logdir, steps))
     child.start()
     child.join()
@@ -500,6 +497,16 @@ def port_in_use(host: str, port: int) -> str | None:
     return None
 
 
+def unavailable(name: str) -> str | None:
+    """Why run ``name`` cannot be trained here (``"torch not installed"``: ``pip install ".[torch]"`` adds it),
+    or None."""
+    import importlib.util
+
+    if name == "pytorch" and importlib.util.find_spec("torch") is None:
+        return "torch not installed"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logdir = Path(args.logdir).expanduser().resolve()
@@ -516,6 +523,10 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = logdir / name
         if run_dir.exists():  # a re-run replaces the run instead of appending a second history to it
             shutil.rmtree(run_dir)
+        why = unavailable(name)
+        if why:  # its framework is not installed: no folder is made, and the line says so
+            log(f"{name}: skipped ({why})")
+            continue
         log(f"{name}: training ...")
         t0, c0 = time.perf_counter(), time.process_time()
         done = fn(str(run_dir), steps)

@@ -12,6 +12,7 @@ the reader checks every record's data checksum).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
@@ -195,12 +196,18 @@ class EventFile:
     is down): the events stay queued (up to :data:`MAX_PENDING_BYTES`, then the oldest are dropped and counted in
     :attr:`dropped_events`), one warning says so, and writing resumes by itself when the fault clears. A local
     write that fails halfway is cut back to the last whole record, so the file never holds a torn one. Only a path
-    that is not a path (a malformed URL, a missing fsspec backend) raises, at construction.
+    that is not a path (a malformed URL, a missing fsspec backend) raises, at construction, as does a local logdir
+    that can never be written (:func:`tb_gradhealth._storage.check_writable`: a parent that is a file, permission
+    denied). With ``strict=True`` any failed write raises :class:`~tb_gradhealth._storage.StrictWriteError` (from
+    the call that wrote, or, for a write of the background flush, from the next call), the events staying queued.
     """
 
     def __init__(self, logdir: str, *, max_queue: int = 32, flush_secs: float = 120, filename_suffix: str = "",
-                 storage_options: Mapping[str, Any] | None = None):
+                 storage_options: Mapping[str, Any] | None = None, strict: bool = False):
         logdir = _storage.check(logdir)
+        _storage.check_writable(logdir)
+        self._strict = bool(strict)
+        self._error: BaseException | None = None  # strict: the failed write not raised yet
         self._remote = _storage.is_url(logdir)
         self._storage_options = dict(storage_options or {})
         if self._remote:
@@ -249,6 +256,7 @@ class EventFile:
             self._drop_oldest_beyond(MAX_PENDING_BYTES)
             if len(self._pending) >= self._max_queue or time.monotonic() - self._last_flush >= self._flush_secs:
                 self._flush(now=False)
+            self._raise_strict()  # a strict writer's failure in the background flush, now in the caller's thread
 
     def _drop_oldest_beyond(self, limit: int) -> None:
         """Drop the oldest queued events while more than ``limit`` bytes wait (the file-version record of a file
@@ -260,11 +268,12 @@ class EventFile:
 
     def flush(self) -> bool:
         """Write the queued events now; whether everything queued is written (a failure keeps them queued for a
-        later try, with a warning, and is not raised)."""
+        later try, with a warning, and is not raised unless ``strict``)."""
         return self._flush(now=True)
 
-    def _flush(self, now: bool) -> bool:
-        """Write the queued events, unless a failed write's back-off says to wait (``now``: try anyway)."""
+    def _flush(self, now: bool, raising: bool = True) -> bool:
+        """Write the queued events, unless a failed write's back-off says to wait (``now``: try anyway).
+        ``raising=False`` (the background flush) keeps a strict writer's failure for the next caller."""
         with self._lock:
             if self._pending and (now or self._outage.may_try()):
                 data = b"".join(self._pending)
@@ -272,13 +281,26 @@ class EventFile:
                     self._write(data)
                 except Exception as e:  # noqa: BLE001 - OSError, or a storage backend's own error types
                     self._outage.failed(e, self._flush_secs)
+                    if self._strict:
+                        self._error = e
                 else:
                     self._started = True
                     self._outage.succeeded()
                     self._pending.clear()
                     self._pending_bytes = 0
             self._last_flush = time.monotonic()
+            if raising:
+                self._raise_strict()
             return not self._pending
+
+    def _raise_strict(self) -> None:
+        """A strict writer's failed write, raised once, naming the logdir and the cause."""
+        error, self._error = self._error, None
+        if error is not None:
+            raise _storage.StrictWriteError(
+                getattr(error, "errno", None) or errno.EIO,
+                f"cannot write to {self.logdir} ({type(error).__name__}: {error}) (strict=True: a failed write "
+                f"raises)") from error
 
     def _write(self, data: bytes) -> None:
         if self._remote:
@@ -314,7 +336,7 @@ class EventFile:
 
     def _flush_periodically(self) -> None:
         while not self._closed.wait(self._flush_secs):
-            self._flush(now=False)
+            self._flush(now=False, raising=False)
 
     def close(self) -> None:
         """Flush and close; events that still cannot be written are dropped (counted) with a warning."""
@@ -322,7 +344,15 @@ class EventFile:
             if self._closed.is_set():
                 return
             self._closed.set()
-            self.flush()  # one last try, whatever the back-off says
+            try:
+                self._flush(now=True, raising=False)  # one last try, whatever the back-off says
+            finally:
+                self._close_after_flush()
+            self._raise_strict()
+
+    def _close_after_flush(self) -> None:
+        """Drop (and count, with a warning) what still could not be written; close the file."""
+        with self._lock:
             if self._pending:
                 self._outage.dropped += len(self._pending)
                 _log.warning("tb_gradhealth: %d events could not be written to %s before closing",

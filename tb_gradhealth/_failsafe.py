@@ -13,6 +13,8 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from tb_gradhealth._storage import StrictWriteError
+
 __all__ = ["Failsafe"]
 
 _log = logging.getLogger("tb_gradhealth")
@@ -34,6 +36,8 @@ class Failsafe:
         exception type, with the traceback) and adding ``records`` to :attr:`dropped_records`."""
         try:
             return fn(*args, **kwargs)
+        except StrictWriteError:  # the user asked for write failures to raise (a writer made with strict=True)
+            raise
         except Exception as e:  # noqa: BLE001 - whatever it is, training goes on
             self.failures += 1
             self.dropped_records += records

@@ -15,6 +15,7 @@ of that name.
 
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
 import re
@@ -30,6 +31,49 @@ EXTRAS = {"gs": "gcs", "gcs": "gcs", "s3": "s3", "s3a": "s3"}
 
 class StorageError(OSError):
     """A URL that cannot be used: no fsspec or backend installed, or a malformed URL (the message says which)."""
+
+
+class StrictWriteError(OSError):
+    """A write that failed in a writer made with ``strict=True`` (the message names the logdir and the cause);
+    without ``strict`` the same fault is a warning and the events wait in memory."""
+
+
+def check_writable(logdir: str) -> None:
+    """Raise, naming ``logdir``, when a local logdir can never be written: it or the nearest of its parents that
+    exists is not a directory (``NotADirectoryError``), or this process may not create or write files there
+    (``PermissionError``). What may clear by itself passes: a full disk, a file system mounted read-only (it can be
+    remounted), an object store that is down (URLs are not checked here: their writes retry).
+
+    Why at construction: a writer that cannot ever write would warn, keep its events in memory and let a training
+    job finish with nothing on disk; every writer and callback of the package calls this before anything else."""
+    if is_url(logdir):
+        return
+    path = os.path.abspath(check(os.fspath(logdir)))
+    nearest = path
+    while not os.path.lexists(nearest) and os.path.dirname(nearest) != nearest:
+        nearest = os.path.dirname(nearest)
+    if not os.path.isdir(nearest):
+        what = "the log directory itself" if nearest == path else f"its parent {nearest!r}"
+        raise NotADirectoryError(errno.ENOTDIR, f"cannot write to log directory {os.fspath(logdir)!r}: {what} "
+                                 f"is not a directory", os.fspath(logdir))
+    if not _may_write(nearest) and not _read_only_mount(nearest):
+        what = "it" if nearest == path else f"its parent {nearest!r}"
+        raise PermissionError(errno.EACCES, f"cannot write to log directory {os.fspath(logdir)!r}: permission "
+                              f"denied ({what} is not writable by this user)", os.fspath(logdir))
+
+
+def _may_write(directory: str) -> bool:
+    """Whether this process (its effective user: root may write anywhere) may create files in ``directory``."""
+    effective = os.access in os.supports_effective_ids
+    return os.access(directory, os.W_OK | os.X_OK, effective_ids=effective)
+
+
+def _read_only_mount(directory: str) -> bool:
+    """Whether ``directory`` is on a file system mounted read-only (a fault that a remount clears)."""
+    try:
+        return bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):
+        return False
 
 
 def scheme(path: str) -> str | None:

@@ -1,9 +1,12 @@
-"""``tb-gradhealth report LOGDIR``: the diagnosis of every run as a ranked text table or JSON; a CI gate.
+"""``tb-gradhealth report LOGDIR``: the diagnosis of every run as text, JSON, JUnit XML or Markdown; a CI gate.
 
 Reads event files directly (:func:`tb_gradhealth.reader.read_logdir`, no TensorBoard server, no TensorFlow) and
-diagnoses with :mod:`tb_gradhealth.health`, so it agrees with the dashboard. The JSON is the ``health`` route's
-answer per run (docs/API.md) plus the run's read problems and ``nan_origin``: where its first NaN/Inf was made, when
-a writer replayed it (:mod:`tb_gradhealth.origin`; the ``nan_origin`` route's ``origin``).
+diagnoses with :mod:`tb_gradhealth.health`, so it agrees with the dashboard: the text gives each run one verdict line
+(``FAIL``/``WARN``/``ok``, the answer's headline, the loss trend) and a ranked table, in the tab's words and numbers
+(:mod:`tb_gradhealth._cliformat`). The JSON is the ``health`` route's answer per run (docs/API.md) plus the run's
+read problems and ``nan_origin``: where its first NaN/Inf was made, when a writer replayed it
+(:mod:`tb_gradhealth.origin`; the ``nan_origin`` route's ``origin``). Each failing run gets one line on stderr naming
+its worst failing layer.
 
 Exit status: 1 when a reported layer has a status named in ``--fail-on`` (default ``nonfinite``; ``none`` never
 fails); else 3 when a run holds gradient-health data but none of it is readable (each such run and why is on stderr
@@ -21,10 +24,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
 from tb_gradhealth import __version__, _storage, health, origin, progress, reader
+from tb_gradhealth._cliformat import Verdict, failing_line, junit, markdown, plain, run_label, run_text, verdict
 from tb_gradhealth._payloads import RequestError, health_payload, parse_step, parse_thresholds
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_UNREADABLE = 0, 1, 2, 3
 DEFAULT_FAIL_ON = "nonfinite"
+FORMATS = ("text", "json", "junit", "markdown")
 
 
 class UsageError(Exception):
@@ -57,7 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
                      "local path, or a gs://, s3:// or other fsspec URL (needs the gcs / s3 extra)")
     rep.add_argument("--run", action="append", metavar="R", help="only this run (repeatable); default: all runs")
     rep.add_argument("--step", metavar="S", help="diagnose as of this step (default: each run's last step)")
-    rep.add_argument("--json", action="store_true", help='print {"runs": [...]}, each the health route\'s JSON')
+    rep.add_argument("--format", choices=FORMATS, default=None, help="text: a verdict line and a ranked table per "
+                     "run (default); json: {\"runs\": [...]}, each the health route's JSON; junit: JUnit XML, one "
+                     "test case per run and per failing layer; markdown: GitHub-flavoured Markdown, a summary table "
+                     "and each failing run's failing layers")
+    rep.add_argument("--json", action="store_true", help="the same as --format json")
+    rep.add_argument("--only-failing", action="store_true", help="only the runs with a layer whose status is in "
+                     "--fail-on (and in the text table only those layers)")
     rep.add_argument("--fail-on", default=DEFAULT_FAIL_ON, metavar="STATUSES",
                      help=f"comma-separated statuses that make the exit status 1 (of {', '.join(health.STATUSES)}), "
                      f"or 'none' (default: {DEFAULT_FAIL_ON})")
@@ -96,67 +107,6 @@ def _thresholds(args: argparse.Namespace) -> health.Thresholds:
         raise UsageError(f"threshold flag: {e.message}") from e
 
 
-def _num(x: Any) -> str:
-    return "-" if x is None else f"{x:.3g}"
-
-
-def _text(s: str) -> str:
-    """Names and reasons as plain, single-line text (control characters escaped)."""
-    return s if s.isprintable() else s.encode("unicode_escape").decode("ascii")
-
-
-def timeline_text(timeline: list[dict[str, Any]]) -> str:
-    """``exploding from 38 (dense_3 +4) -> dead from 44 (...) -> nonfinite from 54 (...)``."""
-    parts = []
-    for e in timeline:
-        more = f" +{e['layers'] - 1}" if e["layers"] > 1 else ""
-        parts.append(f"{e['status']} from {e['step']} ({_text(e['layer'])}{more})")
-    return " -> ".join(parts)
-
-
-def _episodes_text(episodes: list[dict[str, Any]]) -> str:
-    return " -> ".join(f"{e['status']} {e['from']}-{e['to']}" for e in episodes)
-
-
-def format_run(body: dict[str, Any], series: reader.RunSeries, top: int = 0) -> str:
-    """One run's ranked table (colour-free), with its summary line and read problems."""
-    counts = body["summary"]["counts"]
-    lines = [
-        f"run {_text(series.run)}: {len(series.layers)} layers, steps {series.first_step}..{series.last_step} "
-        f"({series.num_steps} logged), diagnosed at step {body['step']}",
-        "  " + ", ".join(f"{counts[s]} {s}" for s in health.STATUSES if counts.get(s)),
-    ]
-    fb, cause = body["summary"]["first_bad"], body["summary"].get("cause")
-    if fb:  # one story: the cause first, then what followed
-        story = f": {_text(cause['story'])}" if cause and cause.get("story") else ""
-        lines.append(f"  first bad: {_text(fb['layer'])} ({fb['status']}) since step {fb['step']}{story}")
-        if cause and cause.get("fixes"):
-            lines.append(f"  what to do: {_text(cause['fixes'][0])}")
-    if body["summary"].get("timeline"):
-        lines.append("  timeline: " + timeline_text(body["summary"]["timeline"]))
-    if body.get("nan_origin"):
-        lines.append(f"  {_text(body['nan_origin']['message'])}")
-    for p in series.problems:
-        lines.append(f"  problem: {_text(p)}")
-    for p in series.notes:
-        lines.append(f"  note: {_text(p)}")
-    layers = body["layers"][:top] if top > 0 else body["layers"]
-    width = max([len(_text(x["layer"])) for x in layers] + [5])
-    lines.append(f"  {'#':>4}  {'status':<9}  {'severity':>8}  {'since':>7}  {'layer':<{width}}  {'rms':>9}  "
-                 f"{'max|g|':>9}  {'norm':>9}  reasons")
-    for rank, x in enumerate(layers, 1):
-        since = "-" if x["first_step"] is None else str(x["first_step"])
-        lines.append(
-            f"  {rank:>4}  {x['status']:<9}  {x['severity']:>8.1f}  {since:>7}  {_text(x['layer']):<{width}}  "
-            f"{_num(x['rms']):>9}  {_num(x['max_abs']):>9}  {_num(x['norm']):>9}  "
-            f"{_text('; '.join(x['reasons']))}")
-        if len(x.get("episodes", [])) > 1:
-            lines.append(f"  {'':>4}  {'':<9}  {'':>8}  {'':>7}  episodes: {_episodes_text(x['episodes'])}")
-    if top > 0 and len(body["layers"]) > top:
-        lines.append(f"  ... {len(body['layers']) - top} more layers (--top 0 lists all)")
-    return "\n".join(lines)
-
-
 def _read(args: argparse.Namespace, err: TextIO) -> reader.LogdirData:
     """The logdir's runs (only ``--run`` ones when given); warnings on ``err``; a usage error when there is none."""
     try:
@@ -164,7 +114,7 @@ def _read(args: argparse.Namespace, err: TextIO) -> reader.LogdirData:
     except (FileNotFoundError, NotADirectoryError, PermissionError, _storage.StorageError) as e:
         raise UsageError(str(e)) from e
     for p in data.problems:
-        print(f"tb-gradhealth: warning: {_text(p)}", file=err)
+        print(f"tb-gradhealth: warning: {plain(p)}", file=err)
     found = {s.run for s in data.runs}
     missing = [r for r in (args.run or []) if r not in found]
     if missing:
@@ -173,8 +123,25 @@ def _read(args: argparse.Namespace, err: TextIO) -> reader.LogdirData:
         raise UsageError(f"--run: no gradient-health data for run(s) {', '.join(map(repr, missing))} in "
                          f"{args.logdir!r} (runs there: {listed})")
     if not data.runs:
-        raise UsageError(f"no gradient-health records in {args.logdir!r} (write them with tb_gradhealth's writers)")
+        raise UsageError(_no_records(args.logdir))
     return data
+
+
+#: How many runs without records the error message names.
+LISTED_RUNS = 10
+
+
+def _no_records(logdir: str) -> str:
+    """The error for a logdir without gradient-health records: the runs found there (TensorBoard runs without
+    records), so a wrong logdir or a run that never wrote records shows at once."""
+    runs = sorted(reader.find_runs(logdir))
+    found = "no event files found"
+    if runs:
+        more = f" and {len(runs) - LISTED_RUNS} more" if len(runs) > LISTED_RUNS else ""
+        found = (f"{len(runs)} run(s) with event files but no records: "
+                 f"{', '.join(map(repr, runs[:LISTED_RUNS]))}{more}")
+    return (f"no gradient-health records in {logdir!r} ({found}; write them with tb_gradhealth's writers or "
+            f"callbacks, e.g. GradientHealthCallback(log_dir) beside keras.callbacks.TensorBoard)")
 
 
 def _diagnose(data: reader.LogdirData, thresholds: health.Thresholds, step: int | None, err: TextIO,
@@ -188,7 +155,7 @@ def _diagnose(data: reader.LogdirData, thresholds: health.Thresholds, step: int 
     for series in data.runs:
         prefix = f"run {series.run!r}: " + ("" if series.num_steps else "unreadable, no record can be read: ")
         for p in series.problems:
-            print(f"tb-gradhealth: {'warning' if series.num_steps else 'error'}: {_text(prefix + p)}", file=err)
+            print(f"tb-gradhealth: {'warning' if series.num_steps else 'error'}: {plain(prefix + p)}", file=err)
         if not series.num_steps:
             problems.extend(prefix + p for p in series.problems or ("no records",))
     bodies = []
@@ -200,7 +167,7 @@ def _diagnose(data: reader.LogdirData, thresholds: health.Thresholds, step: int 
             raise UsageError(f"--step: run {series.run!r}: {e.message}") from e
         except Exception as e:  # a bug must not hide the other runs: this one is reported as unreadable
             line = f"run {series.run!r}: unreadable, internal error {type(e).__name__}: {e}"
-            print(f"tb-gradhealth: error: {_text(line)}", file=err)
+            print(f"tb-gradhealth: error: {plain(line)}", file=err)
             problems.append(line)
             unreadable.append(series.run)
             continue
@@ -208,30 +175,65 @@ def _diagnose(data: reader.LogdirData, thresholds: health.Thresholds, step: int 
     return bodies, unreadable, problems
 
 
-def report(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    """``tb-gradhealth report``: print the runs' diagnosis on ``out``; returns the exit status."""
-    fail_on = _fail_on(args.fail_on)
-    step = _step(args.step)
-    thresholds = _thresholds(args)
-    bodies, unreadable, problems = _diagnose(_read(args, err), thresholds, step, err,
-                                              reader.find_runs(args.logdir))
-    failed = sorted({x["status"] for _, b in bodies for x in b["layers"]} & fail_on)
-    origins = origin.read_logdir(args.logdir, [s.run for s, _ in bodies])  # where the first NaN/Inf was made
-    for series, body in bodies:
-        body["nan_origin"] = origins[series.run].to_json() if series.run in origins else None
-    if args.json:
-        text = json.dumps({"runs": [b for _, b in bodies], "problems": problems}, allow_nan=False)
-    else:
-        text = "\n\n".join([format_run(b, s, args.top) for s, b in bodies]
-                            + [f"run {_text(r)}: unreadable" for r in unreadable])
+def _format(args: argparse.Namespace) -> str:
+    """The output format: ``--format``, or ``json`` for ``--json`` (the two must not disagree)."""
+    if args.json and args.format not in (None, "json"):
+        raise UsageError(f"--json is --format json: it cannot be combined with --format {args.format}")
+    return "json" if args.json else (args.format or "text")
+
+
+def _render(fmt: str, args: argparse.Namespace, shown: list[tuple[reader.RunSeries, dict[str, Any], Verdict]],
+            unreadable: list[str], problems: list[str], fail_on: frozenset[str]) -> str:
+    """The report in ``fmt`` of the runs ``shown`` (each with its verdict) and the unreadable runs."""
+    labelled = [(run_label(s.run, args.logdir), b, v) for s, b, v in shown]
+    if fmt == "json":
+        return json.dumps({"runs": [b for _, b, _ in shown], "problems": problems}, allow_nan=False)
+    if fmt == "junit":
+        return junit(labelled, unreadable, args.logdir, args.fail_on)
+    if fmt == "markdown":
+        return markdown(labelled, unreadable, args.logdir)
+    only = fail_on if args.only_failing else None
+    blocks = [run_text(b, s, run_label(s.run, args.logdir), v, top=args.top, only=only) for s, b, v in shown]
+    blocks += [f"run {plain(r)}: unreadable" for r in unreadable]
+    if not blocks and args.only_failing:
+        blocks = [f"no run has a layer with status {' or '.join(sorted(fail_on)) or '(none)'} (--fail-on "
+                  f"{args.fail_on})"]
+    return "\n\n".join(blocks)
+
+
+def _write(out: TextIO, text: str) -> None:
+    """``text`` on ``out``; a closed pipe (``report ... | head``) is not an error: the exit status still tells."""
+    encoding = getattr(out, "encoding", None) or "utf-8"
+    try:
+        text.encode(encoding)
+    except (UnicodeEncodeError, LookupError):  # an ASCII-only terminal or log: the dash as ASCII
+        text = text.replace("\u2014", "-").encode(encoding, "backslashreplace").decode(encoding)
     try:
         out.write(text + "\n")
         out.flush()
-    except BrokenPipeError:  # `tb-gradhealth report ... | head`: the exit status still tells the verdict
+    except BrokenPipeError:
         pass
-    if failed:
-        print(f"tb-gradhealth: failing: layers with status {', '.join(failed)} (--fail-on {args.fail_on})",
-              file=err)
+
+
+def report(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """``tb-gradhealth report``: print the runs' diagnosis on ``out``, the failing runs on ``err``; returns the
+    exit status."""
+    fail_on = _fail_on(args.fail_on)
+    step = _step(args.step)
+    thresholds = _thresholds(args)
+    fmt = _format(args)
+    bodies, unreadable, problems = _diagnose(_read(args, err), thresholds, step, err,
+                                              reader.find_runs(args.logdir))
+    origins = origin.read_logdir(args.logdir, [s.run for s, _ in bodies])  # where the first NaN/Inf was made
+    for series, body in bodies:
+        body["nan_origin"] = origins[series.run].to_json() if series.run in origins else None
+    judged = [(s, b, verdict(b, fail_on)) for s, b in bodies]
+    shown = [j for j in judged if j[2].failing] if args.only_failing else judged
+    _write(out, _render(fmt, args, shown, unreadable, problems, fail_on))
+    failing = [(s, v) for s, _, v in judged if v.failing]
+    for series, v in failing:
+        print(f"tb-gradhealth: {failing_line(run_label(series.run, args.logdir), v, args.fail_on)}", file=err)
+    if failing:
         return EXIT_FAIL
     if unreadable:
         print(f"tb-gradhealth: {len(unreadable)} run(s) unreadable: {', '.join(map(repr, unreadable))} (exit "

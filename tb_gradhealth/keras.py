@@ -30,7 +30,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tb_gradhealth import layerinfo, record, summary
+from tb_gradhealth import _storage, layerinfo, record, summary
 from tb_gradhealth._failsafe import Failsafe
 from tb_gradhealth._stepbook import StepBook, batch_loss, ring_plan
 from tb_gradhealth._tf import compat, stepoutputs
@@ -225,6 +225,9 @@ class GradientHealthCallback(keras.callbacks.Callback):
             ``None`` (default): compiled when ``update_freq`` is below 10, plain ops for sparser logging
             (docs/PERFORMANCE.md, *Real architectures*, has both costs). Inside a ``jit_compile=True`` step the
             statistics are compiled with it either way.
+        strict: a failed write raises (:class:`tb_gradhealth._storage.StrictWriteError`, ending ``fit``) instead
+            of a warning with the events kept in memory until the fault clears. Either way a local ``log_dir``
+            that can never be written (a parent that is a file, permission denied) raises here, at construction.
     """
 
     def __init__(
@@ -241,6 +244,7 @@ class GradientHealthCallback(keras.callbacks.Callback):
         thresholds: Any = None,
         nan_origin: bool = True,
         compile_statistics: bool | None = None,
+        strict: bool = False,
     ) -> None:
         super().__init__()
         if keras.backend.backend() != "tensorflow":  # pragma: no cover - the module imports TensorFlow
@@ -251,6 +255,8 @@ class GradientHealthCallback(keras.callbacks.Callback):
             )
         update_freq, stop_on = _check_options(update_freq, probe_data, stop_on)
         self.log_dir = str(log_dir)
+        _storage.check_writable(self.train_dir)
+        self.strict = bool(strict)
         self.update_freq = update_freq
         self.name = name
         self.record_updates = bool(record_updates)
@@ -299,7 +305,7 @@ class GradientHealthCallback(keras.callbacks.Callback):
             self._stop_watch = _StopWatch(self.stop_on, self._thresholds)
         self._capture = None
         self._writer = Writer(self.train_dir, hist_sample=self.hist_sample, seed=self.seed,
-                              filename_suffix=".gradhealth")
+                              filename_suffix=".gradhealth", strict=self.strict)
         self._read_upto = 0  # captures already written
         self._book: StepBook | None = None
         if self.update_freq is not None:

@@ -17,7 +17,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from tb_gradhealth import record
+from tb_gradhealth import _storage, record
 from tb_gradhealth import torch as tgh
 from tb_gradhealth._failsafe import Failsafe
 from tb_gradhealth.torch_kinds import module_layer_info
@@ -32,12 +32,17 @@ class GradHealth(pl.Callback):
     ``log_dir``: the run directory (default: the trainer's ``log_dir``, next to its TensorBoard logger's files).
     ``updates``: also record the applied update ``w_before - w_after`` (a transient copy of the weights on logged
     steps). ``sharded``: the parameters are shards (FSDP / DeepSpeed ZeRO); every rank must then take part.
+    A given ``log_dir`` that can never be written (a parent that is a file, permission denied) raises here;
+    ``strict``: a failed write raises instead of a warning (:class:`tb_gradhealth.Writer`).
     """
 
     def __init__(self, log_dir: str | None = None, *, every: int = 100, first: int = 10,
                  hist_sample: int = record.DEFAULT_HIST_SAMPLE, updates: bool = True, sharded: bool = False,
-                 name: str = "gradients") -> None:
+                 name: str = "gradients", strict: bool = False) -> None:
         super().__init__()
+        if log_dir is not None:  # one that can never be written fails here, before the trainer starts
+            _storage.check_writable(log_dir)
+        self.strict = bool(strict)
         self.log_dir, self.every, self.first = log_dir, every, first
         self.hist_sample, self.updates, self.sharded, self.name = hist_sample, updates, sharded, name
         self.writer: Writer | None = None
@@ -49,8 +54,8 @@ class GradHealth(pl.Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if trainer.is_global_zero and self.writer is None:
-            self.writer = Writer(self.log_dir or os.path.join(trainer.log_dir or trainer.default_root_dir,
-                                                             "gradhealth"), hist_sample=self.hist_sample)
+            log_dir = self.log_dir or os.path.join(trainer.log_dir or trainer.default_root_dir, "gradhealth")
+            self.writer = Writer(log_dir, hist_sample=self.hist_sample, strict=self.strict)
         self._kinds = self.failsafe.run("reading the layers' kinds", module_layer_info, pl_module) or {}
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:

@@ -2,9 +2,10 @@
 
 * :func:`compute` turns gradients into a :class:`DeviceRecord` ``(counts int32 [L, 5], values float32 [L, 89])``
   with the numbers of :func:`tb_gradhealth.record.compute` (the float64 reference). All layers' statistics run in
-  one compiled XLA function (:mod:`tb_gradhealth._tf.packed`: a fixed number of loops whatever the number of layers,
-  so a model of hundreds of variables compiles in seconds), inlined into the caller's cluster inside a
-  ``jit_compile=True`` step; ``jit="graph"`` runs the same layout as plain TF ops (nothing to compile).
+  one layout (:mod:`tb_gradhealth._tf.packed`: a fixed number of loops whatever the number of layers): by default
+  as plain TF ops in the caller's graph, inlined into the caller's cluster inside a ``jit_compile=True`` step, so
+  nothing compiles XLA that the user did not ask to compile; ``jit=True`` compiles them as one XLA function of
+  their own even in a plain ``tf.function`` (a model of hundreds of variables compiles in seconds).
 * :func:`write` encodes a device record on the host (``tf.numpy_function`` calling :func:`record.to_disk`: one
   encoder) and writes it with ``tf.summary.write``.
 * :func:`gradients` = compute + write, for custom training loops (eager or ``tf.function``). Inside
@@ -42,19 +43,19 @@ def compute(
     *,
     hist_sample: int = record.DEFAULT_HIST_SAMPLE,
     seed: Any = None,
-    jit: bool | str = True,
+    jit: bool | str = "graph",
 ) -> DeviceRecord:
     """Device records of ``grads`` (pairs, dict or lists: see :func:`normalize`), rows in :func:`layer_names` order.
 
     ``weights=True`` (with pairs) or a list/dict of tensors adds the weight norms; ``updates`` (list/dict) the
     applied-update norms, each a tensor or a :class:`Delta` ``(before, after)`` (cheaper: the difference is
     fused into the update's loop, never written out). ``seed`` (int or scalar tensor, e.g. the step) seeds
-    histogram sampling; by default the seed comes from the data. ``jit=True`` (or ``"cluster"``) computes every
-    layer's statistics in one XLA function, compiled once per model signature (:mod:`tb_gradhealth._tf.packed`; works
-    eagerly and in ``tf.function``; inside ``jit_compile=True`` it is inlined into the caller's cluster);
-    ``jit="graph"`` computes the same all-layer statistics as plain TF ops in the caller's graph (no XLA compile
-    and none of XLA's memory; slower per call: a few passes over the data instead of one fused loop; inside
-    ``jit_compile=True`` the same as ``True``); ``jit=False`` uses plain TF ops, layer by layer.
+    histogram sampling; by default the seed comes from the data. ``jit="graph"`` (default) computes every layer's
+    statistics as plain TF ops in the caller's graph (no XLA compile and none of XLA's memory; inside
+    ``jit_compile=True`` they are compiled with the caller's cluster, as with ``True``); ``jit=True`` (or
+    ``"cluster"``) computes them in one XLA function, compiled once per model signature even outside a compiled
+    step (:mod:`tb_gradhealth._tf.packed`; eagerly and in ``tf.function``: one fused loop over the data, at the
+    price of a compile and XLA's memory); ``jit=False`` uses plain TF ops, layer by layer.
     """
     return records.compute(grads, weights, updates, hist_sample=hist_sample, seed=seed, jit=jit)
 
@@ -127,12 +128,13 @@ def gradients(
     *,
     updates: Any = None,
     seed: Any = None,
-    jit: bool | str = True,
+    jit: bool | str = "graph",
 ) -> tf.Tensor | bool:
     """Record gradient health as one summary: ``compute`` + ``write``, for custom loops (eager or ``tf.function``).
 
     Use it under ``writer.as_default()`` like any ``tf.summary`` op; nothing is computed when no summary is being
-    recorded (``tf.summary.record_if``). ``weights=True`` also records the norms of the pairs' variables.
+    recorded (``tf.summary.record_if``). ``weights=True`` also records the norms of the pairs' variables. ``jit``
+    as for :func:`compute`: by default nothing is compiled with XLA (``jit=True`` compiles the statistics).
     Inside ``jit_compile=True`` it raises: return ``compute(...)`` from the compiled step, ``write(...)`` outside.
     """
     if compat.in_xla_context():

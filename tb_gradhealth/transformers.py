@@ -18,7 +18,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from tb_gradhealth import record
+from tb_gradhealth import _storage, record
 from tb_gradhealth import torch as tgh
 from tb_gradhealth._failsafe import Failsafe
 from tb_gradhealth.torch_kinds import layer_info_for
@@ -32,12 +32,17 @@ class GradHealthCallback(TrainerCallback):
 
     ``log_dir``: the run directory (default: ``gradhealth`` under ``args.logging_dir``, where ``Trainer``'s
     TensorBoard scalars go, or under ``args.output_dir/runs``). ``updates``: also record the applied update (a
-    transient copy of the weights).
+    transient copy of the weights). A given ``log_dir`` that can never be written (a parent that is a file,
+    permission denied) raises here; ``strict``: a failed write raises instead of a warning
+    (:class:`tb_gradhealth.Writer`).
     """
 
     def __init__(self, log_dir: str | None = None, *, every: int = 100, first: int = 10,
                  hist_sample: int = record.DEFAULT_HIST_SAMPLE, updates: bool = True,
-                 name: str = "gradients") -> None:
+                 name: str = "gradients", strict: bool = False) -> None:
+        if log_dir is not None:  # one that can never be written fails here, before the trainer starts
+            _storage.check_writable(log_dir)
+        self.strict = bool(strict)
         self.log_dir, self.every, self.first = log_dir, every, first
         self.hist_sample, self.updates, self.name = hist_sample, updates, name
         self.writer: Writer | None = None
@@ -52,7 +57,7 @@ class GradHealthCallback(TrainerCallback):
         if state.is_world_process_zero and self.writer is None:
             log_dir = self.log_dir or os.path.join(args.logging_dir or os.path.join(args.output_dir, "runs"),
                                                    "gradhealth")
-            self.writer = Writer(log_dir, hist_sample=self.hist_sample)
+            self.writer = Writer(log_dir, hist_sample=self.hist_sample, strict=self.strict)
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         step = state.global_step

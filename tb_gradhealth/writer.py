@@ -120,7 +120,10 @@ class Writer:
     below the last step written for the same tag; a wrong input is a TypeError or ValueError naming the layer or
     argument, and nothing of that call is written. What is recorded never raises: a record that fails the
     readers' checks is written with a warning (the readers report it as damaged), and a logdir that cannot be
-    written costs a warning and :attr:`dropped_records`, while writing resumes by itself when the fault clears.
+    written for now (a full disk, an object store that is down) costs a warning and :attr:`dropped_records`, while
+    writing resumes by itself when the fault clears. A local ``logdir`` that can never be written (a parent that
+    is a file, permission denied) raises ``NotADirectoryError``/``PermissionError`` naming it, here, before any
+    training; ``strict=True`` makes every failed write raise :class:`tb_gradhealth._storage.StrictWriteError`.
     """
 
     def __init__(
@@ -133,10 +136,11 @@ class Writer:
         flush_secs: float = 120,
         filename_suffix: str = "",
         storage_options: Mapping[str, Any] | None = None,
+        strict: bool = False,
     ) -> None:
         self._writer = EventFile(
             os.fspath(logdir), max_queue=max_queue, flush_secs=flush_secs, filename_suffix=filename_suffix,
-            storage_options=storage_options,
+            storage_options=storage_options, strict=strict,
         )
         self.hist_sample = hist_sample
         self._rng = np.random.default_rng(seed)

@@ -5,6 +5,7 @@ markers are read from its source), so ``pytest -m unit`` never imports TensorFlo
 import ast
 import importlib
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -57,12 +58,30 @@ def pytest_configure(config: pytest.Config) -> None:
     TensorFlow; this keeps the suite's mixed process alive). Not for ``-m unit`` and the like, which import
     neither."""
     expr = config.option.markexpr or ""
+    if _unit_only(expr):  # -m unit: TensorBoard's readers use their TensorFlow-free stub
+        _tensorboard_without_tensorflow()
     if expr and "torch" not in expr:
         return
     try:
         importlib.import_module("torch._dynamo")
     except ImportError:
         pass
+
+
+def _unit_only(expr: str) -> bool:
+    """Whether the ``-m`` expression selects unit tests only (``unit``, ``unit and not slow``, ...)."""
+    words = set(re.findall(r"\w+", expr))
+    return "unit" in words and words <= {"unit", "slow", "and", "or", "not"} and not re.search(r"not\s+unit", expr)
+
+
+def _tensorboard_without_tensorflow() -> None:
+    """Make TensorBoard's lazy ``tf`` its own TensorFlow-free stub in this process (what it uses where TensorFlow
+    is not installed): its event-file loaders and data provider would otherwise import TensorFlow whenever it is
+    installed, 10-40 s of a ``-m unit`` run, for tests that are about our files, not TensorFlow's reader."""
+    import sys
+    import types
+
+    sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("tensorboard.compat.notf"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -271,3 +271,21 @@ def test_serve_on_a_busy_port_says_so_before_training(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert f"--port {port}" in proc.stderr and "in use" in proc.stderr and "Traceback" not in proc.stderr
     assert "training" not in proc.stdout
+
+
+@pytest.mark.unit
+def test_a_run_whose_framework_is_missing_is_skipped_and_makes_no_folder(tmp_path, monkeypatch, capsys):
+    """Without PyTorch the demo says the pytorch run is skipped, not "0 steps ... -> DIR/pytorch" for a folder it
+    never makes."""
+    spec = importlib.util.spec_from_file_location("demo_script", DEMO)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a, **kw: None if name.split(".")[0] == "torch" else real(name, *a, **kw))
+    assert script.main(["--logdir", str(tmp_path), "--runs", "numpy_writer,pytorch", "--steps", "0.1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "[demo] pytorch: skipped (torch not installed)" in out
+    assert not any(line.startswith(("[demo] pytorch: training", "[demo] pytorch: 0 steps")) for line in out), out
+    assert any(re.match(r"\[demo\] numpy_writer: \d+ steps in", line) for line in out), out
+    assert sorted(os.listdir(tmp_path)) == ["numpy_writer"]

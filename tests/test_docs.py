@@ -55,8 +55,28 @@ def test_supported_tensorflow_and_keras_range_agrees_everywhere():
         assert _version(newest) < _version(high), (package, newest, high)
         pinned = re.search(rf"^OLDEST_{'TF' if package == 'tensorflow' else 'KERAS'}=([\d.]+)$", ci, re.M).group(1)
         assert pinned == oldest, f".ci/run tests {package} {pinned}, compat.VERIFIED says {oldest}"
-    ci_low, ci_high = re.search(r'^TF_RANGE="tensorflow-cpu>=([\d.]+),<([\d.]+)"$', ci, re.M).groups()
-    assert re.search(rf'"tensorflow>={re.escape(ci_low)},<{re.escape(ci_high)}"', setup)
+    assert '-e ".[test,tf-cpu]"' in ci, ".ci/run does not install the tf-cpu extra"
+
+
+def _setup_list(setup: str, name: str) -> list[str]:
+    """The literal list ``name = [...]`` of setup.py."""
+    tree = ast.parse(setup)
+    node = next(n for n in ast.walk(tree) if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == name)
+    return ast.literal_eval(node.value)
+
+
+def test_the_cpu_extra_is_the_supported_range_of_the_cpu_build():
+    """``tf-cpu`` (the README's first command, CI) pins what ``tf`` pins, with TensorFlow's CPU-only build."""
+    setup = (REPO / "setup.py").read_text(encoding="utf-8")
+    tf, cpu = _setup_list(setup, "TF_REQUIREMENTS"), _setup_list(setup, "TF_CPU_REQUIREMENTS")
+    assert tf[0].startswith("tensorflow>=") and cpu[0] == "tensorflow-cpu" + tf[0][len("tensorflow"):], (tf, cpu)
+    assert cpu[1:] == tf[1:]
+    assert re.search(r'"tf": TF_REQUIREMENTS,\s*"tf-cpu": TF_CPU_REQUIREMENTS,', setup)
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    setup_block = readme.split("## Set-up: two commands", 1)[1].split("```", 2)[1]
+    first = next(ln for ln in setup_block.splitlines() if ln.startswith("python3 -m venv"))
+    installs = re.search(r"pip install ([^&]+)&&", first).group(1).split()
+    assert installs == ['".[tf-cpu]"'], f"README command 1 installs {installs}, not the supported range's extra"
 
 
 def test_device_record_size_stated_in_the_docs_is_the_layout():

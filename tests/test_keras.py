@@ -534,3 +534,37 @@ def test_other_backend_and_bad_arguments_raise(tmp_path, monkeypatch):
     monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
     with pytest.raises(CaptureError, match="Writer"):
         GradientHealthCallback(tmp_path)
+
+
+@pytest.mark.tf
+def test_a_log_dir_that_can_never_be_written_is_refused_at_construction(tmp_path):
+    afile = tmp_path / "passwd"
+    afile.write_text("x")
+    with pytest.raises(NotADirectoryError, match="not a directory") as e:
+        GradientHealthCallback(log_dir=str(afile / "gradlogs"))
+    assert str(afile / "gradlogs") in str(e.value)
+
+
+@pytest.mark.tf
+@pytest.mark.parametrize("strict", [False, True])
+def test_strict_ends_fit_on_a_failed_write_and_default_trains_on(tmp_path, monkeypatch, strict):
+    from tb_gradhealth import _eventfile
+    from tb_gradhealth._storage import StrictWriteError
+
+    real_write = _eventfile.EventFile._write
+
+    def full_disk_after_the_first_write(self, data):
+        if self._started:  # the file-version record is written, then the disk is full
+            raise OSError(28, "No space left on device")
+        real_write(self, data)
+
+    monkeypatch.setattr(_eventfile.EventFile, "_write", full_disk_after_the_first_write)
+    x, y = make_data()
+    callback = GradientHealthCallback(str(tmp_path), update_freq=1, strict=strict)
+    fit = lambda: make_model().fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[callback])  # noqa: E731
+    if strict:
+        with pytest.raises(StrictWriteError, match="No space left on device"):
+            fit()
+    else:
+        fit()
+        assert callback.dropped_records == 8  # the 4 logged steps: a record and a loss each; training went on

@@ -92,3 +92,18 @@ def test_installed_wheel_serves_static_files_from_the_package(wheel, tmp_path):
     assert Path(module_file).is_relative_to(target), module_file
     assert Path(static) == target / "tb_gradhealth" / "static"
     assert (Path(static) / "index.js").read_bytes() == (REPO / "frontend" / "index.js").read_bytes()
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("GRADHEALTH_WHEEL_CHECK") == "background",
+                    reason=".ci/run runs .ci/wheel_check.py itself, in the background beside the tests")
+def test_built_wheel_in_a_clean_venv_serves_the_tab():
+    """.ci/wheel_check.py: ``python -m build`` makes the sdist and the wheel; the wheel, installed in a clean
+    environment with only its own requirements (no TensorFlow), serves the tab's files and data routes from its
+    TensorBoard, and its ``tb-gradhealth`` reads a run. The script is the check; this runs it where CI does not."""
+    pytest.importorskip("build", reason="python -m build needs the build package (the test extra)")
+    proc = subprocess.run([sys.executable, str(REPO / ".ci" / "wheel_check.py")], capture_output=True, text=True,
+                          timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "[wheel-check] OK" in proc.stdout

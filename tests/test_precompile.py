@@ -36,7 +36,7 @@ def test_graph_call_runs_the_program_compiled_ahead_and_its_record_is_the_same(m
 
     @tf.function
     def in_graph(g, b, a):
-        return summary.compute(list(g), list(b), [summary.Delta(x, y) for x, y in zip(b, a, strict=True)])
+        return summary.compute(list(g), list(b), [summary.Delta(x, y) for x, y in zip(b, a, strict=True)], jit=True)
 
     args = tuple(tuple(tf.constant(t) for t in ts) for ts in (grads, before, after))
     concrete = in_graph.get_concrete_function(*args)
@@ -45,7 +45,7 @@ def test_graph_call_runs_the_program_compiled_ahead_and_its_record_is_the_same(m
     ahead = concrete(*args)
     # the same statistics called eagerly: compiled there, apart from the graph's program
     eager = summary.compute(grads, before, [summary.Delta(tf.constant(b), tf.constant(a))
-                                            for b, a in zip(before, after, strict=True)])
+                                            for b, a in zip(before, after, strict=True)], jit=True)
     np.testing.assert_array_equal(ahead.counts.numpy(), eager.counts.numpy())
     np.testing.assert_array_equal(ahead.values.numpy(), eager.values.numpy())
     rows = record.from_device(ahead.counts.numpy(), ahead.values.numpy())

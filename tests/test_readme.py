@@ -133,14 +133,15 @@ def test_setup_is_two_commands_that_exist():
     block = re.search(r"```sh\n(.*?)```", setup, re.S).group(1)
     commands = [ln for ln in block.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
     assert commands == [
-        "python3 -m venv .venv && . .venv/bin/activate && pip install tensorflow-cpu . && "
+        'python3 -m venv .venv && . .venv/bin/activate && pip install ".[tf-cpu]" && '
+
         "python demo/demo.py --logdir /tmp/gradhealth-demo --serve",
         "bash .ci/run",
     ]
     assert (REPO / "demo" / "demo.py").is_file() and (REPO / ".ci" / "run").is_file()
     ci = (REPO / ".ci" / "run").read_text()
     # The README says what .ci/run does; keep the two in step.
-    for step in ('pip install -q "$TF_RANGE" -e ".[test]"', "ruff check .", "python -m pytest", "apt-get install",
+    for step in ('pip install -q -e ".[test,tf-cpu]"', "ruff check .", "python -m pytest", "apt-get install",
                  'pytest -m "tf and not (e2e and slow)"'):
         assert step in ci, step
     assert "playwright install" not in re.sub(r"#.*", "", ci)

@@ -93,7 +93,8 @@ def test_same_record_on_every_path(variables):
         return summary.compute(grads, hist_sample=hs, jit=False)
 
     paths = {
-        "eager_xla": summary.compute(grads, hist_sample=hs),
+        "eager_xla": summary.compute(grads, hist_sample=hs, jit=True),
+        "eager_graph": summary.compute(grads, hist_sample=hs),
         "eager_ops": summary.compute(grads, hist_sample=hs, jit=False),
         "function": in_function(grads),
         "function_ops": ops_in_function(grads),
@@ -136,7 +137,8 @@ def test_large_layers_match_the_float64_reference():
 
     tg = {n: tf.constant(g) for n, g in grads.items()}
     tw = {n: tf.constant(w) for n, w in weights.items()}
-    paths = {"eager_xla": summary.compute(tg, tw), "jit_compile": in_xla(tg, tw),
+    paths = {"eager_xla": summary.compute(tg, tw, jit=True), "eager_graph": summary.compute(tg, tw),
+             "jit_compile": in_xla(tg, tw),
              "eager_ops": summary.compute(tg, tw, jit=False)}
     for path, rec in paths.items():
         mem = to_mem(rec)
@@ -366,3 +368,71 @@ def test_unknown_length_gradient_gets_a_clear_error():
     f = tf.function(lambda g: summary.compute({"a": g}), input_signature=[tf.TensorSpec([None], tf.float32)])
     with pytest.raises(ValueError, match="static shape"):
         f(tf.ones([5000]))
+
+
+#: A custom loop with the summary in a plain ``tf.function``; then (after the marker) the same with ``jit=True``.
+#: TensorFlow logs "Compiled cluster using XLA!" once per process, at the first XLA compile: before the marker it
+#: would mean the plain function compiled XLA.
+_XLA_PROBE = """
+import sys
+import numpy as np
+import tensorflow as tf
+import tb_gradhealth
+
+def loop(logdir, **options):
+    v = tf.Variable(np.ones((64, 32), np.float32))
+    writer = tf.summary.create_file_writer(logdir)
+
+    @tf.function
+    def step(s):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(v))
+        grads = tape.gradient(loss, [v])
+        with writer.as_default(step=s):
+            tb_gradhealth.summary.gradients(zip(grads, [v]), **options)
+        return loss
+
+    for s in range(3):
+        step(tf.constant(s, tf.int64))
+    writer.flush()
+
+loop(sys.argv[1] + "/plain")
+sys.stderr.flush()
+print("MARKER: jit=True from here", file=sys.stderr, flush=True)
+loop(sys.argv[1] + "/jit", jit=True)
+"""
+
+
+@pytest.mark.tf
+def test_the_summary_in_a_plain_tf_function_compiles_no_xla_unless_asked(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from tb_gradhealth import reader
+
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-c", _XLA_PROBE, str(tmp_path)], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before, marker, after = proc.stderr.partition("MARKER: jit=True from here")
+    assert marker, proc.stderr[-3000:]
+    assert "Compiled cluster using XLA" not in before, "a plain tf.function compiled XLA"
+    assert "Compiled cluster using XLA" in after, "jit=True did not compile XLA (the log line is not there)"
+    for run in ("plain", "jit"):  # both recorded every step
+        assert reader.read_logdir(str(tmp_path / run)).runs[0].steps.tolist() == [0, 1, 2]
+
+
+@pytest.mark.tf
+def test_tf_entry_points_that_take_a_log_dir_refuse_one_that_can_never_be_written(tmp_path):
+    import tb_gradhealth.tpu
+
+    afile = tmp_path / "passwd"
+    afile.write_text("x")
+    shards = [{"dense/kernel": np.ones((4, 4), np.float32)} for _ in range(2)]
+    with pytest.raises(NotADirectoryError, match="not a directory") as e:
+        tb_gradhealth.tpu.simulate_shards(shards, 0, str(afile / "gradlogs"))
+    assert str(afile / "gradlogs") in str(e.value)
+    rows = tb_gradhealth.tpu.simulate_shards(shards, 0, str(tmp_path / "ok"))  # a writable one still works
+    tb_gradhealth.tpu.flush(str(tmp_path / "ok"))
+    assert rows.shape[0] == 1 and (tmp_path / "ok").is_dir()

@@ -169,3 +169,142 @@ def test_works_with_tensorflow_absent(tmp_path):
     assert metadata.decode_content(content).layers == ("l/kernel", "l/bias")
     assert rows[0, record.INDEX["size"]] == 6 and rows[0, record.INDEX["zero"]] == 1
     assert rows[1, record.INDEX["missing"]] == 1
+
+
+# --- a logdir that can never be written fails at construction; faults that may clear do not ----------------------
+
+
+def _grads(step: int) -> dict[str, np.ndarray]:
+    return {"dense/kernel": np.full((4, 4), 1e-3 * (step + 1))}
+
+
+@pytest.mark.unit
+def test_a_logdir_under_a_file_is_refused_at_construction(tmp_path):
+    afile = tmp_path / "passwd"
+    afile.write_text("root:x:0:0\n")
+    for logdir in (afile / "gradlogs", afile / "deeper" / "still", afile):
+        with pytest.raises(NotADirectoryError, match="not a directory") as e:
+            Writer(str(logdir))
+        assert repr(str(logdir)) in str(e.value)
+    assert afile.read_text() == "root:x:0:0\n" and sorted(os.listdir(tmp_path)) == ["passwd"]
+
+
+def _in_child_as(uid: int, fn) -> str:
+    """``fn()`` in a forked child running as ``uid`` (this process stays root): ``repr`` of what it raised, or
+    ``"ok"``. The interpreter is not started again: the child has every module of this one."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: drop root, run, report, exit without running pytest's handlers
+        os.close(read)
+        try:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            fn()
+            answer = "ok"
+        except BaseException as e:  # noqa: BLE001 - the answer is the exception
+            answer = f"{type(e).__name__}: {e}"
+        os.write(write, answer.encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        answer = f.read().decode()
+    os.waitpid(pid, 0)
+    return answer
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(not hasattr(os, "fork") or os.geteuid() != 0, reason="switches to user nobody: needs root")
+def test_permission_denied_is_refused_and_root_may_write_anywhere(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o755)  # root's directory: other users may read it, not write it
+    os.chmod(tmp_path, 0o755)
+    nobody = 65534
+    answer = _in_child_as(nobody, lambda: Writer(str(locked / "run")))
+    assert answer.startswith("PermissionError") and "permission denied" in answer, answer
+    assert repr(str(locked / "run")) in answer and not (locked / "run").exists()
+    # root bypasses the mode bits: a 0o500 directory is writable for it, so nothing is refused
+    os.chmod(locked, 0o500)
+    with Writer(str(locked / "run")) as w:
+        w.add_gradients(0, _grads(0))
+    assert reader.read_logdir(str(locked)).runs[0].steps.tolist() == [0]
+
+
+@pytest.mark.unit
+def test_permission_denied_is_refused_where_access_says_so(tmp_path, monkeypatch):
+    """The same refusal without root: the file system answers "not writable" for the logdir's parent."""
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: False if os.fspath(path) == str(tmp_path)
+                        else real_access(path, mode, **kw))
+    with pytest.raises(PermissionError, match="permission denied") as e:
+        Writer(str(tmp_path / "run"))
+    assert repr(str(tmp_path / "run")) in str(e.value) and not (tmp_path / "run").exists()
+
+
+@pytest.mark.unit
+def test_strict_makes_a_failed_write_raise_and_default_keeps_it_queued(tmp_path):
+    def broken(data: bytes) -> None:
+        raise OSError(28, "No space left on device")
+
+    calm = Writer(str(tmp_path / "calm"), max_queue=1)
+    calm._writer._write = broken  # a full disk from now on
+    calm.add_gradients(0, _grads(0))  # no exception: queued, a warning
+    assert not calm.flush() and calm._writer.failing
+    calm.close()
+    assert calm.dropped_records == 1
+
+    from tb_gradhealth._storage import StrictWriteError
+
+    strict = Writer(str(tmp_path / "strict"), max_queue=1, strict=True)
+    strict.add_gradients(0, _grads(0))
+    strict._writer._write = broken
+    with pytest.raises(StrictWriteError, match="No space left on device") as e:
+        strict.add_gradients(1, _grads(1))
+    assert str(tmp_path / "strict") in str(e.value)
+    with pytest.raises(StrictWriteError):
+        strict.close()
+    assert reader.read_logdir(str(tmp_path)).runs[0].steps.tolist() == [0]  # what was written stays
+
+
+@pytest.mark.unit
+def test_strict_raises_for_a_write_of_the_background_flush_at_the_next_call(tmp_path):
+    from tb_gradhealth._storage import StrictWriteError
+
+    w = Writer(str(tmp_path / "run"), strict=True)
+    w.add_gradients(0, _grads(0))  # queued
+
+    def broken(data: bytes) -> None:
+        raise OSError(5, "Input/output error")
+
+    w._writer._write = broken
+    w._writer._flush(now=True, raising=False)  # what the background flush does
+    with pytest.raises(StrictWriteError, match="Input/output error"):
+        w.add_gradients(1, _grads(1))
+
+
+@pytest.mark.unit
+def test_a_read_only_file_system_is_a_fault_that_may_clear(tmpfs):
+    """A read-only mount is not refused at construction (it can be remounted); strict makes it raise."""
+    from tb_gradhealth._storage import StrictWriteError
+
+    tmpfs.remount("ro")
+    Writer(str(tmpfs.path / "run")).close()
+    with pytest.raises(StrictWriteError, match="Read-only file system"):
+        Writer(str(tmpfs.path / "strict"), strict=True)
+    tmpfs.remount("rw")
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("module, name", [("lightning", "GradHealth"), ("transformers", "GradHealthCallback")])
+def test_training_loop_callbacks_refuse_a_log_dir_that_can_never_be_written(tmp_path, module, name):
+    import importlib
+
+    pytest.importorskip(module)
+    callback = getattr(importlib.import_module(f"tb_gradhealth.{module}"), name)
+    afile = tmp_path / "passwd"
+    afile.write_text("x")
+    with pytest.raises(NotADirectoryError, match="not a directory") as e:
+        callback(str(afile / "gradlogs"))
+    assert str(afile / "gradlogs") in str(e.value)
+    assert callback(str(tmp_path / "run"), strict=True).strict  # a writable one is fine; strict kept for its Writer
+    assert callback().log_dir is None  # no log_dir: the trainer's, checked when the writer is made

@@ -78,7 +78,7 @@ def layer_inputs(grads: Any, weights: Any, updates: Any, hist_sample: int, seed:
 
 @tf.autograph.experimental.do_not_convert
 def compute(grads: Any, weights: Any = None, updates: Any = None, *, hist_sample: int = record.DEFAULT_HIST_SAMPLE,
-            seed: Any = None, jit: bool | str = True) -> DeviceRecord:
+            seed: Any = None, jit: bool | str = "graph") -> DeviceRecord:
     """Device records of ``grads``, rows in :func:`tb_gradhealth._tf.naming.layer_names` order: the arguments and
     the ``jit`` modes of :func:`tb_gradhealth.summary.compute`."""
     inputs = layer_inputs(grads, weights, updates, hist_sample, seed)

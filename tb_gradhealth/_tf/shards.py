@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tb_gradhealth import metadata, record
+from tb_gradhealth import _storage, metadata, record
 from tb_gradhealth._tf import records
 from tb_gradhealth._tf.naming import layer_names
 
@@ -27,6 +27,7 @@ __all__ = ["merge_shards", "flush"]
 def check_log_dir(log_dir: Any) -> str:
     if log_dir is None or not isinstance(log_dir, str | os.PathLike) or not str(log_dir):
         raise ValueError(f"log_dir must be a non-empty path (str or os.PathLike), got {log_dir!r}")
+    _storage.check_writable(os.fspath(log_dir))  # a log_dir that can never be written fails here, not silently
     return os.fspath(log_dir)
 
 
