@@ -103,11 +103,13 @@ def failing_line(label: str, v: Verdict, fail_on_arg: str) -> str:
 
 
 def timeline_text(timeline: list[dict[str, Any]]) -> str:
-    """``exploding from 38 (dense_3 +4) -> dead from 44 (...) -> nonfinite from 54 (...)``."""
+    """``exploding from 38 (first to go wrong: dense_3 +4) -> nonfinite from 54 (first layer to reach nonfinite:
+    ...)``: each entry with the label that says what it is."""
     parts = []
     for e in timeline:
         more = f" +{format_count(e['layers'] - 1)}" if e["layers"] > 1 else ""
-        parts.append(f"{e['status']} from {e['step']} ({plain(e['layer'])}{more})")
+        label = f"{plain(e['label'])}: " if e.get("label") else ""
+        parts.append(f"{e['status']} from {e['step']} ({label}{plain(e['layer'])}{more})")
     return " -> ".join(parts)
 
 
@@ -126,18 +128,21 @@ def _magnitudes(x: dict[str, Any]) -> tuple[list[str], str | None]:
 
 
 def table_lines(layers: Sequence[dict[str, Any]]) -> list[str]:
-    """The ranked table: one row per layer, reasons wrapped under it past :data:`REASONS_WIDTH` characters."""
+    """The ranked table: one row per layer, reasons wrapped under it past :data:`REASONS_WIDTH` characters; ``since``
+    is the onset of the layer's current status, ``trouble`` the start of its chain of episodes."""
     width = max([len(plain(x["layer"])) for x in layers] + [5])
     pad = " " * REASONS_INDENT
-    lines = [f"  {'#':>4}  {'status':<9}  {'severity':>9}  {'since':>7}  {'layer':<{width}}  {'nan':>7}  {'inf':>7}  "
-             f"{'rms':>10}  {'max|g|':>10}  {'norm':>10}  reasons"]
+    lines = [f"  {'#':>4}  {'status':<9}  {'severity':>9}  {'since':>7}  {'trouble':>7}  {'layer':<{width}}  "
+             f"{'nan':>7}  {'inf':>7}  {'rms':>10}  {'max|g|':>10}  {'norm':>10}  reasons"]
     for x in layers:
-        since = "-" if x["first_step"] is None else str(x["first_step"])
+        since = "-" if x.get("status_since") is None else str(x["status_since"])
+        trouble = "-" if x["first_step"] is None else str(x["first_step"])
         mags, note = _magnitudes(x)
         reasons = textwrap.wrap(plain("; ".join(x["reasons"])), REASONS_WIDTH) or [""]
         lines.append(
             f"  {x.get('rank', '?'):>4}  {x['status']:<9}  {format_severity(x['severity']):>9}  {since:>7}  "
-            f"{plain(x['layer']):<{width}}  {format_count(x.get('nan')):>7}  {format_count(x.get('inf')):>7}  "
+            f"{trouble:>7}  {plain(x['layer']):<{width}}  {format_count(x.get('nan')):>7}  "
+            f"{format_count(x.get('inf')):>7}  "
             f"{mags[0]:>10}  {mags[1]:>10}  {mags[2]:>10}  {reasons[0]}".rstrip())
         lines.extend(pad + r for r in reasons[1:])
         if len(x.get("episodes", [])) > 1:

@@ -89,7 +89,10 @@ def test_nonfinite_fails_by_default_and_names_the_run(capsys, demo):
     since = int(re.search(rf"cause: {re.escape(layer)}: exploding from step (\d+) -> nonfinite from step "
                           rf"{nan_step}\n", out).group(1))
     assert 10 <= since < nan_step
-    assert f"nonfinite from {nan_step} ({layer}" in out  # the run's timeline
+    # The run's timeline, each entry saying what it is; the row's own onset beside the chain's start.
+    assert f"nonfinite from {nan_step} (first layer to reach nonfinite: {layer}" in out
+    assert f"exploding from {since} (first to go wrong: {layer}" in out
+    assert first_row[3:5] == [str(nan_step), str(since)]
     assert "\x1b[" not in out  # colour-free
 
 
@@ -125,7 +128,7 @@ def test_table_ranks_worst_first_and_prints_names_literally(capsys, demo):
     header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["#", "status"])
     rows = [ln.split() for ln in lines[header + 1:] if ROW.match(ln)]  # reasons wrap under rows
     assert [r[0] for r in rows] == [str(i) for i in range(1, len(facts["vanishing"].layers) + 1)]
-    assert {r[4] for r in rows[:3]} == set(facts["vanishing"].vanishing)
+    assert {r[5] for r in rows[:3]} == set(facts["vanishing"].vanishing)
     assert all(r[1] == "vanishing" for r in rows[:3]) and all(r[1] == "healthy" for r in rows[3:])
     assert gl.XSS_LAYER in out
     rc, out, _ = run(capsys, logdir, "--run", "vanishing", "--top", "2")
@@ -224,7 +227,7 @@ def _rows(block: list[str]) -> dict[str, list[str]]:
     """Table rows by layer name: the row's whitespace-separated cells."""
     header = next(i for i, line in enumerate(block) if line.split()[:2] == ["#", "status"])
     rows = [ln.split() for ln in block[header + 1:] if ROW.match(ln)]
-    return {r[4]: r for r in rows}
+    return {r[5]: r for r in rows}
 
 
 @pytest.mark.unit
@@ -252,14 +255,14 @@ def test_loss_trend_and_exact_counts_with_thousands_separators(capsys, counts):
     m = re.search(r"; loss -(\d+)% \(steps 0-11\)$", head)
     assert m and 30 <= int(m.group(1)) <= 60, head
     row = _rows(_block(out, "counts"))["big/kernel"]
-    assert row[1] == "nonfinite" and row[5:7] == ["1,024", "2,048"]
+    assert row[1] == "nonfinite" and row[6:8] == ["1,024", "2,048"]
     assert re.fullmatch(r"\d{1,3}(,\d{3})*", row[2]), row[2]  # severity: an integer with separators
     body = json.loads(run(capsys, counts, "--json")[1])
     layer = next(x for x in next(r for r in body["runs"] if r["run"] == "counts")["layers"]
                  if x["layer"] == "big/kernel")
     assert layer["nan"] == NAN and layer["inf"] == INF
     assert int(row[2].replace(",", "")) == round(layer["severity"])
-    assert int(row[3]) <= NAN_FROM
+    assert int(row[3]) == layer["status_since"] and int(row[4]) <= NAN_FROM
 
 
 @pytest.mark.unit
@@ -306,7 +309,7 @@ def test_long_reasons_wrap_under_their_row(capsys, demo):
     lines, layer = {}, None
     for ln in block[header + 1:]:
         if ROW.match(ln):
-            layer = ln.split()[4]
+            layer = ln.split()[5]
             lines[layer] = [ln[start:]]
         elif not ln.strip().startswith(("episodes:", "*")):
             assert ln.startswith(" " * 8) and not ln.startswith(" " * 9), ln  # under the row, indented
