@@ -234,6 +234,62 @@ def fit_logged(model: Any, x: Any, y: Any, log_dir: str, *, batch: int, update_f
     return trace
 
 
+# --- twins: the healthy run beside a mutant, and where the mutant leaves its range ----------------------------------
+
+
+def logged_evidence(log_dir: str) -> tuple[list[str], list[int], np.ndarray, np.ndarray]:
+    """``(names, steps, log10 gradient norm, log10 ||update|| / ||weight||)`` ``[S, L]`` of the one gradient-health
+    run under ``log_dir``, read back from what the writer logged (NaN where not finite or not recorded)."""
+    from tb_gradhealth import reader, record
+
+    runs = [r for r in reader.read_logdir(log_dir).runs if r.num_steps]
+    if len(runs) != 1:
+        raise RuntimeError(f"{log_dir}: expected one gradient-health run, got {[r.run for r in runs]}")
+    d = record.derived(runs[0].records)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        grad, upd = np.log10(d["norm"]), np.log10(d["update_to_weight"])
+    return (list(runs[0].layers), [int(s) for s in runs[0].steps],
+            np.where(np.isfinite(grad), grad, np.nan), np.where(np.isfinite(upd), upd, np.nan))
+
+
+def twin_departures(run_dir: str, twin_dirs: Sequence[str]) -> dict[str, int | None]:
+    """Per variable, the first logged step at which its gradient norm or its update/weight ratio lies outside the
+    healthy twins' range at that step (``[min, max]`` over the twins, which differ only by their seed): where the
+    run stops being one of its healthy twins. A value that is not finite counts as outside; a step a twin did not
+    log is left out. None: the run never left the range."""
+    names, steps, grad, upd = logged_evidence(run_dir)
+    twins = [logged_evidence(d) for d in twin_dirs]
+    out: dict[str, int | None] = dict.fromkeys(names)
+    for i, n in enumerate(names):
+        for k, s in enumerate(steps):
+            rows = [(g[tw_steps.index(s), tw_names.index(n)], u[tw_steps.index(s), tw_names.index(n)])
+                    for tw_names, tw_steps, g, u in twins if s in tw_steps and n in tw_names]
+            if not rows:
+                continue
+            band = np.array(rows)
+            if any(_outside(x, band[:, j]) for j, x in enumerate((grad[k, i], upd[k, i]))):
+                out[n] = s
+                break
+    return out
+
+
+def _outside(x: float, twin: np.ndarray) -> bool:
+    """``x`` outside the twins' ``[min, max]`` (a NaN ``x`` where the twins are finite counts as outside)."""
+    known = twin[np.isfinite(twin)]
+    if not known.size:
+        return False
+    return not (known.min() <= x <= known.max())
+
+
+def loss_departure(loss: Sequence[float], twin_losses: Sequence[Sequence[float]]) -> int | None:
+    """The first step (1-based) from which the loss stays above every healthy twin's loss at the same step to the
+    end of the run (NaN counts as above): the loss running away from its twins. None: it never does."""
+    loss = np.asarray(loss, dtype=np.float64)
+    top = np.max(np.array([np.asarray(t, dtype=np.float64)[:loss.size] for t in twin_losses]), axis=0)
+    above = ~(loss <= top)
+    return next((s + 1 for s in range(loss.size) if above[s:].all()), None)
+
+
 # --- labelling rules ------------------------------------------------------------------------------------------
 
 
@@ -794,20 +850,57 @@ def _diverging_fit(log_dir: str, model: Any, optimizer: Any, x: Any, y: Any, *, 
 # step (a warm-up gone wrong). The loss falls first, then rises exponentially until float32 overflows. Labelled by
 # the divergence rule from the raw loss and the weight norms measured before every step (SGD: a non-finite
 # gradient writes non-finite weights, which the trace sees at the next step).
-@case("lr_divergence_sgd", DIVERGE_RULE)
-def lr_divergence_sgd(log_dir: str) -> dict[str, Any]:
+def _diverge_model() -> Any:
     import keras
 
-    model = keras.Sequential([keras.Input((FEATURES,))]
-                             + [keras.layers.Dense(32, activation="relu", kernel_initializer="he_normal",
-                                                   name=f"relu_{i}") for i in range(4)]
-                             + [keras.layers.Dense(1, name="out")], name="diverge")
+    return keras.Sequential([keras.Input((FEATURES,))]
+                            + [keras.layers.Dense(32, activation="relu", kernel_initializer="he_normal",
+                                                  name=f"relu_{i}") for i in range(4)]
+                            + [keras.layers.Dense(1, name="out")], name="diverge")
+
+
+#: Seeds of the constant-learning-rate twins of ``lr_divergence_sgd`` beside the run's own (its case name's).
+DIVERGE_TWIN_SEEDS = (101, 102)
+
+
+@case("lr_divergence_sgd", DIVERGE_RULE + "; a variable's exploding episode starts where its gradient norm or "
+      "update/weight leaves the range of twins at the schedule's first learning rate (3 seeds, its own among them), "
+      "at the latest at the divergence rule's onset")
+def lr_divergence_sgd(log_dir: str) -> dict[str, Any]:
+    import tempfile
+
+    import keras
+
     rng = np.random.default_rng(21)
     x = rng.standard_normal((120 * 32, FEATURES)).astype(np.float32)
     y = (x @ rng.standard_normal((FEATURES, 1)) / math.sqrt(FEATURES)).astype(np.float32)
     lr = keras.optimizers.schedules.ExponentialDecay(2e-3, decay_steps=1, decay_rate=1.15)
-    return _diverging_fit(log_dir, model, keras.optimizers.SGD(lr), x, y, batch=32,
-                          loss=keras.losses.MeanSquaredError())
+    labels = _diverging_fit(log_dir, _diverge_model(), keras.optimizers.SGD(lr), x, y, batch=32,
+                            loss=keras.losses.MeanSquaredError())
+    with tempfile.TemporaryDirectory() as keep:
+        twins = []
+        for seed in (sum(map(ord, "lr_divergence_sgd")), *DIVERGE_TWIN_SEEDS):  # train() seeds the run by its name
+            keras.utils.set_random_seed(seed)
+            model = _diverge_model()
+            model.compile(optimizer=keras.optimizers.SGD(2e-3), loss=keras.losses.MeanSquaredError())
+            twins.append(os.path.join(keep, str(seed)))
+            fit_logged(model, x, y, twins[-1], batch=32)
+        return with_twin_departures(labels, twin_departures(log_dir, twins))
+
+
+def with_twin_departures(labels: dict[str, Any], dep: dict[str, int | None]) -> dict[str, Any]:
+    """A global cause's labels with each exploding episode starting at the variable's departure from its twins
+    (when earlier), the divergence rule's onset kept as the latest acceptable one (``latest_onset``)."""
+    for n, entry in labels["layers"].items():
+        eps = entry.get("episodes") or []
+        if eps and eps[0]["status"] == "exploding" and dep.get(n) is not None and dep[n] < eps[0]["from"]:
+            entry["latest_onset"] = eps[0]["from"]
+            eps[0]["from"] = entry["onset"] = dep[n]
+    labels["evidence"]["departures"] = dep
+    if any("latest_onset" in e for e in labels["layers"].values()):
+        labels["latest_onset"] = labels["onset"]
+        labels["onset"] = min(e["onset"] for e in labels["layers"].values() if e.get("onset") is not None)
+    return labels
 
 
 MIXED_RULE = ("healthy: overflowed steps are skipped by the loss-scale optimizer (measured: weights unchanged, "

@@ -9,8 +9,14 @@ ordinary run. What each variable's gradient *is* at each step (NaN/Inf, exactly 
 in the loop in plain TF; which variables an injection reaches follows from the graph (every variable at or before
 the injected layer). No label uses a constant of the diagnosis.
 
-The last three cases (mutations labelled against a healthy twin's gradient on the same batch) were added after the
-rules were changed, and are not tuned on either. Label format: that of ``benchmarks/diagnosis_zoo.py``.
+Three mutations labelled against a healthy twin's gradient on the same batch were added after the rules were
+changed, and are not tuned on either. The five cases at the end were added before the rules for them were changed:
+growth from near zero that is learning (healthy, from twins whose loss it matches), a loop that never zeroes its
+gradients and a ReLU recurrence under Adam whose loss swings by decades (exploding, from the step each variable
+leaves its twins' range), and healthy runs that must have no episode at any step. For a cause acting on every layer
+at once, a variable's onset is its departure from the twins' range (seeds of the healthy twin: the band is their
+own spread, no constant of the diagnosis), and the loss's own departure is the latest acceptable onset
+(``latest_onset``). Label format: that of ``benchmarks/diagnosis_zoo.py``.
 ``python benchmarks/diagnosis_zoo.py --half heldout``.
 """
 
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -66,11 +73,13 @@ def grad_scale_layer() -> Any:
 
 
 def train_loop(log_dir: str, model: Any, opt: Any, x: np.ndarray, y: np.ndarray, *, steps: int, batch: int,
-               loss: Any = None, log_every: int = 1, before_step: Callable[[int], None] | None = None
-               ) -> dict[str, Any]:
+               loss: Any = None, log_every: int = 1, before_step: Callable[[int], None] | None = None,
+               accumulate: bool = False) -> dict[str, Any]:
     """A custom training loop that logs ``summary.gradients`` (with the weights and the applied update) every
     ``log_every`` steps and the raw loss every step; returns per step the measured state of each variable's
-    gradient ("nonfinite", "dead" for exactly zero, "live") and the loss."""
+    gradient ("nonfinite", "dead" for exactly zero, "live") and the loss. ``accumulate``: the loop never zeroes its
+    gradient buffers (a forgotten ``optimizer.zero_grad()``): each step applies, and logs, the sum of every gradient
+    so far, as ``param.grad`` holds it in such a PyTorch loop."""
     import tensorflow as tf
 
     from tb_gradhealth import summary
@@ -78,6 +87,7 @@ def train_loop(log_dir: str, model: Any, opt: Any, x: np.ndarray, y: np.ndarray,
     loss_fn = loss or ce()
     variables = model.trainable_variables
     writer = tf.summary.create_file_writer(log_dir)
+    buffers = [tf.Variable(tf.zeros_like(v), trainable=False) for v in variables] if accumulate else None
 
     def make(log: bool) -> Any:
         @tf.function
@@ -85,6 +95,8 @@ def train_loop(log_dir: str, model: Any, opt: Any, x: np.ndarray, y: np.ndarray,
             with tf.GradientTape() as tape:
                 value = loss_fn(yb, model(xb, training=True))
             grads = tape.gradient(value, variables)
+            if buffers is not None:
+                grads = [tf.identity(b.assign_add(g)) for b, g in zip(buffers, grads, strict=True)]
             before = [tf.identity(v) for v in variables]
             opt.apply(grads, variables)
             if log:
@@ -346,10 +358,10 @@ ORIGINAL_RULE = "healthy original of the mutations: He/ReLU MLP, SGD(0.02); the 
 
 
 def _original_run(log_dir: str, lr: float, kernel_initializer: str = "he_normal", optimizer: Any = None,
-                  depth: int = 5) -> dict[str, Any]:
+                  depth: int = 5, seed: int = 61) -> dict[str, Any]:
     import keras
 
-    keras.utils.set_random_seed(61)
+    keras.utils.set_random_seed(seed)
     model, _ = relu_mlp(depth, kernel_initializer=kernel_initializer)
     x, y = teacher_data(40 * 64, 61)
     return train_loop(log_dir, model, optimizer or keras.optimizers.SGD(lr), x, y, steps=40, batch=64)
@@ -360,9 +372,10 @@ def original_relu_sgd(log_dir: str) -> dict[str, Any]:
     return healthy_labels(_original_run(log_dir, 0.02), ORIGINAL_RULE)
 
 
-LR_RULE = ("mutation lr x100 of original_relu_sgd: onset = first step whose loss is above 4x the original's at "
-           "that step and stays so; every variable exploding from then while live, NaN/Inf and exact zeros as "
-           "measured; culprits: any variable (a global cause)")
+LR_RULE = ("mutation lr x100 of original_relu_sgd: every variable exploding from the first step its gradient norm "
+           "or update/weight leaves the range of the original over 3 seeds (its own among them) while live, at the "
+           "latest from the loss label (the first step whose loss is above 4x the original's at that step and "
+           "stays so); NaN/Inf and exact zeros as measured; culprits: any variable (a global cause)")
 
 
 def _lr_mutant(clipnorm: float | None) -> Callable[[str], dict[str, Any]]:
@@ -378,18 +391,15 @@ case("mutant_lr_x100", LR_RULE)(_lr_mutant(None))
 
 
 def _lr_mutant_run(log_dir: str, optimizer: Any) -> dict[str, Any]:
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as twin_dir:  # the original, trained again beside it (not logged here)
-        twin = _original_run(twin_dir, 0.02)
-    r = _original_run(log_dir, 2.0, optimizer=optimizer)
-    loss, ref = np.array(r["loss"]), np.array(twin["loss"])
-    worse = ~(loss <= 4.0 * ref)  # NaN counts as worse
-    onset = next((s + 1 for s in range(loss.size) if worse[s:].all()), None)
-    if onset is None:
-        raise RuntimeError("the lr x100 mutant did not diverge from its original")
-    labels = injection_labels(r, r["names"], "exploding", onset, "", LR_RULE)
-    labels["culprits"] = list(r["names"])
+    with tempfile.TemporaryDirectory() as keep:  # the original, trained again beside it over 3 seeds
+        twins = _twin_runs(lambda d, seed: _original_run(d, 0.02, seed=seed), (61, *TWIN_SEEDS[:2]), keep)
+        r = _original_run(log_dir, 2.0, optimizer=optimizer)
+        loss, ref = np.array(r["loss"]), np.array(twins[0]["loss"])
+        worse = ~(loss <= 4.0 * ref)  # NaN counts as worse
+        onset = next((s + 1 for s in range(loss.size) if worse[s:].all()), None)
+        if onset is None:
+            raise RuntimeError("the lr x100 mutant did not diverge from its original")
+        labels = global_cause_labels(r, log_dir, twins, "exploding", LR_RULE, loss_label=onset)
     labels["diverges"] = True
     labels["evidence"]["twin_loss"] = [float(v) for v in ref]
     return labels
@@ -545,14 +555,23 @@ def _tanh_gain(mutant: bool) -> Any:
                                for i in range(12)] + [keras.layers.Dense(CLASSES, name="logits")], name="tanh_gain")
 
 
-def _rnn_gain(mutant: bool) -> Any:
-    import keras
+def _relu_rnn(seed: int, name: str) -> Callable[[bool], Any]:
+    """A builder of a ReLU SimpleRNN classifier over 40 steps whose recurrent kernel is orthogonal at gain 3 (the
+    mutant) or 1 (its twin)."""
 
-    keras.utils.set_random_seed(79)
-    init = keras.initializers.Orthogonal(gain=3.0 if mutant else 1.0, seed=79)
-    return keras.Sequential([keras.Input((40, 8)), keras.layers.SimpleRNN(32, activation="relu",
-                                                                          recurrent_initializer=init, name="rnn"),
-                             keras.layers.Dense(CLASSES, name="logits")], name="rnn_gain")
+    def build(mutant: bool) -> Any:
+        import keras
+
+        keras.utils.set_random_seed(seed)
+        init = keras.initializers.Orthogonal(gain=3.0 if mutant else 1.0, seed=seed)
+        return keras.Sequential([keras.Input((40, 8)), keras.layers.SimpleRNN(32, activation="relu",
+                                                                              recurrent_initializer=init, name="rnn"),
+                                 keras.layers.Dense(CLASSES, name="logits")], name=name)
+
+    return build
+
+
+_rnn_gain = _relu_rnn(79, "rnn_gain")
 
 
 _X, _Y = teacher_data(40 * 64, 71)
@@ -567,3 +586,197 @@ _RY = (np.argmax(_RX[:, :5, :CLASSES].sum(axis=1), axis=1)).astype(np.int32)
 case("mutant_rnn_gain_3", TWIN_RULE.format(twin="orthogonal gain 1", status="exploding", side="above"))(
     _twin_case(_rnn_gain, "exploding", "orthogonal gain 1", steps=30, x=_RX, y=_RY, batch=32,
                optimizer=lambda: __import__("keras").optimizers.SGD(1e-4)))
+
+
+# --- growth from near zero, accumulating gradients, an RNN under Adam whose loss swings; healthy runs that must
+# have no episode at any step (written before the rules for them were changed; labels from twins, never tuned on) ---
+
+TWIN_SEEDS = (101, 102, 103)
+
+
+def _twin_runs(train_one: Callable[[str, int], dict[str, Any]], seeds: Sequence[int], keep: str) -> list[dict]:
+    """Train the healthy twin once per seed into ``keep``/twin_<seed> (a temporary directory: the labels keep what
+    was measured on them); returns their loop results with their ``dir``."""
+    out = []
+    for seed in seeds:
+        twin_dir = os.path.join(keep, f"twin_{seed}")
+        out.append({**train_one(twin_dir, seed), "dir": twin_dir})
+    return out
+
+
+def _attention_model(seed: int, qk_scale: float | None) -> Any:
+    """Embedding, a LayerNormalization (beta initialised at zero), one self-attention whose query and key kernels
+    start at ``qk_scale`` (normal std; None: Glorot, the standard init) and a classifier over the pooled tokens."""
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    L = keras.layers
+    init = "glorot_uniform" if qk_scale is None else keras.initializers.RandomNormal(stddev=qk_scale, seed=seed)
+    inp = keras.Input((ATT_TOKENS, FEATURES))
+    h = L.LayerNormalization(name="ln")(L.Dense(32, name="embed")(inp))
+    q = L.Dense(32, use_bias=False, kernel_initializer=init, name="query")(h)
+    k = L.Dense(32, use_bias=False, kernel_initializer=init, name="key")(h)
+    v = L.Dense(32, name="value")(h)
+    a = L.Add(name="residual")([h, L.Attention(name="attend")([q, v, k])])
+    out = L.Dense(CLASSES, name="logits")(L.GlobalAveragePooling1D(name="pool")(a))
+    return keras.Model(inp, out, name="attention")
+
+
+ATT_TOKENS = 8
+
+
+def _attention_data(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Token sets whose class is a linear teacher's on the token with the largest first feature: the attention
+    has to find that token."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, ATT_TOKENS, FEATURES)).astype(np.float32)
+    pick = x[np.arange(n), np.argmax(x[:, :, 0], axis=1)]
+    y = np.argmax(pick @ rng.standard_normal((FEATURES, CLASSES)), axis=1).astype(np.int32)
+    return x, y
+
+
+GROW_RULE = ("healthy: a LayerNormalization whose beta starts at zero and a self-attention whose query and key "
+             "kernels start at std 1e-5 (their gradients start 3-4 decades below the rest and rise to them as they "
+             "learn), Adam(1e-2); twins with Glorot query/key, 3 seeds: the loss falls and ends at or below the "
+             "worst twin's (mean of the last tenth of the steps): it learns at least as well as the standard init, "
+             "nothing blew up (checked)")
+
+
+@case("attention_grows_from_zero", GROW_RULE)
+def attention_grows_from_zero(log_dir: str) -> dict[str, Any]:
+    import keras
+
+    x, y = _attention_data(120 * 32, 107)
+
+    def one(d: str, seed: int, scale: float | None = None) -> dict[str, Any]:
+        return train_loop(d, _attention_model(seed, scale), keras.optimizers.Adam(1e-2), x, y, steps=120, batch=32)
+
+    with tempfile.TemporaryDirectory() as keep:
+        twins = _twin_runs(one, TWIN_SEEDS, keep)
+        peaks = np.stack([np.nanmax(zoo_cases.logged_evidence(t["dir"])[2], axis=0) for t in twins])
+    r = one(log_dir, 107, 1e-5)
+    labels = healthy_labels(r, GROW_RULE)
+    k = max(1, len(r["loss"]) // 10)
+    ends = [float(np.mean(t["loss"][-k:])) for t in twins]
+    if not float(np.mean(r["loss"][-k:])) <= max(ends):
+        raise RuntimeError(f"a run labelled healthy ends above its twins' loss: {np.mean(r['loss'][-k:])} > {ends}")
+    _, _, grad, _ = zoo_cases.logged_evidence(log_dir)
+    labels["evidence"]["grad_norm_log10_first_peak_last"] = {
+        n: [round(float(grad[0, i]), 2), round(float(np.nanmax(grad[:, i])), 2), round(float(grad[-1, i]), 2)]
+        for i, n in enumerate(r["names"])}
+    labels["evidence"]["twin_grad_norm_log10_peak_range"] = {
+        n: [round(float(peaks[:, i].min()), 2), round(float(peaks[:, i].max()), 2)] for i, n in enumerate(r["names"])}
+    labels["evidence"]["twin_loss_last_tenth"] = ends
+    return labels
+
+
+ACCUMULATE_RULE = ("mutation: the loop never zeroes its gradients (each step applies the sum of all gradients so "
+                   "far), He/ReLU MLP, SGD(0.3); twins: the same loop zeroing them, 3 seeds. Every variable is "
+                   "exploding from the first logged step its gradient norm or update/weight leaves the twins' range "
+                   "at that step (onset), at the latest from the step the loss stays above every twin's (the loss "
+                   "label); NaN/Inf and exact zeros as measured; culprits: every variable (a global cause)")
+
+
+def _mlp_run(d: str, seed: int, *, accumulate: bool, lr: float, x: np.ndarray, y: np.ndarray, steps: int) -> Any:
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    model, _ = relu_mlp(4)
+    return train_loop(d, model, keras.optimizers.SGD(lr), x, y, steps=steps, batch=64, accumulate=accumulate)
+
+
+def global_cause_labels(run: dict[str, Any], log_dir: str, twins: Sequence[dict[str, Any]], status: str,
+                        rule: str, loss_label: int | None = None) -> dict[str, Any]:
+    """Labels of a cause acting on every layer at once, from its twins: each variable ``status`` from its own
+    departure from the twins' range (:func:`zoo_cases.twin_departures`), with the loss label (default: the loss's
+    own departure from its twins, :func:`zoo_cases.loss_departure`) as the latest acceptable onset
+    (``latest_onset``); measured NaN/Inf and exact zeros kept."""
+    dep = zoo_cases.twin_departures(log_dir, [t["dir"] for t in twins])
+    if loss_label is None:
+        loss_label = zoo_cases.loss_departure(run["loss"], [t["loss"] for t in twins])
+    if loss_label is None or all(v is None for v in dep.values()):
+        raise RuntimeError(f"the mutant did not leave its twins' range: departures {dep}, loss {loss_label}")
+    steps = list(range(1, len(run["states"]) + 1))
+    layers = {}
+    for i, n in enumerate(run["names"]):
+        start = dep[n] if dep[n] is not None else loss_label
+        entry = _measured_chain(steps, [st[i] for st in run["states"]],
+                                lambda s, start=start: status if s >= start else "healthy")
+        if entry["status"] != "healthy":
+            entry["latest_onset"] = max(loss_label, start)
+        layers[n] = entry
+    nan = [ep["from"] for e in layers.values() for ep in e.get("episodes", []) if ep["status"] == "nonfinite"]
+    loss = np.asarray(run["loss"])
+    k = max(1, loss.size // 10)
+    return {"sick": True, "layers": layers, "culprits": list(run["names"]),
+            "onset": min(e["onset"] for e in layers.values() if e["onset"] is not None),
+            "latest_onset": loss_label, "first_nan": min(nan) if nan else None, "diverges": bool(nan), "rule": rule,
+            "evidence": {"departures": dep, "loss_departure": loss_label,
+                         "loss_first_last_tenth": [float(loss[:k].mean()), float(loss[-k:].mean())],
+                         "twin_loss_last_tenth": [float(np.mean(t["loss"][-k:])) for t in twins]}}
+
+
+@case("forgot_zero_grad", ACCUMULATE_RULE)
+def forgot_zero_grad(log_dir: str) -> dict[str, Any]:
+    x, y = teacher_data(60 * 64, 109)
+    kw = {"lr": 0.3, "x": x, "y": y, "steps": 60}
+    with tempfile.TemporaryDirectory() as keep:
+        twins = _twin_runs(lambda d, seed: _mlp_run(d, seed, accumulate=False, **kw), TWIN_SEEDS, keep)
+        r = _mlp_run(log_dir, TWIN_SEEDS[0], accumulate=True, **kw)
+        return global_cause_labels(r, log_dir, twins, "exploding", ACCUMULATE_RULE)
+
+
+def _span_data(n_batches: int, batch: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sequences whose signal starts after a run of zeros whose length is drawn per batch (0-30 of 40 steps); the
+    class is read from the first 5 steps of signal. The recurrence runs for a different number of steps on every
+    batch, so a gain above 1 makes each batch's scale different."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n_batches * batch, 40, 8)).astype(np.float32)
+    y = np.zeros(n_batches * batch, np.int32)
+    for b, lead in enumerate(rng.integers(0, 31, n_batches)):
+        part = slice(b * batch, (b + 1) * batch)
+        x[part, :lead] = 0.0
+        y[part] = np.argmax(x[part, lead:lead + 5, :CLASSES].sum(axis=1), axis=1)
+    return x, y
+
+
+_SX, _SY = _span_data(60, 32, 131)
+case("rnn_relu_adam_swings", TWIN_RULE.format(twin="orthogonal gain 1", status="exploding", side="above")
+     + "; ReLU recurrence at orthogonal gain 3, Adam(1e-3), sequences whose signal starts at a step drawn per batch")(
+    _twin_case(_relu_rnn(113, "rnn_adam"), "exploding", "orthogonal gain 1", steps=60, x=_SX, y=_SY, batch=32,
+               optimizer=lambda: __import__("keras").optimizers.Adam(1e-3)))
+
+
+AE_RULE = ("healthy: a Dense autoencoder (64-16-64) with Adam on low-rank data; the loss falls (checked); it must "
+           "have no episode at any step")
+
+
+@case("autoencoder_adam", AE_RULE)
+def autoencoder_adam(log_dir: str) -> dict[str, Any]:
+    import keras
+
+    L = keras.layers
+    rng = np.random.default_rng(127)
+    x = (rng.standard_normal((80 * 32, 6)) @ rng.standard_normal((6, 64))).astype(np.float32)
+    model = keras.Sequential([keras.Input((64,)), L.Dense(64, activation="relu", name="enc_0"),
+                              L.Dense(16, name="code"), L.Dense(64, activation="relu", name="dec_0"),
+                              L.Dense(64, name="recon")], name="autoencoder")
+    r = train_loop(log_dir, model, keras.optimizers.Adam(1e-3), x, x, steps=80, batch=32,
+                   loss=keras.losses.MeanSquaredError())
+    return healthy_labels(r, AE_RULE)
+
+
+GRU_RULE = ("healthy: a GRU classifier over 20-step sequences with Adam; the loss falls (checked); it must have no "
+            "episode at any step")
+
+
+@case("gru_adam", GRU_RULE)
+def gru_adam(log_dir: str) -> dict[str, Any]:
+    import keras
+
+    model = keras.Sequential([keras.Input((20, 8)), keras.layers.GRU(32, name="gru"),
+                              keras.layers.Dense(CLASSES, name="logits")], name="gru")
+    x, y = _RX[:, :20], _RY
+    r = train_loop(log_dir, model, keras.optimizers.Adam(3e-3), np.tile(x, (2, 1, 1)), np.tile(y, 2), steps=60,
+                   batch=32)
+    return healthy_labels(r, GRU_RULE)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +50,7 @@ class _LH:
     layer: str
     status: str
     first_step: int | None
+    episodes: list = field(default_factory=list)
 
 
 @dataclass
@@ -72,7 +73,8 @@ def _fake_diagnose(layers, steps, records, thresholds, at_step):
         j = end - 1
         while j > 0 and raw[j - 1, i] == st:
             j -= 1
-        out.append(_LH(name, str(st), None if st == "healthy" else int(steps[j])))
+        eps = [] if st == "healthy" else [{"status": str(st), "from": int(steps[j]), "to": int(steps[end - 1])}]
+        out.append(_LH(name, str(st), None if st == "healthy" else int(steps[j]), eps))
     ranked = sorted(out, key=lambda lh: (_SEVERITY[lh.status], LAYERS.index(lh.layer)))
     bad = [lh for lh in ranked if lh.status != "healthy"]
     first_bad = {"layer": bad[0].layer, "status": bad[0].status, "step": bad[0].first_step} if bad else None
@@ -140,8 +142,34 @@ def test_healthy_run_flag_counts():
     assert r.flagged_any == ["a/kernel", "b/kernel", "c/kernel"]
     assert r.pairs["vanishing"] == {"tp": 0, "fp": 5, "fn": 0}
     assert r.stop.halt == 50 and r.stop.lead is None
+    assert r.episode_layers == ["a/kernel", "b/kernel", "c/kernel"]
     goals = zoo.goals([r])
-    assert [g["pass"] for g in goals if "healthy" in g["goal"]] == [False, False]
+    assert [g["pass"] for g in goals if "healthy" in g["goal"]] == [False, False, False]
+
+
+def test_a_past_episode_on_a_healthy_run_counts_though_the_run_ends_clean():
+    """c is vanishing at step 60 only: diagnosed at step 50 the run is clean except for a and b; cut at 50, a
+    diagnosis whose last step is clean still carries the episodes it had at earlier steps."""
+    d = zoo.diagnose_steps(LAYERS, STEPS[:4], _records()[:4], diagnose=_fake_diagnose, thresholds=object())
+    d.status[-1] = dict.fromkeys(LAYERS, "healthy")  # the last step reads clean
+    r = zoo.score_run(_labels(sick=False), d)
+    assert r.flagged_last == [] and r.episode_layers == ["a/kernel"]
+    past = next(g for g in zoo.goals([r]) if g["goal"].startswith("0 healthy runs with any episode"))
+    assert not past["pass"] and "tiny: a/kernel" in past["figure"]
+
+
+@pytest.mark.parametrize(("onset", "latest", "err", "ok", "lead"), [
+    (20, 40, 0, True, 1),    # a is diagnosed from 30: inside [20, 40 + 1 logged step], one logged step before 40
+    (20, 20, 0, True, -1),   # 30 is the loss label's step + 1 logged step: the latest that is right
+    (10, 10, 1, False, -2),  # one logged step after the window: wrong (the window has no tolerance of its own)
+    (40, 50, 1, False, 2),   # before the departure from the twins: a blow-up dated while the run was its twin
+])
+def test_a_global_cause_scores_its_onset_against_the_window_from_departure_to_the_loss(onset, latest, err, ok, lead):
+    labels = _labels(sick=True)
+    labels["layers"]["a/kernel"] = {"status": "vanishing", "onset": onset, "latest_onset": latest}
+    d = zoo.diagnose_steps(LAYERS, STEPS, _records(), diagnose=_fake_diagnose, thresholds=object())
+    a = next(o for o in zoo.score_run(labels, d).layer_onsets if o["layer"] == "a/kernel")
+    assert (a["err_first_step"], a["onset_ok"], a["lead_over_loss"]) == (err, ok, lead)
 
 
 def test_episodes_and_doubtful_layers():

@@ -385,3 +385,127 @@ def test_a_clipped_gradient_with_zeros_is_read_at_its_norm():
         recs[s, 0] = record.compute(g / np.linalg.norm(g), rng.normal(size=64) * 0.1, g * 1e-4, hist_sample=None)
     lh = diagnose_run(names, np.arange(steps), recs).by_layer()["dense_00/kernel"]
     assert lh.status == "healthy" and any(r.startswith("note: its gradient norm is 1 at several") for r in lh.reasons)
+
+
+# --- growth towards a scale, and the loss as evidence both ways -------------------------------------------------
+
+
+def _episodes_at_every_step(names: list[str], steps: np.ndarray, records: np.ndarray, progress=None) -> set[str]:
+    """Layers with a flagged episode in the diagnosis at any logged step (what a healthy run must not have)."""
+    out = set()
+    for s in steps:
+        for lh in diagnose_run(names, steps, records, at_step=int(s), progress=progress).layers:
+            if any(e["status"] in FLAGS for e in lh.episodes):
+                out.add(lh.layer)
+    return out
+
+
+def _attention(overshoot: float) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """A query kernel alone in its layer, initialised at 1e-5 next to layers at 0.1, under Adam (every update 1e-3
+    of the layer's scale): its gradient rises from 1e-6 by 4 decades in 4 logged steps (its partner key kernel
+    grows, and the query's gradient is proportional to it) to the reference's 1e-2 times ``overshoot``, then stays.
+    """
+    names = ["embed/kernel", "embed/bias", "query/kernel", "value/kernel", "head/kernel", "head/bias", "out/kernel"]
+    steps = 30
+    rms, weight, update = np.full((steps, 7), 1e-2), np.full((steps, 7), 0.1), np.full((steps, 7), 1e-4)
+    weight[:, 1], weight[:, 5] = 0.05, 0.05
+    rise = np.minimum(np.arange(steps), 4) / 4.0
+    rms[:, 2] = 10.0 ** (-6.0 + rise * (4.0 + np.log10(overshoot)))
+    weight[:, 2] = 1e-5 + 1e-4 * np.arange(steps)  # Adam's steps of 1e-4 move it out of its tiny init
+    return names, np.arange(1, steps + 1), _run(rms, names, weight_rms=weight, update_rms=update)
+
+
+def test_a_gradient_rising_from_1e_6_to_the_reference_is_a_layer_starting_to_learn():
+    # Built to rise *to* the reference (overshoot 1) while the loss falls: no flag and no episode at any step.
+    names, steps, records = _attention(1.0)
+    falling = (steps, 2.0 * 0.97 ** steps)
+    assert _episodes_at_every_step(names, steps, records, falling) == set()
+    assert _episodes_at_every_step(names, steps, records) == set()  # the gradients alone say the same
+    # The same rise carried 3 decades past the reference is a blow-up while it grows, whatever the loss does.
+    names, steps, records = _attention(1e3)
+    assert _episodes_at_every_step(names, steps, records, falling) == {"query/kernel"}
+    h = diagnose_run(names, steps, records, at_step=6, progress=falling).by_layer()
+    assert h["query/kernel"].status == "exploding"
+
+
+def _zero_init_beta(kernel: bool) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """A LayerNorm whose beta starts at exactly 0 next to its gamma at 1, in a network whose weights sit at 0.03
+    (so the beta is only one decade below them after its first steps): its first Adam-like steps of 1e-2 move it by
+    20x its own size at step 2, then it grows to 0.2, below its gamma. ``kernel``: the same updates on a kernel
+    that is the largest variable of its layer (nothing about it starts near zero)."""
+    names = ["dense_0/kernel", "dense_0/bias", "ln/gamma", "ln/beta", "dense_1/kernel", "dense_1/bias", "out/kernel"]
+    steps = 20
+    rms, weight, update = np.full((steps, 7), 1e-2), np.full((steps, 7), 0.03), np.full((steps, 7), 3e-4)
+    weight[:, 2] = 1.0
+    beta = np.minimum(5e-4 + 1e-2 * np.maximum(np.arange(steps) - 1, 0), 0.2)
+    beta[0] = 0.0
+    col = 4 if kernel else 3
+    weight[:, col], update[1:, col] = (beta if not kernel else np.maximum(beta, 5e-4)), 1e-2
+    return names, np.arange(1, steps + 1), _run(rms, names, weight_rms=weight, update_rms=update)
+
+
+def test_a_zero_initialised_beta_growing_towards_its_gamma_is_growth_by_design():
+    names, steps, records = _zero_init_beta(kernel=False)
+    assert _episodes_at_every_step(names, steps, records) == set()
+    # The same update/weight of 20 on a kernel, its layer's largest variable: the weights are blowing up.
+    names, steps, records = _zero_init_beta(kernel=True)
+    assert "dense_1/kernel" in _episodes_at_every_step(names, steps, records)
+
+
+def _accumulating(accumulate: bool, loss_slope: float) -> tuple[list[str], np.ndarray, np.ndarray, tuple]:
+    """SGD(0.1) records of a 4-layer network whose per-batch gradients share a mean direction (RMS 1e-2, half of
+    it common to every batch); ``accumulate``: the recorded and applied gradient is the sum of every batch's so far
+    (nothing zeroes it). The loss is built to change by ``loss_slope`` per logged step, with 1% noise."""
+    names = _layers(4)
+    steps, n = 40, 64
+    rng = np.random.default_rng(5)
+    mean = rng.standard_normal((len(names), n)) * 0.5e-2
+    acc = np.zeros((len(names), n))
+    out = np.empty((steps, len(names), record.NUM_FIELDS))
+    for s in range(steps):
+        g = mean + rng.standard_normal((len(names), n)) * 0.5e-2
+        acc = acc + g if accumulate else g
+        for i in range(len(names)):
+            out[s, i] = record.compute(acc[i], rng.standard_normal(n) * 0.1, 0.1 * acc[i], hist_sample=None)
+    st = np.arange(1, steps + 1)
+    loss = (1.0 + loss_slope * st) * np.exp(np.random.default_rng(6).normal(0, 0.01, steps))
+    return names, st, out, (st, loss)
+
+
+def test_gradients_that_accumulate_while_the_loss_rises_are_exploding_with_the_fix():
+    names, steps, records, rising = _accumulating(True, 0.03)
+    h = diagnose_run(names, steps, records, progress=rising)
+    assert {lh.layer for lh in h.layers if lh.status == "exploding"} == set(names)
+    lh = h.by_layer()["dense_00/kernel"]
+    assert "zero_grad" in lh.fixes[0] and "the loss rose" in lh.reasons[0]
+    assert lh.episodes and lh.episodes[-1]["status"] == "exploding" and lh.first_step == 2
+    assert h.timeline and h.timeline[0]["status"] == "exploding"
+
+
+@pytest.mark.parametrize(("accumulate", "slope"), [(False, 0.03), (True, -0.01)])
+def test_the_loss_is_evidence_both_ways_for_growing_updates(accumulate, slope):
+    # Batches zeroed as they should be under the same rising loss: the updates do not grow. Accumulating gradients
+    # while the loss falls: the loss says the network learns.
+    names, steps, records, loss = _accumulating(accumulate, slope)
+    assert _flagged(diagnose_run(names, steps, records, progress=loss)) == {}
+
+
+def _adam_rnn() -> tuple[list[str], np.ndarray, np.ndarray]:
+    """Adam records (every update 1e-3 of its layer's weights) of a recurrent body whose gradients sit 4.4
+    decades above the head's, at every step."""
+    names = ["rnn/kernel", "rnn/recurrent_kernel", "rnn/bias", "head/kernel", "head/bias", "out/kernel",
+             "out/bias"]
+    steps = 30
+    rms, weight, update = np.full((steps, 7), 1e-2), np.full((steps, 7), 0.1), np.full((steps, 7), 1e-4)
+    rms[:, :3] = 1e-2 * 10.0 ** 4.4
+    return names, np.arange(1, steps + 1), _run(rms, names, weight_rms=weight, update_rms=update)
+
+
+def test_a_loss_swinging_by_orders_of_magnitude_under_adam_is_evidence_of_a_blow_up():
+    names, steps, records = _adam_rnn()
+    swinging = (steps, np.where(steps % 2 == 0, 200.0, 1.0) * 2.0)  # the per-batch loss jumps 200x and back
+    h = diagnose_run(names, steps, records, progress=swinging).by_layer()
+    assert {n for n in names if h[n].status == "exploding"} == {"rnn/kernel", "rnn/recurrent_kernel", "rnn/bias"}
+    # The same gradients with a loss that falls smoothly: Adam moves the body at the head's pace and it learns.
+    falling = (steps, 2.0 * 0.97 ** steps)
+    assert _flagged(diagnose_run(names, steps, records, progress=falling)) == {}

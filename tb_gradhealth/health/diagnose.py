@@ -11,7 +11,14 @@ from tb_gradhealth.health.answer import assign_ranks, deepest_first, group_depth
 from tb_gradhealth.health.episodes import _follow_siblings, _onset, _timeline, _track
 from tb_gradhealth.health.kinds import explain_kinds
 from tb_gradhealth.health.optimizer import global_clip_note
-from tb_gradhealth.health.progress import LossTrend, loss_trend, weigh_progress
+from tb_gradhealth.health.progress import (
+    LossTrend,
+    loss_trend,
+    loss_windows,
+    update_growth,
+    weigh_growth,
+    weigh_progress,
+)
 from tb_gradhealth.health.reasons import _layer_health, cause_first
 from tb_gradhealth.health.result import _BASE, LayerHealth, RunHealth
 from tb_gradhealth.health.rules import _evaluate, _Steps
@@ -58,9 +65,12 @@ def diagnose_run(
                for i, name in enumerate(layers)]
         return RunHealth(None, t, out)
     depth = group_depth(layers)
-    out, borrowed = _layer_healths(_evaluate(records, layers, t), steps, records, layers, t, depth, layer_info or {})
+    windows = loss_windows(steps, progress, t) if progress is not None else None
+    out, borrowed = _layer_healths(_evaluate(records, layers, t, windows), steps, records, layers, t, depth,
+                                   layer_info or {})
     trend = loss_trend(progress[0], progress[1], int(steps[-1])) if progress is not None else None
     _add_evidence(out, records, t, trend, layer_info)
+    weigh_growth(out, trend, update_growth(steps, records) if trend is not None else None, int(steps[-1]))
     _last_finite(out, steps, records)
     ranked, is_cause = cause_first(sorted(out, key=lambda lh: (-lh.severity, lh.index)), borrowed, depth)
     answer = run_answer(ranked, is_cause, (int(steps[0]), int(steps[-1])))

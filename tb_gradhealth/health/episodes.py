@@ -131,18 +131,20 @@ def _backdate(runs: list[list[int]], col: np.ndarray, t: th.Thresholds) -> None:
 
 def _blown_up(runs: list[list[int]], weight: np.ndarray, small: np.ndarray) -> None:
     """An exploding run goes on over the healthy steps after it while the weight norm stays ``BLOWN_UP`` times its
-    norm before the run (or at its first step): the blow-up was not undone. Not for weights that were small by
-    design before the run (``small``: a LayerScale or zero-initialised parameter is meant to grow)."""
+    norm before the run (or at its first step): the blow-up was not undone. Not while the weights are small by
+    design (``small``: a parameter that started near zero and is still below its layer's scale, a LayerScale or a
+    zero-initialised bias or beta is meant to grow by any factor); one that grew past its layer's scale (a beta
+    blown above its gamma) is judged like any other."""
     for k in range(len(runs) - 1):
         code, first, last = runs[k]
         nxt = runs[k + 1]
         if code != th.EXPLODING or nxt[0] != th.HEALTHY:
             continue
         before = weight[first - 1] if first > 0 else weight[first]
-        if not before > 0 or small[first - 1 if first > 0 else first]:
+        if not before > 0:
             continue
         j = last
-        while j + 1 <= nxt[2] and weight[j + 1] >= BLOWN_UP * before:
+        while j + 1 <= nxt[2] and weight[j + 1] >= BLOWN_UP * before and not small[j + 1]:
             j += 1
         if j > last:
             runs[k][2], nxt[1] = j, j + 1

@@ -14,13 +14,14 @@ from tb_gradhealth import record
 #: ``REFERENCE_MIN`` of them: the layers nearest the loss, whose gradient has gone through the fewest Jacobians.
 REFERENCE_FRACTION = 0.1
 REFERENCE_MIN = 3
-#: A variable whose weight RMS is this many decades below the median of the run's variables started near zero on
-#: purpose (LayerScale at 1e-6, ReZero at 0, a zero-initialised bias); its relative growth is by design.
-SMALL_WEIGHT_DECADES = 2.0
 #: Spread (decades) under which every layer's update/weight ratio is one number: a layer-wise adaptive optimizer.
 LAYERWISE_SPREAD = 0.05
 #: ... while the variables' weight RMS spread over at least this many decades (else Adam would look the same).
 WEIGHT_SPREAD = 0.3
+#: Spread (decades) of update RMS / gradient RMS across the variables above which the optimizer rescales each
+#: gradient (Adam, RMSprop, Adagrad): under SGD the update is the learning rate times the gradient for every
+#: variable (momentum and weight decay move the ratio by a few tenths of a decade).
+ADAPTIVE_SPREAD = 1.0
 #: Logged steps at which a variable's gradient norm must repeat (to float32 precision) to read as clipped.
 CLIP_STEPS = 3
 #: Relative difference under which two recorded norms are the same number (float32 rounding of the clip).
@@ -119,6 +120,18 @@ def layerwise_common(upd_ratio: np.ndarray, weight_norm: np.ndarray, size: np.nd
     return np.where(layerwise, common, np.nan)
 
 
+def adaptive(upd_rms: np.ndarray, rms: np.ndarray, live: np.ndarray, size: np.ndarray) -> bool:
+    """The optimizer rescales each variable's gradient: over the logged steps, the median spread (largest minus
+    smallest across the variables of at least 16 elements) of log10 update RMS / gradient RMS exceeds
+    ``ADAPTIVE_SPREAD``. False where updates are not recorded."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratio = _log10(upd_rms) - _log10(rms)
+        ok = live & (size >= 16) & np.isfinite(ratio)
+        spread = _masked_max(ratio, ok, axis=1) - _masked_min(ratio, ok, axis=1)
+        typical = _median_where(spread, np.isfinite(spread))
+    return bool(typical > ADAPTIVE_SPREAD)
+
+
 def layer_groups(layers: Sequence[str]) -> list[np.ndarray]:
     """Column indices of the variables of one layer (same name up to the last ``/`` or ``.``), for layers with two
     or more variables: ``conv1/kernel`` and ``conv1/bias`` receive the same upstream gradient."""
@@ -162,23 +175,74 @@ def _in_layer(mask: np.ndarray, groups: list[np.ndarray]) -> np.ndarray:
     return out
 
 
-def _small_weights(weight_norm: np.ndarray, size: np.ndarray) -> np.ndarray:
-    """``[S, L]``: the variable's weight RMS is at least ``SMALL_WEIGHT_DECADES`` below the median weight RMS of the
-    run's variables at that step (a parameter initialised near zero), False where weights are not recorded."""
+def _small_weights(weight_norm: np.ndarray, upd_rms: np.ndarray, size: np.ndarray, groups: list[np.ndarray]
+                   ) -> np.ndarray:
+    """``[S, L]``: a parameter that started at or near zero on purpose (LayerScale at 1e-6, ReZero at 0, a
+    zero-initialised bias or LayerNorm beta) and has not yet grown to its layer's scale: its relative growth is by
+    design. The scale of its layer is the largest weight RMS of the other variables of its layer (its sibling
+    kernel: the layer's largest variable has none above it; for a variable alone in its layer, the median weight
+    RMS of the run's variables). It started near zero
+    when, at its first record with weights, its weight is zero, or is both below its layer's scale and smaller than
+    the optimizer's first step on it (its update RMS: on the optimizer's own scale it starts from nothing; a
+    kernel whose first update dwarfs it is a learning rate too high, not a small parameter), and its layer took a
+    first step smaller than itself (:func:`_steady_start`). It is still growing while its weight RMS stays below
+    its layer's scale. No decade count: each parameter is judged against its
+    layer and its own first step. False where weights are not recorded."""
     with np.errstate(invalid="ignore", divide="ignore"):
-        w = _log10(weight_norm / np.sqrt(np.where(size > 0, size, np.nan)))
-        zero = weight_norm == 0
-        typical = _median_where(w, np.isfinite(w))
-        return zero | (w < typical[:, None] - SMALL_WEIGHT_DECADES)
+        w = weight_norm / np.sqrt(np.where(size > 0, size, np.nan))
+        known = np.isfinite(w) & (weight_norm >= 0)
+        log_w = _log10(w)
+        sibling = _loudest_sibling(log_w, groups)  # NaN where every other variable of the layer is zero
+        grouped = np.zeros(w.shape[1], dtype=bool)
+        for g in groups:
+            grouped[g] = True
+        alone = np.broadcast_to(_median_where(log_w, np.isfinite(log_w))[:, None], w.shape)
+        scale = np.where(grouped, np.where(np.isnan(sibling), -np.inf, sibling), alone)
+        below = (weight_norm == 0) | (log_w < scale)
+        first = np.where(known.any(axis=0), np.argmax(known, axis=0), 0)
+        cols = np.arange(w.shape[1])
+        w0, u0 = w[first, cols], upd_rms[first, cols]
+        near_zero = (known.any(axis=0) & ((w0 == 0) | ((w0 < u0) & below[first, cols]))
+                     & _steady_start(w0, u0, groups))
+        return near_zero[None, :] & below & known
 
 
-def _reference(log_values: np.ndarray, signal: np.ndarray) -> np.ndarray:
-    """``[S]``: median of ``log_values`` over the reference layers: the last ``REFERENCE_FRACTION`` (at least
-    ``REFERENCE_MIN``) of the layers with ``signal`` at each step, i.e. those nearest the loss."""
+def _steady_start(w0: np.ndarray, u0: np.ndarray, groups: list[np.ndarray]) -> np.ndarray:
+    """``[L]``: at the first step, what a variable's layer is measured against moved by less than its own size (its
+    largest sibling; for a variable alone in its layer, the run's median variable): the optimizer's step is small
+    next to the layer, so a variable it moves by more than its own size is small, not blown up. Where the whole
+    layer takes steps larger than itself (a learning rate too high), nothing in it started near zero."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        moved = _log10(u0) - _log10(w0)
+        known = np.isfinite(moved)
+        out = np.full(w0.shape, bool(np.median(moved[known]) < 0) if known.any() else False)
+        for g in groups:
+            for c in g:
+                others = [o for o in g if o != c and w0[o] > 0]
+                if others:
+                    top = max(others, key=lambda o: w0[o])
+                    out[c] = bool(u0[top] < w0[top])
+    return out
+
+
+def _reference_layers(signal: np.ndarray) -> np.ndarray:
+    """``[S, L]``: the reference layers: the last ``REFERENCE_FRACTION`` (at least ``REFERENCE_MIN``) of the
+    layers with ``signal`` at each step, i.e. those nearest the loss."""
     n = signal.sum(axis=1)
     k = np.maximum(REFERENCE_MIN, np.ceil(REFERENCE_FRACTION * n)).astype(np.int64)
     from_end = np.cumsum(signal[:, ::-1], axis=1)[:, ::-1]
-    return _median_where(log_values, signal & (from_end <= k[:, None]))
+    return signal & (from_end <= k[:, None])
+
+
+def _reference(log_values: np.ndarray, signal: np.ndarray) -> np.ndarray:
+    """``[S]``: median of ``log_values`` over the reference layers (:func:`_reference_layers`)."""
+    return _median_where(log_values, _reference_layers(signal))
+
+
+def reference_top(log_values: np.ndarray, signal: np.ndarray) -> np.ndarray:
+    """``[S]``: the largest of ``log_values`` over the reference layers (-inf where there are none): the top of
+    the range the layers nearest the loss span at that step."""
+    return np.max(np.where(_reference_layers(signal) & ~np.isnan(log_values), log_values, -np.inf), axis=1)
 
 
 def _window_stats(log_rms: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:

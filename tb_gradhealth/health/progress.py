@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
+from tb_gradhealth.health.levels import _median_where, _update_stats
 from tb_gradhealth.health.result import _BASE, LayerHealth
-from tb_gradhealth.health.thresholds import VANISHING, Thresholds
+from tb_gradhealth.health.thresholds import EXPLODING, VANISHING, Thresholds
 
 #: Fewer finite loss values than this say nothing about progress.
 MIN_POINTS = 8
@@ -29,6 +30,13 @@ CAME_DOWN = 10.0
 NOT_LEARNING_FIX = ("the loss is flat and this layer barely learns: raise the learning rate, or look for a saturated "
                     "activation (a sigmoid or tanh pinned at its bound: ReLU/GELU with He init, normalisation) or "
                     "an initialisation that starts it stuck")
+
+
+ACCUMULATE_FIX = ("gradients accumulate: call optimizer.zero_grad() (or set the gradients to None) before every "
+                  "backward pass, or check the gradient accumulation (reset after each applied step, divide by the "
+                  "number of micro-batches)")
+GROWING_LR_FIX = ("or a learning rate that grows step after step (a warm-up or schedule gone wrong): cap it, or lower "
+                  "its peak")
 
 
 @dataclass(frozen=True)
@@ -72,6 +80,50 @@ def loss_trend(steps: np.ndarray, loss: np.ndarray, at_step: int | None = None) 
                      float(loss[:q].max()) >= CAME_DOWN * last)
 
 
+class LossWindows(NamedTuple):
+    """The loss around each logged step of the records, as evidence the per-step rules weigh (``[S]`` each)."""
+
+    #: the largest rise of log10 loss, from a value to a later one, over the loss values of the last
+    #: ``2 * growth_window`` logged steps (decades; NaN where fewer than two finite positive values)
+    rise: np.ndarray
+    #: over the last ``growth_window`` logged steps, the median of the later half of the loss values is more than
+    #: ``FLAT`` above (``rises``) or below (``falls``) the median of the earlier half
+    rises: np.ndarray
+    falls: np.ndarray
+
+    def swings(self, t: Thresholds) -> np.ndarray:
+        """``[S]``: the per-batch loss swings by an order of magnitude or more (a rise of at least half the trend's
+        growth line, ``growth_decades / 2``, within the window): a minibatch loss of a healthy run moves by a few
+        tenths of a decade; one that jumps by decades follows gradients out of control."""
+        with np.errstate(invalid="ignore"):
+            return self.rise >= t.growth_decades / 2
+
+
+def loss_windows(steps: np.ndarray, progress: tuple[np.ndarray, np.ndarray], t: Thresholds) -> LossWindows:
+    """:class:`LossWindows` at each of the records' ``steps`` from the recorded ``(steps, loss)``: only the loss
+    values at or before each step count (the evidence a live run had then), and only ratios of the loss to itself
+    (a loss times a constant reads the same). Non-positive and NaN/Inf values are left out."""
+    ls, lv = np.asarray(progress[0], dtype=np.int64), np.asarray(progress[1], dtype=np.float64)
+    keep = np.isfinite(lv) & (lv > 0)
+    ls, log = ls[keep], np.log10(lv[keep])
+    order = np.argsort(ls, kind="stable")
+    ls, log = ls[order], log[order]
+    steps = np.asarray(steps, dtype=np.int64)
+    n = steps.size
+    rise, rises, falls = np.full(n, np.nan), np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
+    end = np.searchsorted(ls, steps, side="right")
+    for k in range(n):
+        swing = log[np.searchsorted(ls, steps[max(0, k - 2 * t.growth_window)], side="left"):end[k]]
+        if swing.size >= 2:
+            rise[k] = float(np.max(swing - np.minimum.accumulate(swing)))
+        trend = log[np.searchsorted(ls, steps[max(0, k - t.growth_window)], side="left"):end[k]]
+        if trend.size >= 4:
+            half = trend.size // 2
+            moved = 10.0 ** (float(np.median(trend[-half:])) - float(np.median(trend[:half]))) - 1.0
+            rises[k], falls[k] = moved > FLAT, moved < -FLAT
+    return LossWindows(rise, rises, falls)
+
+
 def _barely_learns(lh: LayerHealth, t: Thresholds) -> str | None:
     if math.isfinite(lh.update_to_weight) and t.update_ratio_below > 0:
         if lh.update_to_weight < t.update_ratio_below:
@@ -101,3 +153,76 @@ def weigh_progress(out: list[LayerHealth], trend: LossTrend | None, t: Threshold
                               f"{lh.status} gradient costs it {'capacity' if lh.status == 'dead' else 'speed'}, "
                               f"not all progress")
 
+
+
+@dataclass(frozen=True)
+class UpdateGrowth:
+    """How each layer's applied update grew over the diagnosed steps: ``growth`` = median log10 update RMS of the
+    last quarter of the logged steps minus the first quarter's (NaN where not recorded); ``onset``, the first
+    logged step from which the median layer's update stays above its size at the first logged step (``steady``:
+    from the second logged step on, every update of the median layer is larger than the first one), and per layer
+    ``since``: the first logged step at or after ``onset`` at which its own update is above its first one."""
+
+    growth: np.ndarray  # [L] decades
+    onset: int | None
+    since: np.ndarray  # [L] int step (``onset`` where the layer's own update never rose above its first)
+    steady: bool = False
+
+    @property
+    def typical(self) -> float:
+        known = self.growth[np.isfinite(self.growth)]
+        return float(np.median(known)) if known.size else math.nan
+
+
+def update_growth(steps: np.ndarray, records: np.ndarray) -> UpdateGrowth | None:
+    """:class:`UpdateGrowth` of the records (None without recorded updates or with fewer than ``MIN_POINTS``
+    logged steps)."""
+    upd, _, _ = _update_stats(records)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        log = np.where((upd > 0) & np.isfinite(upd), np.log10(np.where(upd > 0, upd, 1.0)), np.nan)
+    if steps.size < MIN_POINTS or not np.isfinite(log).any():
+        return None
+    q = max(2, steps.size // 4)
+    known = np.isfinite(log)
+    with np.errstate(invalid="ignore"):
+        growth = _median_where(log[-q:].T, known[-q:].T) - _median_where(log[:q].T, known[:q].T)
+        typical = _median_where(log, known)
+    above = ~(typical <= typical[0])  # NaN (no update at that step) does not break the rise
+    k0 = next((k for k in range(1, steps.size) if above[k:].all()), None)
+    if k0 is None:
+        return UpdateGrowth(growth, None, np.zeros(log.shape[1], dtype=np.int64))
+    with np.errstate(invalid="ignore"):
+        rose = log[k0:] > log[0]
+    since = np.where(rose.any(axis=0), steps[k0 + np.argmax(rose, axis=0)], steps[k0])
+    return UpdateGrowth(growth, int(steps[k0]), since.astype(np.int64), k0 == 1)
+
+
+def weigh_growth(out: list[LayerHealth], trend: LossTrend | None, growth: UpdateGrowth | None,
+                 last_step: int) -> None:
+    """A loss that rises over the run while the updates grow steadily from the first logged step, and faster than
+    the loss, is a blow-up the gradient rules need not see (gradients that accumulate because nothing zeroes them
+    grow step after step, not by decades): every healthy layer whose update grew is ``exploding`` from the step its
+    update first exceeded its first one, with the fix for accumulating gradients. A network that learns slowly
+    at first shows neither: its updates shrink before they grow, and its loss falls. Ratios only: the loss's rise
+    and the updates' growth in decades, against each other."""
+    if trend is None or growth is None or not growth.steady or not trend.change > FLAT:
+        return
+    rose = math.log10(1.0 + trend.change)
+    if not growth.typical > rose:
+        return
+    moved = f"{trend.change:+.1%} from the first to the last quarter of steps {trend.first_step}-{trend.last_step}"
+    for lh in out:
+        g = growth.growth[lh.index]
+        if lh.status != "healthy" or not g > 0:
+            continue
+        lh.status = "exploding"
+        lh.severity = _BASE[EXPLODING] + 1.0
+        since = int(growth.since[lh.index])
+        lh.first_step = lh.status_since = since
+        lh.episodes = [*lh.episodes, {"status": "exploding", "from": since, "to": last_step}]
+        lh.fixes = [ACCUMULATE_FIX, GROWING_LR_FIX]
+        lh.reasons = [f"the loss rose ({moved}) while this layer's updates grew {10.0 ** g:.1f}x ({g:.2f} decades, "
+                      f"the median layer's {growth.typical:.2f}: faster than the loss) since step {since}: "
+                      f"the steps drive the loss up, as when gradients accumulate instead of being zeroed (or a "
+                      f"learning rate grows step after step)",
+                      *lh.reasons]

@@ -231,10 +231,18 @@ def _capped_why(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], float]:
              f"held back by the clip"], math.log10(r / c.t.update_ratio_above))
 
 
+def _swing_why(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], float]:
+    rise = float(c.ev.loss_rise[c.s])
+    return ([f"the loss jumped {10.0 ** rise:,.0f}x ({rise:.1f} decades) within the last {2 * c.t.growth_window} "
+             f"logged steps and keeps swinging by decades since this layer's gradient blew up: the blow-up goes on "
+             f"(an adaptive optimizer keeps each step small, the gradients are still out of control)"],
+            rise - c.t.growth_decades / 2)
+
+
 #: Each exploding rule's flag and its reason with its excess (decades beyond its line), in the order they are told.
 _EXPLODING_WHY = (("exp_rel", _relative_why), ("exp_rms", _rms_bound_why), ("exp_max", _max_bound_why),
                   ("exp_update", _update_why), ("exp_feedback", _feedback_why), ("exp_trend", _trend_why),
-                  ("exp_capped", _capped_why))
+                  ("exp_capped", _capped_why), ("exp_swing", _swing_why))
 
 
 def _exploding_reasons(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], float]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -23,11 +23,16 @@ from tb_gradhealth.health.levels import (
     _small_weights,
     _update_stats,
     _window_stats,
+    adaptive,
     in_runs_of,
     layer_groups,
     layerwise_common,
     pinned_at_clip,
+    reference_top,
 )
+
+if TYPE_CHECKING:
+    from tb_gradhealth.health.progress import LossWindows
 
 #: Trend and update rules skip tensors smaller than this: a one-element bias crossing zero has an RMS that dips by
 #: decades and comes back, which says nothing about the network.
@@ -195,7 +200,7 @@ class _Guards(NamedTuple):
     layerwise: np.ndarray  # [S] a layer-wise adaptive optimizer (LAMB, LARS)
 
 
-def _guards(lv: _Levels, size: np.ndarray, t: th.Thresholds) -> _Guards:
+def _guards(lv: _Levels, size: np.ndarray, groups: list[np.ndarray], t: th.Thresholds) -> _Guards:
     with np.errstate(invalid="ignore"):
         speed = lv.log_upd - lv.ref_upd[:, None]  # NaN where updates are not recorded: the gradient rules decide
         learns = (t.update_decades > 0) & (speed > -t.update_decades)
@@ -204,34 +209,67 @@ def _guards(lv: _Levels, size: np.ndarray, t: th.Thresholds) -> _Guards:
         above_roundoff = ~(lv.log_rms < peak + np.log10(ROUNDOFF))
         ref_peak = np.fmax.accumulate(np.where(np.isnan(lv.ref), -np.inf, lv.ref))
         converged = np.broadcast_to((lv.ref < ref_peak + np.log10(ROUNDOFF))[:, None], lv.log_rms.shape)
-    return _Guards(learns, calm, above_roundoff, _small_weights(lv.weight_norm, size), converged,
+    return _Guards(learns, calm, above_roundoff, _small_weights(lv.weight_norm, lv.upd_rms, size, groups), converged,
                    size >= TREND_MIN_SIZE, np.isfinite(layerwise_common(lv.upd_ratio, lv.weight_norm, size)))
 
 
-def _trend(lv: _Levels, signal: np.ndarray, g: _Guards, t: th.Thresholds) -> tuple[np.ndarray, np.ndarray]:
+def _peak_before(log_sig: np.ndarray, window: int) -> np.ndarray:
+    """``[S, L]`` the largest log RMS of each column before the previous ``window`` rows (-inf where none): the
+    scale the variable had reached before the stretch a trend is measured over."""
+    peak = np.fmax.accumulate(np.where(np.isnan(log_sig), -np.inf, log_sig), axis=0)
+    out = np.full(log_sig.shape, -np.inf)
+    out[window + 1:] = peak[:-window - 1]
+    return out
+
+
+def _against_learning(loss: LossWindows | None, t: th.Thresholds, shape: tuple[int, int]) -> np.ndarray:
+    """``[S, 1]``: the recorded loss says the network is not learning at that step: it rises over the trend's window
+    or swings by an order of magnitude (False where no loss is recorded)."""
+    if loss is None:
+        return np.zeros((shape[0], 1), dtype=bool)
+    return (loss.rises | loss.swings(t))[:, None]
+
+
+def _trend(lv: _Levels, signal: np.ndarray, g: _Guards, t: th.Thresholds, loss: LossWindows | None = None
+           ) -> tuple[np.ndarray, np.ndarray]:
     """``[S, L]`` exploding by trend and the base it is measured from (the lowest log RMS of the previous window,
     over the steps with ``signal``): RMS grew ``growth_decades`` above that base and half as much above the window's
-    mean, within a decade of the reference or above it (or the reference grew as fast), not rising out of the
-    vanishing zone (a branch whose scale grows by design) and not at round-off."""
+    mean, not rising out of the vanishing zone (a branch whose scale grows by design) and not at round-off, and
+    growing past where a learning layer goes: above every reference layer *and* above the largest it had been
+    before the window, each by more than minibatch noise (0.4 decades, ``2 * growth_decades / growth_window``), or
+    with the reference rising by decades too (half the growth line: the whole network grows). A gradient that rises
+    *to* the reference or back to its own earlier scale is a layer starting to learn (a zero-initialised parameter,
+    query and key kernels leaving their small init); within a decade below the reference it is a flag only where
+    the loss says the network does not learn (it rises or swings by decades)."""
     log_sig = np.where(signal, lv.log_rms, np.nan)
     base, typical = _window_stats(log_sig, t.growth_window)
     ref_low, ref_mean = _window_stats(lv.ref[:, None], t.growth_window)
     with np.errstate(invalid="ignore"):
-        near_ref = (lv.dec() >= -1.0) | (lv.ref - ref_low[:, 0] >= t.growth_decades)[:, None]
+        dec = lv.dec()
+        # the layers nearest the loss rise by decades too (half the growth line): the whole network grows
+        ref_grew = (lv.ref - ref_low[:, 0] >= t.growth_decades / 2)[:, None]
+        # past a scale by more than minibatch noise (twice the trend's own per-step slope, as the onset reads it)
+        noise = 2.0 * t.growth_decades / t.growth_window
+        top = np.fmax(reference_top(lv.log_rms, signal)[:, None], _peak_before(log_sig, t.growth_window))
+        beyond = log_sig > top + noise
+        heading = ref_grew | beyond | ((dec >= -1.0) & _against_learning(loss, t, dec.shape))
         out_of_zone = ~(typical - ref_mean <= -t.vanish_decades)
         trend = (signal & (log_sig - base >= t.growth_decades) & (log_sig - typical >= t.growth_decades / 2)
-                 & near_ref & g.above_roundoff & out_of_zone)
+                 & heading & g.above_roundoff & out_of_zone)
     return trend, base
 
 
 def _exploding(lv: _Levels, v: dict[str, np.ndarray], signal: np.ndarray, g: _Guards, groups: list[np.ndarray],
-               t: th.Thresholds) -> tuple[dict[str, np.ndarray], np.ndarray]:
+               t: th.Thresholds, loss: LossWindows | None = None) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """The exploding rules (see docs/DIAGNOSIS.md) judged on the variables with ``signal``, and the trend's base."""
     live, dec = v["live"], lv.dec()
-    trend, base = _trend(lv, signal, g, t)
+    trend, base = _trend(lv, signal, g, t, loss)
+    swings = _adaptive_swings(lv, v, loss, t)[:, None]
     with np.errstate(invalid="ignore"):
         flags = {
-            "exp_rel": signal & (dec >= t.explode_decades) & ~g.calm & g.above_roundoff,
+            # An adaptive optimizer keeps the steps of a layer far above the reference at the others' pace, which
+            # is no disease; a loss that swings by decades at the same time says the gradients are out of control.
+            "exp_rel": signal & (dec >= t.explode_decades) & (~g.calm | swings) & g.above_roundoff,
             # The absolute bounds judge a layer the reference cannot (the whole network is huge); a layer far above
             # the reference is judged by the relative rule and its learning rate (a fresh first convolution on raw
             # pixels under Adam exceeds the bounds for a step and is healthy).
@@ -258,7 +296,30 @@ def _capped(lv: _Levels, g: _Guards, t: th.Thresholds) -> np.ndarray:
     return in_runs_of(step, t.sustain_steps)
 
 
-EXPLODING_RULES = ("exp_rel", "exp_rms", "exp_max", "exp_update", "exp_feedback", "exp_trend", "exp_capped")
+def _adaptive_swings(lv: _Levels, v: dict[str, np.ndarray], loss: LossWindows | None, t: th.Thresholds
+                     ) -> np.ndarray:
+    """``[S]``: the loss swings by an order of magnitude or more under an adaptive optimizer (one that rescales
+    each gradient, :func:`levels.adaptive`): there the update rules cannot see a blow-up, and the loss is the
+    evidence. Under SGD the gradient and update rules see it themselves."""
+    if loss is None or not adaptive(lv.upd_rms, v["rms"], v["live"], v["size"]):
+        return np.zeros(v["live"].shape[0], dtype=bool)
+    return loss.swings(t)
+
+
+def _swinging(exploding: np.ndarray, live: np.ndarray, swings: np.ndarray) -> np.ndarray:
+    """``[S, L]``: an exploding flag goes on while the loss keeps swinging by an order of magnitude or more
+    (``swings`` ``[S]``): under an adaptive optimizer the gradient rules see the blow-up only at the batches where it
+    grows, and a loss that jumps by decades batch after batch is the same blow-up going on."""
+    out = np.zeros(exploding.shape, dtype=bool)
+    prev = np.zeros(exploding.shape[1], dtype=bool)
+    for s in range(exploding.shape[0]):
+        prev = swings[s] & live[s] & (exploding[s] | prev)
+        out[s] = prev
+    return out
+
+
+EXPLODING_RULES = ("exp_rel", "exp_rms", "exp_max", "exp_update", "exp_feedback", "exp_trend", "exp_capped",
+                   "exp_swing")
 
 
 def _vanishing(lv: _Levels, rms: np.ndarray, g: _Guards, t: th.Thresholds) -> dict[str, np.ndarray]:
@@ -286,24 +347,29 @@ def _raw(v: dict[str, np.ndarray], flags: dict[str, np.ndarray], exploding: np.n
     return raw
 
 
-def _evaluate(records: np.ndarray, layers: Sequence[str], t: th.Thresholds) -> _Steps:
-    """Every rule at every (logged step, layer); see docs/DIAGNOSIS.md for each rule's reason."""
+def _evaluate(records: np.ndarray, layers: Sequence[str], t: th.Thresholds, loss: LossWindows | None = None
+              ) -> _Steps:
+    """Every rule at every (logged step, layer); see docs/DIAGNOSIS.md for each rule's reason. ``loss``: the
+    recorded loss around each logged step, where it is recorded (the trend's evidence, a swinging loss)."""
     v = _live(records)
     groups = layer_groups(layers)
     lv = _levels(records, len(layers), v, groups, t)
-    g = _guards(lv, v["size"], t)
-    exp, base = _exploding(lv, v, lv.signal, g, groups, t)
+    g = _guards(lv, v["size"], groups, t)
+    exp, base = _exploding(lv, v, lv.signal, g, groups, t, loss)
     # A variable far quieter than an exploding sibling is not receiving round-off: its layer's inputs are huge. It
     # is then judged by the exploding rules like any live variable (its own trend grows with its layer's); it stays
     # out of the vanishing rules, whose reference its layer's explosion has lifted.
-    inert = lv.inert & ~_in_layer(np.logical_or.reduce([exp[k] for k in EXPLODING_RULES]), groups)
+    inert = lv.inert & ~_in_layer(np.logical_or.reduce([exp[k] for k in EXPLODING_RULES[:-1]]), groups)
     if (inert != lv.inert).any():
-        exp, base = _exploding(lv, v, v["live"] & ~inert, g, groups, t)
+        exp, base = _exploding(lv, v, v["live"] & ~inert, g, groups, t, loss)
+    swings = _adaptive_swings(lv, v, loss, t)
+    exp["exp_swing"] = _swinging(np.logical_or.reduce([exp[k] for k in EXPLODING_RULES[:-1]]), v["live"], swings)
     flags = {"present": v["present"], "nonfinite": v["nonfinite"], "skipped": _skipped(v["nonfinite"], lv),
              "inert": inert, "learns": g.learns, "calm": g.calm, "small": g.small, "converged": g.converged,
              **exp, **_vanishing(lv, v["rms"], g, t)}
     exploding = np.logical_or.reduce([flags[k] for k in EXPLODING_RULES])
     flags["clipped"] = lv.clipped
+    flags["loss_rise"] = np.full(v["live"].shape[0], np.nan) if loss is None else loss.rise
     return _Steps(raw=_raw(v, flags, exploding), size=v["size"], rms=v["rms"], max_abs=v["max_abs"], norm=v["norm"],
                   log_rms=lv.log_rms, ref=lv.ref, log_upd=lv.log_upd, upd_ratio=lv.upd_ratio,
                   weight_norm=lv.weight_norm, ref_upd=lv.ref_upd, sibling=lv.sibling, base=base, flags=flags)
