@@ -149,6 +149,13 @@ def test_nan_layers_show_since_and_their_last_finite_values(tensorboard: str, gh
     assert nan_layers  # the demo's exploding run ends in NaN
     page = open_runs(gh, tensorboard, [EXPLODING])
     p = panel(page, EXPLODING)
+    # the loss ran away to NaN: the loss line says from which step, with the last finite value the loss route holds
+    blowup = body["summary"]["loss_nonfinite"]
+    loss = body["loss"]
+    finite = [(s, v) for s, v in zip(loss["steps"], loss["values"], strict=True) if v is not None]
+    assert blowup["last_finite_step"] == finite[-1][0] and blowup["step"] > finite[-1][0]
+    assert p.locator("[data-testid=loss-trend] .loss-text").inner_text().startswith(
+        f"Loss NaN/Inf from step {blowup['step']} (last finite {finite[-1][1]:.3g} at step {finite[-1][0]}")
     keys = p.locator("thead th").evaluate_all("ths => ths.map(th => th.dataset.key)")
     for lj in body["layers"]:
         row = p.locator(f'tr[data-layer="{lj["layer"]}"]')

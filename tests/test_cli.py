@@ -440,3 +440,17 @@ def test_a_logdir_of_plain_tensorboard_runs_lists_them(capsys, tmp_path):
     rc, _, err = run(capsys, tmp_path)
     assert rc == 2 and "no gradient-health records" in err
     assert "2 run(s) with event files but no records: 'train', 'validation'" in err
+
+
+@pytest.mark.unit
+def test_a_loss_that_went_nan_is_printed_with_its_step_and_last_finite_value(capsys, tmp_path):
+    # Planted: the loss doubles each step from 1.0 over steps 0-9 (the last finite 512 at step 9), NaN from step 10;
+    # its early level is the median of the first quarter of its 10 finite values (1 and 2): 512 / 1.5 = 341.3.
+    rng = np.random.default_rng(3)
+    with Writer(str(tmp_path / "diverged")) as w:
+        for step in range(14):
+            w.add_gradients(step, {f"layer_{i}/kernel": rng.normal(size=128) * 1e-2 for i in range(3)})
+            w.add_loss(step, 2.0 ** step if step < 10 else float("nan"))
+    rc, out, _ = run(capsys, tmp_path)
+    head = out.splitlines()[0]
+    assert head.endswith("; loss NaN/Inf from step 10 (last finite 512 at step 9, 341x its early level)"), head

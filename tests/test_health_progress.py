@@ -91,3 +91,22 @@ def test_a_loss_that_went_nan_is_not_a_flat_loss():
     loss[-1] = np.nan
     h = diagnose_run(NAMES, STEPS, _records(1e-6), progress=(steps, loss))
     assert not set(h.statuses()) & set(FLAGS)
+
+
+def test_a_loss_that_ran_away_to_nan_says_from_when_and_how_far_it_had_risen():
+    # Planted: the loss rises 10x per logged step from 0.69 over the steps 10-120, then is Inf/NaN from step 130.
+    steps, _ = _loss("flat")
+    loss = 0.69 * 10.0 ** np.arange(steps.size, dtype=np.float64)
+    loss[12] = np.inf
+    loss[13:] = np.nan
+    h = diagnose_run(NAMES, STEPS, _records(1e-3), progress=(steps, loss)).to_json()["summary"]
+    assert h["loss_trend"] is None
+    blowup = h["loss_nonfinite"]
+    assert blowup["step"] == 130 and blowup["last_finite_step"] == 120
+    assert blowup["last_finite"] == pytest.approx(0.69e11)
+    early = np.median(loss[:3])  # the first quarter of the 12 finite values
+    assert blowup["ratio"] == pytest.approx(0.69e11 / early)
+    # A loss that is finite at the diagnosed step has no blow-up, even after an earlier NaN it recovered from.
+    loss[13:] = 0.5
+    assert diagnose_run(NAMES, STEPS, _records(1e-3), progress=(steps, loss)).to_json()["summary"][
+        "loss_nonfinite"] is None

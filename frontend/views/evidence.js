@@ -20,6 +20,14 @@ function trendWord(trend) {
   return trend.falls ? 'falling' : 'rising';
 }
 
+/** " (last finite 3.1e+03 at step 53, 1,234x its early level)" for `summary.loss_nonfinite`, as the CLI words it. */
+function lastFiniteLoss(blowup) {
+  if (blowup.last_finite === null || blowup.last_finite === undefined) return '';
+  const r = blowup.ratio;
+  const ratio = r ? `, ${r >= 10 ? count(r) : magnitude(r, 2)}x its early level` : '';
+  return ` (last finite ${magnitude(blowup.last_finite)} at step ${blowup.last_finite_step}${ratio})`;
+}
+
 /** The run's loss line and trend, or null when no loss was recorded. @param {object} health the `health` answer */
 export function lossLine(health) {
   const loss = health.loss;
@@ -27,10 +35,16 @@ export function lossLine(health) {
   const trend = health.summary ? health.summary.loss_trend : null;
   const first = loss.steps[0];
   const last = loss.steps[loss.steps.length - 1];
-  const text = trend
-    ? `Loss ${trend.change >= 0 ? '+' : '−'}${magnitude(Math.abs(trend.change) * 100, 2)}% from the first to the last quarter `
-      + `of steps ${trend.first_step}–${trend.last_step}: ${trendWord(trend)}`
-    : `Loss at ${count(loss.steps.length)} logged step(s) ${first}–${last}: too few finite positive values to judge a trend`;
+  const blowup = health.summary ? health.summary.loss_nonfinite : null;
+  let text;
+  if (trend) {
+    text = `Loss ${trend.change >= 0 ? '+' : '−'}${magnitude(Math.abs(trend.change) * 100, 2)}% from the first to the last quarter `
+      + `of steps ${trend.first_step}–${trend.last_step}: ${trendWord(trend)}`;
+  } else if (blowup) {
+    text = `Loss NaN/Inf from step ${blowup.step}${lastFiniteLoss(blowup)}`;
+  } else {
+    text = `Loss at ${count(loss.steps.length)} logged step(s) ${first}–${last}: too few finite positive values to judge a trend`;
+  }
   const latest = loss.values[loss.values.length - 1];
   return el('div', { class: 'loss-trend', attrs: { 'data-testid': 'loss-trend' } },
     el('span', { class: 'loss-text', text }),

@@ -13,6 +13,7 @@ from tb_gradhealth.health.kinds import explain_kinds
 from tb_gradhealth.health.optimizer import global_clip_note
 from tb_gradhealth.health.progress import (
     LossTrend,
+    loss_blowup,
     loss_trend,
     loss_windows,
     update_growth,
@@ -77,8 +78,9 @@ def diagnose_run(
     assign_ranks(ranked, answer)
     first_bad, cause = legacy_fields(answer)
     timeline, earlier = _timeline(out, answer, depth)
+    blowup = loss_blowup(progress[0], progress[1], int(steps[-1])) if progress is not None else None
     return RunHealth(int(steps[-1]), t, ranked, first_bad, _onset(out), timeline, cause,
-                     trend.to_json() if trend is not None else None, answer, earlier)
+                     trend.to_json() if trend is not None else None, answer, earlier, blowup)
 
 
 def _up_to(steps: np.ndarray, records: np.ndarray, at_step: int | None) -> tuple[np.ndarray, np.ndarray]:

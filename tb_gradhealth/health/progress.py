@@ -80,6 +80,27 @@ def loss_trend(steps: np.ndarray, loss: np.ndarray, at_step: int | None = None) 
                      float(loss[:q].max()) >= CAME_DOWN * last)
 
 
+def loss_blowup(steps: np.ndarray, loss: np.ndarray, at_step: int | None = None) -> dict[str, Any] | None:
+    """Where the loss went NaN/Inf for good, for the views (the trend is None then): ``{"step"`` (first step of the
+    trailing NaN/Inf stretch), ``"last_finite_step"``, ``"last_finite"`` and ``"ratio"`` (the last finite value
+    over the median of the first quarter of the finite values, None when there are fewer than two or the loss is
+    not positive)``}``; None when the latest loss value at or before ``at_step`` is finite or there is none."""
+    steps, loss = np.asarray(steps, dtype=np.int64), np.asarray(loss, dtype=np.float64)
+    if at_step is not None:
+        steps, loss = steps[steps <= at_step], loss[steps <= at_step]
+    if not loss.size or np.isfinite(loss[-1]):
+        return None
+    finite = np.flatnonzero(np.isfinite(loss))
+    if not finite.size:
+        return {"step": int(steps[0]), "last_finite_step": None, "last_finite": None, "ratio": None}
+    start = int(finite[-1]) + 1
+    values = loss[finite]
+    early = float(np.median(values[:max(1, values.size // 4)]))
+    ratio = float(values[-1]) / early if values.size >= 2 and np.all(values > 0) else None
+    return {"step": int(steps[start]), "last_finite_step": int(steps[finite[-1]]), "last_finite": float(values[-1]),
+            "ratio": ratio}
+
+
 class LossWindows(NamedTuple):
     """The loss around each logged step of the records, as evidence the per-step rules weigh (``[S]`` each)."""
 

@@ -116,6 +116,8 @@ class RunHealth:
     answer: dict[str, Any] | None = None
     #: episodes that began before the answer's chain (``timeline`` entries, labelled "earlier, ...")
     earlier: list[dict[str, Any]] = field(default_factory=list)
+    #: where the loss went NaN/Inf for good (:func:`tb_gradhealth.health.progress.loss_blowup`), else None
+    loss_nonfinite: dict[str, Any] | None = None
 
     @property
     def counts(self) -> dict[str, int]:
@@ -141,6 +143,7 @@ class RunHealth:
             "threshold_spec": Thresholds.spec(),
             "summary": {"counts": self.counts, "answer": _copy(self.answer), "first_bad": self.first_bad,
                         "cause": self.cause, "onset": self.onset, "timeline": [dict(e) for e in self.timeline],
-                        "earlier": [dict(e) for e in self.earlier], "order": _ORDER, "loss_trend": self.loss_trend},
+                        "earlier": [dict(e) for e in self.earlier], "order": _ORDER, "loss_trend": self.loss_trend,
+                        "loss_nonfinite": dict(self.loss_nonfinite) if self.loss_nonfinite else None},
             "layers": [lh.to_json() for lh in self.layers],
         }
