@@ -250,7 +250,7 @@ def torch_part(args: argparse.Namespace) -> dict:
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         writer = Writer(log_dir) if "StepRecorder" in name else None
         finder = OriginFinder(model, lambda a, b: loss_of(model(a), b)) if "origin" in name else None
-        rec = StepRecorder(writer, model, opt, origin=finder) if writer is not None else None
+        rec = StepRecorder(writer, model, opt, origin=finder, every=1) if writer is not None else None
         t = time.perf_counter()
         ends = [t]
         try:

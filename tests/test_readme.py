@@ -6,7 +6,8 @@ PyTorch must not be imported after TensorFlow.
 
 A block preceded by ``<!-- readme-test: skip (reason) -->`` is not run (the TPUEstimator fragment: that API is
 gone from TensorFlow 2.21); ``<!-- readme-test: needs torch -->`` (or ``needs jax``) runs only where that framework
-is installed.
+is installed. The examples the README leaves to docs/*.md run the same way there: in those files a block runs when
+it is preceded by ``<!-- readme-test: runs -->`` or a ``needs`` marker (the other blocks there are fragments).
 """
 
 from __future__ import annotations
@@ -29,21 +30,36 @@ README = (REPO / "README.md").read_text(encoding="utf-8")
 BLOCK = re.compile(r"(?:<!-- readme-test: (?P<marker>[^>]*?) -->\n)?```python\n(?P<code>.*?)```", re.S)
 
 
-def _blocks() -> list:
+DOCS = {f"docs/{p.name}": p.read_text(encoding="utf-8") for p in sorted((REPO / "docs").glob("*.md"))}
+
+
+def _blocks_of(name: str, text: str, every_block: bool) -> list:
+    """The python blocks of ``text`` to run (all of them, or only the marked ones), as test parameters."""
     params = []
-    for i, m in enumerate(BLOCK.finditer(README)):
+    for i, m in enumerate(BLOCK.finditer(text)):
         code, marker = m.group("code"), (m.group("marker") or "")
-        line = README[: m.start("code")].count("\n") + 1
+        if not every_block and not (marker.startswith("runs") or marker.startswith("needs")):
+            continue
+        line = text[: m.start("code")].count("\n") + 1
         marks = []
         if marker.startswith("skip"):
-            marks.append(pytest.mark.skip(reason=f"README marks it {marker!r}"))
+            marks.append(pytest.mark.skip(reason=f"{name} marks it {marker!r}"))
         fresh = False
         for module in ("torch", "jax"):
             if f"needs {module}" in marker:
                 fresh = True
                 if importlib.util.find_spec(module) is None:
                     marks.append(pytest.mark.skip(reason=f"{module} is not installed (optional)"))
-        params.append(pytest.param(code, fresh, id=f"block{i}-line{line}", marks=marks))
+        prefix = "" if name == "README.md" else f"{Path(name).stem}-"
+        params.append(pytest.param(code, fresh, id=f"{prefix}block{i}-line{line}", marks=marks))
+    return params
+
+
+def _blocks() -> list:
+    """Every python block of the README, then the marked ones of docs/*.md."""
+    params = _blocks_of("README.md", README, every_block=True)
+    for name, text in DOCS.items():
+        params += _blocks_of(name, text, every_block=False)
     return params
 
 
@@ -87,7 +103,8 @@ def forked_blocks():
 
 @pytest.mark.unit
 def test_readme_has_examples():
-    assert len(_blocks()) >= 8
+    assert len(_blocks_of("README.md", README, every_block=True)) >= 5
+    assert len(_blocks()) >= 12, "the examples moved from the README to docs/*.md are not marked to run"
 
 
 @pytest.mark.e2e

@@ -39,7 +39,7 @@ def _sample_positions(x: tf.Tensor, n: int, k: int, layer: Any, seed: Any, valid
 
     Each position is uniform over the tensor (so the scaled histogram is an unbiased estimate) and the positions
     are spread evenly (lower variance than independent draws). One random number per tensor instead of ``k``
-    independent draws, which cost a noticeable part of the record under XLA (docs/PERFORMANCE.md).
+    independent draws, which cost a noticeable part of the record under XLA (docs/DEVELOPMENT.md, design notes).
     """
     length = None if valid_len is None else tf.cast(tf.maximum(valid_len, 1), tf.int64)
     offset = tf.random.stateless_uniform([], seed=_seed_for(x, layer, seed), minval=0, maxval=2**62, dtype=tf.int64)

@@ -111,7 +111,7 @@ def _reduce_rows(make: Callable[..., list[tf.Tensor]], vectors: Sequence[tf.Tens
     The vectors are viewed as rows of ``_ROW`` elements (a free reshape of a prefix; the ragged tail is reduced
     on its own), one XLA variadic reduce gives each operand's per-row results, and small reductions finish them.
 
-    Why this shape (docs/PERFORMANCE.md has the measurements): XLA:CPU runs a variadic reduce with **one float32
+    Why this shape (measured: docs/DEVELOPMENT.md, design notes): XLA:CPU runs a variadic reduce with **one float32
     sum and any number of int32 reductions** at memory speed, but one with two float sums, or a float max/min, as a
     scalar loop several times slower. So callers pass at most one float32 sum and turn max/min into int32
     reductions of order-preserving keys (:func:`_order_key`). The rows keep the float32 sum accurate: per-row

@@ -2,8 +2,8 @@
 
 Why: a real model has hundreds of variables, most of them tiny (biases, batch-norm parameters), and XLA:CPU pays a
 compile time for each reduction loop and each compiled function, so statistics made per layer (or per distinct
-layer size) cost much of the first step, and a launch per layer every step (docs/PERFORMANCE.md, *Real
-architectures*, has the figures). Here:
+layer size) cost much of the first step, and a launch per layer every step (docs/DEVELOPMENT.md, *Why the
+writers' statistics are built as they are*, has the figures). Here:
 
 * every tensor of at most :data:`IN_PLACE_MIN` elements (and every tensor whose histogram is exact) is copied
   into ONE padded buffer of rows of :data:`PACK_ROW` values (a few MB for a ResNet), reduced row by row in one
@@ -305,7 +305,7 @@ def _redo_where(bad: tf.Tensor, fast: list[tf.Tensor], flat: Sequence[Any], lay:
     In a graph the exact pass reads the same layout as the fast pass (the packed buffer ``buf`` and the in-place
     views), inside a conditional that only steps with a flagged layer run: packing every tensor there instead
     compiles a little faster but makes XLA reserve a copy of the whole model as temporary buffer
-    (docs/PERFORMANCE.md) for a branch that healthy steps never run. Eagerly (the record after the step, a block
+    (docs/DEVELOPMENT.md) for a branch that healthy steps never run. Eagerly (the record after the step, a block
     at a time) the flags are known: the flagged layers alone are packed again and redone, a few small tensors
     where the whole block was (a network whose gradients vanish flags layers at every step). Each of their rows
     holds the same values in either layout, so their results are the same, bit for bit.
