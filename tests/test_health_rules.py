@@ -509,3 +509,35 @@ def test_a_loss_swinging_by_orders_of_magnitude_under_adam_is_evidence_of_a_blow
     # The same gradients with a loss that falls smoothly: Adam moves the body at the head's pace and it learns.
     falling = (steps, 2.0 * 0.97 ** steps)
     assert _flagged(diagnose_run(names, steps, records, progress=falling)) == {}
+
+
+def _adam_body_then_swing(high_from: int, below_before: float) -> tuple[list[str], np.ndarray, np.ndarray, tuple]:
+    """Adam records (every update 1e-3 of its layer's weights) of a recurrent body whose gradients sit 4.4 decades
+    above the head's from step ``high_from`` (``below_before`` decades above it before), and a loss that falls
+    smoothly until it starts jumping 200x and back at step ``SWING_FROM``."""
+    names = ["rnn/kernel", "rnn/recurrent_kernel", "rnn/bias", "head/kernel", "head/bias", "out/kernel",
+             "out/bias"]
+    steps = np.arange(1, 31)
+    rms, weight, update = np.full((30, 7), 1e-2), np.full((30, 7), 0.1), np.full((30, 7), 1e-4)
+    rms[:, :3] = 1e-2 * 10.0 ** np.where(steps >= high_from, 4.4, below_before)[:, None]
+    loss = 2.0 * 0.99 ** steps * np.where((steps >= SWING_FROM) & (steps % 2 == 0), 200.0, 1.0)
+    return names, steps, _run(rms, names, weight_rms=weight, update_rms=update), (steps, loss)
+
+
+SWING_FROM = 16
+
+
+@pytest.mark.parametrize(("high_from", "below_before"), [(5, 0.0), (SWING_FROM, 2.0)])
+def test_a_blow_up_confirmed_by_a_later_swinging_loss_starts_where_the_gradients_went_decades_above(
+        high_from, below_before):
+    # Adam keeps the body's steps at the head's pace, so its gradients 4.4 decades above the head are excused until
+    # the loss starts swinging (step 16): that evidence condemns the state the body has been in since it went
+    # decades above, step 5. The control sits 2 decades above (within the relative line) until the swing begins,
+    # and jumps to 4.4 decades with it: its episode starts at the swing, not where it first rose.
+    names, steps, records, loss = _adam_body_then_swing(high_from, below_before)
+    calm = diagnose_run(names, steps, records, progress=loss, at_step=SWING_FROM - 1).by_layer()
+    h = diagnose_run(names, steps, records, progress=loss).by_layer()
+    for n in ("rnn/kernel", "rnn/recurrent_kernel", "rnn/bias"):
+        assert calm[n].status == "healthy"
+        assert h[n].status == "exploding" and h[n].first_step == high_from
+    assert {n for n in names if h[n].status == "exploding"} == {"rnn/kernel", "rnn/recurrent_kernel", "rnn/bias"}

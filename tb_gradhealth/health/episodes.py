@@ -11,7 +11,7 @@ import numpy as np
 
 from tb_gradhealth.health import thresholds as th
 from tb_gradhealth.health.answer import deepest_first
-from tb_gradhealth.health.levels import layer_groups
+from tb_gradhealth.health.levels import condemned_since, layer_groups
 from tb_gradhealth.health.result import LayerHealth
 from tb_gradhealth.health.rules import TREND_MIN_SIZE, _Steps
 
@@ -129,6 +129,20 @@ def _backdate(runs: list[list[int]], col: np.ndarray, t: th.Thresholds) -> None:
         runs[k][1], prev[2] = j, min(prev[2], j - 1)
 
 
+def _confirmed_late(runs: list[list[int]], late: np.ndarray, level: np.ndarray) -> None:
+    """An exploding run after a healthy one whose first step is flagged by evidence that arrived later (``late``:
+    the loss swinging by decades under an adaptive optimizer) starts where the state that evidence condemns began
+    (:func:`levels.condemned_since` over ``level``, the relative rule's level condition without its adaptive gate),
+    within the healthy run before it."""
+    for k in range(1, len(runs)):
+        code, first, _ = runs[k]
+        prev = runs[k - 1]
+        if code != th.EXPLODING or prev[0] != th.HEALTHY or not late[first]:
+            continue
+        j = condemned_since(level, first, prev[1])
+        runs[k][1], prev[2] = j, min(prev[2], j - 1)
+
+
 def _blown_up(runs: list[list[int]], weight: np.ndarray, small: np.ndarray) -> None:
     """An exploding run goes on over the healthy steps after it while the weight norm stays ``BLOWN_UP`` times its
     norm before the run (or at its first step): the blow-up was not undone. Not while the weights are small by
@@ -163,6 +177,7 @@ def _track(ev: _Steps, i: int, t: th.Thresholds) -> _Track:
     need = sustain_needed(len(rows), t.sustain_steps)
     unconfirmed = _confirm(runs, need, t.sustain_steps, min(t.sustain_steps, max(2, need)))
     runs = _merge_equal(runs)
+    _confirmed_late(runs, ev.columns("exp_late")[i, rows], ev.columns("exp_level")[i, rows])
     _backdate(runs, ev.columns("log_rms")[i, rows], t)
     _blown_up(runs, ev.columns("weight_norm")[i, rows], ev.columns("small")[i, rows])
     runs = _merge_equal([r for r in runs if r[2] >= r[1]])

@@ -304,3 +304,19 @@ def in_runs_of(mask: np.ndarray, need: int) -> np.ndarray:
     for s in range(mask.shape[0] - 2, -1, -1):
         total[s] = np.where(mask[s] & mask[s + 1], total[s + 1], total[s])
     return mask & (total >= need)
+
+
+def condemned_since(held: np.ndarray, end: int, start: int = 0) -> int:
+    """Where an episode confirmed by evidence that arrives later begins: the first position of the unbroken stretch
+    of ``held`` (``[S]`` bool, the layer's own level condition at each logged step) that ends at ``end`` (the step
+    the evidence flags), not before ``start``; ``end`` itself where the condition does not hold there.
+
+    The later evidence (a loss swinging by decades under an adaptive optimizer, a loss rising while the updates
+    grow) does not make the layer sick: it condemns a state the layer was already in, which a gate had been
+    excusing (the adaptive optimizer keeping each step at the others' pace) or which no rule alone could judge (an
+    update above its first one). The episode therefore starts where that state began, not where the evidence
+    arrived; a step where the condition fails breaks the stretch (the state began again after it)."""
+    k = end
+    while held[end] and k > start and held[k - 1]:
+        k -= 1
+    return k

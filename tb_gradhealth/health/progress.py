@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from tb_gradhealth.health.levels import _median_where, _update_stats
+from tb_gradhealth.health.levels import _median_where, _update_stats, condemned_since
 from tb_gradhealth.health.result import _BASE, LayerHealth
 from tb_gradhealth.health.thresholds import EXPLODING, VANISHING, Thresholds
 
@@ -182,7 +182,10 @@ class UpdateGrowth:
     last quarter of the logged steps minus the first quarter's (NaN where not recorded); ``onset``, the first
     logged step from which the median layer's update stays above its size at the first logged step (``steady``:
     from the second logged step on, every update of the median layer is larger than the first one), and per layer
-    ``since``: the first logged step at or after ``onset`` at which its own update is above its first one."""
+    ``since``: the first logged step at or after ``onset`` at which its own update is above its first one.
+    ``onset`` is where the state that a rising loss condemns began (:func:`levels.condemned_since`): the first step
+    of the unbroken stretch, ending at the last (flagged) step, over which the median layer's update is above its
+    first one."""
 
     growth: np.ndarray  # [L] decades
     onset: int | None
@@ -209,9 +212,10 @@ def update_growth(steps: np.ndarray, records: np.ndarray) -> UpdateGrowth | None
         growth = _median_where(log[-q:].T, known[-q:].T) - _median_where(log[:q].T, known[:q].T)
         typical = _median_where(log, known)
     above = ~(typical <= typical[0])  # NaN (no update at that step) does not break the rise
-    k0 = next((k for k in range(1, steps.size) if above[k:].all()), None)
-    if k0 is None:
+    if not above[-1]:
         return UpdateGrowth(growth, None, np.zeros(log.shape[1], dtype=np.int64))
+    # the state the rising loss condemns, up to the last (flagged) step: the updates above their first size
+    k0 = condemned_since(above, steps.size - 1, start=1)
     with np.errstate(invalid="ignore"):
         rose = log[k0:] > log[0]
     since = np.where(rose.any(axis=0), steps[k0 + np.argmax(rose, axis=0)], steps[k0])

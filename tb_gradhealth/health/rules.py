@@ -281,6 +281,8 @@ def _exploding(lv: _Levels, v: dict[str, np.ndarray], signal: np.ndarray, g: _Gu
             # while a larger variable of the layer grows by the trend rule too.
             "exp_trend": trend & (g.big | _in_layer(trend & g.big, groups)),
             "exp_capped": _capped(lv, g, t),
+            # The relative rule's level condition without its adaptive gate: the state a swinging loss condemns.
+            "exp_level": signal & (dec >= t.explode_decades) & g.above_roundoff,
         }
     return flags, base
 
@@ -364,6 +366,8 @@ def _evaluate(records: np.ndarray, layers: Sequence[str], t: th.Thresholds, loss
         exp, base = _exploding(lv, v, v["live"] & ~inert, g, groups, t, loss)
     swings = _adaptive_swings(lv, v, loss, t)
     exp["exp_swing"] = _swinging(np.logical_or.reduce([exp[k] for k in EXPLODING_RULES[:-1]]), v["live"], swings)
+    # Flagged only because the loss swings: the episode is back-dated over the stretch where ``exp_level`` held.
+    exp["exp_late"] = swings[:, None] & ((exp["exp_rel"] & g.calm) | exp["exp_swing"])
     flags = {"present": v["present"], "nonfinite": v["nonfinite"], "skipped": _skipped(v["nonfinite"], lv),
              "inert": inert, "learns": g.learns, "calm": g.calm, "small": g.small, "converged": g.converged,
              **exp, **_vanishing(lv, v["rms"], g, t)}
