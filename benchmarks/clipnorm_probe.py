@@ -62,7 +62,7 @@ def probe(out: Path) -> list[list[Any]]:
         loss = np.array(trace.loss)
         losses[name] = loss
         run = next(r for r in reader.read_logdir(str(log_dir)).runs if r.num_steps)
-        ev = rules._evaluate(run.records, run.layers, health.Thresholds())
+        ev = rules.evaluate(run.records, run.layers, health.Thresholds())
         h = health.diagnose_run(run.layers, run.steps, run.records)
         vs_twin = float(np.nanmedian(loss[-10:] / losses[twin][-10:])) if twin else None
         rows.append([name, f"{loss[0]:.3g}", f"{np.nanmax(loss):.3g}", f"{loss[-1]:.3g}",

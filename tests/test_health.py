@@ -18,6 +18,7 @@ import pytest
 
 from tb_gradhealth import health, record
 from tb_gradhealth.health import STATUSES, Thresholds, diagnose_run
+from tb_gradhealth.health.levels import history
 
 # --- synthetic records ----------------------------------------------------------------------------------------------
 
@@ -329,8 +330,8 @@ def test_json_shape_matches_the_contract():
     h = _diag(rms).to_json()
     assert set(h) == {"step", "thresholds", "threshold_spec", "summary", "layers"}
     assert set(h["summary"]) == {"counts", "answer", "first_bad", "cause", "onset", "timeline", "earlier", "order",
-                                 "loss_trend"}
-    assert h["summary"]["loss_trend"] is None  # no loss given
+                                 "loss_trend", "loss_nonfinite"}
+    assert h["summary"]["loss_trend"] is None and h["summary"]["loss_nonfinite"] is None  # no loss given
     assert set(h["summary"]["counts"]) == set(STATUSES) and sum(h["summary"]["counts"].values()) == 6
     assert set(h["layers"][0]) == {
         "layer", "index", "status", "severity", "reasons", "fixes", "first_step", "status_since", "episodes", "step",
@@ -349,7 +350,7 @@ def test_json_shape_matches_the_contract():
 def test_history_quantities_agree_with_record_derived():
     recs = _records(_healthy_grid())
     recs[2, 1] = record.compute(np.array([np.nan, 1.0, 0.0, -3.0]))
-    size, _, nonfinite, zero, rms, max_abs = health._history(recs)
+    size, _, nonfinite, zero, rms, max_abs = history(recs)
     d = record.derived(recs)
     np.testing.assert_allclose(rms, d["rms"], rtol=1e-12)
     np.testing.assert_array_equal(max_abs, d["max_abs"])

@@ -175,3 +175,66 @@ def test_the_entry_point_check_sees_an_import_up(tmp_path):
     path.write_text("def f():\n    from tb_gradhealth import summary, record\n    from . import keras\n")
     modules = {**_modules(), "_probe": path}
     assert {"summary", "keras", "record"} <= _imports("_probe", path, modules)[0]
+
+
+HEALTH = "tb_gradhealth.health"
+
+
+def _health_aliases(tree: ast.AST) -> set[str]:
+    """The dotted names a file binds to the diagnosis package or one of its modules (``health``, ``rules``,
+    ``lv`` for ``from tb_gradhealth.health import levels as lv``, ``tb_gradhealth.health.rules``)."""
+    bound = {HEALTH}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name == HEALTH or a.name.startswith(HEALTH + "."):
+                    bound.add(a.asname or a.name)
+        elif isinstance(node, ast.ImportFrom) and node.module in ("tb_gradhealth", HEALTH):
+            for a in node.names:
+                if node.module == HEALTH or a.name == "health":
+                    bound.add(a.asname or a.name)
+    return bound | {f"{b}.{m}" for b in set(bound) for m in _health_module_names()}
+
+
+def _health_module_names() -> list[str]:
+    return [p.stem for p in (PACKAGE / "health").glob("*.py") if p.stem != "__init__"]
+
+
+def _private_health_uses(path: Path) -> list[str]:
+    """Where a file takes an underscore name of a diagnosis module: ``from tb_gradhealth.health.x import _y`` or
+    ``x._y`` on a name bound to the package or one of its modules (a module's own names are its own business)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    bound = _health_aliases(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(HEALTH):
+            found += [f"{path.name}:{node.lineno}: from {node.module} import {a.name}"
+                      for a in node.names if a.name.startswith("_")]
+        elif (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+              and ast.unparse(node.value) in bound):
+            found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_module_takes_a_private_name_of_a_diagnosis_module():
+    """The diagnosis modules share only public names: what one of them (or the plugin, a test, a benchmark) uses
+    of another has no leading underscore, and the package exports no underscore name."""
+    from tb_gradhealth import health
+
+    root = PACKAGE.parent
+    files = [p for d in ("tb_gradhealth", "tests", "benchmarks") for p in sorted((root / d).rglob("*.py"))]
+    assert len(files) > 50
+    found = [use for p in files for use in _private_health_uses(p)]
+    assert not found, "\n".join(found)
+    assert not [name for name in health.__all__ if name.startswith("_")]
+
+
+def test_the_private_name_check_sees_imports_and_attributes(tmp_path):
+    """The check above reads both forms (an import at any depth, an attribute on an alias) so it cannot pass on a
+    parse that misses them."""
+    path = tmp_path / "probe.py"
+    path.write_text("from tb_gradhealth import health\nfrom tb_gradhealth.health import rules as r\n"
+                    "def f():\n    from tb_gradhealth.health.levels import _log10, layer_groups\n"
+                    "    return health._history, r._evaluate, health.levels._live, health.diagnose_run\n")
+    uses = _private_health_uses(path)
+    assert len(uses) == 4 and all(u.startswith("probe.py:") for u in uses), uses

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from tb_gradhealth.health.diagnose import diagnose_run
 from tb_gradhealth.health.episodes import BLOWN_UP, CHAIN_GAP
-from tb_gradhealth.health.levels import REFERENCE_FRACTION, REFERENCE_MIN, _history, layer_groups
+from tb_gradhealth.health.levels import REFERENCE_FRACTION, REFERENCE_MIN, layer_groups
 from tb_gradhealth.health.profile import profile
 from tb_gradhealth.health.result import LayerHealth, RunHealth
 from tb_gradhealth.health.rules import TREND_MIN_SIZE
@@ -46,5 +46,5 @@ from tb_gradhealth.health.thresholds import (
 __all__ = [
     "BLOWN_UP", "CHAIN_GAP", "DEAD", "EXPLODING", "FLAGS", "FLAG_CODES", "HEALTHY", "INERT", "MISSING", "NONFINITE",
     "REFERENCE_FRACTION", "REFERENCE_MIN", "SKIPPED", "STATUSES", "TREND_MIN_SIZE", "VANISHING", "LayerHealth",
-    "RunHealth", "ThresholdError", "Thresholds", "diagnose_run", "layer_groups", "profile", "_history",
+    "RunHealth", "ThresholdError", "Thresholds", "diagnose_run", "layer_groups", "profile",
 ]

@@ -8,7 +8,7 @@ import numpy as np
 
 from tb_gradhealth import record
 from tb_gradhealth.health.answer import assign_ranks, deepest_first, group_depth, legacy_fields, run_answer
-from tb_gradhealth.health.episodes import _follow_siblings, _onset, _timeline, _track
+from tb_gradhealth.health.episodes import follow_siblings, onset, run_timeline, track
 from tb_gradhealth.health.kinds import explain_kinds
 from tb_gradhealth.health.optimizer import global_clip_note
 from tb_gradhealth.health.progress import (
@@ -20,9 +20,9 @@ from tb_gradhealth.health.progress import (
     weigh_growth,
     weigh_progress,
 )
-from tb_gradhealth.health.reasons import _layer_health, cause_first
-from tb_gradhealth.health.result import _BASE, LayerHealth, RunHealth
-from tb_gradhealth.health.rules import _evaluate, _Steps
+from tb_gradhealth.health.reasons import cause_first, layer_health
+from tb_gradhealth.health.result import BASE, LayerHealth, RunHealth
+from tb_gradhealth.health.rules import Steps, evaluate
 from tb_gradhealth.health.thresholds import MISSING, Thresholds
 
 
@@ -62,12 +62,12 @@ def diagnose_run(
     steps, records = _up_to(*_check_inputs(layers, steps, records), at_step)
     t = thresholds
     if steps.size == 0 or len(layers) == 0:
-        out = [LayerHealth(name, i, "missing", _BASE[MISSING], ["no record of this layer"], None, None)
+        out = [LayerHealth(name, i, "missing", BASE[MISSING], ["no record of this layer"], None, None)
                for i, name in enumerate(layers)]
         return RunHealth(None, t, out)
     depth = group_depth(layers)
     windows = loss_windows(steps, progress, t) if progress is not None else None
-    out, borrowed = _layer_healths(_evaluate(records, layers, t, windows), steps, records, layers, t, depth,
+    out, borrowed = _layer_healths(evaluate(records, layers, t, windows), steps, records, layers, t, depth,
                                    layer_info or {})
     trend = loss_trend(progress[0], progress[1], int(steps[-1])) if progress is not None else None
     _add_evidence(out, records, t, trend, layer_info)
@@ -77,9 +77,9 @@ def diagnose_run(
     answer = run_answer(ranked, is_cause, (int(steps[0]), int(steps[-1])))
     assign_ranks(ranked, answer)
     first_bad, cause = legacy_fields(answer)
-    timeline, earlier = _timeline(out, answer, depth)
+    timeline, earlier = run_timeline(out, answer, depth)
     blowup = loss_blowup(progress[0], progress[1], int(steps[-1])) if progress is not None else None
-    return RunHealth(int(steps[-1]), t, ranked, first_bad, _onset(out), timeline, cause,
+    return RunHealth(int(steps[-1]), t, ranked, first_bad, onset(out), timeline, cause,
                      trend.to_json() if trend is not None else None, answer, earlier, blowup)
 
 
@@ -93,7 +93,7 @@ def _up_to(steps: np.ndarray, records: np.ndarray, at_step: int | None) -> tuple
     return steps[:end], records[:end]
 
 
-def _layer_healths(ev: _Steps, steps: np.ndarray, records: np.ndarray, layers: Sequence[str], t: Thresholds,
+def _layer_healths(ev: Steps, steps: np.ndarray, records: np.ndarray, layers: Sequence[str], t: Thresholds,
                    depth: np.ndarray, info: Mapping[str, tuple[str, str]]) -> tuple[list[LayerHealth], frozenset[str]]:
     """Each layer's episodes, status, reasons, severity and fixes (for its kind, ``info``), in network order, and
     the layers whose onset is that of a larger variable of their layer."""
@@ -104,9 +104,9 @@ def _layer_healths(ev: _Steps, steps: np.ndarray, records: np.ndarray, layers: S
     present = ev.present
     last_rows = np.where(present.any(axis=0), present.shape[0] - 1 - np.argmax(present[::-1], axis=0), 0)
     d = record.derived(records[last_rows, np.arange(len(layers))])
-    tracks = [_track(ev, i, t) if ev.columns("present")[i].any() else None for i in range(len(layers))]
-    borrowed = _follow_siblings(tracks, ev, layers)
-    return [_layer_health(ev, steps, layers, i, d, origin, t, tracks[i], info.get(layers[i], ("", "")))
+    tracks = [track(ev, i, t) if ev.columns("present")[i].any() else None for i in range(len(layers))]
+    borrowed = follow_siblings(tracks, ev, layers)
+    return [layer_health(ev, steps, layers, i, d, origin, t, tracks[i], info.get(layers[i], ("", "")))
             for i in range(len(layers))], borrowed
 
 

@@ -13,7 +13,7 @@ from tb_gradhealth.health import thresholds as th
 from tb_gradhealth.health.answer import deepest_first
 from tb_gradhealth.health.levels import condemned_since, layer_groups
 from tb_gradhealth.health.result import LayerHealth
-from tb_gradhealth.health.rules import TREND_MIN_SIZE, _Steps
+from tb_gradhealth.health.rules import TREND_MIN_SIZE, Steps
 
 #: An exploding episode goes on while the layer's weight norm stays this many times its norm before the episode:
 #: a blow-up of the weights that is not undone leaves the layer damaged even when its gradient looks normal again.
@@ -21,7 +21,7 @@ BLOWN_UP = 10.0
 
 
 @dataclass
-class _Track:
+class Track:
     """One layer's statuses over its present rows, as runs ``(code, first_row, last_row)`` after confirmation."""
 
     rows: np.ndarray  # row indices (into steps) where the layer has a record
@@ -170,7 +170,7 @@ def sustain_needed(logged: int, sustain_steps: int) -> int:
     return max(1, min(sustain_steps, (logged + 1) // 2))
 
 
-def _track(ev: _Steps, i: int, t: th.Thresholds) -> _Track:
+def track(ev: Steps, i: int, t: th.Thresholds) -> Track:
     """The layer's confirmed runs over the steps where it has a record."""
     rows = np.flatnonzero(ev.columns("present")[i])
     runs = _runs(ev.columns("raw")[i, rows].astype(np.int64))
@@ -181,15 +181,15 @@ def _track(ev: _Steps, i: int, t: th.Thresholds) -> _Track:
     _backdate(runs, ev.columns("log_rms")[i, rows], t)
     _blown_up(runs, ev.columns("weight_norm")[i, rows], ev.columns("small")[i, rows])
     runs = _merge_equal([r for r in runs if r[2] >= r[1]])
-    return _Track(rows, [tuple(r) for r in runs], unconfirmed, need=need)
+    return Track(rows, [tuple(r) for r in runs], unconfirmed, need=need)
 
 
-def _episodes(track: _Track, steps: np.ndarray) -> list[dict[str, Any]]:
+def flagged_episodes(track: Track, steps: np.ndarray) -> list[dict[str, Any]]:
     return [{"status": th.STATUSES[code], "from": int(steps[track.rows[a]]), "to": int(steps[track.rows[b]])}
             for code, a, b in track.runs if code not in (th.HEALTHY, th.INERT)]
 
 
-def _follow_siblings(tracks: list[_Track | None], ev: _Steps, layers: Sequence[str]) -> frozenset[str]:
+def follow_siblings(tracks: list[Track | None], ev: Steps, layers: Sequence[str]) -> frozenset[str]:
     """A tensor too small for a trend (a one-element bias) has an RMS of one or a few numbers, so its own onset is
     noise: when a larger variable of its layer has a flagged chain overlapping its current one, its chain starts
     where theirs did. Returns the layers whose onset was taken that way."""
@@ -214,7 +214,7 @@ def _follow_siblings(tracks: list[_Track | None], ev: _Steps, layers: Sequence[s
     return frozenset(borrowed)
 
 
-def _onset(layers: list[LayerHealth]) -> dict[str, Any] | None:
+def onset(layers: list[LayerHealth]) -> dict[str, Any] | None:
     """The first step any layer was flagged (any episode, current or past), ties to the deepest layer."""
     best = None
     for lh in layers:
@@ -225,7 +225,7 @@ def _onset(layers: list[LayerHealth]) -> dict[str, Any] | None:
     return best[1] if best else None
 
 
-def _timeline(layers: list[LayerHealth], answer: dict[str, Any] | None, depth: np.ndarray
+def run_timeline(layers: list[LayerHealth], answer: dict[str, Any] | None, depth: np.ndarray
               ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """``(timeline, earlier)``. The timeline is chronological from the answer's chain start: entry 0 is the answer's
     first status on its layer ("first to go wrong"), then each other status when a layer first reached it from there

@@ -8,9 +8,9 @@ fix for that kind (a tanh layer never reads ReLU advice, a ReLU layer reads the 
 
 from __future__ import annotations
 
-from tb_gradhealth.health.episodes import _Track
+from tb_gradhealth.health.episodes import Track
 from tb_gradhealth.health.kinds import kind_fix
-from tb_gradhealth.health.rules import _Steps
+from tb_gradhealth.health.rules import Steps
 from tb_gradhealth.health.thresholds import DEAD, EXPLODING, INERT, MISSING, NONFINITE, VANISHING
 
 _LEARNING_RATE = ("lower the learning rate (or warm it up over the first steps); clip the gradient norm "
@@ -29,7 +29,7 @@ _MISSING = "the variable is not connected to the loss: remove it or set trainabl
 _INERT = "the parameter is unused (e.g. a bias before BatchNormalization): use_bias=False removes it"
 
 
-def fixes(code: int, ev: _Steps, track: _Track, i: int, nan_here: bool,
+def fixes(code: int, ev: Steps, track: Track, i: int, nan_here: bool,
           info: tuple[str, str] = ("", "")) -> list[str]:
     """Suggestions for a layer whose confirmed status is ``code``, in the order of its chain (the cause's fix first:
     a layer that exploded and then died gets the explosion's fix before the dead one's), each worded for the layer's

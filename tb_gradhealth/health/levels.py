@@ -30,7 +30,7 @@ CLIP_SAME = 1e-5
 _BLOCK = 64
 
 
-def _log10(x: np.ndarray) -> np.ndarray:
+def log10(x: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where((x > 0) & np.isfinite(x), np.log10(np.where(x > 0, x, 1.0)), np.nan)
 
@@ -63,14 +63,14 @@ def _masked_min(values: np.ndarray, mask: np.ndarray, axis: int) -> np.ndarray:
     return -_masked_max(-values, mask, axis)
 
 
-def _median_where(values: np.ndarray, mask: np.ndarray) -> np.ndarray:
+def median_where(values: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """Median over the last axis of ``values`` where ``mask`` (NaN where nothing is selected)."""
     rows = np.where(mask, values, np.nan)
     rows.sort(axis=-1)
     return _sorted_quantile(rows, 0.5)
 
 
-def _history(records: np.ndarray) -> tuple[np.ndarray, ...]:
+def history(records: np.ndarray) -> tuple[np.ndarray, ...]:
     """size, missing, NaN+Inf count, zero count, RMS and max|g| over ``[S, L]``: the few fields the rules need.
 
     The same formulas as :func:`record.derived` (a test checks they agree), computed without the other ~15
@@ -85,7 +85,7 @@ def _history(records: np.ndarray) -> tuple[np.ndarray, ...]:
     return size, records[..., f["missing"]], size - n, records[..., f["zero"]], rms, m
 
 
-def _update_stats(records: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def update_stats(records: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """RMS of the applied update, ||update|| / ||weight|| and ||weight||, NaN where not recorded (the ratio also
     where the weight is 0)."""
     f = record.INDEX
@@ -106,8 +106,8 @@ def layerwise_common(upd_ratio: np.ndarray, weight_norm: np.ndarray, size: np.nd
     their weights' scales differ (LAMB, LARS: update = lr x ||w|| x direction; under Adam or SGD layers of different
     weight scales move by different fractions), else NaN."""
     with np.errstate(invalid="ignore", divide="ignore"):
-        ratios = _log10(upd_ratio)
-        scale = _log10(weight_norm / np.sqrt(np.where(size > 0, size, np.nan)))
+        ratios = log10(upd_ratio)
+        scale = log10(weight_norm / np.sqrt(np.where(size > 0, size, np.nan)))
     ok = np.isfinite(ratios) & np.isfinite(scale)
     r = np.where(ok, ratios, np.nan)
     w = np.where(ok, scale, np.nan)
@@ -115,7 +115,7 @@ def layerwise_common(upd_ratio: np.ndarray, weight_norm: np.ndarray, size: np.nd
     with np.errstate(invalid="ignore", over="ignore"):
         spread = _masked_max(r, ok, axis=1) - _masked_min(r, ok, axis=1)
         wspread = _masked_max(w, ok, axis=1) - _masked_min(w, ok, axis=1)
-        common = 10.0 ** _median_where(r, ok)
+        common = 10.0 ** median_where(r, ok)
     layerwise = (n >= 3) & (spread <= 2 * LAYERWISE_SPREAD) & (wspread >= WEIGHT_SPREAD)
     return np.where(layerwise, common, np.nan)
 
@@ -125,10 +125,10 @@ def adaptive(upd_rms: np.ndarray, rms: np.ndarray, live: np.ndarray, size: np.nd
     smallest across the variables of at least 16 elements) of log10 update RMS / gradient RMS exceeds
     ``ADAPTIVE_SPREAD``. False where updates are not recorded."""
     with np.errstate(invalid="ignore", divide="ignore"):
-        ratio = _log10(upd_rms) - _log10(rms)
+        ratio = log10(upd_rms) - log10(rms)
         ok = live & (size >= 16) & np.isfinite(ratio)
         spread = _masked_max(ratio, ok, axis=1) - _masked_min(ratio, ok, axis=1)
-        typical = _median_where(spread, np.isfinite(spread))
+        typical = median_where(spread, np.isfinite(spread))
     return bool(typical > ADAPTIVE_SPREAD)
 
 
@@ -143,7 +143,7 @@ def layer_groups(layers: Sequence[str]) -> list[np.ndarray]:
     return [np.array(v) for v in by.values() if len(v) > 1]
 
 
-def _loudest_sibling(log_rms: np.ndarray, groups: list[np.ndarray]) -> np.ndarray:
+def loudest_sibling(log_rms: np.ndarray, groups: list[np.ndarray]) -> np.ndarray:
     """``[S, L]``: the largest log RMS among the *other* variables of each variable's layer (NaN if none)."""
     out = np.full(log_rms.shape, np.nan)
     for cols in groups:
@@ -155,18 +155,18 @@ def _loudest_sibling(log_rms: np.ndarray, groups: list[np.ndarray]) -> np.ndarra
     return out
 
 
-def _layer_weight_scale(weight_norm: np.ndarray, size: np.ndarray, groups: list[np.ndarray]) -> np.ndarray:
+def layer_weight_scale(weight_norm: np.ndarray, size: np.ndarray, groups: list[np.ndarray]) -> np.ndarray:
     """``[S, L]`` log10 of the largest weight RMS among the variables of each variable's layer: the scale its
     update is measured against (a bias that starts at zero moves relative to its kernel, not to itself)."""
     with np.errstate(invalid="ignore", divide="ignore"):
-        own = _log10(weight_norm / np.sqrt(np.where(size > 0, size, np.nan)))
+        own = log10(weight_norm / np.sqrt(np.where(size > 0, size, np.nan)))
     out = own.copy()
     for cols in groups:
         out[:, cols] = np.nanmax(np.where(np.isnan(own[:, cols]), -np.inf, own[:, cols]), axis=1)[:, None]
     return np.where(np.isfinite(out), out, np.nan)
 
 
-def _in_layer(mask: np.ndarray, groups: list[np.ndarray]) -> np.ndarray:
+def in_layer(mask: np.ndarray, groups: list[np.ndarray]) -> np.ndarray:
     """``[S, L]``: some *other* variable of the same layer has ``mask`` at that step."""
     out = np.zeros(mask.shape, dtype=bool)
     for cols in groups:
@@ -175,7 +175,7 @@ def _in_layer(mask: np.ndarray, groups: list[np.ndarray]) -> np.ndarray:
     return out
 
 
-def _small_weights(weight_norm: np.ndarray, upd_rms: np.ndarray, size: np.ndarray, groups: list[np.ndarray]
+def small_weights(weight_norm: np.ndarray, upd_rms: np.ndarray, size: np.ndarray, groups: list[np.ndarray]
                    ) -> np.ndarray:
     """``[S, L]``: a parameter that started at or near zero on purpose (LayerScale at 1e-6, ReZero at 0, a
     zero-initialised bias or LayerNorm beta) and has not yet grown to its layer's scale: its relative growth is by
@@ -191,12 +191,12 @@ def _small_weights(weight_norm: np.ndarray, upd_rms: np.ndarray, size: np.ndarra
     with np.errstate(invalid="ignore", divide="ignore"):
         w = weight_norm / np.sqrt(np.where(size > 0, size, np.nan))
         known = np.isfinite(w) & (weight_norm >= 0)
-        log_w = _log10(w)
-        sibling = _loudest_sibling(log_w, groups)  # NaN where every other variable of the layer is zero
+        log_w = log10(w)
+        sibling = loudest_sibling(log_w, groups)  # NaN where every other variable of the layer is zero
         grouped = np.zeros(w.shape[1], dtype=bool)
         for g in groups:
             grouped[g] = True
-        alone = np.broadcast_to(_median_where(log_w, np.isfinite(log_w))[:, None], w.shape)
+        alone = np.broadcast_to(median_where(log_w, np.isfinite(log_w))[:, None], w.shape)
         scale = np.where(grouped, np.where(np.isnan(sibling), -np.inf, sibling), alone)
         below = (weight_norm == 0) | (log_w < scale)
         first = np.where(known.any(axis=0), np.argmax(known, axis=0), 0)
@@ -213,7 +213,7 @@ def _steady_start(w0: np.ndarray, u0: np.ndarray, groups: list[np.ndarray]) -> n
     next to the layer, so a variable it moves by more than its own size is small, not blown up. Where the whole
     layer takes steps larger than itself (a learning rate too high), nothing in it started near zero."""
     with np.errstate(invalid="ignore", divide="ignore"):
-        moved = _log10(u0) - _log10(w0)
+        moved = log10(u0) - log10(w0)
         known = np.isfinite(moved)
         out = np.full(w0.shape, bool(np.median(moved[known]) < 0) if known.any() else False)
         for g in groups:
@@ -234,9 +234,9 @@ def _reference_layers(signal: np.ndarray) -> np.ndarray:
     return signal & (from_end <= k[:, None])
 
 
-def _reference(log_values: np.ndarray, signal: np.ndarray) -> np.ndarray:
+def reference(log_values: np.ndarray, signal: np.ndarray) -> np.ndarray:
     """``[S]``: median of ``log_values`` over the reference layers (:func:`_reference_layers`)."""
-    return _median_where(log_values, _reference_layers(signal))
+    return median_where(log_values, _reference_layers(signal))
 
 
 def reference_top(log_values: np.ndarray, signal: np.ndarray) -> np.ndarray:
@@ -245,7 +245,7 @@ def reference_top(log_values: np.ndarray, signal: np.ndarray) -> np.ndarray:
     return np.max(np.where(_reference_layers(signal) & ~np.isnan(log_values), log_values, -np.inf), axis=1)
 
 
-def _window_stats(log_rms: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
+def window_stats(log_rms: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
     """``[S, L]`` minimum and mean of each column over the previous ``window`` rows (not the row itself), NaN
     ignored (NaN where the window has no value)."""
     padded = np.concatenate([np.full((window,) + log_rms.shape[1:], np.nan), log_rms])
@@ -263,10 +263,10 @@ def _window_stats(log_rms: np.ndarray, window: int) -> tuple[np.ndarray, np.ndar
     return low, mean
 
 
-def _live(records: np.ndarray) -> dict[str, np.ndarray]:
+def live_stats(records: np.ndarray) -> dict[str, np.ndarray]:
     """Per (step, layer): presence, missing, NaN/Inf, all-zero, the RMS of the nonzero finite values and the norm
     of all finite values."""
-    size, missing, nonfinite_count, zero, _, max_abs = _history(records)
+    size, missing, nonfinite_count, zero, _, max_abs = history(records)
     present = ~np.isnan(size)
     missing = present & (missing > 0.5)
     values = present & ~missing

@@ -11,24 +11,24 @@ import numpy as np
 
 from tb_gradhealth import record
 from tb_gradhealth.health.levels import CLIP_STEPS, layerwise_common
-from tb_gradhealth.health.rules import _Steps
+from tb_gradhealth.health.rules import Steps
 
 
-def clipped_norm(ev: _Steps, i: int) -> float | None:
+def clipped_norm(ev: Steps, i: int) -> float | None:
     """The norm a variable's gradient is clipped to, when it sits there at ``CLIP_STEPS`` or more of its logged
     steps (:func:`~tb_gradhealth.health.levels.pinned_at_clip`), else None."""
     pinned = ev.clipped[:, i]
     return float(ev.norm[pinned, i].max()) if pinned.any() else None
 
 
-def layerwise_adaptive(ev: _Steps, s: int) -> float | None:
+def layerwise_adaptive(ev: Steps, s: int) -> float | None:
     """The common update/weight ratio at step row ``s`` under a layer-wise adaptive optimizer, else None (see
     :func:`~tb_gradhealth.health.rules.layerwise_common`)."""
     common = layerwise_common(ev.upd_ratio[s:s + 1], ev.weight_norm[s:s + 1], ev.size[s:s + 1])[0]
     return float(common) if np.isfinite(common) else None
 
 
-def optimizer_notes(ev: _Steps, s: int, i: int) -> list[str]:
+def optimizer_notes(ev: Steps, s: int, i: int) -> list[str]:
     notes = []
     clip = clipped_norm(ev, i)
     if clip is not None:

@@ -9,9 +9,9 @@ from typing import Any
 import numpy as np
 
 from tb_gradhealth import record
-from tb_gradhealth.health.result import _json_float
-from tb_gradhealth.health.rules import _evaluate
-from tb_gradhealth.health.thresholds import _ABSENT, MISSING, STATUSES, Thresholds
+from tb_gradhealth.health.result import json_float
+from tb_gradhealth.health.rules import evaluate
+from tb_gradhealth.health.thresholds import ABSENT, MISSING, STATUSES, Thresholds
 
 
 def profile(
@@ -35,7 +35,7 @@ def profile(
     if statuses is not None and len(statuses) != len(layers):
         raise ValueError(f"{len(statuses)} statuses for {len(layers)} layers")
     t = thresholds
-    ev = _evaluate(rows[None], layers, t)
+    ev = evaluate(rows[None], layers, t)
     d = record.derived(rows)
     ref_log = float(ev.ref[0])
     live = ev.log_rms[0][np.isfinite(ev.log_rms[0])]
@@ -45,15 +45,15 @@ def profile(
     out_layers = []
     for i, name in enumerate(layers):
         code = int(ev.raw[0, i])
-        st = statuses[i] if statuses is not None else STATUSES[MISSING if code == _ABSENT else code]
+        st = statuses[i] if statuses is not None else STATUSES[MISSING if code == ABSENT else code]
         known = bool(ev.present[0, i]) and d["finite"][i] > 0
-        out_layers.append({"layer": name, "index": i, "norm": _json_float(d["norm"][i]) if known else None,
-                           "rms": _json_float(d["rms"][i]) if known else None,
-                           "max_abs": _json_float(d["max_abs"][i]) if known else None, "status": st})
+        out_layers.append({"layer": name, "index": i, "norm": json_float(d["norm"][i]) if known else None,
+                           "rms": json_float(d["rms"][i]) if known else None,
+                           "max_abs": json_float(d["max_abs"][i]) if known else None, "status": st})
     return {"layers": out_layers,
             "bands": {"reference_rms": ref, "median_rms": median,
-                      "vanishing_below": _json_float(vanish) if vanish > 0 else None,
-                      "exploding_above": _json_float(explode)}}
+                      "vanishing_below": json_float(vanish) if vanish > 0 else None,
+                      "exploding_above": json_float(explode)}}
 
 
 def _band_lines(ref: float | None, t: Thresholds) -> tuple[float, float]:

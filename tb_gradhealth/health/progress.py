@@ -15,8 +15,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from tb_gradhealth.health.levels import _median_where, _update_stats, condemned_since
-from tb_gradhealth.health.result import _BASE, LayerHealth
+from tb_gradhealth.health.levels import condemned_since, median_where, update_stats
+from tb_gradhealth.health.result import BASE, LayerHealth
 from tb_gradhealth.health.thresholds import EXPLODING, VANISHING, Thresholds
 
 #: Fewer finite loss values than this say nothing about progress.
@@ -164,7 +164,7 @@ def weigh_progress(out: list[LayerHealth], trend: LossTrend | None, t: Threshold
     for lh in out:
         if lh.status == "healthy" and trend.flat and (why := _barely_learns(lh, t)) is not None:
             lh.status = "vanishing"
-            lh.severity = _BASE[VANISHING] + 1.0
+            lh.severity = BASE[VANISHING] + 1.0
             lh.first_step = lh.status_since = trend.first_step
             lh.fixes = [NOT_LEARNING_FIX]
             lh.reasons = [f"not learning: the loss did not move ({moved}) while this layer barely learns ({why})",
@@ -201,7 +201,7 @@ class UpdateGrowth:
 def update_growth(steps: np.ndarray, records: np.ndarray) -> UpdateGrowth | None:
     """:class:`UpdateGrowth` of the records (None without recorded updates or with fewer than ``MIN_POINTS``
     logged steps)."""
-    upd, _, _ = _update_stats(records)
+    upd, _, _ = update_stats(records)
     with np.errstate(divide="ignore", invalid="ignore"):
         log = np.where((upd > 0) & np.isfinite(upd), np.log10(np.where(upd > 0, upd, 1.0)), np.nan)
     if steps.size < MIN_POINTS or not np.isfinite(log).any():
@@ -209,8 +209,8 @@ def update_growth(steps: np.ndarray, records: np.ndarray) -> UpdateGrowth | None
     q = max(2, steps.size // 4)
     known = np.isfinite(log)
     with np.errstate(invalid="ignore"):
-        growth = _median_where(log[-q:].T, known[-q:].T) - _median_where(log[:q].T, known[:q].T)
-        typical = _median_where(log, known)
+        growth = median_where(log[-q:].T, known[-q:].T) - median_where(log[:q].T, known[:q].T)
+        typical = median_where(log, known)
     above = ~(typical <= typical[0])  # NaN (no update at that step) does not break the rise
     if not above[-1]:
         return UpdateGrowth(growth, None, np.zeros(log.shape[1], dtype=np.int64))
@@ -241,7 +241,7 @@ def weigh_growth(out: list[LayerHealth], trend: LossTrend | None, growth: Update
         if lh.status != "healthy" or not g > 0:
             continue
         lh.status = "exploding"
-        lh.severity = _BASE[EXPLODING] + 1.0
+        lh.severity = BASE[EXPLODING] + 1.0
         since = int(growth.since[lh.index])
         lh.first_step = lh.status_since = since
         lh.episodes = [*lh.episodes, {"status": "exploding", "from": since, "to": last_step}]

@@ -12,22 +12,22 @@ import numpy as np
 from tb_gradhealth import record
 from tb_gradhealth.health import thresholds as th
 from tb_gradhealth.health.answer import deepest_first
-from tb_gradhealth.health.episodes import _episodes, _Track
+from tb_gradhealth.health.episodes import Track, flagged_episodes
 from tb_gradhealth.health.fixes import fixes
 from tb_gradhealth.health.kinds import RECTIFIERS, SATURATING
 from tb_gradhealth.health.optimizer import optimizer_notes
-from tb_gradhealth.health.result import _BASE, _SPAN, LayerHealth
-from tb_gradhealth.health.rules import ROUNDOFF, _Steps
+from tb_gradhealth.health.result import BASE, SPAN, LayerHealth
+from tb_gradhealth.health.rules import ROUNDOFF, Steps
 
 
-def _layer_health(ev: _Steps, steps: np.ndarray, layers: Sequence[str], i: int, d: dict[str, np.ndarray],
-                  origin: tuple[int, int, int] | None, t: th.Thresholds, track: _Track | None,
+def layer_health(ev: Steps, steps: np.ndarray, layers: Sequence[str], i: int, d: dict[str, np.ndarray],
+                  origin: tuple[int, int, int] | None, t: th.Thresholds, track: Track | None,
                   info: tuple[str, str] = ("", "")) -> LayerHealth:
     """One layer's diagnosis: status, reasons, severity, fixes (for its kind and activation ``info`` where the writer
     recorded them), chain start and the onset of its current status."""
     name = layers[i]
     if track is None:
-        return LayerHealth(name, i, "missing", _BASE[th.MISSING] + 1.0,
+        return LayerHealth(name, i, "missing", BASE[th.MISSING] + 1.0,
                            [f"no record of this layer at or before step {int(steps[-1])}"], None, None)
     code = track.code
     s = int(track.rows[-1])
@@ -52,17 +52,17 @@ def _layer_health(ev: _Steps, steps: np.ndarray, layers: Sequence[str], i: int, 
         reasons.extend(optimizer_notes(ev, s, i))
     flagged = code not in (th.HEALTHY, th.INERT)
     persistence = last[2] - chain + 1
-    severity = 0.0 if not flagged else _BASE[code] + min(_SPAN - 2.0, (1.0 + excess) * persistence)
+    severity = 0.0 if not flagged else BASE[code] + min(SPAN - 2.0, (1.0 + excess) * persistence)
     if code == th.INERT:
-        severity = _BASE[th.INERT] + 1.0
+        severity = BASE[th.INERT] + 1.0
     if flagged and origin is not None and origin[1] == i and track.rows[chain] <= origin[0]:
         # The layer where NaN/Inf started ranks first while it is flagged, whatever it turned into since (a layer
         # whose weights became NaN often has an all-zero gradient afterwards).
-        severity = _BASE[th.NONFINITE] + _SPAN - 1.0
+        severity = BASE[th.NONFINITE] + SPAN - 1.0
     nan_here = origin is not None and origin[1] == i
     first_step = int(steps[track.rows[chain]]) if flagged else None
     since = int(steps[track.rows[max(last[1], chain)]]) if flagged else None
-    episodes = _episodes(track, steps)
+    episodes = flagged_episodes(track, steps)
     if flagged and first_step is not None and since is not None and first_step < since:
         reasons.append(_chain_note(episodes, first_step, th.STATUSES[code], since))
     return LayerHealth(
@@ -144,7 +144,7 @@ def _vanishing_layer(tied: list[LayerHealth], ranked: list[LayerHealth], depth: 
 
 @dataclass
 class _Ctx:
-    ev: _Steps
+    ev: Steps
     steps: np.ndarray
     s: int  # row of the layer's last record
     i: int  # layer

@@ -9,9 +9,9 @@ from typing import Any
 
 from tb_gradhealth.health.thresholds import STATUSES, Thresholds
 
-#: Severity = base of the status + a within-status part in [0, _SPAN): statuses never overlap.
-_SPAN = 1000.0
-_BASE = {code: (len(STATUSES) - 1 - code) * _SPAN for code in range(len(STATUSES))}
+#: Severity = base of the status + a within-status part in [0, SPAN): statuses never overlap.
+SPAN = 1000.0
+BASE = {code: (len(STATUSES) - 1 - code) * SPAN for code in range(len(STATUSES))}
 _ORDER = (
     "rank 1 is the run's answer, the cause (rank_reason \"cause\"; it may have a lower severity than rank 2): "
     "among the layers with the most severe status, the one whose chain of episodes began first (ties to the deepest "
@@ -30,7 +30,7 @@ def _copy(answer: dict[str, Any] | None) -> dict[str, Any] | None:
     return {**answer, "chain": [dict(e) for e in answer["chain"]], "fixes": list(answer["fixes"])}
 
 
-def _json_float(x: Any) -> float | None:
+def json_float(x: Any) -> float | None:
     if x is None:
         return None
     x = float(x)
@@ -77,21 +77,21 @@ class LayerHealth:
             "layer": self.layer,
             "index": self.index,
             "status": self.status,
-            "severity": _json_float(self.severity),
+            "severity": json_float(self.severity),
             "reasons": list(self.reasons),
             "fixes": list(self.fixes),
             "first_step": self.first_step,
             "status_since": self.status_since,
             "episodes": [dict(e) for e in self.episodes],
             "step": self.step,
-            **{k: _json_float(getattr(self, k)) for k in ("norm", "rms", "max_abs", "mean")},
+            **{k: json_float(getattr(self, k)) for k in ("norm", "rms", "max_abs", "mean")},
             "nan": int(self.nan),
             "inf": int(self.inf),
             "size": int(self.size),
             "rank": int(self.rank),
             "rank_reason": self.rank_reason,
             "last_finite": dict(self.last_finite) if self.last_finite is not None else None,
-            **{k: _json_float(getattr(self, k)) for k in (
+            **{k: json_float(getattr(self, k)) for k in (
                 "zero_fraction", "grad_to_weight", "update_to_weight", "noise", "weight_norm")},
         }
 

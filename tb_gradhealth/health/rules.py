@@ -13,22 +13,22 @@ import numpy as np
 
 from tb_gradhealth.health import thresholds as th
 from tb_gradhealth.health.levels import (
-    _in_layer,
-    _layer_weight_scale,
-    _live,
-    _log10,
-    _loudest_sibling,
-    _median_where,
-    _reference,
-    _small_weights,
-    _update_stats,
-    _window_stats,
     adaptive,
+    in_layer,
     in_runs_of,
     layer_groups,
+    layer_weight_scale,
     layerwise_common,
+    live_stats,
+    log10,
+    loudest_sibling,
+    median_where,
     pinned_at_clip,
+    reference,
     reference_top,
+    small_weights,
+    update_stats,
+    window_stats,
 )
 
 if TYPE_CHECKING:
@@ -76,17 +76,17 @@ def _stalled_reference(ref: np.ndarray, ref_upd: np.ndarray, log_rms: np.ndarray
     if not t.update_ratio_below > 0:
         return np.zeros(ref.shape, dtype=bool)
     with np.errstate(invalid="ignore"):
-        all_rms = _median_where(log_rms, signal)
-        all_upd = _median_where(log_upd, signal & np.isfinite(log_upd))
+        all_rms = median_where(log_rms, signal)
+        all_upd = median_where(log_upd, signal & np.isfinite(log_upd))
         return ((ref_upd < np.log10(t.update_ratio_below)) & (all_upd - ref_upd >= t.update_decades)
                 & (all_rms - ref >= t.vanish_decades))
 
 
 @dataclass
-class _Steps:
+class Steps:
     """The rules evaluated on ``[S, L]`` records (or ``[1, L]`` for a single step)."""
 
-    raw: np.ndarray  # int8 status code per (step, layer); _ABSENT where no record
+    raw: np.ndarray  # int8 status code per (step, layer); ABSENT where no record
     size: np.ndarray
     rms: np.ndarray  # RMS of the nonzero finite values: a sparse gradient is judged on the rows that got one
     max_abs: np.ndarray
@@ -152,11 +152,11 @@ def _references(ref: np.ndarray, log_rms: np.ndarray, log_upd: np.ndarray, signa
                 t: th.Thresholds) -> tuple[np.ndarray, np.ndarray]:
     """The reference's log RMS and log learning rate per step; where the layers nearest the loss are sick
     themselves (:func:`_stalled_reference`), the network's median takes their place."""
-    ref_upd = _reference(np.where(signal, log_upd, np.nan), signal & np.isfinite(log_upd))
+    ref_upd = reference(np.where(signal, log_upd, np.nan), signal & np.isfinite(log_upd))
     stalled = _stalled_reference(ref, ref_upd, log_rms, log_upd, signal, t)
     if stalled.any():
-        ref = np.where(stalled, _median_where(log_rms, signal), ref)
-        ref_upd = np.where(stalled, _median_where(log_upd, signal & np.isfinite(log_upd)), ref_upd)
+        ref = np.where(stalled, median_where(log_rms, signal), ref)
+        ref_upd = np.where(stalled, median_where(log_upd, signal & np.isfinite(log_upd)), ref_upd)
     return ref, ref_upd
 
 
@@ -165,15 +165,15 @@ def _levels(records: np.ndarray, n_layers: int, v: dict[str, np.ndarray], groups
     """Each variable's live log RMS against the reference and its siblings (round-off candidates out of the
     reference), its learning rate against the reference layers', and whether its gradient sits at a clip."""
     live, rms = v["live"], v["rms"]
-    log_rms = np.where(live, _log10(rms), np.nan)
-    sibling = _loudest_sibling(log_rms, groups)
+    log_rms = np.where(live, log10(rms), np.nan)
+    sibling = loudest_sibling(log_rms, groups)
     quiet_sibling = live & (log_rms <= sibling - t.inert_decades)
-    ref = _reference(log_rms, live & ~quiet_sibling)
+    ref = reference(log_rms, live & ~quiet_sibling)
     low = (log_rms - ref[:, None] <= -t.vanish_decades) | (rms < t.vanish_rms_below)
     inert = _round_off(quiet_sibling, low, n_layers, groups)
     signal = live & ~inert
-    upd_rms, upd_ratio, weight_norm = _update_stats(records)
-    log_upd = _log10(upd_rms) - _layer_weight_scale(weight_norm, v["size"], groups)
+    upd_rms, upd_ratio, weight_norm = update_stats(records)
+    log_upd = log10(upd_rms) - layer_weight_scale(weight_norm, v["size"], groups)
     ref, ref_upd = _references(ref, log_rms, log_upd, signal, t)
     return _Levels(log_rms, sibling, inert, signal, ref, log_upd, ref_upd, upd_rms, upd_ratio, weight_norm,
                    pinned_at_clip(v["norm"]))
@@ -209,7 +209,7 @@ def _guards(lv: _Levels, size: np.ndarray, groups: list[np.ndarray], t: th.Thres
         above_roundoff = ~(lv.log_rms < peak + np.log10(ROUNDOFF))
         ref_peak = np.fmax.accumulate(np.where(np.isnan(lv.ref), -np.inf, lv.ref))
         converged = np.broadcast_to((lv.ref < ref_peak + np.log10(ROUNDOFF))[:, None], lv.log_rms.shape)
-    return _Guards(learns, calm, above_roundoff, _small_weights(lv.weight_norm, lv.upd_rms, size, groups), converged,
+    return _Guards(learns, calm, above_roundoff, small_weights(lv.weight_norm, lv.upd_rms, size, groups), converged,
                    size >= TREND_MIN_SIZE, np.isfinite(layerwise_common(lv.upd_ratio, lv.weight_norm, size)))
 
 
@@ -242,8 +242,8 @@ def _trend(lv: _Levels, signal: np.ndarray, g: _Guards, t: th.Thresholds, loss: 
     query and key kernels leaving their small init); within a decade below the reference it is a flag only where
     the loss says the network does not learn (it rises or swings by decades)."""
     log_sig = np.where(signal, lv.log_rms, np.nan)
-    base, typical = _window_stats(log_sig, t.growth_window)
-    ref_low, ref_mean = _window_stats(lv.ref[:, None], t.growth_window)
+    base, typical = window_stats(log_sig, t.growth_window)
+    ref_low, ref_mean = window_stats(lv.ref[:, None], t.growth_window)
     with np.errstate(invalid="ignore"):
         dec = lv.dec()
         # the layers nearest the loss rise by decades too (half the growth line): the whole network grows
@@ -279,7 +279,7 @@ def _exploding(lv: _Levels, v: dict[str, np.ndarray], signal: np.ndarray, g: _Gu
             "exp_feedback": live & g.big & ~g.small & _feedback(lv.log_rms, lv.log_upd, t),
             # A tensor too small for a trend of its own (a one-element bias) grows with its layer: its trend counts
             # while a larger variable of the layer grows by the trend rule too.
-            "exp_trend": trend & (g.big | _in_layer(trend & g.big, groups)),
+            "exp_trend": trend & (g.big | in_layer(trend & g.big, groups)),
             "exp_capped": _capped(lv, g, t),
             # The relative rule's level condition without its adaptive gate: the state a swinging loss condemns.
             "exp_level": signal & (dec >= t.explode_decades) & g.above_roundoff,
@@ -345,15 +345,15 @@ def _raw(v: dict[str, np.ndarray], flags: dict[str, np.ndarray], exploding: np.n
     raw[v["nonfinite"]] = th.NONFINITE
     raw[flags["skipped"]] = th.SKIPPED
     raw[v["missing"]] = th.MISSING
-    raw[~v["present"]] = th._ABSENT
+    raw[~v["present"]] = th.ABSENT
     return raw
 
 
-def _evaluate(records: np.ndarray, layers: Sequence[str], t: th.Thresholds, loss: LossWindows | None = None
-              ) -> _Steps:
+def evaluate(records: np.ndarray, layers: Sequence[str], t: th.Thresholds, loss: LossWindows | None = None
+              ) -> Steps:
     """Every rule at every (logged step, layer); see docs/DIAGNOSIS.md for each rule's reason. ``loss``: the
     recorded loss around each logged step, where it is recorded (the trend's evidence, a swinging loss)."""
-    v = _live(records)
+    v = live_stats(records)
     groups = layer_groups(layers)
     lv = _levels(records, len(layers), v, groups, t)
     g = _guards(lv, v["size"], groups, t)
@@ -361,7 +361,7 @@ def _evaluate(records: np.ndarray, layers: Sequence[str], t: th.Thresholds, loss
     # A variable far quieter than an exploding sibling is not receiving round-off: its layer's inputs are huge. It
     # is then judged by the exploding rules like any live variable (its own trend grows with its layer's); it stays
     # out of the vanishing rules, whose reference its layer's explosion has lifted.
-    inert = lv.inert & ~_in_layer(np.logical_or.reduce([exp[k] for k in EXPLODING_RULES[:-1]]), groups)
+    inert = lv.inert & ~in_layer(np.logical_or.reduce([exp[k] for k in EXPLODING_RULES[:-1]]), groups)
     if (inert != lv.inert).any():
         exp, base = _exploding(lv, v, v["live"] & ~inert, g, groups, t, loss)
     swings = _adaptive_swings(lv, v, loss, t)
@@ -374,6 +374,6 @@ def _evaluate(records: np.ndarray, layers: Sequence[str], t: th.Thresholds, loss
     exploding = np.logical_or.reduce([flags[k] for k in EXPLODING_RULES])
     flags["clipped"] = lv.clipped
     flags["loss_rise"] = np.full(v["live"].shape[0], np.nan) if loss is None else loss.rise
-    return _Steps(raw=_raw(v, flags, exploding), size=v["size"], rms=v["rms"], max_abs=v["max_abs"], norm=v["norm"],
+    return Steps(raw=_raw(v, flags, exploding), size=v["size"], rms=v["rms"], max_abs=v["max_abs"], norm=v["norm"],
                   log_rms=lv.log_rms, ref=lv.ref, log_upd=lv.log_upd, upd_ratio=lv.upd_ratio,
                   weight_norm=lv.weight_norm, ref_upd=lv.ref_upd, sibling=lv.sibling, base=base, flags=flags)

@@ -20,7 +20,7 @@ FLAG_CODES = frozenset(_CODE[s] for s in FLAGS)
 #: Raw code of a step whose NaN/Inf gradient the optimizer skipped (recorded update exactly zero): confirmed as
 #: ``nonfinite`` only when it lasts ``sustain_steps``, like the slow statuses.
 SKIPPED = len(STATUSES)
-_ABSENT = -1
+ABSENT = -1
 
 
 def _meta(default: float | int, lo: float, hi: float, step: float, description: str, log: bool = False) -> Any:
