@@ -701,3 +701,20 @@ def test_depth_profile_opens_at_the_last_step_that_shows_something():
     body = _payloads.profile_payload(series, Thresholds(), None)
     assert body["step"] == 20 and body["layers"][0]["rms"] is not None
     assert _payloads.profile_payload(series, Thresholds(), 30)["step"] == 30  # asked for: that step
+
+
+@pytest.mark.unit
+def test_status_codes_follow_the_documented_severity_order():
+    """The codes order the statuses as docs/DIAGNOSIS.md does (a lower code is worse), the words are what the JSON
+    carries, and the module constants are the same members."""
+    words = ["nonfinite", "exploding", "vanishing", "dead", "missing", "inert", "healthy"]
+    assert [s.word for s in sorted(health.Status)] == words == list(health.STATUSES)
+    assert list(health.FLAGS) == words[:5] and health.FLAG_CODES == {health.Status.of(w) for w in words[:5]}
+    assert health.VANISHING is health.Status.VANISHING and health.Status.of("dead") == health.DEAD == 3
+    assert health.Status.EXPLODING < health.Status.DEAD and not health.Status.INERT.is_flag
+    with pytest.raises(ValueError, match="unknown status 'sick'"):
+        health.Status.of("sick")
+    rms = _healthy_grid()
+    rms[:, 0] = 1e-11
+    lh = _diag(rms).by_layer()[_names(6)[0]]
+    assert lh.code == health.VANISHING and lh.to_json()["status"] == "vanishing"

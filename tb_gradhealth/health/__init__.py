@@ -39,6 +39,7 @@ from tb_gradhealth.health.thresholds import (
     SKIPPED,
     STATUSES,
     VANISHING,
+    Status,
     ThresholdError,
     Thresholds,
 )
@@ -46,5 +47,5 @@ from tb_gradhealth.health.thresholds import (
 __all__ = [
     "BLOWN_UP", "CHAIN_GAP", "DEAD", "EXPLODING", "FLAGS", "FLAG_CODES", "HEALTHY", "INERT", "MISSING", "NONFINITE",
     "REFERENCE_FRACTION", "REFERENCE_MIN", "SKIPPED", "STATUSES", "TREND_MIN_SIZE", "VANISHING", "LayerHealth",
-    "RunHealth", "ThresholdError", "Thresholds", "diagnose_run", "layer_groups", "profile",
+    "RunHealth", "Status", "ThresholdError", "Thresholds", "diagnose_run", "layer_groups", "profile",
 ]

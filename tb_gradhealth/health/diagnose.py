@@ -23,7 +23,7 @@ from tb_gradhealth.health.progress import (
 from tb_gradhealth.health.reasons import cause_first, layer_health
 from tb_gradhealth.health.result import BASE, LayerHealth, RunHealth
 from tb_gradhealth.health.rules import Steps, evaluate
-from tb_gradhealth.health.thresholds import MISSING, Thresholds
+from tb_gradhealth.health.thresholds import EXPLODING, HEALTHY, MISSING, VANISHING, Thresholds
 
 
 def _check_inputs(layers: Sequence[str], steps: np.ndarray, records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -62,7 +62,7 @@ def diagnose_run(
     steps, records = _up_to(*_check_inputs(layers, steps, records), at_step)
     t = thresholds
     if steps.size == 0 or len(layers) == 0:
-        out = [LayerHealth(name, i, "missing", BASE[MISSING], ["no record of this layer"], None, None)
+        out = [LayerHealth(name, i, MISSING.word, BASE[MISSING], ["no record of this layer"], None, None)
                for i, name in enumerate(layers)]
         return RunHealth(None, t, out)
     depth = group_depth(layers)
@@ -149,5 +149,5 @@ def _add_evidence(out: list[LayerHealth], records: np.ndarray, t: Thresholds, tr
         explain_kinds(out, layer_info)
     clip = global_clip_note(records)
     for lh in out if clip else ():
-        if lh.status in ("exploding", "vanishing", "healthy"):
+        if lh.code in (EXPLODING, VANISHING, HEALTHY):
             lh.reasons.append(clip)

@@ -48,11 +48,11 @@ def fixes(code: int, ev: Steps, track: Track, i: int, nan_here: bool,
             depth = ev.exp_rel[rows, i].any()
             out += ([_LEARNING_RATE] if lr or not depth else []) + ([_DEPTH_GROWTH] if depth else [])
         elif c == VANISHING:
-            out.append(kind_fix("vanishing", *info) or _VANISHING)
+            out.append(kind_fix(VANISHING, *info) or _VANISHING)
             if not ev.learns[rows, i].any():
                 out.append(_ADAPTIVE)
         elif c == DEAD:
-            out.append(kind_fix("dead", *info) or _DEAD)
+            out.append(kind_fix(DEAD, *info) or _DEAD)
         elif c == NONFINITE:
             out.append(_NONFINITE_HERE if nan_here else _LEARNING_RATE)
     return list(dict.fromkeys(out))

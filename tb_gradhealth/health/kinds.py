@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from tb_gradhealth.health.result import LayerHealth
-from tb_gradhealth.health.thresholds import FLAGS
+from tb_gradhealth.health.thresholds import DEAD, VANISHING, Status
 
 #: Activations whose derivative goes to zero at both ends: a deep stack of them shrinks the gradient.
 SATURATING = frozenset({"sigmoid", "tanh", "hard_sigmoid", "softsign", "softmax", "hard_tanh", "log_sigmoid"})
@@ -20,25 +20,25 @@ SATURATING = frozenset({"sigmoid", "tanh", "hard_sigmoid", "softsign", "softmax"
 RECTIFIERS = frozenset({"relu", "relu6"})
 
 
-def kind_fix(status: str, kind: str, act: str) -> str | None:
+def kind_fix(status: Status, kind: str, act: str) -> str | None:
     """The fix for ``status`` on a layer of this kind and activation, None where they do not decide it (unknown)."""
     what = f"this {kind or 'layer'}"
     act = act.lower()
-    if status == "vanishing" and act in SATURATING:
+    if status == VANISHING and act in SATURATING:
         return (f"{what} uses {act}, which saturates: use ReLU/GELU with He initialisation, add normalisation "
                 f"(BatchNorm/LayerNorm) or residual connections")
-    if status == "vanishing" and act:
+    if status == VANISHING and act:
         return (f"{what}'s activation ({act}) does not saturate: look at the initialisation scale, normalisation, "
                 f"or what scales the gradient down before it (a small multiplier, a stop_gradient, a saturating "
                 f"layer deeper in the network)")
-    if status == "dead" and act in RECTIFIERS:
+    if status == DEAD and act in RECTIFIERS:
         return (f"{what}'s {act} units are dead: lower the learning rate, use LeakyReLU/GELU, or initialise its "
                 f"bias at or above zero")
-    if status == "dead" and act in SATURATING:
+    if status == DEAD and act in SATURATING:
         return (f"{what}'s {act} units are saturated: their inputs are so large that {act}' is exactly 0 in floating "
                 f"point; lower the learning rate, use smaller initial weights (Glorot) or normalise the inputs "
                 f"(BatchNorm/LayerNorm)")
-    if status == "dead" and act:
+    if status == DEAD and act:
         return (f"{what}'s activation ({act}) does not die or saturate: the gradient is cut before it (a "
                 f"stop_gradient, a zero multiplier, a layer deeper in the network whose units are dead)")
     return None
@@ -48,6 +48,6 @@ def explain_kinds(out: list[LayerHealth], info: Mapping[str, tuple[str, str]]) -
     """Name each flagged layer's kind and activation in its reasons (its fixes are worded for them already)."""
     for lh in out:
         kind, act = info.get(lh.layer, ("", ""))
-        if lh.status not in FLAGS or not (kind or act):
+        if not lh.code.is_flag or not (kind or act):
             continue
         lh.reasons.append(f"layer: {kind or 'unknown kind'}" + (f", activation {act}" if act else ""))

@@ -17,7 +17,7 @@ import numpy as np
 
 from tb_gradhealth.health.levels import condemned_since, median_where, update_stats
 from tb_gradhealth.health.result import BASE, LayerHealth
-from tb_gradhealth.health.thresholds import EXPLODING, VANISHING, Thresholds
+from tb_gradhealth.health.thresholds import DEAD, EXPLODING, HEALTHY, VANISHING, Thresholds
 
 #: Fewer finite loss values than this say nothing about progress.
 MIN_POINTS = 8
@@ -162,16 +162,16 @@ def weigh_progress(out: list[LayerHealth], trend: LossTrend | None, t: Threshold
         return
     moved = f"{trend.change:+.1%} from the first to the last quarter of steps {trend.first_step}-{trend.last_step}"
     for lh in out:
-        if lh.status == "healthy" and trend.flat and (why := _barely_learns(lh, t)) is not None:
-            lh.status = "vanishing"
+        if lh.code == HEALTHY and trend.flat and (why := _barely_learns(lh, t)) is not None:
+            lh.status = VANISHING.word
             lh.severity = BASE[VANISHING] + 1.0
             lh.first_step = lh.status_since = trend.first_step
             lh.fixes = [NOT_LEARNING_FIX]
             lh.reasons = [f"not learning: the loss did not move ({moved}) while this layer barely learns ({why})",
                           *lh.reasons]
-        elif lh.status in ("vanishing", "dead") and trend.falls:
+        elif lh.code in (VANISHING, DEAD) and trend.falls:
             lh.reasons.append(f"note: the loss falls ({moved}), so the network learns; this layer's "
-                              f"{lh.status} gradient costs it {'capacity' if lh.status == 'dead' else 'speed'}, "
+                              f"{lh.status} gradient costs it {'capacity' if lh.code == DEAD else 'speed'}, "
                               f"not all progress")
 
 
@@ -238,13 +238,13 @@ def weigh_growth(out: list[LayerHealth], trend: LossTrend | None, growth: Update
     moved = f"{trend.change:+.1%} from the first to the last quarter of steps {trend.first_step}-{trend.last_step}"
     for lh in out:
         g = growth.growth[lh.index]
-        if lh.status != "healthy" or not g > 0:
+        if lh.code != HEALTHY or not g > 0:
             continue
-        lh.status = "exploding"
+        lh.status = EXPLODING.word
         lh.severity = BASE[EXPLODING] + 1.0
         since = int(growth.since[lh.index])
         lh.first_step = lh.status_since = since
-        lh.episodes = [*lh.episodes, {"status": "exploding", "from": since, "to": last_step}]
+        lh.episodes = [*lh.episodes, {"status": EXPLODING.word, "from": since, "to": last_step}]
         lh.fixes = [ACCUMULATE_FIX, GROWING_LR_FIX]
         lh.reasons = [f"the loss rose ({moved}) while this layer's updates grew {10.0 ** g:.1f}x ({g:.2f} decades, "
                       f"the median layer's {growth.typical:.2f}: faster than the loss) since step {since}: "

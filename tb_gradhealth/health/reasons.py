@@ -27,7 +27,7 @@ def layer_health(ev: Steps, steps: np.ndarray, layers: Sequence[str], i: int, d:
     recorded them), chain start and the onset of its current status."""
     name = layers[i]
     if track is None:
-        return LayerHealth(name, i, "missing", BASE[th.MISSING] + 1.0,
+        return LayerHealth(name, i, th.MISSING.word, BASE[th.MISSING] + 1.0,
                            [f"no record of this layer at or before step {int(steps[-1])}"], None, None)
     code = track.code
     s = int(track.rows[-1])
@@ -107,7 +107,7 @@ def _culprit(tied: list[LayerHealth], status: str, ranked: list[LayerHealth], de
     """Where a chain that began at one step on several layers started, named by that layer's largest tied variable
     (:func:`deepest_first`). Exploding, NaN and the rest: the deepest layer, which backprop reaches first.
     Vanishing: see :func:`_vanishing_layer`."""
-    if status == "vanishing":
+    if status == th.VANISHING.word:
         tied = _vanishing_layer(tied, ranked, depth) or tied
     size = np.zeros(len(depth))
     for lh in ranked:

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from tb_gradhealth.health.thresholds import STATUSES, Thresholds
+from tb_gradhealth.health.thresholds import STATUSES, Status, Thresholds
 
 #: Severity = base of the status + a within-status part in [0, SPAN): statuses never overlap.
 SPAN = 1000.0
@@ -71,6 +71,11 @@ class LayerHealth:
     #: where the last record has NaN/Inf: the latest record whose values were all finite,
     #: ``{"step", "rms", "max_abs", "norm"}``; None otherwise (or when no record was finite)
     last_finite: dict[str, Any] | None = None
+
+    @property
+    def code(self) -> Status:
+        """:attr:`status` as a :class:`Status`, for comparisons (the field keeps the word the JSON carries)."""
+        return Status.of(self.status)
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -7,16 +7,48 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import IntEnum
 from typing import Any
 
-#: Status words, most severe first: this is also the severity order. ``inert`` (a parameter that only ever receives
-#: round-off) and ``healthy`` are not flags.
-STATUSES: tuple[str, ...] = ("nonfinite", "exploding", "vanishing", "dead", "missing", "inert", "healthy")
+
+class Status(IntEnum):
+    """A layer's status, most severe first: the code is also the severity order (a lower code is worse). The JSON
+    and the views carry the :attr:`word`. ``inert`` (a parameter that only ever receives round-off) and
+    ``healthy`` are not flags."""
+
+    NONFINITE = 0
+    EXPLODING = 1
+    VANISHING = 2
+    DEAD = 3
+    MISSING = 4
+    INERT = 5
+    HEALTHY = 6
+
+    @property
+    def word(self) -> str:
+        """The status as the JSON, the reasons and the views spell it ("vanishing")."""
+        return self.name.lower()
+
+    @property
+    def is_flag(self) -> bool:
+        """Whether the status counts as a problem (counted, ranked, gates the CLI through ``--fail-on``)."""
+        return self < Status.INERT
+
+    @classmethod
+    def of(cls, word: str) -> Status:
+        """The status spelt ``word`` (ValueError for a word that is none)."""
+        try:
+            return cls[word.upper()]
+        except KeyError:
+            raise ValueError(f"unknown status {word!r}: statuses are {', '.join(STATUSES)}") from None
+
+
+#: Status words, most severe first: this is also the severity order.
+STATUSES: tuple[str, ...] = tuple(s.word for s in Status)
 #: The statuses that count as a problem (counted, ranked, gate the CLI by default through ``--fail-on``).
-FLAGS: tuple[str, ...] = STATUSES[:5]
-_CODE = {name: i for i, name in enumerate(STATUSES)}
-NONFINITE, EXPLODING, VANISHING, DEAD, MISSING, INERT, HEALTHY = range(len(STATUSES))
-FLAG_CODES = frozenset(_CODE[s] for s in FLAGS)
+FLAGS: tuple[str, ...] = tuple(s.word for s in Status if s.is_flag)
+NONFINITE, EXPLODING, VANISHING, DEAD, MISSING, INERT, HEALTHY = Status
+FLAG_CODES: frozenset[Status] = frozenset(s for s in Status if s.is_flag)
 #: Raw code of a step whose NaN/Inf gradient the optimizer skipped (recorded update exactly zero): confirmed as
 #: ``nonfinite`` only when it lasts ``sustain_steps``, like the slow statuses.
 SKIPPED = len(STATUSES)
