@@ -718,3 +718,24 @@ def test_status_codes_follow_the_documented_severity_order():
     rms[:, 0] = 1e-11
     lh = _diag(rms).by_layer()[_names(6)[0]]
     assert lh.code == health.VANISHING and lh.to_json()["status"] == "vanishing"
+
+
+@pytest.mark.unit
+def test_results_are_built_by_keyword_and_frozen():
+    """A diagnosis is a value: its layers and the run cannot be changed after the fact, nor built from a row of
+    positional arguments whose order a new field would silently shift."""
+    import dataclasses
+
+    rms = _healthy_grid()
+    rms[:, 0] = 1e-11
+    run = _diag(rms)
+    lh = run.layers[0]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        lh.status = "healthy"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.layers = []
+    with pytest.raises(TypeError):
+        health.LayerHealth("a", 0, "healthy", 0.0, [], None, None)
+    with pytest.raises(TypeError):
+        health.RunHealth(None, Thresholds(), [])
+    assert [x.rank for x in run.layers] == list(range(1, 7)) and run.layers[0].rank_reason == "cause"

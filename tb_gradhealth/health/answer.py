@@ -8,6 +8,7 @@ where several layers reach a status at one logged step the views name the answer
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -90,8 +91,8 @@ def legacy_fields(answer: dict[str, Any] | None) -> tuple[dict[str, Any] | None,
     return first_bad, cause
 
 
-def assign_ranks(ranked: list[LayerHealth], answer: dict[str, Any] | None) -> None:
-    """``rank`` (1-based) and ``rank_reason``: "cause" for the answer's layer, "severity" for the others."""
-    for k, lh in enumerate(ranked, 1):
-        lh.rank = k
-        lh.rank_reason = "cause" if answer is not None and k == 1 else "severity"
+def assign_ranks(ranked: list[LayerHealth], answer: dict[str, Any] | None) -> list[LayerHealth]:
+    """The layers in ``ranked`` order with their ``rank`` (1-based) and ``rank_reason``: "cause" for the answer's
+    layer, "severity" for the others."""
+    return [dataclasses.replace(lh, rank=k, rank_reason="cause" if answer is not None and k == 1 else "severity")
+            for k, lh in enumerate(ranked, 1)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -62,25 +63,27 @@ def diagnose_run(
     steps, records = _up_to(*_check_inputs(layers, steps, records), at_step)
     t = thresholds
     if steps.size == 0 or len(layers) == 0:
-        out = [LayerHealth(name, i, MISSING.word, BASE[MISSING], ["no record of this layer"], None, None)
+        out = [LayerHealth(layer=name, index=i, status=MISSING.word, severity=BASE[MISSING],
+                           reasons=["no record of this layer"], first_step=None, step=None)
                for i, name in enumerate(layers)]
-        return RunHealth(None, t, out)
+        return RunHealth(step=None, thresholds=t, layers=out)
     depth = group_depth(layers)
     windows = loss_windows(steps, progress, t) if progress is not None else None
     out, borrowed = _layer_healths(evaluate(records, layers, t, windows), steps, records, layers, t, depth,
                                    layer_info or {})
     trend = loss_trend(progress[0], progress[1], int(steps[-1])) if progress is not None else None
-    _add_evidence(out, records, t, trend, layer_info)
-    weigh_growth(out, trend, update_growth(steps, records) if trend is not None else None, int(steps[-1]))
-    _last_finite(out, steps, records)
+    out = _add_evidence(out, records, t, trend, layer_info)
+    out = weigh_growth(out, trend, update_growth(steps, records) if trend is not None else None, int(steps[-1]))
+    out = _last_finite(out, steps, records)
     ranked, is_cause = cause_first(sorted(out, key=lambda lh: (-lh.severity, lh.index)), borrowed, depth)
     answer = run_answer(ranked, is_cause, (int(steps[0]), int(steps[-1])))
-    assign_ranks(ranked, answer)
+    ranked = assign_ranks(ranked, answer)
     first_bad, cause = legacy_fields(answer)
     timeline, earlier = run_timeline(out, answer, depth)
     blowup = loss_blowup(progress[0], progress[1], int(steps[-1])) if progress is not None else None
-    return RunHealth(int(steps[-1]), t, ranked, first_bad, onset(out), timeline, cause,
-                     trend.to_json() if trend is not None else None, answer, earlier, blowup)
+    return RunHealth(step=int(steps[-1]), thresholds=t, layers=ranked, first_bad=first_bad, onset=onset(out),
+                     timeline=timeline, cause=cause, loss_trend=trend.to_json() if trend is not None else None,
+                     answer=answer, earlier=earlier, loss_nonfinite=blowup)
 
 
 def _up_to(steps: np.ndarray, records: np.ndarray, at_step: int | None) -> tuple[np.ndarray, np.ndarray]:
@@ -122,32 +125,36 @@ def _first_nonfinite(nonfinite: np.ndarray, depth: np.ndarray, size: np.ndarray)
     return r, int(max(bad, key=lambda i: deepest_first(depth, size, int(i)))), int(bad.size)
 
 
-def _last_finite(out: list[LayerHealth], steps: np.ndarray, records: np.ndarray) -> None:
-    """``last_finite`` of each layer whose last record holds NaN/Inf: the step and magnitudes of its latest record
-    whose values were all finite (what the gradient was just before), None when it has none."""
+def _last_finite(out: list[LayerHealth], steps: np.ndarray, records: np.ndarray) -> list[LayerHealth]:
+    """The layers with ``last_finite`` set where the last record holds NaN/Inf: the step and magnitudes of its
+    latest record whose values were all finite (what the gradient was just before); None when it has none."""
     counts = record.nonfinite_count(records)  # [S, L], NaN where a layer has no record
     present = ~np.isnan(records[..., record.INDEX["size"]])
     with np.errstate(invalid="ignore"):
         finite = present & (counts == 0) & (record.finite_count(records) > 0)
+    healed = []
     for lh in out:
         col = present[:, lh.index]
-        if not col.any() or counts[np.flatnonzero(col)[-1], lh.index] == 0:
-            continue
         good = np.flatnonzero(finite[:, lh.index])
-        if good.size == 0:
+        if not col.any() or counts[np.flatnonzero(col)[-1], lh.index] == 0 or good.size == 0:
+            healed.append(lh)
             continue
         d = record.derived(records[good[-1], lh.index][None])
-        lh.last_finite = {"step": int(steps[good[-1]]), **{k: float(d[k][0]) for k in ("rms", "max_abs", "norm")}}
+        healed.append(dataclasses.replace(lh, last_finite={
+            "step": int(steps[good[-1]]), **{k: float(d[k][0]) for k in ("rms", "max_abs", "norm")}}))
+    return healed
 
 
 def _add_evidence(out: list[LayerHealth], records: np.ndarray, t: Thresholds, trend: LossTrend | None,
-                  layer_info: Mapping[str, tuple[str, str]] | None) -> None:
-    """What the records alone do not hold: the training loss, the layers' kinds, the optimizer's global clip."""
+                  layer_info: Mapping[str, tuple[str, str]] | None) -> list[LayerHealth]:
+    """The layers with what the records alone do not hold: the training loss, the layers' kinds, the optimizer's
+    global clip."""
     if trend is not None:
-        weigh_progress(out, trend, t)
+        out = weigh_progress(out, trend, t)
     if layer_info:
-        explain_kinds(out, layer_info)
+        out = explain_kinds(out, layer_info)
     clip = global_clip_note(records)
-    for lh in out if clip else ():
-        if lh.code in (EXPLODING, VANISHING, HEALTHY):
-            lh.reasons.append(clip)
+    if not clip:
+        return list(out)
+    return [dataclasses.replace(lh, reasons=[*lh.reasons, clip]) if lh.code in (EXPLODING, VANISHING, HEALTHY)
+            else lh for lh in out]

@@ -9,6 +9,7 @@ advice.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 from tb_gradhealth.health.result import LayerHealth
@@ -44,10 +45,14 @@ def kind_fix(status: Status, kind: str, act: str) -> str | None:
     return None
 
 
-def explain_kinds(out: list[LayerHealth], info: Mapping[str, tuple[str, str]]) -> None:
-    """Name each flagged layer's kind and activation in its reasons (its fixes are worded for them already)."""
-    for lh in out:
-        kind, act = info.get(lh.layer, ("", ""))
-        if not lh.code.is_flag or not (kind or act):
-            continue
-        lh.reasons.append(f"layer: {kind or 'unknown kind'}" + (f", activation {act}" if act else ""))
+def explain_kinds(out: list[LayerHealth], info: Mapping[str, tuple[str, str]]) -> list[LayerHealth]:
+    """The layers, each flagged one with its kind and activation named in its reasons (its fixes are worded for
+    them already)."""
+    return [_with_kind(lh, *info.get(lh.layer, ("", ""))) for lh in out]
+
+
+def _with_kind(lh: LayerHealth, kind: str, act: str) -> LayerHealth:
+    if not lh.code.is_flag or not (kind or act):
+        return lh
+    return dataclasses.replace(lh, reasons=[*lh.reasons, f"layer: {kind or 'unknown kind'}"
+                                            + (f", activation {act}" if act else "")])

@@ -9,6 +9,7 @@ or more early in the run has converged and is not "not learning".
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -155,24 +156,28 @@ def _barely_learns(lh: LayerHealth, t: Thresholds) -> str | None:
     return None
 
 
-def weigh_progress(out: list[LayerHealth], trend: LossTrend | None, t: Thresholds) -> None:
-    """Use the loss's trend in place: flag the healthy layers that barely learn while the loss is flat (vanishing,
-    from the first step the loss was recorded), and state a falling loss beside vanishing and dead layers."""
+def weigh_progress(out: list[LayerHealth], trend: LossTrend | None, t: Thresholds) -> list[LayerHealth]:
+    """The layers with the loss's trend used: the healthy layers that barely learn while the loss is flat are
+    vanishing (from the first step the loss was recorded), and a falling loss is stated beside vanishing and dead
+    layers."""
     if trend is None:
-        return
+        return list(out)
+    return [_weigh_one(lh, trend, t) for lh in out]
+
+
+def _weigh_one(lh: LayerHealth, trend: LossTrend, t: Thresholds) -> LayerHealth:
     moved = f"{trend.change:+.1%} from the first to the last quarter of steps {trend.first_step}-{trend.last_step}"
-    for lh in out:
-        if lh.code == HEALTHY and trend.flat and (why := _barely_learns(lh, t)) is not None:
-            lh.status = VANISHING.word
-            lh.severity = BASE[VANISHING] + 1.0
-            lh.first_step = lh.status_since = trend.first_step
-            lh.fixes = [NOT_LEARNING_FIX]
-            lh.reasons = [f"not learning: the loss did not move ({moved}) while this layer barely learns ({why})",
-                          *lh.reasons]
-        elif lh.code in (VANISHING, DEAD) and trend.falls:
-            lh.reasons.append(f"note: the loss falls ({moved}), so the network learns; this layer's "
-                              f"{lh.status} gradient costs it {'capacity' if lh.code == DEAD else 'speed'}, "
-                              f"not all progress")
+    if lh.code == HEALTHY and trend.flat and (why := _barely_learns(lh, t)) is not None:
+        return dataclasses.replace(
+            lh, status=VANISHING.word, severity=BASE[VANISHING] + 1.0, first_step=trend.first_step,
+            status_since=trend.first_step, fixes=[NOT_LEARNING_FIX],
+            reasons=[f"not learning: the loss did not move ({moved}) while this layer barely learns ({why})",
+                     *lh.reasons])
+    if lh.code in (VANISHING, DEAD) and trend.falls:
+        return dataclasses.replace(lh, reasons=[
+            *lh.reasons, f"note: the loss falls ({moved}), so the network learns; this layer's {lh.status} gradient "
+            f"costs it {'capacity' if lh.code == DEAD else 'speed'}, not all progress"])
+    return lh
 
 
 
@@ -223,7 +228,7 @@ def update_growth(steps: np.ndarray, records: np.ndarray) -> UpdateGrowth | None
 
 
 def weigh_growth(out: list[LayerHealth], trend: LossTrend | None, growth: UpdateGrowth | None,
-                 last_step: int) -> None:
+                 last_step: int) -> list[LayerHealth]:
     """A loss that rises over the run while the updates grow steadily from the first logged step, and faster than
     the loss, is a blow-up the gradient rules need not see (gradients that accumulate because nothing zeroes them
     grow step after step, not by decades): every healthy layer whose update grew is ``exploding`` from the step its
@@ -231,23 +236,25 @@ def weigh_growth(out: list[LayerHealth], trend: LossTrend | None, growth: Update
     at first shows neither: its updates shrink before they grow, and its loss falls. Ratios only: the loss's rise
     and the updates' growth in decades, against each other."""
     if trend is None or growth is None or not growth.steady or not trend.change > FLAT:
-        return
-    rose = math.log10(1.0 + trend.change)
-    if not growth.typical > rose:
-        return
+        return list(out)
+    if not growth.typical > math.log10(1.0 + trend.change):
+        return list(out)
+    return [_grown(lh, trend, growth, last_step) for lh in out]
+
+
+def _grown(lh: LayerHealth, trend: LossTrend, growth: UpdateGrowth, last_step: int) -> LayerHealth:
+    """``lh`` exploding since its update first exceeded its first one, where it is healthy and its update grew."""
+    g = growth.growth[lh.index]
+    if lh.code != HEALTHY or not g > 0:
+        return lh
     moved = f"{trend.change:+.1%} from the first to the last quarter of steps {trend.first_step}-{trend.last_step}"
-    for lh in out:
-        g = growth.growth[lh.index]
-        if lh.code != HEALTHY or not g > 0:
-            continue
-        lh.status = EXPLODING.word
-        lh.severity = BASE[EXPLODING] + 1.0
-        since = int(growth.since[lh.index])
-        lh.first_step = lh.status_since = since
-        lh.episodes = [*lh.episodes, {"status": EXPLODING.word, "from": since, "to": last_step}]
-        lh.fixes = [ACCUMULATE_FIX, GROWING_LR_FIX]
-        lh.reasons = [f"the loss rose ({moved}) while this layer's updates grew {10.0 ** g:.1f}x ({g:.2f} decades, "
-                      f"the median layer's {growth.typical:.2f}: faster than the loss) since step {since}: "
-                      f"the steps drive the loss up, as when gradients accumulate instead of being zeroed (or a "
-                      f"learning rate grows step after step)",
-                      *lh.reasons]
+    since = int(growth.since[lh.index])
+    return dataclasses.replace(
+        lh, status=EXPLODING.word, severity=BASE[EXPLODING] + 1.0, first_step=since, status_since=since,
+        episodes=[*lh.episodes, {"status": EXPLODING.word, "from": since, "to": last_step}],
+        fixes=[ACCUMULATE_FIX, GROWING_LR_FIX],
+        reasons=[f"the loss rose ({moved}) while this layer's updates grew {10.0 ** g:.1f}x ({g:.2f} decades, "
+                 f"the median layer's {growth.typical:.2f}: faster than the loss) since step {since}: "
+                 f"the steps drive the loss up, as when gradients accumulate instead of being zeroed (or a "
+                 f"learning rate grows step after step)",
+                 *lh.reasons])

@@ -27,14 +27,17 @@ def layer_health(ev: Steps, steps: np.ndarray, layers: Sequence[str], i: int, d:
     recorded them), chain start and the onset of its current status."""
     name = layers[i]
     if track is None:
-        return LayerHealth(name, i, th.MISSING.word, BASE[th.MISSING] + 1.0,
-                           [f"no record of this layer at or before step {int(steps[-1])}"], None, None)
+        return LayerHealth(layer=name, index=i, status=th.MISSING.word, severity=BASE[th.MISSING] + 1.0,
+                           reasons=[f"no record of this layer at or before step {int(steps[-1])}"], first_step=None,
+                           step=None)
     code = track.code
     s = int(track.rows[-1])
     last = track.runs[-1]
     chain = track.chain_start()
-    ctx = _Ctx(ev, steps, s, i, last[2] - last[1] + 1, int(steps[track.rows[last[1]]]), t,
-               int(track.rows[last[1] - 1]) if last[1] > 0 else int(track.rows[0]), th.STATUSES[code], info[1])
+    ctx = _Ctx(ev=ev, steps=steps, s=s, i=i, run_len=last[2] - last[1] + 1,
+               run_first_step=int(steps[track.rows[last[1]]]), t=t,
+               before_row=int(track.rows[last[1] - 1]) if last[1] > 0 else int(track.rows[0]),
+               status=th.STATUSES[code], activation=info[1])
     reasons, excess = _reasons(code, ctx, d, i)
     if track.unconfirmed is not None:
         need = max(2, track.need) if track.unconfirmed[0] == th.DEAD else track.need
@@ -142,7 +145,7 @@ def _vanishing_layer(tied: list[LayerHealth], ranked: list[LayerHealth], depth: 
     return [lh for lh in tied if depth[lh.index] == depth[low_i]]
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class _Ctx:
     ev: Steps
     steps: np.ndarray

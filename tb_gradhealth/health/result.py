@@ -37,7 +37,7 @@ def json_float(x: Any) -> float | None:
     return x if math.isfinite(x) else None
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class LayerHealth:
     """The diagnosis of one layer (variable); numbers are those of its last record at or before the step."""
 
@@ -101,7 +101,7 @@ class LayerHealth:
         }
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class RunHealth:
     """A run's diagnosis at one step: every layer, worst first."""
 
