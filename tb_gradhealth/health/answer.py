@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 
 from tb_gradhealth.health.result import LayerHealth
-from tb_gradhealth.health.thresholds import FLAGS
 
 
 def group_depth(layers: Sequence[str]) -> np.ndarray:
@@ -66,7 +65,7 @@ def headline(layer: str, status: str, step: int, now: str, now_since: int | None
 def run_answer(ranked: list[LayerHealth], is_cause: bool, span: tuple[int, int]) -> dict[str, Any] | None:
     """The answer (``summary.answer``) from the ranking whose first row is the cause; None when nothing is flagged.
     ``span``: the run's first and last logged step."""
-    if not is_cause or not ranked or ranked[0].status not in FLAGS:
+    if not is_cause or not ranked or not ranked[0].code.is_flag:
         return None
     top = ranked[0]
     chain = answer_chain(top, span)
@@ -76,7 +75,7 @@ def run_answer(ranked: list[LayerHealth], is_cause: bool, span: tuple[int, int])
     return {
         "layer": top.layer, "index": top.index, "status": first["status"], "step": int(first["from"]),
         "now": top.status, "now_since": since, "chain": chain, "story": story, "fixes": list(top.fixes),
-        "flagged": sum(1 for lh in ranked if lh.status in FLAGS),
+        "flagged": sum(1 for lh in ranked if lh.code.is_flag),
         "headline": headline(top.layer, first["status"], int(first["from"]), top.status, since),
     }
 

@@ -88,12 +88,12 @@ def cause_first(ranked: list[LayerHealth], borrowed: frozenset[str] = frozenset(
     layer); the onset is their layer's, not evidence of their own, so they are the cause only when nothing else ties.
     ``depth``: :func:`~tb_gradhealth.health.answer.group_depth` of the layers (default: each variable its own
     layer). The answer's words are :func:`tb_gradhealth.health.answer.run_answer`'s."""
-    if not ranked or ranked[0].status not in th.FLAGS:
+    if not ranked or not ranked[0].code.is_flag:
         return ranked, False
     if depth is None:
         depth = np.arange(max(lh.index for lh in ranked) + 1)
-    worst = ranked[0].status
-    chains = [lh for lh in ranked if lh.status == worst and lh.first_step is not None]
+    worst = ranked[0].code
+    chains = [lh for lh in ranked if lh.code == worst and lh.first_step is not None]
     began = min((lh.first_step for lh in chains), default=None)
     tied = [lh for lh in chains if lh.first_step == began]
     tied = [lh for lh in tied if lh.layer not in borrowed] or tied
@@ -106,11 +106,11 @@ def cause_first(ranked: list[LayerHealth], borrowed: frozenset[str] = frozenset(
 PLATEAU_DECADES = 1.0
 
 
-def _culprit(tied: list[LayerHealth], status: str, ranked: list[LayerHealth], depth: np.ndarray) -> LayerHealth:
+def _culprit(tied: list[LayerHealth], status: th.Status, ranked: list[LayerHealth], depth: np.ndarray) -> LayerHealth:
     """Where a chain that began at one step on several layers started, named by that layer's largest tied variable
     (:func:`deepest_first`). Exploding, NaN and the rest: the deepest layer, which backprop reaches first.
     Vanishing: see :func:`_vanishing_layer`."""
-    if status == th.VANISHING.word:
+    if status == th.VANISHING:
         tied = _vanishing_layer(tied, ranked, depth) or tied
     size = np.zeros(len(depth))
     for lh in ranked:
