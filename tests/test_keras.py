@@ -637,7 +637,9 @@ def test_after_a_fit_every_part_holds_only_the_attributes_its_init_sets(tmp_path
         if isinstance(obj, keras.callbacks.Callback):
             allowed |= set(vars(keras_base))
         assert set(vars(obj)) <= allowed, (type(obj).__name__, set(vars(obj)) - allowed)
-    # the path held is the one the decision function gives for this set-up
+    # the path held is the one the decision function gives for this set-up (Keras 3.0 never reports the conditional
+    # update: its gradients come out, so the first choice stands)
+    conditional = setup == "conditional_update" and not keras.__version__.startswith("3.0.")
     again = gh_keras._choose_capture(cb._capture.kit, 2 if setup == "in_the_step" else 1,
-                                     conditional_update=setup == "conditional_update")
+                                     conditional_update=conditional)
     assert type(cb._capture) is type(again)

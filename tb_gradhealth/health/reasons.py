@@ -39,12 +39,7 @@ def layer_health(ev: Steps, steps: np.ndarray, layers: Sequence[str], i: int, d:
                before_row=int(track.rows[last[1] - 1]) if last[1] > 0 else int(track.rows[0]),
                status=th.STATUSES[code], activation=info[1])
     reasons, excess = _reasons(code, ctx, d, i)
-    if track.unconfirmed is not None:
-        need = max(2, track.need) if track.unconfirmed[0] == th.DEAD else track.need
-        reasons.append(_unconfirmed_note(track.unconfirmed, ctx, min(need, t.sustain_steps)))
-    if code in (th.VANISHING, th.DEAD) and track.need < t.sustain_steps:
-        reasons.append(f"note: a short run ({len(track.rows)} logged step(s)): confirmed over {track.need} logged "
-                       f"step(s) instead of {t.sustain_steps}, so less certain; more logged steps would confirm it")
+    reasons += _confirmation_notes(code, track, ctx, t)
     ever_nonfinite = ev.nonfinite[:, i]
     if code != th.NONFINITE and ever_nonfinite.any():
         reasons.append(_past_nonfinite_note(ever_nonfinite, ev.skipped[:, i], steps))
@@ -54,14 +49,8 @@ def layer_health(ev: Steps, steps: np.ndarray, layers: Sequence[str], i: int, d:
         reasons.extend(_ratio_notes(d, i, t))
         reasons.extend(optimizer_notes(ev, s, i))
     flagged = code not in (th.HEALTHY, th.INERT)
-    persistence = last[2] - chain + 1
-    severity = 0.0 if not flagged else BASE[code] + min(SPAN - 2.0, (1.0 + excess) * persistence)
-    if code == th.INERT:
-        severity = BASE[th.INERT] + 1.0
-    if flagged and origin is not None and origin[1] == i and track.rows[chain] <= origin[0]:
-        # The layer where NaN/Inf started ranks first while it is flagged, whatever it turned into since (a layer
-        # whose weights became NaN often has an all-zero gradient afterwards).
-        severity = BASE[th.NONFINITE] + SPAN - 1.0
+    severity = _severity(code, excess, last[2] - chain + 1, origin is not None and origin[1] == i
+                         and track.rows[chain] <= origin[0])
     nan_here = origin is not None and origin[1] == i
     first_step = int(steps[track.rows[chain]]) if flagged else None
     since = int(steps[track.rows[max(last[1], chain)]]) if flagged else None
@@ -77,6 +66,31 @@ def layer_health(ev: Steps, steps: np.ndarray, layers: Sequence[str], i: int, d:
                                        "update_to_weight", "noise", "weight_norm")},
         nan=int(d["nan"][i]), inf=int(d["inf"][i]),
     )
+
+
+def _confirmation_notes(code: int, track: Track, ctx: _Ctx, t: th.Thresholds) -> list[str]:
+    """A trailing slow run not yet confirmed, and a slow status confirmed over fewer steps on a short run."""
+    notes = []
+    if track.unconfirmed is not None:
+        need = max(2, track.need) if track.unconfirmed[0] == th.DEAD else track.need
+        notes.append(_unconfirmed_note(track.unconfirmed, ctx, min(need, t.sustain_steps)))
+    if code in (th.VANISHING, th.DEAD) and track.need < t.sustain_steps:
+        notes.append(f"note: a short run ({len(track.rows)} logged step(s)): confirmed over {track.need} logged "
+                     f"step(s) instead of {t.sustain_steps}, so less certain; more logged steps would confirm it")
+    return notes
+
+
+def _severity(code: int, excess: float, persistence: int, nan_started_here: bool) -> float:
+    """Base of the status plus how far beyond its line and for how many logged steps of its chain; the layer where
+    NaN/Inf started ranks first while it is flagged, whatever it turned into since (a layer whose weights became NaN
+    often has an all-zero gradient afterwards)."""
+    if code == th.INERT:
+        return BASE[th.INERT] + 1.0
+    if code == th.HEALTHY:
+        return 0.0
+    if nan_started_here:
+        return BASE[th.NONFINITE] + SPAN - 1.0
+    return BASE[code] + min(SPAN - 2.0, (1.0 + excess) * persistence)
 
 
 def cause_first(ranked: list[LayerHealth], borrowed: frozenset[str] = frozenset(), depth: np.ndarray | None = None
