@@ -48,7 +48,7 @@ def answer_of(summary: dict[str, Any]) -> dict[str, Any] | None:
 
 def loss_text(summary: dict[str, Any]) -> str | None:
     """``loss +1,105% (steps 0-99)`` from ``summary.loss_trend``, or ``loss NaN/Inf from step 54 (last finite 3.1e+03
-    at step 53, 1,234x its early level)`` from ``summary.loss_nonfinite``; None when the writer recorded no loss."""
+    at step 53, 1.23e+03x its early level)`` from ``summary.loss_nonfinite``; None when the writer recorded no loss."""
     blowup = summary.get("loss_nonfinite")
     if blowup:
         return f"loss NaN/Inf from step {blowup['step']}" + _last_finite_loss(blowup)
@@ -62,8 +62,7 @@ def loss_text(summary: dict[str, Any]) -> str | None:
 def _last_finite_loss(blowup: dict[str, Any]) -> str:
     if blowup.get("last_finite") is None:
         return ""
-    r = blowup.get("ratio")
-    ratio = f", {format_count(r) if r >= 10 else f'{r:.2g}'}x its early level" if r else ""
+    ratio = f", {format_magnitude(blowup['ratio'])}x its early level" if blowup.get("ratio") else ""
     return f" (last finite {format_magnitude(blowup['last_finite'])} at step {blowup['last_finite_step']}{ratio})"
 
 

@@ -445,7 +445,8 @@ def test_a_logdir_of_plain_tensorboard_runs_lists_them(capsys, tmp_path):
 @pytest.mark.unit
 def test_a_loss_that_went_nan_is_printed_with_its_step_and_last_finite_value(capsys, tmp_path):
     # Planted: the loss doubles each step from 1.0 over steps 0-9 (the last finite 512 at step 9), NaN from step 10;
-    # its early level is the median of the first quarter of its 10 finite values (1 and 2): 512 / 1.5 = 341.3.
+    # its early level is the median of the first quarter of its 10 finite values (1 and 2): 512 / 1.5 = 341.3, printed
+    # to 3 significant figures as every magnitude is.
     rng = np.random.default_rng(3)
     with Writer(str(tmp_path / "diverged")) as w:
         for step in range(14):

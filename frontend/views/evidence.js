@@ -20,11 +20,10 @@ function trendWord(trend) {
   return trend.falls ? 'falling' : 'rising';
 }
 
-/** " (last finite 3.1e+03 at step 53, 1,234x its early level)" for `summary.loss_nonfinite`, as the CLI words it. */
+/** " (last finite 3.1e+03 at step 53, 1.23e+03x its early level)" for `summary.loss_nonfinite`, as the CLI words it. */
 function lastFiniteLoss(blowup) {
   if (blowup.last_finite === null || blowup.last_finite === undefined) return '';
-  const r = blowup.ratio;
-  const ratio = r ? `, ${r >= 10 ? count(r) : magnitude(r, 2)}x its early level` : '';
+  const ratio = blowup.ratio ? `, ${magnitude(blowup.ratio)}x its early level` : '';
   return ` (last finite ${magnitude(blowup.last_finite)} at step ${blowup.last_finite_step}${ratio})`;
 }
 
