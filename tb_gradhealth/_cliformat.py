@@ -40,12 +40,6 @@ def run_label(run: str, logdir: str) -> str:
     return f". (logdir root: {plain(name)})"
 
 
-def answer_of(summary: dict[str, Any]) -> dict[str, Any] | None:
-    """The run's answer (``summary.answer``: the cause layer, its chain and headline); None when nothing is
-    flagged."""
-    return summary.get("answer")
-
-
 def loss_text(summary: dict[str, Any]) -> str | None:
     """``loss +1,105% (steps 0-99)`` from ``summary.loss_trend``, or ``loss NaN/Inf from step 54 (last finite 3.1e+03
     at step 53, 1.23e+03x its early level)`` from ``summary.loss_nonfinite``; None when the writer recorded no loss."""
@@ -81,7 +75,7 @@ class Verdict:
 
 def verdict(body: dict[str, Any], fail_on: frozenset[str]) -> Verdict:
     """The run's verdict (:class:`Verdict`) from its health JSON."""
-    failing = tuple(x for x in ranked(body) if x["status"] in fail_on)
+    failing = tuple(x for x in body["layers"] if x["status"] in fail_on)
     present = {x["status"] for x in body["layers"]}
     flagged = sum(1 for x in body["layers"] if x["status"] in FLAGGED)
     if failing:
@@ -94,7 +88,7 @@ def verdict(body: dict[str, Any], fail_on: frozenset[str]) -> Verdict:
 def headline(body: dict[str, Any], v: Verdict) -> str:
     """``FAIL nonfinite — tanh_5/kernel: exploding since step 31, nonfinite since step 54; loss +1,105% (steps
     0-99)``, or ``ok, 0 of 14 layers flagged; loss -62% (steps 0-99)``."""
-    answer = answer_of(body["summary"])
+    answer = body["summary"].get("answer")
     loss = loss_text(body["summary"])
     if v.word == "ok" or answer is None:  # nothing flagged (a FAIL then fails on healthy or inert layers)
         word = v.word if v.word == "ok" else f"{v.word} {v.status}"
@@ -151,7 +145,7 @@ def table_lines(layers: Sequence[dict[str, Any]]) -> list[str]:
         mags, note = _magnitudes(x)
         reasons = textwrap.wrap(plain("; ".join(x["reasons"])), REASONS_WIDTH) or [""]
         lines.append(
-            f"  {x.get('rank', '?'):>4}  {x['status']:<9}  {format_severity(x['severity']):>9}  {since:>7}  "
+            f"  {x['rank']:>4}  {x['status']:<9}  {format_severity(x['severity']):>9}  {since:>7}  "
             f"{trouble:>7}  {plain(x['layer']):<{width}}  {format_count(x.get('nan')):>7}  "
             f"{format_count(x.get('inf')):>7}  "
             f"{mags[0]:>10}  {mags[1]:>10}  {mags[2]:>10}  {reasons[0]}".rstrip())
@@ -161,11 +155,6 @@ def table_lines(layers: Sequence[dict[str, Any]]) -> list[str]:
         if note:
             lines.append(pad + note)
     return lines
-
-
-def ranked(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """The body's layers, each with its 1-based ``rank`` (the diagnosis' order)."""
-    return [{**x, "rank": x.get("rank", i)} for i, x in enumerate(body["layers"], 1)]
 
 
 def run_text(body: dict[str, Any], series: Any, label: str, v: Verdict, *, top: int = 0,
@@ -180,7 +169,7 @@ def run_text(body: dict[str, Any], series: Any, label: str, v: Verdict, *, top: 
         f"({format_count(series.num_steps)} logged), diagnosed at step {body['step']}; "
         + ", ".join(f"{format_count(counts[s])} {s}" for s in health.STATUSES if counts.get(s)),
     ]
-    answer = answer_of(summary)
+    answer = summary.get("answer")
     if answer:
         lines.append(f"  cause: {plain(answer['layer'])}: {plain(answer['story'])}")
         if answer.get("fixes"):
@@ -191,7 +180,7 @@ def run_text(body: dict[str, Any], series: Any, label: str, v: Verdict, *, top: 
         lines.append(f"  {plain(body['nan_origin']['message'])}")
     lines += [f"  problem: {plain(p)}" for p in series.problems]
     lines += [f"  note: {plain(p)}" for p in series.notes]
-    layers = ranked(body)
+    layers = body["layers"]
     if only is not None:
         layers = [x for x in layers if x["status"] in only]
     shown = layers[:top] if top > 0 else layers
@@ -266,7 +255,7 @@ def markdown(runs: Sequence[tuple[str, dict[str, Any], Verdict]], unreadable: Se
     lines = [f"## Gradient health: {_cell(logdir)}", "", "| run | verdict | cause | since | loss |",
              "| --- | --- | --- | --- | --- |"]
     for label, body, v in runs:
-        answer = answer_of(body["summary"])
+        answer = body["summary"].get("answer")
         word = f"**{v.word}** {v.status}" if v.status else v.word
         cause = "-" if answer is None else f"{_code(answer['layer'])} {_cell(answer['story'])}"
         since = "-" if answer is None else str(answer["step"])

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from tb_gradhealth.health.levels import layer_of
 from tb_gradhealth.health.result import LayerHealth
 
 
@@ -22,13 +23,8 @@ def group_depth(layers: Sequence[str]) -> np.ndarray:
     ``.``): ``conv1/kernel`` and ``conv1/bias`` receive one upstream gradient, so they are one layer deep."""
     top: dict[str, int] = {}
     for i, name in enumerate(layers):
-        top[_layer_of(name)] = i
-    return np.array([top[_layer_of(name)] for name in layers], dtype=np.int64)
-
-
-def _layer_of(name: str) -> str:
-    cut = max(name.rfind("/"), name.rfind("."))
-    return name[:cut] if cut > 0 else name
+        top[layer_of(name) or name] = i
+    return np.array([top[layer_of(name) or name] for name in layers], dtype=np.int64)
 
 
 def deepest_first(depth: np.ndarray, size: np.ndarray, index: int) -> tuple[int, float, int]:

@@ -132,14 +132,21 @@ def adaptive(upd_rms: np.ndarray, rms: np.ndarray, live: np.ndarray, size: np.nd
     return bool(typical > ADAPTIVE_SPREAD)
 
 
+def layer_of(name: str) -> str | None:
+    """The layer a variable belongs to: its name up to the last ``/`` or ``.`` (``conv1`` for ``conv1/kernel``);
+    None for a name without one."""
+    cut = max(name.rfind("/"), name.rfind("."))
+    return name[:cut] if cut > 0 else None
+
+
 def layer_groups(layers: Sequence[str]) -> list[np.ndarray]:
-    """Column indices of the variables of one layer (same name up to the last ``/`` or ``.``), for layers with two
-    or more variables: ``conv1/kernel`` and ``conv1/bias`` receive the same upstream gradient."""
+    """Column indices of the variables of one layer (:func:`layer_of`), for layers with two or more variables:
+    ``conv1/kernel`` and ``conv1/bias`` receive the same upstream gradient."""
     by: dict[str, list[int]] = {}
     for i, name in enumerate(layers):
-        cut = max(name.rfind("/"), name.rfind("."))
-        if cut > 0:
-            by.setdefault(name[:cut], []).append(i)
+        layer = layer_of(name)
+        if layer is not None:
+            by.setdefault(layer, []).append(i)
     return [np.array(v) for v in by.values() if len(v) > 1]
 
 

@@ -63,12 +63,19 @@ class LossTrend:
                 "change": self.change, "flat": self.flat, "falls": self.falls, "converged": self.converged}
 
 
+def _up_to(steps: np.ndarray, loss: np.ndarray, at_step: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """The loss values (and their steps) at or before ``at_step``; all of them when it is None."""
+    steps, loss = np.asarray(steps, dtype=np.int64), np.asarray(loss, dtype=np.float64)
+    if at_step is None:
+        return steps, loss
+    keep = steps <= at_step
+    return steps[keep], loss[keep]
+
+
 def loss_trend(steps: np.ndarray, loss: np.ndarray, at_step: int | None = None) -> LossTrend | None:
     """The loss's trend at or before ``at_step`` (None: too few finite values, a loss that is not positive, or one
     whose latest value is NaN/Inf)."""
-    steps, loss = np.asarray(steps, dtype=np.int64), np.asarray(loss, dtype=np.float64)
-    if at_step is not None:
-        steps, loss = steps[steps <= at_step], loss[steps <= at_step]
+    steps, loss = _up_to(steps, loss, at_step)
     if loss.size and not np.isfinite(loss[-1]):
         return None  # a loss gone NaN/Inf is not flat: the gradients' nonfinite rules speak
     keep = np.isfinite(loss)
@@ -86,9 +93,7 @@ def loss_blowup(steps: np.ndarray, loss: np.ndarray, at_step: int | None = None)
     trailing NaN/Inf stretch), ``"last_finite_step"``, ``"last_finite"`` and ``"ratio"`` (the last finite value
     over the median of the first quarter of the finite values, None when there are fewer than two or the loss is
     not positive)``}``; None when the latest loss value at or before ``at_step`` is finite or there is none."""
-    steps, loss = np.asarray(steps, dtype=np.int64), np.asarray(loss, dtype=np.float64)
-    if at_step is not None:
-        steps, loss = steps[steps <= at_step], loss[steps <= at_step]
+    steps, loss = _up_to(steps, loss, at_step)
     if not loss.size or np.isfinite(loss[-1]):
         return None
     finite = np.flatnonzero(np.isfinite(loss))
