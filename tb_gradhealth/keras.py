@@ -178,7 +178,7 @@ class _StopWatch:
         steps = np.array([s for s, _ in self.history], dtype=np.int64)
         records = np.stack([r for _, r in self.history])
         run = health.diagnose_run(list(layers), steps, records, self.thresholds)
-        return {lh.layer: lh.status for lh in run.layers if lh.status == "exploding" and lh.step == step}
+        return {lh.layer: lh.status for lh in run.layers if lh.code == health.EXPLODING and lh.step == step}
 
 
 class _Probe:
