@@ -15,7 +15,7 @@ growth from near zero that is learning (healthy, from twins whose loss it matche
 gradients and ReLU recurrences under adaptive optimizers whose loss swings by decades (exploding, from the step
 each variable leaves its twins' range), and healthy runs that must have no episode at any step. The first such
 recurrence (``rnn_relu_adam_swings``) is registered in the design half: its onset miss was studied to change the
-rule that dates it; two more of its class were written before that change. For a cause acting on every layer
+rule that dates it; three more of its class were written before that change. For a cause acting on every layer
 at once, a variable's onset is its departure from the twins' range (seeds of the healthy twin: the band is their
 own spread, no constant of the diagnosis), and the loss's own departure is the latest acceptable onset
 (``latest_onset``). Label format: that of ``benchmarks/diagnosis_zoo.py``.
@@ -777,7 +777,7 @@ def _relu_rnn_stack(seed: int, name: str, *, units: Sequence[int], gain: float) 
     return build
 
 
-# Two more of the class above, written before the rule that dates their onset was changed (never tuned on).
+# Three more of the class above, written before the rule that dates their onset was changed (never tuned on).
 _SX2, _SY2 = _span_data(60, 32, 151)
 case("rnn_relu_rmsprop_swings", TWIN_RULE.format(twin="orthogonal gain 1", status="exploding", side="above")
      + "; ReLU recurrence (48 units) at orthogonal gain 3, RMSprop(1e-3), signal starting at a step drawn per batch")(
@@ -789,6 +789,12 @@ case("rnn_stacked_relu_adam_swings", TWIN_RULE.format(twin="orthogonal gain 1", 
      "drawn per batch")(
     _twin_case(_relu_rnn_stack(157, "rnn_stack", units=(24, 24), gain=2.5), "exploding", "orthogonal gain 1",
                steps=60, x=_SX3, y=_SY3, batch=32, optimizer=lambda: __import__("keras").optimizers.Adam(1e-3)))
+
+_SX4, _SY4 = _span_data(60, 32, 173)
+case("rnn_relu_adam_gain2_swings", TWIN_RULE.format(twin="orthogonal gain 1", status="exploding", side="above")
+     + "; ReLU recurrence (32 units) at orthogonal gain 2, Adam(1e-3), signal starting at a step drawn per batch")(
+    _twin_case(_relu_rnn_stack(167, "rnn_gain2", units=(32,), gain=2.0), "exploding", "orthogonal gain 1",
+               steps=60, x=_SX4, y=_SY4, batch=32, optimizer=lambda: __import__("keras").optimizers.Adam(1e-3)))
 
 
 AE_RULE = ("healthy: a Dense autoencoder (64-16-64) with Adam on low-rank data; the loss falls (checked); it must "
