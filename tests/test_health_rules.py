@@ -541,3 +541,38 @@ def test_a_blow_up_confirmed_by_a_later_swinging_loss_starts_where_the_gradients
         assert calm[n].status == "healthy"
         assert h[n].status == "exploding" and h[n].first_step == high_from
     assert {n for n in names if h[n].status == "exploding"} == {"rnn/kernel", "rnn/recurrent_kernel", "rnn/bias"}
+
+
+def _adam_body_kernel_later(kernel_from: int) -> tuple[list[str], np.ndarray, np.ndarray, tuple]:
+    """Adam records of a recurrent body whose recurrent kernel and bias sit 4.4 decades above the head from step 1
+    and whose input kernel sits 3 decades above until ``kernel_from``, 4.4 from there; the per-batch loss jumps
+    200x and back from step 1 (the shape of a ReLU recurrence at orthogonal gain 3 under Adam, every variable of
+    the recurrent layer measured 4 or more decades above its healthy twin from step 1)."""
+    names = ["rnn/kernel", "rnn/recurrent_kernel", "rnn/bias", "head/kernel", "head/bias", "out/kernel",
+             "out/bias"]
+    steps = np.arange(1, 31)
+    rms, weight, update = np.full((30, 7), 1e-2), np.full((30, 7), 0.1), np.full((30, 7), 1e-4)
+    rms[:, 1:3] = 1e-2 * 10.0**4.4
+    rms[:, 0] = 1e-2 * 10.0 ** np.where(steps >= kernel_from, 4.4, 3.0)
+    loss = 2.0 * 0.99**steps * np.where(steps % 2 == 0, 200.0, 1.0)
+    return names, steps, _run(rms, names, weight_rms=weight, update_rms=update), (steps, loss)
+
+
+def test_a_variable_flagged_by_the_swinging_loss_starts_where_its_layer_did():
+    # The swinging loss condemns the layer's blow-up; which of its variables crossed the relative line first is not
+    # evidence of when it began: the input kernel's chain starts with its layer's (step 1), not where its own
+    # level crossed.
+    names, steps, records, loss = _adam_body_kernel_later(4)
+    h = diagnose_run(names, steps, records, progress=loss)
+    by = h.by_layer()
+    assert {n for n in names if by[n].status == "exploding"} == {"rnn/kernel", "rnn/recurrent_kernel", "rnn/bias"}
+    assert {by[n].first_step for n in ("rnn/kernel", "rnn/recurrent_kernel", "rnn/bias")} == {1}
+    assert h.answer["layer"] != "rnn/kernel"  # a borrowed onset is not the cause
+
+
+def test_a_variable_flagged_by_its_own_level_keeps_its_own_onset():
+    # The same kernel under a smooth loss: no later evidence, nothing borrowed (here the body is not flagged at all,
+    # as under Adam its steps keep the head's pace), and the head is not pulled to the body's onset.
+    names, steps, records, _ = _adam_body_kernel_later(4)
+    falling = (steps, 2.0 * 0.97**steps)
+    assert _flagged(diagnose_run(names, steps, records, progress=falling)) == {}

@@ -190,28 +190,43 @@ def flagged_episodes(track: Track, steps: np.ndarray) -> list[dict[str, Any]]:
 
 
 def follow_siblings(tracks: list[Track | None], ev: Steps, layers: Sequence[str]) -> frozenset[str]:
-    """A tensor too small for a trend (a one-element bias) has an RMS of one or a few numbers, so its own onset is
-    noise: when a larger variable of its layer has a flagged chain overlapping its current one, its chain starts
-    where theirs did. Returns the layers whose onset was taken that way."""
-    borrowed = set()
+    """A variable whose own onset is not evidence of when it went wrong takes its layer's: when a variable of its
+    layer large enough for a trend has a flagged chain overlapping its current one, its chain starts where that
+    one's did. Two kinds: a tensor too small for a trend (a one-element bias has an RMS of one or a
+    few numbers, so its own onset is noise), and one whose chain began at a step flagged only by later evidence (a
+    loss swinging by decades under an adaptive optimizer dates the layer's blow-up, not which of its variables
+    showed it first), which only moves earlier. Returns the layers whose onset was taken that way."""
     small = ev.size.max(axis=0) < TREND_MIN_SIZE
+    late = ev.columns("exp_late")
+    moves: dict[int, int] = {}
     for cols in layer_groups(layers):
-        big = [tracks[int(c)] for c in cols if not small[c] and tracks[int(c)] is not None]
-        for c in (int(c) for c in cols if small[c] and tracks[c] is not None):
-            track = tracks[c]
-            if track.code not in th.FLAG_CODES:
-                continue
-            a, z = track.rows[track.chain_start()], track.rows[track.runs[-1][2]]
-            starts = []
-            for other in big:
-                if other.code in th.FLAG_CODES:
-                    oa = other.rows[other.chain_start()]
-                    if oa <= z and a <= other.rows[other.runs[-1][2]]:
-                        starts.append(oa)
-            if starts:
-                track.chain_from = min(int(np.searchsorted(track.rows, min(starts))), len(track.rows) - 1)
-                borrowed.add(layers[c])
-    return frozenset(borrowed)
+        # first the variables flagged by later evidence, from their siblings' own chains, then the small ones
+        # from their siblings' chains as they then start
+        for by_late in (True, False):
+            found = {}
+            for c in (int(c) for c in cols if bool(small[c]) != by_late):
+                track = tracks[c]
+                if track is None or track.code not in th.FLAG_CODES:
+                    continue
+                own = int(track.rows[track.chain_start()])
+                if by_late and not late[c, own]:
+                    continue
+                others = [tracks[int(o)] for o in cols if int(o) != c and not small[o] and tracks[int(o)] is not None]
+                start = _overlapping_start(track, others)
+                if start is not None and not (by_late and start >= own):
+                    found[c] = min(int(np.searchsorted(track.rows, start)), len(track.rows) - 1)
+            for c, pos in found.items():
+                tracks[c].chain_from = pos
+            moves.update(found)
+    return frozenset(layers[c] for c in moves)
+
+
+def _overlapping_start(track: Track, others: Sequence[Track]) -> int | None:
+    """The earliest row at which a flagged chain of ``others`` overlapping ``track``'s current chain starts."""
+    a, z = track.rows[track.chain_start()], track.rows[track.runs[-1][2]]
+    starts = [int(o.rows[o.chain_start()]) for o in others
+              if o.code in th.FLAG_CODES and o.rows[o.chain_start()] <= z and a <= o.rows[o.runs[-1][2]]]
+    return min(starts) if starts else None
 
 
 def onset(layers: list[LayerHealth]) -> dict[str, Any] | None:
