@@ -52,8 +52,8 @@ def compute(
     fused into the update's loop, never written out). ``seed`` (int or scalar tensor, e.g. the step) seeds
     histogram sampling; by default the seed comes from the data. ``jit="graph"`` (default) computes every layer's
     statistics as plain TF ops in the caller's graph (no XLA compile and none of XLA's memory; inside
-    ``jit_compile=True`` they are compiled with the caller's cluster, as with ``True``); ``jit=True`` (or
-    ``"cluster"``) computes them in one XLA function, compiled once per model signature even outside a compiled
+    ``jit_compile=True`` they are compiled with the caller's cluster, as with ``True``); ``jit=True``
+    computes them in one XLA function, compiled once per model signature even outside a compiled
     step (:mod:`tb_gradhealth._tf.packed`; eagerly and in ``tf.function``: one fused loop over the data, at the
     price of a compile and XLA's memory); ``jit=False`` uses plain TF ops, layer by layer.
     """

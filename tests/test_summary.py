@@ -100,7 +100,6 @@ def test_same_record_on_every_path(variables):
         "function_ops": ops_in_function(grads),
         "jit_compile": in_xla(grads),
         "jit_compile_ops": ops_in_xla(grads),
-        "cluster": summary.compute(grads, hist_sample=hs, jit="cluster"),
     }
     for path, rec in paths.items():
         assert rec.counts.dtype == tf.int32 and rec.values.dtype == tf.float32
@@ -299,6 +298,13 @@ def test_gradients_round_trip_through_event_files(tmp_path):
             for i in range(2):
                 w = None if "eager" in tag else vs[i].numpy()
                 assert_matches_reference(rows[i], grads[i].numpy(), 4096, w)
+
+
+@pytest.mark.tf
+@pytest.mark.parametrize("jit", ["cluster", "xla", "True"])
+def test_an_unknown_jit_mode_is_refused(jit):
+    with pytest.raises(ValueError, match="jit must be one of"):
+        summary.compute([tf.ones(4)], jit=jit)
 
 
 @pytest.mark.tf

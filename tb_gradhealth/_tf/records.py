@@ -76,11 +76,17 @@ def layer_inputs(grads: Any, weights: Any, updates: Any, hist_sample: int, seed:
     )
 
 
+#: The ways :func:`compute` may compute the statistics: ``"graph"``, ``True`` (XLA), ``False`` (layer by layer).
+JIT_MODES = ("graph", True, False)
+
+
 @tf.autograph.experimental.do_not_convert
 def compute(grads: Any, weights: Any = None, updates: Any = None, *, hist_sample: int = record.DEFAULT_HIST_SAMPLE,
             seed: Any = None, jit: bool | str = "graph") -> DeviceRecord:
     """Device records of ``grads``, rows in :func:`tb_gradhealth._tf.naming.layer_names` order: the arguments and
     the ``jit`` modes of :func:`tb_gradhealth.summary.compute`."""
+    if jit not in JIT_MODES:
+        raise ValueError(f"jit must be one of {JIT_MODES}, got {jit!r}")
     inputs = layer_inputs(grads, weights, updates, hist_sample, seed)
     xla = compat.in_xla_context()
     if jit == "graph" and not xla:  # the all-layer statistics as plain graph ops
