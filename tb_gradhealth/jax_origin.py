@@ -78,6 +78,18 @@ def _scope(eqn: Any, outer: str) -> str:
     return "/".join(s for s in (outer, inner) if s)
 
 
+def _literal_class() -> type:
+    """The class of a jaxpr's constant operands (``jax.extend.core`` since JAX 0.4.36, ``jax.core`` before)."""
+    try:
+        from jax.extend.core import Literal  # noqa: PLC0415
+    except ImportError:
+        from jax.core import Literal  # noqa: PLC0415
+    return Literal
+
+
+_LITERAL = _literal_class()
+
+
 def _run(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], out: list[_Eqn] | None, scope: str = "",
          eps: Sequence[Any] | None = None) -> list[Any]:
     """Evaluate ``jaxpr`` primitive by primitive, inlining calls; record each primitive in ``out`` (when given) and
@@ -85,7 +97,7 @@ def _run(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], out: list[_Eqn]
     env: dict[Any, Any] = {}
 
     def read(v: Any) -> Any:
-        return v.val if type(v).__name__ == "Literal" else env[v]
+        return v.val if isinstance(v, _LITERAL) else env[v]
 
     for v, c in zip(jaxpr.constvars, consts, strict=True):
         env[v] = c
