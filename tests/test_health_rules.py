@@ -576,3 +576,37 @@ def test_a_variable_flagged_by_its_own_level_keeps_its_own_onset():
     names, steps, records, _ = _adam_body_kernel_later(4)
     falling = (steps, 2.0 * 0.97**steps)
     assert _flagged(diagnose_run(names, steps, records, progress=falling)) == {}
+
+
+def _uniform_blow_up(swinging: bool) -> tuple[list[str], np.ndarray, np.ndarray, tuple]:
+    """Adam records (every update 1e-3 of its layer's weights) of a network whose every layer, the head's included,
+    sits 10 decades above a healthy twin from step 1 and, with ``swinging``, jumps 3-6 decades from batch to batch
+    with a loss that jumps alike (the shape of a ReLU recurrence at orthogonal gain 3 under RMSprop); without, both
+    hold still and the loss falls: a network whose loss is multiplied by a constant."""
+    names = ["rnn/kernel", "rnn/recurrent_kernel", "rnn/bias", "out/kernel", "out/bias"]
+    steps = np.arange(1, 31)
+    jump = np.random.default_rng(3).uniform(3.0, 6.0, 30) * (steps % 2 == 1) if swinging else np.zeros(30)
+    rms, weight, update = np.full((30, 5), 1e8), np.full((30, 5), 0.1), np.full((30, 5), 1e-4)
+    rms[:, :4] *= 10.0 ** jump[:, None]
+    rms[:, 4] = 0.4  # the output bias's gradient is bounded (softmax minus one-hot) and holds still
+    loss = 1e10 * 0.99**steps * 10.0**jump
+    return names, steps, _run(rms, names, weight_rms=weight, update_rms=update), (steps, loss)
+
+
+def test_gradients_swinging_by_decades_with_the_loss_under_adam_are_exploding_from_the_first_step():
+    # No layer stands above the others (the head's kernel swings too) and Adam keeps every step at 1e-3: only the
+    # swings say the gradients are out of control, and they began with the run.
+    names, steps, records, loss = _uniform_blow_up(True)
+    h = diagnose_run(names, steps, records, progress=loss).by_layer()
+    assert {n for n in names if h[n].status == "exploding"} == set(names[:4])
+    assert all(h[n].first_step <= 2 for n in names[:4])
+    high = diagnose_run(names, steps, records, progress=loss, at_step=29).by_layer()  # a batch where they jumped
+    assert any("swung by" in r for r in high["out/kernel"].reasons)
+
+
+def test_uniformly_large_gradients_that_hold_still_are_not_a_blow_up():
+    names, steps, records, loss = _uniform_blow_up(False)
+    assert _flagged(diagnose_run(names, steps, records, progress=loss)) == {}
+    # the same swinging gradients without the loss: nothing says the network is out of control
+    names, steps, records, _ = _uniform_blow_up(True)
+    assert _flagged(diagnose_run(names, steps, records)) == {}

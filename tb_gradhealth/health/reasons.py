@@ -256,10 +256,18 @@ def _swing_why(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], float]:
             rise - c.t.growth_decades / 2)
 
 
+def _volatile_why(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], float]:
+    g, rise, w = float(c.ev.grad_swing[c.s, c.i]), float(c.ev.loss_rise[c.s]), 2 * c.t.growth_window
+    return ([f"its gradient RMS swung by {10.0 ** g:,.0f}x ({g:.1f} decades) within the last {w} logged steps while "
+             f"the loss jumped {10.0 ** rise:,.0f}x: under an adaptive optimizer, which keeps each step small, "
+             f"gradients that jump by decades from batch to batch with the loss are out of control"],
+            g - c.t.growth_decades)
+
+
 #: Each exploding rule's flag and its reason with its excess (decades beyond its line), in the order they are told.
 _EXPLODING_WHY = (("exp_rel", _relative_why), ("exp_rms", _rms_bound_why), ("exp_max", _max_bound_why),
                   ("exp_update", _update_why), ("exp_feedback", _feedback_why), ("exp_trend", _trend_why),
-                  ("exp_capped", _capped_why), ("exp_swing", _swing_why))
+                  ("exp_capped", _capped_why), ("exp_volatile", _volatile_why), ("exp_swing", _swing_why))
 
 
 def _exploding_reasons(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], float]:

@@ -308,6 +308,47 @@ def _adaptive_swings(lv: _Levels, v: dict[str, np.ndarray], loss: LossWindows | 
     return loss.swings(t)
 
 
+def gradient_swing(log_rms: np.ndarray, window: int) -> np.ndarray:
+    """``[S, L]`` decades between the largest and the smallest log RMS of each column over the last ``window`` rows,
+    the row itself included (NaN ignored; 0 with fewer than two values)."""
+    padded = np.concatenate([np.full((window - 1,) + log_rms.shape[1:], np.nan), log_rms])
+    out = np.zeros(log_rms.shape)
+    for a in range(0, log_rms.shape[0], 256):
+        b = min(a + 256, log_rms.shape[0])
+        win = np.lib.stride_tricks.sliding_window_view(padded[a:b + window - 1], window, axis=0)
+        with np.errstate(invalid="ignore"):
+            spread = np.fmax.reduce(win, axis=-1) - np.fmin.reduce(win, axis=-1)
+        out[a:b] = np.where(np.isnan(spread), 0.0, spread)
+    return out
+
+
+def _jump_peaks(log_rms: np.ndarray, t: th.Thresholds) -> np.ndarray:
+    """``[S, L]``: the higher end of a jump of ``growth_decades`` or more between consecutive rows. A gradient
+    swinging from the first logged step on was already blown up there when it is the high end of the first jump
+    (the swing's window, which only looks back, cannot say so); a gradient that rose once, with the loss, was not
+    before the jump."""
+    out = np.zeros(log_rms.shape, dtype=bool)
+    with np.errstate(invalid="ignore"):
+        d = np.diff(log_rms, axis=0)
+        out[1:] |= d >= t.growth_decades
+        out[:-1] |= -d >= t.growth_decades
+    return out
+
+
+def _volatile(signal: np.ndarray, g: _Guards, groups: list[np.ndarray], swing: np.ndarray,
+              swings: np.ndarray, t: th.Thresholds) -> tuple[np.ndarray, np.ndarray]:
+    """``([S, L]`` exploding, ``[S, L]`` its level condition``)``: a gradient whose RMS swings by ``growth_decades``
+    or more (``swing``, over the loss's window) while the loss swings by decades under an adaptive optimizer
+    (``swings``). When every layer blows up alike, the layers nearest the loss included, none stands above the
+    reference and the optimizer keeps every step small; gradients that jump by decades from batch to batch with the
+    loss are that blow-up. A constant factor on the loss moves neither swing. The level condition (the swing alone)
+    is the state the loss's evidence condemns, back to where it began."""
+    with np.errstate(invalid="ignore"):
+        level = signal & (swing >= t.growth_decades) & g.above_roundoff & ~g.converged
+    flag = swings[:, None] & level
+    return flag & (g.big | in_layer(flag & g.big, groups)), level
+
+
 def _swinging(exploding: np.ndarray, live: np.ndarray, swings: np.ndarray) -> np.ndarray:
     """``[S, L]``: an exploding flag goes on while the loss keeps swinging by an order of magnitude or more
     (``swings`` ``[S]``): under an adaptive optimizer the gradient rules see the blow-up only at the batches where it
@@ -321,7 +362,7 @@ def _swinging(exploding: np.ndarray, live: np.ndarray, swings: np.ndarray) -> np
 
 
 EXPLODING_RULES = ("exp_rel", "exp_rms", "exp_max", "exp_update", "exp_feedback", "exp_trend", "exp_capped",
-                   "exp_swing")
+                   "exp_volatile", "exp_swing")
 
 
 def _vanishing(lv: _Levels, rms: np.ndarray, g: _Guards, t: th.Thresholds) -> dict[str, np.ndarray]:
@@ -361,13 +402,17 @@ def evaluate(records: np.ndarray, layers: Sequence[str], t: th.Thresholds, loss:
     # A variable far quieter than an exploding sibling is not receiving round-off: its layer's inputs are huge. It
     # is then judged by the exploding rules like any live variable (its own trend grows with its layer's); it stays
     # out of the vanishing rules, whose reference its layer's explosion has lifted.
-    inert = lv.inert & ~in_layer(np.logical_or.reduce([exp[k] for k in EXPLODING_RULES[:-1]]), groups)
+    inert = lv.inert & ~in_layer(np.logical_or.reduce([exp[k] for k in EXPLODING_RULES[:-2]]), groups)
     if (inert != lv.inert).any():
         exp, base = _exploding(lv, v, v["live"] & ~inert, g, groups, t, loss)
     swings = _adaptive_swings(lv, v, loss, t)
+    swing = gradient_swing(lv.log_rms, 2 * t.growth_window)
+    exp["exp_volatile"], volatile_level = _volatile(v["live"] & ~inert, g, groups, swing, swings, t)
     exp["exp_swing"] = _swinging(np.logical_or.reduce([exp[k] for k in EXPLODING_RULES[:-1]]), v["live"], swings)
     # Flagged only because the loss swings: the episode is back-dated over the stretch where ``exp_level`` held.
-    exp["exp_late"] = swings[:, None] & ((exp["exp_rel"] & g.calm) | exp["exp_swing"])
+    exp["exp_late"] = swings[:, None] & ((exp["exp_rel"] & g.calm) | exp["exp_swing"] | exp["exp_volatile"])
+    exp["exp_level"] = exp["exp_level"] | volatile_level | (v["live"] & ~inert & _jump_peaks(lv.log_rms, t))
+    exp["grad_swing"] = swing
     flags = {"present": v["present"], "nonfinite": v["nonfinite"], "skipped": _skipped(v["nonfinite"], lv),
              "inert": inert, "learns": g.learns, "calm": g.calm, "small": g.small, "converged": g.converged,
              **exp, **_vanishing(lv, v["rms"], g, t)}
