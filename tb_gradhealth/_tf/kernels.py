@@ -186,10 +186,17 @@ def _first_pass(x: tf.Tensor, x_hi: tf.Tensor, x_lo: tf.Tensor, tiny: tf.Tensor,
 
 
 def _term_sums(x: tf.Tensor, squares: tf.Tensor | None) -> list[tf.Tensor]:
-    """``sum(term(x))`` of each :data:`record.GRAD_SUMS` term, in its order (the sum of squares ``squares`` when
-    already reduced)."""
-    return [squares if squares is not None and s.term is record.square else tf.reduce_sum(s.term(tf, x))
-            for s in record.GRAD_SUMS]
+    """``sum(term(x))`` of each :data:`record.GRAD_SUMS` term, in its order. With ``squares`` (the fused loop's sum
+    of squares) the plain sum is a reduction of its own and any other term a blocked loop of its own
+    (:func:`_reduce_rows`: XLA's one running float32 sum of millions of values drifts by 1e-3)."""
+    def one(s: record.GradSum) -> tf.Tensor:
+        if squares is None or s.term is record.identity:
+            return tf.reduce_sum(s.term(tf, x))
+        if s.term is record.square:
+            return squares
+        return _reduce_rows(lambda v: [s.term(tf, v)], [x], ("sum",))[0]
+
+    return [one(s) for s in record.GRAD_SUMS]
 
 
 def _relative(x: tf.Tensor, m: tf.Tensor) -> tf.Tensor:
