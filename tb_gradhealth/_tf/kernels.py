@@ -186,17 +186,18 @@ def _first_pass(x: tf.Tensor, x_hi: tf.Tensor, x_lo: tf.Tensor, tiny: tf.Tensor,
 
 
 def _term_sums(x: tf.Tensor, squares: tf.Tensor | None) -> list[tf.Tensor]:
-    """``sum(term(x))`` of each :data:`record.GRAD_SUMS` term, in its order. With ``squares`` (the fused loop's sum
-    of squares) the plain sum is a reduction of its own and any other term a blocked loop of its own
-    (:func:`_reduce_rows`: XLA's one running float32 sum of millions of values drifts by 1e-3)."""
-    def one(s: record.GradSum) -> tf.Tensor:
-        if squares is None or s.term is record.identity:
-            return tf.reduce_sum(s.term(tf, x))
-        if s.term is record.square:
-            return squares
-        return _reduce_rows(lambda v: [s.term(tf, v)], [x], ("sum",))[0]
+    """``sum(term(x))`` of each :data:`record.GRAD_SUMS` term, in its order (the sum of squares ``squares`` when the
+    fused loop has it)."""
+    return [squares if squares is not None and s.term is record.square else _sum_of(s, x) for s in record.GRAD_SUMS]
 
-    return [one(s) for s in record.GRAD_SUMS]
+
+def _sum_of(s: record.GradSum, x: tf.Tensor) -> tf.Tensor:
+    """``sum(term(x))`` in ``x``'s dtype: the plain sum and the squares as one reduction; any other term summed in
+    float64 (XLA's one running float32 sum of millions of values drifts by 1e-3; one beyond float32 is then Inf)."""
+    t = s.term(tf, x)
+    if s.term is record.identity or s.term is record.square:
+        return tf.reduce_sum(t)
+    return tf.cast(tf.reduce_sum(tf.cast(t, tf.float64)), x.dtype)
 
 
 def _relative(x: tf.Tensor, m: tf.Tensor) -> tf.Tensor:
@@ -207,7 +208,7 @@ def _relative(x: tf.Tensor, m: tf.Tensor) -> tf.Tensor:
 def _scaled_sums(x: tf.Tensor, m: tf.Tensor) -> list[tf.Tensor]:
     """``sum(term(x / m))`` of each :data:`record.GRAD_SUMS` term: a second pass, right at any magnitude."""
     y = _relative(x, m)
-    return [tf.reduce_sum(s.term(tf, y)) for s in record.GRAD_SUMS]
+    return [_sum_of(s, y) for s in record.GRAD_SUMS]
 
 
 def _delta_flat(d: Delta) -> tf.Tensor:
