@@ -59,6 +59,12 @@ class Backend(NamedTuple):
     def sum_squares(self, x: Any) -> Any:
         return self.sumsq(x) if self.sumsq else (self.fsum or self.xp.sum)(x * x)
 
+    def term_sum(self, term: Callable[[Any, Any], Any], x: Any) -> Any:
+        """``sum(term(x))``: the backend's own reduction of a square where it has one."""
+        if term is record.square:
+            return self.sum_squares(x)
+        return (self.fsum or self.xp.sum)(term(self.xp, x))
+
     def normal_count(self, x: Any) -> Any:
         if self.count_normal:
             return self.count_normal(x)
@@ -87,11 +93,27 @@ def norm_one_pass_ok(m: Any) -> Any:
     return (m >= SAFE_LO) & (m <= SAFE_HI)
 
 
-def _sums(be: Backend, xk: Any, m: Any) -> tuple[Any, Any]:
-    """``(sum((x/m)^2), sum(x/m))``: exact in relative terms at any magnitude (``m`` known first)."""
-    y = be.divide(xk, be.xp.where(m > 0, m, 1.0))
-    fsum = be.fsum or be.xp.sum
-    return fsum(y * y), fsum(y)
+def _relative(be: Backend, x: Any, m: Any) -> Any:
+    """``x / m`` (``x`` where ``m`` is 0): values whose sums are exact in relative terms at any magnitude."""
+    return be.divide(x, be.xp.where(m > 0, m, 1.0))
+
+
+def grad_sums(be: Backend, x: Any, m: Any, nf: Any, plain: bool) -> list[Any]:
+    """The :data:`record.GRAD_SUMS` fields of a flat gradient ``x`` with max|x| ``m`` and ``nf`` finite values (the
+    one evaluation of that table for these backends), in its order. ``plain``: an all-finite ``x`` whose max|x| is
+    in ``[SAFE_LO, SAFE_HI]``: ``sum(term(x)) / m**power`` (or ``/ nf``), one pass each; else ``x`` holds only its
+    finite unflushed values (0 elsewhere) and each sum is of ``term(x / m)``, right at any magnitude."""
+    xp = be.xp
+    if plain:
+        return [be.term_sum(s.term, x) / (nf if s.mean else record.power_of(m, s.power)) for s in record.GRAD_SUMS]
+    y = _relative(be, x, m)
+    fsum = be.fsum or xp.sum
+    out = []
+    for s in record.GRAD_SUMS:
+        rel = fsum(s.term(xp, y))
+        out.append(xp.where(nf > 0, rel / xp.where(nf > 0, nf, 1) * record.power_of(m, s.power), 0.0) if s.mean
+                   else rel)
+    return out
 
 
 def grad_stats(be: Backend, x: Any, extra_zeros: int, hist_sample: int, sample: Callable[[Any], Any] | None):
@@ -133,11 +155,10 @@ def one_pass(be: Backend, x: Any, extra_zeros: int, mn: Any, mx: Any, m: Any) ->
     xp = be.xp
     n = math.prod(x.shape)
     zero = n - be.normal_count(x) + extra_zeros
-    ssq = be.sum_squares(x) / (m * m)
-    mean = (be.fsum or xp.sum)(x) / (n + extra_zeros)
+    sums = grad_sums(be, x, m, n + extra_zeros, plain=True)
     mn, mx = _extremes(be, mn, mx, extra_zeros)
     counts = xp.stack([zero * 0 + n + extra_zeros, zero * 0, zero * 0, zero * 0, zero])
-    return counts, be.f32(xp.stack([mn, mx, mean, ssq]))
+    return counts, be.f32(xp.stack([mn, mx, *sums]))
 
 
 def scaled(be: Backend, x: Any, extra_zeros: int) -> tuple[Any, Any]:
@@ -157,11 +178,9 @@ def scaled(be: Backend, x: Any, extra_zeros: int) -> tuple[Any, Any]:
     mn, mx = _extremes(be, xp.min(xp.where(finite, xk, inf)), xp.max(xp.where(finite, xk, -inf)), extra_zeros)
     m = xp.maximum(mx, -mn)
     m = xp.where(m > 0, m, 0.0)  # no finite value: -inf -> 0
-    ssq, s = _sums(be, xk, m)
-    nf = nfin + extra_zeros
-    mean = xp.where(nf > 0, s / xp.where(nf > 0, nf, 1) * m, 0.0)
+    sums = grad_sums(be, xk, m, nfin + extra_zeros, plain=False)
     counts = xp.stack([nan * 0 + n + extra_zeros, nan, posinf, neginf, nfin - nonzero + extra_zeros])
-    return counts, be.f32(xp.stack([mn, mx, mean, ssq]))
+    return counts, be.f32(xp.stack([mn, mx, *sums]))
 
 
 def kept_hist(be: Backend, v: Any) -> Any:
@@ -189,11 +208,12 @@ def norm_scaled(be: Backend, x: Any) -> Any:
     a = xp.abs(x)
     af = xp.where((a >= record.FLUSH_BELOW) & (a <= F32_MAX), a, 0.0)
     m = xp.max(af)
-    return be.f32(xp.stack([m, _sums(be, af, m)[0]]))
+    y = _relative(be, af, m)
+    return be.f32(xp.stack([m, (be.fsum or xp.sum)(y * y)]))
 
 
 #: The fields of :func:`grad_stats`' (and :func:`empty_values`') vector before its histogram bins, in order.
-GRAD_FIELDS = ("min", "max", "mean", "ssq_rel", "hist_sample")
+GRAD_FIELDS = ("min", "max", *record.GRAD_SUM_NAMES, "hist_sample")
 #: :func:`record.value_defaults`, read once: constants to the tracers of ``torch.compile`` and ``jax.jit``.
 _DEFAULTS = record.value_defaults()
 
@@ -234,7 +254,7 @@ def assemble_table(be: Backend, grad: Any, weight: Any, update: Any, missing: An
 
 
 #: The per-layer sums :func:`merge` adds over the shards, after the counts and before the histogram, in order.
-_SUMMED = ("mean", "ssq_rel", "weight_ssq_rel", "update_ssq_rel", "missing", "hist_sample", "ranks")
+_SUMMED = (*record.GRAD_SUM_NAMES, "weight_ssq_rel", "update_ssq_rel", "missing", "hist_sample", "ranks")
 
 
 def merge(
@@ -279,15 +299,21 @@ def _summands(be: Backend, counts: Any, values: Any, scales: dict[str, Any], max
     and the histogram."""
     xp = be.xp
 
-    def rescaled(ssq: Any, s: Any, s_all: Any) -> Any:
+    def rescaled(rel: Any, s: Any, s_all: Any, power: int = 2) -> Any:
         r = xp.where(s_all > 0, s / xp.where(s_all > 0, s_all, 1.0), 0.0)
-        return xp.where(xp.isnan(ssq), 0.0, ssq * r * r)
+        out = rel
+        for _ in range(power):
+            out = out * r
+        return xp.where(xp.isnan(rel), 0.0, out)
 
     c = counts * xp.ones_like(values[:, :1])  # counts in the values' float type (float64: exact)
     nf = c[:, 0] - c[:, 1] - c[:, 2] - c[:, 3]
-    summed = {
-        "mean": values[:, COL["mean"]] / xp.where(maxes[:, 2] > 0, maxes[:, 2], 1.0) * nf,  # no float32 overflow
-        "ssq_rel": rescaled(values[:, COL["ssq_rel"]], scales["grad"], maxes[:, 2]),
+    m = xp.where(maxes[:, 2] > 0, maxes[:, 2], 1.0)
+    summed = {  # a mean times its finite count, relative to m**power: no float32 overflow
+        s.name: (values[:, COL[s.name]] / record.power_of(m, s.power) * nf if s.mean
+                 else rescaled(values[:, COL[s.name]], scales["grad"], maxes[:, 2], s.power))
+        for s in record.GRAD_SUMS}
+    summed |= {
         "weight_ssq_rel": rescaled(values[:, COL["weight_ssq_rel"]], scales["weight"], maxes[:, 3]),
         "update_ssq_rel": rescaled(values[:, COL["update_ssq_rel"]], scales["update"], maxes[:, 4]),
         "missing": values[:, COL["missing"]],
@@ -303,14 +329,15 @@ def _merged_values(be: Backend, counts: Any, sums: Any, maxes: Any) -> Any:
     (``sums``), and the global maxima."""
     xp = be.xp
     s = {name: sums[:, i] for i, name in enumerate(_SUMMED)}
-    ssq = s["ssq_rel"]
-    g_nf = (counts[:, 0] - counts[:, 1] - counts[:, 2] - counts[:, 3]) * 1.0 + ssq * 0
-    nan = ssq * np.nan
-    cols = {
+    ranks = s["ranks"]
+    g_nf = (counts[:, 0] - counts[:, 1] - counts[:, 2] - counts[:, 3]) * 1.0 + ranks * 0
+    nan = ranks * np.nan
+    cols = {f.name: (xp.where(g_nf > 0, s[f.name] / xp.where(g_nf > 0, g_nf, 1.0) * record.power_of(maxes[:, 2],
+                                                                                                      f.power), 0.0)
+                     if f.mean else s[f.name]) for f in record.GRAD_SUMS}
+    cols |= {
         "min": -maxes[:, 1],
         "max": maxes[:, 0],
-        "mean": xp.where(g_nf > 0, s["mean"] / xp.where(g_nf > 0, g_nf, 1.0) * maxes[:, 2], 0.0),
-        "ssq_rel": ssq,
         "weight_max_abs": xp.where(maxes[:, 3] >= 0, maxes[:, 3], nan),
         "weight_ssq_rel": xp.where(maxes[:, 3] >= 0, s["weight_ssq_rel"], nan),
         "update_max_abs": xp.where(maxes[:, 4] >= 0, maxes[:, 4], nan),

@@ -77,8 +77,10 @@ class _Batch:
     def sum_squares(self) -> torch.Tensor:
         return self.reduce(ts.sumsq, lambda b: b.seg_sum(b.values.double().square()).float())
 
-    def sums(self) -> torch.Tensor:
-        return self.reduce(lambda x: x.sum(), lambda b: b.seg_sum(b.values.double()).float())
+    def term_sums(self, term: Any) -> torch.Tensor:
+        """``sum(term(x))`` of each tensor (the small ones' terms in float64)."""
+        return self.reduce(lambda x: ts.BE.term_sum(term, x),
+                           lambda b: b.seg_sum(term(torch, b.values.double())).float())
 
     def normal_counts(self) -> torch.Tensor:
         return self.reduce(count_normal, lambda b: b.seg_sum((b.values.view(torch.int32) & 0x7F800000).bool().long()))
@@ -146,13 +148,13 @@ def _one_pass_grads(xs: Sequence[torch.Tensor], ext: torch.Tensor, hist_sample: 
     """:func:`_devicestats.grad_stats`' ``_one_pass`` branch for all of ``xs`` at once (their extremes ``ext``)."""
     n = torch.tensor([x.numel() for x in xs], device=device)
     batch = _Batch(xs, device)
-    ssq, total, zero = batch.sum_squares(), batch.sums(), n - batch.normal_counts()
+    zero = n - batch.normal_counts()
     mn, mx = ext[:, 0], ext[:, 1]
     m = torch.maximum(mx, -mn)
     counts = torch.stack([n, zero * 0, zero * 0, zero * 0, zero], 1)
     hist = _histograms(xs, n - zero, hist_sample, offsets, layers, device)
-    head = torch.stack([mn, mx, total / n, ssq / (m * m)], 1)
-    return counts, torch.cat([head, hist], 1)
+    sums = [batch.term_sums(s.term) / (n if s.mean else record.power_of(m, s.power)) for s in record.GRAD_SUMS]
+    return counts, torch.cat([torch.stack([mn, mx, *sums], 1), hist], 1)
 
 
 def _sample(x: torch.Tensor, hist_sample: int, offset: Any, layer: int) -> torch.Tensor:

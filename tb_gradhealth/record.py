@@ -37,6 +37,7 @@ Three encodings share these fields:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -44,6 +45,9 @@ import numpy as np
 FORMAT_VERSION = 1
 
 COUNT_FIELDS: tuple[str, ...] = ("size", "nan", "posinf", "neginf", "zero")
+
+#: The value fields' order in every encoding; a gradient field that is a sum over the values is listed here and in
+#: :data:`GRAD_SUMS`, which says how every backend computes and merges it.
 VALUE_FIELDS: tuple[str, ...] = (
     "min",
     "max",
@@ -58,6 +62,49 @@ VALUE_FIELDS: tuple[str, ...] = (
     "missing",
     "hist_sample",
 )
+
+
+def identity(xp: Any, x: Any) -> Any:
+    """The term of a plain sum (``xp``: the array namespace: numpy, tf, torch, jax.numpy)."""
+    return x
+
+
+def square(xp: Any, x: Any) -> Any:
+    """The term of a sum of squares (a backend may reduce it with a faster op of its own)."""
+    return x * x
+
+
+class GradSum(NamedTuple):
+    """A gradient value field that is a sum of an elementwise ``term`` over the finite values: the one table
+    (:data:`GRAD_SUMS`) that the numpy reference, every device backend and every merge rule evaluate.
+
+    ``term`` is homogeneous of degree ``power`` in max|g| (``m``): ``sum(term(x)) = m**power * sum(term(x / m))``.
+    A relative field (``mean=False``) stores ``sum(term(x / m))`` (any magnitude, no under- or overflow; merged by
+    rescaling each part by ``(m_part / m_all)**power``, then adding); a ``mean`` field stores
+    ``sum(term(x)) / finite count`` (merged weighted by the parts' finite counts).
+    """
+
+    name: str
+    term: Callable[[Any, Any], Any]
+    power: int
+    mean: bool = False
+
+
+GRAD_SUMS: tuple[GradSum, ...] = (
+    GradSum("mean", identity, 1, mean=True),
+    GradSum("ssq_rel", square, 2),
+)
+GRAD_SUM_NAMES: tuple[str, ...] = tuple(s.name for s in GRAD_SUMS)
+#: The optional fields: NaN when not recorded.
+OPTIONAL_FIELDS: tuple[str, ...] = ("weight_max_abs", "weight_ssq_rel", "update_max_abs", "update_ssq_rel",
+                                    "micro_batches", "noise_ssq_rel")
+def power_of(x: Any, power: int) -> Any:
+    """``x`` multiplied by itself ``power`` times (``x * x`` for 2: one rounding, the same bits on every backend)."""
+    out = x
+    for _ in range(power - 1):
+        out = out * x
+    return out
+
 
 #: Decade edges of the log-magnitude histogram, float32 (the comparison is done in float32 on every path).
 #: Bin 0 is (0, 1e-37): every normal float32 below 1e-37; bin k (1..75) is [1e(k-38), 1e(k-37)); bin 76 is
@@ -94,8 +141,7 @@ def empty(shape: tuple[int, ...] = ()) -> np.ndarray:
     rec = np.zeros(tuple(shape) + (NUM_FIELDS,), dtype=np.float64)
     rec[..., INDEX["min"]] = np.inf
     rec[..., INDEX["max"]] = -np.inf
-    for name in ("weight_max_abs", "weight_ssq_rel", "update_max_abs", "update_ssq_rel", "micro_batches",
-                 "noise_ssq_rel"):
+    for name in OPTIONAL_FIELDS:
         rec[..., INDEX[name]] = np.nan
     return rec
 
@@ -235,10 +281,22 @@ def _set_counts_and_moments(rec: np.ndarray, g: np.ndarray) -> np.ndarray:
         f64 = finite.astype(np.float64)
         rec[INDEX["min"]] = f64.min()
         rec[INDEX["max"]] = f64.max()
-        m, ssq = _max_abs_and_ssq_rel(finite)
-        rec[INDEX["mean"]] = float(np.mean(f64 / m)) * m if m > 0 else 0.0
-        rec[INDEX["ssq_rel"]] = ssq
+        m = float(np.abs(f64).max())
+        if m > 0:
+            for name, value in grad_sums(f64, m).items():
+                rec[INDEX[name]] = value
     return finite
+
+
+def grad_sums(f64: np.ndarray, m: float) -> dict[str, float]:
+    """The :data:`GRAD_SUMS` fields of the finite values ``f64`` (float64) whose max|x| is ``m > 0``, each from
+    ``sum(term(x / m))``: the float64 reference of every backend's sums."""
+    y = f64 / m
+    out = {}
+    for s in GRAD_SUMS:
+        total = float(np.sum(s.term(np, y)))
+        out[s.name] = total / y.size * power_of(m, s.power) if s.mean else total
+    return out
 
 
 def _set_histogram(rec: np.ndarray, nonzero: np.ndarray, hist_sample: int | None,
@@ -284,10 +342,11 @@ def noise_fields(micro_grads: list[np.ndarray]) -> tuple[float, float]:
     return float(k), float(np.sum(np.square(dev)) / (k - 1))
 
 
-def _rescaled(ssq_rel: np.ndarray, scale: np.ndarray, new_scale: np.ndarray) -> np.ndarray:
+def _rescaled(rel: np.ndarray, scale: np.ndarray, new_scale: np.ndarray, power: int = 2) -> np.ndarray:
+    """A relative sum of degree ``power`` taken from ``scale`` to ``new_scale`` (0 where that is 0)."""
     with np.errstate(invalid="ignore", divide="ignore"):
         ratio = np.where(new_scale > 0, scale / np.where(new_scale > 0, new_scale, 1.0), 0.0)
-    return ssq_rel * np.square(ratio)
+    return rel * power_of(ratio, power)
 
 
 def merge(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -300,6 +359,22 @@ def merge(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """
     a, b = np.broadcast_arrays(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64))
     return merge_all(np.stack([a, b]))
+
+
+def _merge_grad_sums(r: np.ndarray, out: np.ndarray, ma: np.ndarray, m: np.ndarray) -> None:
+    """The :data:`GRAD_SUMS` fields of the parts ``r`` (max|g| ``ma``, largest ``m``) merged into ``out``: a mean
+    weighted by the parts' finite counts (a lone part's comes back exactly: x 1.0), a relative sum rescaled to
+    ``m``, added."""
+    n = finite_count(r)
+    total = n.sum(axis=0)
+    for s in GRAD_SUMS:
+        v = r[..., INDEX[s.name]]
+        if s.mean:
+            with np.errstate(invalid="ignore", divide="ignore"):
+                weighted = np.where(n > 0, n / np.where(total > 0, total, 1) * v, 0.0).sum(axis=0)
+            out[..., INDEX[s.name]] = np.where(total > 0, weighted, v[-1])
+        else:
+            out[..., INDEX[s.name]] = _rescaled(v, ma, m, s.power).sum(axis=0)
 
 
 def merge_all(records: np.ndarray, axis: int = 0) -> np.ndarray:
@@ -315,15 +390,9 @@ def merge_all(records: np.ndarray, axis: int = 0) -> np.ndarray:
     out[..., HIST_START:] = r[..., HIST_START:].sum(axis=0)
     out[..., INDEX["min"]] = np.minimum.reduce(r[..., INDEX["min"]], axis=0)
     out[..., INDEX["max"]] = np.maximum.reduce(r[..., INDEX["max"]], axis=0)
-    n = finite_count(r)
-    total = n.sum(axis=0)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        # each part's mean times its share of the finite values: a lone part's mean comes back exactly (x 1.0)
-        weighted = np.where(n > 0, n / np.where(total > 0, total, 1) * r[..., INDEX["mean"]], 0.0).sum(axis=0)
-    out[..., INDEX["mean"]] = np.where(total > 0, weighted, r[-1, ..., INDEX["mean"]])
     ma = max_abs(r)
     m = ma.max(axis=0)
-    out[..., INDEX["ssq_rel"]] = _rescaled(r[..., INDEX["ssq_rel"]], ma, m).sum(axis=0)
+    _merge_grad_sums(r, out, ma, m)
     noise = _rescaled(r[..., INDEX["noise_ssq_rel"]], ma, m)
     out[..., INDEX["noise_ssq_rel"]] = np.where(np.isnan(noise).all(axis=0), np.nan, np.nansum(noise, axis=0))
     out[..., INDEX["micro_batches"]] = np.fmax.reduce(r[..., INDEX["micro_batches"]], axis=0)
@@ -339,8 +408,8 @@ def merge_all(records: np.ndarray, axis: int = 0) -> np.ndarray:
 
 #: Fields that :func:`merge` adds: the counts, the relative sums of squares, the histogram and its sample size.
 ADDITIVE: tuple[int, ...] = tuple(
-    [INDEX[name] for name in COUNT_FIELDS + ("ssq_rel", "weight_ssq_rel", "update_ssq_rel", "noise_ssq_rel",
-                                             "hist_sample")]
+    [INDEX[name] for name in COUNT_FIELDS + tuple(s.name for s in GRAD_SUMS if not s.mean)
+     + ("weight_ssq_rel", "update_ssq_rel", "noise_ssq_rel", "hist_sample")]
     + list(range(HIST_START, NUM_FIELDS))
 )
 
@@ -550,8 +619,10 @@ def _count_checks(counts: np.ndarray, finite: np.ndarray, zero: np.ndarray) -> l
 
 
 def _value_checks(finite: np.ndarray, zero: np.ndarray, vi: dict[str, np.ndarray]) -> list[_Check]:
-    """The value fields against the counts and each other."""
-    mn, mx, mean, ssq = vi["min"], vi["max"], vi["mean"], vi["ssq_rel"]
+    """The value fields against the counts and each other (a relative sum: in ``[1, finite count]``, as the
+    element at max|g| adds 1 and each other at most 1)."""
+    mn, mx, mean = vi["min"], vi["max"], vi["mean"]
+    relative = [s.name for s in GRAD_SUMS if not s.mean]
     has = (finite > 0) & (vi["missing"] == 0)
     with np.errstate(invalid="ignore", over="ignore"):
         m = np.maximum(np.abs(mn), np.abs(mx))
@@ -563,12 +634,14 @@ def _value_checks(finite: np.ndarray, zero: np.ndarray, vi: dict[str, np.ndarray
              "min/max not finite although finite values are counted (a value beyond float32's range?)"),
             (has & (mn > mx), "min > max"),
             (has & ~((mean >= mn - slack) & (mean <= mx + slack)), "mean outside [min, max]"),
-            (nonzero & ~((ssq >= 1.0 - _CHECK_RTOL) & (ssq <= finite * (1.0 + _CHECK_RTOL))),
-             "ssq_rel outside [1, finite count]"),
-            (has & (finite - zero == 0) & ((m != 0) | (ssq != 0)), "all values zero but min/max/ssq_rel are not"),
         ]
+        checks += [(nonzero & ~((vi[name] >= 1.0 - _CHECK_RTOL) & (vi[name] <= finite * (1.0 + _CHECK_RTOL))),
+                    f"{name} outside [1, finite count]") for name in relative]
+        rel_nonzero = np.logical_or.reduce([vi[name] != 0 for name in relative])
+        checks += [(has & (finite - zero == 0) & ((m != 0) | rel_nonzero),
+                    f"all values zero but min/max/{'/'.join(relative)} are not")]
         checks += [(~(np.isnan(vi[name]) | ((vi[name] >= 0) & np.isfinite(vi[name]))),
-                    f"{name} negative or infinite") for name in VALUE_FIELDS[4:10] + ("hist_sample",)]
+                    f"{name} negative or infinite") for name in OPTIONAL_FIELDS + ("hist_sample",)]
     return checks
 
 

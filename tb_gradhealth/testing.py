@@ -17,6 +17,7 @@ import testing``), and so that a dashboard or a CI gate built on the plugin can 
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import struct
@@ -258,6 +259,17 @@ def write_events_fast(path: str, events: Iterable[bytes]) -> str:
     return path
 
 
+@functools.cache
+def _profile_sums() -> dict[str, float]:
+    """The :data:`record.GRAD_SUMS` fields other than ``mean`` and ``ssq_rel`` (which :func:`synthetic_records`
+    sets on their own) of a unit-RMS Gaussian profile with max|g| = 3: a relative sum per value, a mean as is."""
+    z = np.clip(np.random.default_rng(0).standard_normal(4096), -3.0, 3.0)
+    z[0] = 3.0
+    sums = record.grad_sums(z, 3.0)
+    return {s.name: sums[s.name] if s.mean else sums[s.name] / z.size for s in record.GRAD_SUMS
+            if s.name not in ("mean", "ssq_rel")}
+
+
 def synthetic_records(rms: np.ndarray, size: int = 4096) -> np.ndarray:
     """Memory-form records ``[..., F]`` of Gaussian-like gradients with the given RMS, built arithmetically (no
     per-element work): exact counts, max|g| = 3 RMS, histogram in the three decades around the RMS."""
@@ -274,6 +286,9 @@ def synthetic_records(rms: np.ndarray, size: int = 4096) -> np.ndarray:
     for name in ("update_max_abs", "update_ssq_rel", "micro_batches", "noise_ssq_rel"):
         rec[..., record.INDEX[name]] = np.nan
     rec[..., record.INDEX["hist_sample"]] = size
+    for name, per_value in _profile_sums().items():  # any other gradient sum of record.GRAD_SUMS
+        s = record.GRAD_SUMS[record.GRAD_SUM_NAMES.index(name)]
+        rec[..., record.INDEX[name]] = per_value * (rms**s.power if s.mean else size)
     centre = np.clip(np.floor(np.log10(rms)).astype(int) + 38, 1, record.HIST_BINS - 2)
     hist = np.zeros(rms.shape + (record.HIST_BINS,))
     np.put_along_axis(hist, (centre - 1)[..., None], 0.2 * size, axis=-1)

@@ -12,7 +12,8 @@ import numpy as np
 
 from tb_gradhealth import record
 
-RELATIVE = ("ssq_rel", "weight_ssq_rel", "update_ssq_rel", "noise_ssq_rel")
+#: The relative sums: every relative field of :data:`record.GRAD_SUMS`, and the optional ones.
+RELATIVE = (*(s.name for s in record.GRAD_SUMS if not s.mean), "weight_ssq_rel", "update_ssq_rel", "noise_ssq_rel")
 
 
 def _f32(x: float) -> float:

@@ -104,9 +104,9 @@ def _paths() -> dict:
 def assert_consistent_with_reference(mem: np.ndarray, held: np.ndarray, hist_sample: int) -> None:
     """One device row against the float64 reference of the same values.
 
-    Counts and extremes exactly; the mean and the norm to float32's precision; the histogram sums to the exact
-    finite nonzero count; it equals the exact one where the device kept it exact, and was sampled only where the
-    sample was enough; every row passes the readers' and the writer's checks.
+    Counts and extremes exactly; the mean, the norm and every relative sum to float32's precision; the histogram
+    sums to the exact finite nonzero count; it equals the exact one where the device kept it exact, and was sampled
+    only where the sample was enough; every row passes the readers' and the writer's checks.
     """
     ref = record.compute(held, hist_sample=None)
     np.testing.assert_array_equal(mem[: record.NUM_COUNTS], ref[: record.NUM_COUNTS], err_msg="counts")
@@ -114,6 +114,10 @@ def assert_consistent_with_reference(mem: np.ndarray, held: np.ndarray, hist_sam
         np.testing.assert_array_equal(np.float32(mem[record.INDEX[f]]), np.float32(ref[record.INDEX[f]]), err_msg=f)
     dm, dr = record.derived(mem), record.derived(ref)
     np.testing.assert_allclose(dm["norm"], dr["norm"], rtol=2e-5, err_msg="norm")
+    for s in record.GRAD_SUMS:  # every relative sum (the norm's ssq_rel, and any field added to the table)
+        if not s.mean:
+            at = record.INDEX[s.name]
+            np.testing.assert_allclose(mem[at], ref[at], rtol=5e-5, atol=1e-30, err_msg=s.name)
     tiny = float(np.finfo(np.float32).tiny)
     atol = 2e-6 * float(np.nan_to_num(dr["max_abs"])) + tiny
     np.testing.assert_allclose(dm["mean"], dr["mean"], rtol=1e-5, atol=atol, err_msg="mean")

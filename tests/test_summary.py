@@ -103,7 +103,8 @@ def test_same_record_on_every_path(variables):
     }
     for path, rec in paths.items():
         assert rec.counts.dtype == tf.int32 and rec.values.dtype == tf.float32
-        assert tuple(rec.counts.shape) == (len(CASES), 5) and tuple(rec.values.shape) == (len(CASES), 89)
+        assert tuple(rec.counts.shape) == (len(CASES), record.NUM_COUNTS)
+        assert tuple(rec.values.shape) == (len(CASES), record.NUM_VALUES + record.HIST_BINS)
         mem = to_mem(rec)
         for i, (name, g) in enumerate(CASES.items()):
             try:

@@ -159,14 +159,15 @@ def _max_abs_and_ssq_f32(v: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     return tf.bitcast(m, tf.float32), q
 
 
-def _first_pass(x: tf.Tensor, x_hi: tf.Tensor, x_lo: tf.Tensor, tiny: tf.Tensor, fused: bool) -> list[tf.Tensor]:
-    """``[sum, sum of squares, max, min, zero count]`` of a gradient (``x_hi``/``x_lo``: ``x`` with padding masked
-    for max/min).
+def _first_pass(x: tf.Tensor, x_hi: tf.Tensor, x_lo: tf.Tensor, tiny: tf.Tensor, fused: bool
+                ) -> tuple[list[tf.Tensor], tf.Tensor, tf.Tensor, tf.Tensor]:
+    """``(sum(term(x)) of each record.GRAD_SUMS term, max, min, zero count)`` of a gradient (``x_hi``/``x_lo``:
+    ``x`` with padding masked for max/min).
 
     Under XLA with float32 data: the sum of squares, the zero count and max/min (as int32 keys) in one blocked loop
-    (:func:`_reduce_rows`), and the plain sum as a reduction of its own (a library call on the gradient's buffer,
-    or folded into the matmul that made it). float64 under XLA: one variadic loop. Outside XLA: separate TF
-    reductions. (The weight and the update are reduced by :func:`_max_abs_ssq`, in a loop each.)
+    (:func:`_reduce_rows`), each other term's sum as a reduction of its own (the plain sum: a library call on the
+    gradient's buffer, or folded into the matmul that made it). float64 under XLA: one variadic loop. Outside XLA:
+    separate TF reductions. (The weight and the update are reduced by :func:`_max_abs_ssq`, in a loop each.)
     """
     if fused and x.dtype == tf.float32:
 
@@ -174,19 +175,40 @@ def _first_pass(x: tf.Tensor, x_hi: tf.Tensor, x_lo: tf.Tensor, tiny: tf.Tensor,
             return [v * v, tf.cast(tf.abs(v) < tiny, tf.int32), _order_key(hi), _order_key(lo)]
 
         q, zero, kmax, kmin = _reduce_rows(operands, [x, x_hi, x_lo], ("sum", "sum", "max", "min"))
-        return [tf.reduce_sum(x), q, _from_order_key(kmax, -np.inf), _from_order_key(kmin, np.inf), zero]
+        return _term_sums(x, q), _from_order_key(kmax, -np.inf), _from_order_key(kmin, np.inf), zero
     is_zero = tf.cast(tf.abs(x) < tiny, tf.int32)
     if not fused:
-        return [tf.reduce_sum(x), tf.reduce_sum(x * x), tf.reduce_max(x_hi), tf.reduce_min(x_lo),
-                tf.reduce_sum(is_zero)]
-    return _reduce_together([x, x * x, x_hi, x_lo, is_zero], ("sum", "sum", "max", "min", "sum"))
+        return _term_sums(x, None), tf.reduce_max(x_hi), tf.reduce_min(x_lo), tf.reduce_sum(is_zero)
+    k = len(record.GRAD_SUMS)
+    *sums, mx, mn, zero = _reduce_together([*(s.term(tf, x) for s in record.GRAD_SUMS), x_hi, x_lo, is_zero],
+                                           ("sum",) * k + ("max", "min", "sum"))
+    return sums, mx, mn, zero
 
 
-def _scaled_sums(x: tf.Tensor, m: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-    """``(sum((x/m)^2), sum(x/m))``: a second pass that is exact in relative terms at any magnitude."""
-    safe = tf.where(m > 0, m, tf.ones_like(m))
-    y = x / safe
-    return tf.reduce_sum(y * y), tf.reduce_sum(y)
+def _term_sums(x: tf.Tensor, squares: tf.Tensor | None) -> list[tf.Tensor]:
+    """``sum(term(x))`` of each :data:`record.GRAD_SUMS` term, in its order (the sum of squares ``squares`` when the
+    fused loop has it)."""
+    return [squares if squares is not None and s.term is record.square else _sum_of(s, x) for s in record.GRAD_SUMS]
+
+
+def _sum_of(s: record.GradSum, x: tf.Tensor) -> tf.Tensor:
+    """``sum(term(x))`` in ``x``'s dtype: the plain sum and the squares as one reduction; any other term summed in
+    float64 (XLA's one running float32 sum of millions of values drifts by 1e-3; one beyond float32 is then Inf)."""
+    t = s.term(tf, x)
+    if s.term is record.identity or s.term is record.square:
+        return tf.reduce_sum(t)
+    return tf.cast(tf.reduce_sum(tf.cast(t, tf.float64)), x.dtype)
+
+
+def _relative(x: tf.Tensor, m: tf.Tensor) -> tf.Tensor:
+    """``x / m`` (``x`` where ``m`` is 0): values whose sums are exact in relative terms at any magnitude."""
+    return x / tf.where(m > 0, m, tf.ones_like(m))
+
+
+def _scaled_sums(x: tf.Tensor, m: tf.Tensor) -> list[tf.Tensor]:
+    """``sum(term(x / m))`` of each :data:`record.GRAD_SUMS` term: a second pass, right at any magnitude."""
+    y = _relative(x, m)
+    return [_sum_of(s, y) for s in record.GRAD_SUMS]
 
 
 def _delta_flat(d: Delta) -> tf.Tensor:
@@ -226,7 +248,8 @@ def _max_abs_ssq(t: Any, fused: bool = False) -> tuple[tf.Tensor, tf.Tensor]:
         fin = a <= dt.max
         mf = tf.reduce_max(tf.where(fin, a, tf.zeros_like(a)))
         mf = tf.maximum(_flushed(mf, tiny), tf.zeros([], dt))
-        return _scaled_sums(tf.where(fin, x, tf.zeros_like(x)), mf)[0], mf
+        y = _relative(tf.where(fin, x, tf.zeros_like(x)), mf)
+        return tf.reduce_sum(y * y), mf
 
     ssq, m2 = tf.cond(tf.math.is_finite(q) & (m >= _FAST_MIN[dt]), fast, slow)
     return tf.cast(m2, tf.float32), tf.cast(ssq, tf.float32)
@@ -242,8 +265,7 @@ class _FirstPass(NamedTuple):
     tiny: tf.Tensor
     size: tf.Tensor
     extra_zeros: tf.Tensor | None
-    s: tf.Tensor
-    q: tf.Tensor
+    sums: list[tf.Tensor]  # sum(term(x)) of each record.GRAD_SUMS term
     mx: tf.Tensor
     mn: tf.Tensor
 
@@ -257,16 +279,21 @@ def _with_implicit_zeros(mx: tf.Tensor, mn: tf.Tensor, extra_zeros: tf.Tensor | 
 
 
 def _finish(p: _FirstPass, mx: tf.Tensor, mn: tf.Tensor, nonfinite: Any, sums: Callable[[tf.Tensor], Any]):
-    """``(min, max, mean, ssq_rel)`` from the finite extremes and a ``sums(max|g|)`` giving relative sums."""
+    """``(min, max, *GRAD_SUMS fields)`` from the finite extremes and a ``sums(max|g|)`` giving the relative sums
+    ``sum(term(x / m))`` (the one evaluation of :data:`record.GRAD_SUMS` for this kernel)."""
     dt = p.x.dtype
     mx, mn = _flushed(mx, p.tiny), _flushed(mn, p.tiny)
     m = tf.maximum(tf.maximum(mx, -mn), tf.zeros([], dt))
     m = tf.where(tf.math.is_finite(m), m, tf.zeros_like(m))
     nf = tf.cast(p.size - nonfinite, dt)
-    ssq_rel, mean_rel = sums(m)
-    ssq_rel = tf.where(m > 0, ssq_rel, tf.zeros_like(ssq_rel))
-    mean = tf.where((m > 0) & (nf > 0), mean_rel / tf.maximum(nf, 1) * m, tf.zeros_like(m))
-    return mx, mn, mean, ssq_rel
+    out = []
+    for s, rel in zip(record.GRAD_SUMS, sums(m), strict=True):
+        if s.mean:
+            out.append(tf.where((m > 0) & (nf > 0), rel / tf.maximum(nf, 1) * record.power_of(m, s.power),
+                                tf.zeros_like(m)))
+        else:
+            out.append(tf.where(m > 0, rel, tf.zeros_like(rel)))
+    return (mx, mn, *out)
 
 
 def _all_finite(p: _FirstPass) -> tuple[tf.Tensor, ...]:
@@ -276,7 +303,7 @@ def _all_finite(p: _FirstPass) -> tuple[tf.Tensor, ...]:
     def sums(m: tf.Tensor) -> Any:
         return tf.cond(
             m >= _FAST_MIN[dt],
-            lambda: (p.q / (m * m), p.s / tf.where(m > 0, m, tf.ones_like(m))),
+            lambda: [t / record.power_of(m, s.power) for s, t in zip(record.GRAD_SUMS, p.sums, strict=True)],
             lambda: _scaled_sums(p.x, m),
         )
 
@@ -326,19 +353,19 @@ def _dense_stats(
         x_lo = tf.where(inside, x, tf.constant(np.inf, dt))
     else:
         x_hi = x_lo = x
-    s, q, mx, mn, zero = _first_pass(x, x_hi, x_lo, tiny, fused)
+    sums, mx, mn, zero = _first_pass(x, x_hi, x_lo, tiny, fused)
     if extra_zeros is not None:
         zero = zero + extra_zeros
     mx, mn = _with_implicit_zeros(mx, mn, extra_zeros)
     size = n if dense_size is None else dense_size
-    p = _FirstPass(x, x_hi, x_lo, tiny, size, extra_zeros, s, q, mx, mn)
-    finite = tf.math.is_finite(s) & tf.math.is_finite(q)
-    nan, posinf, neginf, mx, mn, mean, ssq_rel = tf.cond(finite, lambda: _all_finite(p), lambda: _with_nonfinite(p))
+    p = _FirstPass(x, x_hi, x_lo, tiny, size, extra_zeros, sums, mx, mn)
+    finite = functools.reduce(tf.logical_and, [tf.math.is_finite(t) for t in sums])
+    nan, posinf, neginf, mx, mn, *sums = tf.cond(finite, lambda: _all_finite(p), lambda: _with_nonfinite(p))
     n_nonzero = size - nan - posinf - neginf - zero
     hist, kept = histogram.histogram(x, n_nonzero, hist_sample, layer, seed, valid_len)
     count_fields = {"size": tf.cast(size, tf.int32), "nan": nan, "posinf": posinf, "neginf": neginf, "zero": zero}
     counts = tf.stack([count_fields[name] for name in record.COUNT_FIELDS])
-    fields = {"min": mn, "max": mx, "mean": mean, "ssq_rel": ssq_rel, "hist_sample": kept}
+    fields = {"min": mn, "max": mx, **dict(zip(record.GRAD_SUM_NAMES, sums, strict=True)), "hist_sample": kept}
     return counts, {k: tf.cast(v, tf.float32) for k, v in fields.items()}, hist
 
 
@@ -395,8 +422,7 @@ def layer_record(inputs: LayerInputs, layer: int) -> tuple[tf.Tensor, tf.Tensor]
     fused = fused_reductions()
     if g is None:
         c = tf.constant([size if name == "size" else 0 for name in record.COUNT_FIELDS], tf.int32)
-        grad = {"min": np.inf, "max": -np.inf, "mean": 0.0, "ssq_rel": 0.0, "hist_sample": 0.0, "missing": 1.0}
-        grad = {k: tf.constant(v, tf.float32) for k, v in grad.items()}
+        grad = {"missing": tf.constant(1.0, tf.float32)}  # the other fields at their defaults (record.empty)
         hist = tf.zeros([record.HIST_BINS], tf.float32)
     else:
         salt = layer if inputs.ids is None else inputs.ids[layer]

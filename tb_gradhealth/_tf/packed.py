@@ -26,6 +26,7 @@ The numbers are those of :func:`tb_gradhealth.record.compute`; docs/PERFORMANCE.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -160,9 +161,27 @@ def _magnitude_bits(b: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     return bits, tf.bitwise.bitwise_and(bits, 0x7FFFFFFF)
 
 
-#: Per-layer results of the gradient's rows: the fast loop's (then the plain sum), and the exact branch's.
-_FAST_KINDS = ("sum", "sum", "max", "min", "sum", "sum")
-_EXACT_KINDS = ("sum", "sum", "max", "min", "sum", "sum", "sum", "sum")
+#: Per-layer results of the gradient's rows: each :data:`record.GRAD_SUMS` term's sum, then the fast rows' zero
+#: count, max and min keys and NaN/Inf count, or the exact rows' zero count, keys and NaN, +Inf, -Inf counts.
+_SUMS = len(record.GRAD_SUMS)
+_FAST_KINDS = ("sum",) * _SUMS + ("sum", "max", "min", "sum")
+_EXACT_KINDS = ("sum",) * _SUMS + ("sum", "max", "min", "sum", "sum", "sum")
+
+
+def _term_rows(b: tf.Tensor, d: tf.Tensor, e: tf.Tensor | None) -> tuple[list[tf.Tensor], Any]:
+    """The one evaluation of :data:`record.GRAD_SUMS` on rows ``b`` (float32): ``(operands of the rows' loop,
+    finish)``, ``finish(their loop results)`` giving each term's per-row sum in the table's order. The squares
+    are of ``d`` (``b`` flushed, float64: none under- or overflows) in the loop; the other terms are loop sums of
+    ``e`` (float64), or without ``e`` float32 row sums of ``b`` of their own (a layer where one is not finite is
+    redone by the exact rows, which pass ``e``)."""
+    looped = [s for s in record.GRAD_SUMS if s.term is record.square or e is not None]
+    operands = [s.term(tf, d if s.term is record.square else e) for s in looped]
+
+    def finish(results: list[tf.Tensor]) -> list[tf.Tensor]:
+        by_name = dict(zip([s.name for s in looped], results, strict=True))
+        return [by_name[s.name] if s.name in by_name else tf.reduce_sum(s.term(tf, b), 1) for s in record.GRAD_SUMS]
+
+    return operands, finish
 
 
 def _flushed_square_sum_operand(b: tf.Tensor, keep: tf.Tensor) -> tf.Tensor:
@@ -177,7 +196,7 @@ def _inside(valid: np.ndarray | None) -> tf.Tensor | None:
 
 
 def _fast_gradient_rows(b: tf.Tensor, valid: np.ndarray | None) -> list[tf.Tensor]:
-    """Per row, one loop: ``[sum of squares (f64), zeros, max key, min key, NaN/Inf count]``, and the plain sum.
+    """Per row, one loop: ``[*term sums (:func:`_term_rows`), zeros, max key, min key, NaN/Inf count]``.
 
     Right when the row holds no NaN/Inf; a layer whose count is not 0 is redone by :func:`_exact_gradient_rows`.
     """
@@ -188,15 +207,14 @@ def _fast_gradient_rows(b: tf.Tensor, valid: np.ndarray | None) -> list[tf.Tenso
     kmax, kmin, zero = key, key, small
     if inside is not None:  # padding: not a value
         kmax, kmin, zero = tf.where(inside, key, _I32_MIN), tf.where(inside, key, _I32_MAX), small & inside
-    d = _flushed_square_sum_operand(b, ~small)
-    rows = kernels._variadic(
-        [d * d, tf.cast(zero, tf.int32), kmax, kmin, tf.cast(mag >= _EXP_BITS, tf.int32)], _FAST_KINDS[:5], 1
-    )
-    return rows + [tf.reduce_sum(b, 1)]  # float32: folded into layers in float64 (:func:`_per_layer`)
+    terms, finish = _term_rows(b, _flushed_square_sum_operand(b, ~small), None)
+    rows = kernels._variadic([*terms, tf.cast(zero, tf.int32), kmax, kmin, tf.cast(mag >= _EXP_BITS, tf.int32)],
+                             ("sum",) * len(terms) + _FAST_KINDS[_SUMS:], 1)
+    return finish(rows[: len(terms)]) + rows[len(terms):]
 
 
 def _exact_gradient_rows(b: tf.Tensor, valid: np.ndarray | None) -> list[tf.Tensor]:
-    """Per row: ``[finite sum of squares, zeros, finite max key, min key, NaN, +Inf, -Inf, finite sum]``."""
+    """Per row: ``[*finite term sums, zeros, finite max key, min key, NaN, +Inf, -Inf]``."""
     inside = _inside(valid)
     bits, mag = _magnitude_bits(b)
     finite = mag < _EXP_BITS
@@ -205,18 +223,18 @@ def _exact_gradient_rows(b: tf.Tensor, valid: np.ndarray | None) -> list[tf.Tens
     use = finite if inside is None else finite & inside
     zero = small if inside is None else small & inside
     key = kernels._flip(bits)
-    d = _flushed_square_sum_operand(b, finite & ~small)
     as_int = lambda m: tf.cast(m, tf.int32)  # noqa: E731
     # Two float64 sums in one loop run slower than one (a scalar loop), but this runs only on steps with NaN/Inf,
     # and a separate sum of a float64 operand would be written out whole first.
-    q, zeros, kmax, kmin, nan, posinf, neginf, s = kernels._variadic(
-        [d * d, as_int(zero), tf.where(use, key, _I32_MIN), tf.where(use, key, _I32_MAX),
-         as_int(mag > _EXP_BITS), as_int(inf & (bits > 0)), as_int(inf & (bits < 0)),
-         _flushed_square_sum_operand(b, finite)],
-        _EXACT_KINDS,
+    terms, finish = _term_rows(b, _flushed_square_sum_operand(b, finite & ~small),
+                               _flushed_square_sum_operand(b, finite))
+    rows = kernels._variadic(
+        [*terms, as_int(zero), tf.where(use, key, _I32_MIN), tf.where(use, key, _I32_MAX),
+         as_int(mag > _EXP_BITS), as_int(inf & (bits > 0)), as_int(inf & (bits < 0))],
+        ("sum",) * len(terms) + _EXACT_KINDS[_SUMS:],
         1,
     )
-    return [q, zeros, kmax, kmin, nan, posinf, neginf, s]
+    return finish(rows[: len(terms)]) + rows[len(terms):]
 
 
 def _fast_norm_rows(b: tf.Tensor, valid: np.ndarray | None = None) -> list[tf.Tensor]:
@@ -255,15 +273,14 @@ def _graph_gradient_rows(b: tf.Tensor, valid: np.ndarray | None) -> list[tf.Tens
     reduction kernel, instead of one fused loop. Squares are summed in float32 (per row, then in float64); a row
     whose sums are not finite (a NaN/Inf, or a square beyond float32) counts as bad, and so does a layer whose
     max|g| is below :data:`_GRAPH_FAST_MIN` (:func:`compute`): those are redone by the exact rows."""
-    s = tf.reduce_sum(b, 1)
-    q = tf.reduce_sum(tf.square(b), 1)
+    sums = [tf.reduce_sum(s.term(tf, b), 1) for s in record.GRAD_SUMS]  # float32, added up in float64
     zero = tf.reduce_sum(tf.cast(tf.abs(b) < tf.constant(record.FLUSH_BELOW, tf.float32), tf.int32), 1)
     if valid is not None:  # the zero padding counted as zeros
         zero = zero - tf.constant((PACK_ROW - valid).astype(np.int32))
     mx = _padding_fixed(tf.reduce_max(b, 1), b, valid, tf.reduce_max, -np.inf)
     mn = _padding_fixed(tf.reduce_min(b, 1), b, valid, tf.reduce_min, np.inf)
-    bad = tf.cast(~(tf.math.is_finite(s) & tf.math.is_finite(q)), tf.int32)
-    return [tf.cast(q, tf.float64), zero, kernels._order_key(mx), kernels._order_key(mn), bad, s]
+    bad = tf.cast(~functools.reduce(tf.logical_and, [tf.math.is_finite(t) for t in sums]), tf.int32)
+    return [*sums, zero, kernels._order_key(mx), kernels._order_key(mn), bad]
 
 
 def _graph_norm_rows(b: tf.Tensor, valid: np.ndarray | None = None) -> list[tf.Tensor]:
@@ -566,37 +583,56 @@ def compute(inputs: LayerInputs, deferred: bool = False) -> Any:
     plan = _plan(grads, hist_sample)
     lay = plan.layout
     buf = _pack(plan.flat, lay)
-    graph = not compat.in_xla_context()
-    q, zero, kmax, kmin, bad, s = _reduce_layers(plan.flat, lay, n, _graph_gradient_rows if graph else
-                                                 _fast_gradient_rows, _FAST_KINDS, buf)
-    redo = (bad > 0) | ~tf.math.is_finite(s)
-    if graph:  # float32 squares: a layer of tiny values is redone in float64
-        m0 = tf.maximum(_from_key(kmax, -np.inf), -_from_key(kmin, np.inf))
-        redo |= (m0 > 0) & (m0 < _GRAPH_FAST_MIN)
-    z = tf.zeros_like(zero)
-    q, zero, kmax, kmin, nan, posinf, neginf, s = _redo_where(
-        redo, [q, zero, kmax, kmin, z, z, z, s], plan.flat, lay, n, _exact_gradient_rows, _EXACT_KINDS, buf
-    )
+    sums, zero, kmax, kmin, nan, posinf, neginf = _gradient_reductions(plan, buf, n)
     size = tf.constant(np.array([max(int(z if g is None else g), 0) for z, g in zip(sizes, plan.sizes, strict=True)],
                                 np.int32))
     nonfinite = nan + posinf + neginf
     mx, mn = _from_key(kmax, -np.inf), _from_key(kmin, np.inf)
     m = tf.cast(tf.maximum(tf.maximum(mx, -mn), 0.0), tf.float64)
-    nf = tf.cast(size - nonfinite, tf.float64)
-    mean = tf.where((m > 0) & (nf > 0), s / tf.maximum(nf, 1.0), tf.zeros_like(m))
-    ssq_rel = tf.where(m > 0, q / tf.where(m > 0, m * m, tf.ones_like(m)), tf.zeros_like(m))
+    fields = _sum_fields(sums, m, tf.cast(size - nonfinite, tf.float64))
+    s, q = sums[record.GRAD_SUM_NAMES.index("mean")], sums[record.GRAD_SUM_NAMES.index("ssq_rel")]
     ids = plan.sampled if inputs.ids is None else np.asarray(inputs.ids, np.int64)[plan.sampled]
     sampling = _Sampling(plan.sampled, ids, hist_sample, inputs.seed, s, q, size - nonfinite - zero)
     hist, kept, whole = _histograms(plan, buf, sampling, n)
     counts, values = _stacked(inputs, {"size": size, "nan": nan, "posinf": posinf, "neginf": neginf, "zero": zero},
-                              {"min": mn, "max": mx, "mean": tf.cast(mean, tf.float32),
-                               "ssq_rel": tf.cast(ssq_rel, tf.float32), "hist_sample": kept}, hist)
+                              {"min": mn, "max": mx, **fields, "hist_sample": kept}, hist)
     if whole is not None and not deferred:
         values = tf.cond(tf.reduce_any(whole), lambda: _with_whole(values, whole, plan, buf), lambda: values)
     if any(isinstance(g, tf.IndexedSlices) for g in grads):
         counts, values = _with_sparse_rows(counts, values, inputs)
     rec = DeviceRecord(counts, values)
     return (rec, whole) if deferred else rec
+
+
+def _gradient_reductions(plan: _Plan, buf: tf.Tensor, n: int) -> tuple[list[tf.Tensor], ...]:
+    """``(term sums [n] each, zero, max key, min key, NaN, +Inf, -Inf)`` of every layer: the fast rows (or their
+    plain TensorFlow form outside XLA), the layers with a NaN/Inf or a sum not finite redone by the exact rows."""
+    lay = plan.layout
+    graph = not compat.in_xla_context()
+    *sums, zero, kmax, kmin, bad = _reduce_layers(plan.flat, lay, n, _graph_gradient_rows if graph else
+                                                  _fast_gradient_rows, _FAST_KINDS, buf)
+    redo = functools.reduce(tf.logical_or, [~tf.math.is_finite(t) for t in sums], bad > 0)
+    if graph:  # float32 squares: a layer of tiny values is redone in float64
+        m0 = tf.maximum(_from_key(kmax, -np.inf), -_from_key(kmin, np.inf))
+        redo |= (m0 > 0) & (m0 < _GRAPH_FAST_MIN)
+    z = tf.zeros_like(zero)
+    *sums, zero, kmax, kmin, nan, posinf, neginf = _redo_where(
+        redo, [*sums, zero, kmax, kmin, z, z, z], plan.flat, lay, n, _exact_gradient_rows, _EXACT_KINDS, buf
+    )
+    return sums, zero, kmax, kmin, nan, posinf, neginf
+
+
+def _sum_fields(sums: Sequence[tf.Tensor], m: tf.Tensor, nf: tf.Tensor) -> dict[str, tf.Tensor]:
+    """The :data:`record.GRAD_SUMS` fields float32 from the layers' sums ``sum(term(x))`` float64, their max|g|
+    ``m`` and finite counts ``nf``: a mean over ``nf``, a relative sum over ``m**power`` (0 where ``m`` is)."""
+    out = {}
+    for s, t in zip(record.GRAD_SUMS, sums, strict=True):
+        if s.mean:
+            v = tf.where((m > 0) & (nf > 0), t / tf.maximum(nf, 1.0), tf.zeros_like(m))
+        else:
+            v = tf.where(m > 0, t / tf.where(m > 0, record.power_of(m, s.power), tf.ones_like(m)), tf.zeros_like(m))
+        out[s.name] = tf.cast(v, tf.float32)
+    return out
 
 
 def _stacked(inputs: LayerInputs, counts: dict[str, tf.Tensor], grad: dict[str, tf.Tensor],
