@@ -777,39 +777,33 @@ def _relu_rnn_stack(seed: int, name: str, *, units: Sequence[int], gain: float) 
     return build
 
 
+def _rnn_swing_case(register: Callable, name: str, what: str, *, model: str, seed: int, data_seed: int,
+                    units: tuple[int, ...], gain: float, optimizer: str, lr: float) -> None:
+    """Register (``register``: :func:`case` or :func:`_design_case`) a twin case of stacked ReLU recurrences
+    (``units``) at orthogonal ``gain`` under ``keras.optimizers.<optimizer>(lr)``, 60 steps of 32 sequences of
+    :func:`_span_data` from ``data_seed``."""
+    x, y = _span_data(60, 32, data_seed)
+    rule = TWIN_RULE.format(twin="orthogonal gain 1", status="exploding", side="above")
+    register(name, f"{rule}; {what}, {optimizer}({lr:g}), signal starting at a step drawn per batch")(
+        _twin_case(_relu_rnn_stack(seed, model, units=units, gain=gain), "exploding",
+                   "orthogonal gain 1", steps=60, x=x, y=y, batch=32,
+                   optimizer=lambda: getattr(__import__("keras").optimizers, optimizer)(lr)))
+
+
 # More of the class above, written before the rule that dates their onset was changed. The first two (a blow-up
 # alike in every layer, dated late) were then studied for the rule that reads such a blow-up: the design half.
-_SX2, _SY2 = _span_data(60, 32, 151)
-_design_case("rnn_relu_rmsprop_swings", TWIN_RULE.format(twin="orthogonal gain 1", status="exploding", side="above")
-     + "; ReLU recurrence (48 units) at orthogonal gain 3, RMSprop(1e-3), signal starting at a step drawn per batch")(
-    _twin_case(_relu_rnn_stack(149, "rnn_rmsprop", units=(48,), gain=3.0), "exploding", "orthogonal gain 1",
-               steps=60, x=_SX2, y=_SY2, batch=32, optimizer=lambda: __import__("keras").optimizers.RMSprop(1e-3)))
-_SX3, _SY3 = _span_data(60, 32, 163)
-_design_case("rnn_stacked_relu_adam_swings",
-             TWIN_RULE.format(twin="orthogonal gain 1", status="exploding", side="above")
-             + "; two stacked ReLU recurrences (24 units) at orthogonal gain 2.5, Adam(1e-3), signal starting at a "
-             "step drawn per batch")(
-    _twin_case(_relu_rnn_stack(157, "rnn_stack", units=(24, 24), gain=2.5), "exploding", "orthogonal gain 1",
-               steps=60, x=_SX3, y=_SY3, batch=32, optimizer=lambda: __import__("keras").optimizers.Adam(1e-3)))
-
-_SX4, _SY4 = _span_data(60, 32, 173)
-case("rnn_relu_adam_gain2_swings", TWIN_RULE.format(twin="orthogonal gain 1", status="exploding", side="above")
-     + "; ReLU recurrence (32 units) at orthogonal gain 2, Adam(1e-3), signal starting at a step drawn per batch")(
-    _twin_case(_relu_rnn_stack(167, "rnn_gain2", units=(32,), gain=2.0), "exploding", "orthogonal gain 1",
-               steps=60, x=_SX4, y=_SY4, batch=32, optimizer=lambda: __import__("keras").optimizers.Adam(1e-3)))
-
-
+_rnn_swing_case(_design_case, "rnn_relu_rmsprop_swings", "ReLU recurrence (48 units) at orthogonal gain 3",
+                model="rnn_rmsprop", seed=149, data_seed=151, units=(48,), gain=3.0, optimizer="RMSprop", lr=1e-3)
+_rnn_swing_case(_design_case, "rnn_stacked_relu_adam_swings",
+                "two stacked ReLU recurrences (24 units) at orthogonal gain 2.5", model="rnn_stack", seed=157,
+                data_seed=163, units=(24, 24), gain=2.5, optimizer="Adam", lr=1e-3)
+_rnn_swing_case(case, "rnn_relu_adam_gain2_swings", "ReLU recurrence (32 units) at orthogonal gain 2",
+                model="rnn_gain2", seed=167, data_seed=173, units=(32,), gain=2.0, optimizer="Adam", lr=1e-3)
 # Written before the rule for a blow-up alike in every layer under an adaptive optimizer (never tuned on).
-_SX5, _SY5 = _span_data(60, 32, 191)
-case("rnn_relu_adam_wide_swings", TWIN_RULE.format(twin="orthogonal gain 1", status="exploding", side="above")
-     + "; ReLU recurrence (64 units) at orthogonal gain 3, Adam(3e-4), signal starting at a step drawn per batch")(
-    _twin_case(_relu_rnn_stack(181, "rnn_wide", units=(64,), gain=3.0), "exploding", "orthogonal gain 1",
-               steps=60, x=_SX5, y=_SY5, batch=32, optimizer=lambda: __import__("keras").optimizers.Adam(3e-4)))
-_SX6, _SY6 = _span_data(60, 32, 197)
-case("rnn_relu_nadam_swings", TWIN_RULE.format(twin="orthogonal gain 1", status="exploding", side="above")
-     + "; ReLU recurrence (40 units) at orthogonal gain 2.5, Nadam(1e-3), signal starting at a step drawn per batch")(
-    _twin_case(_relu_rnn_stack(193, "rnn_nadam", units=(40,), gain=2.5), "exploding", "orthogonal gain 1",
-               steps=60, x=_SX6, y=_SY6, batch=32, optimizer=lambda: __import__("keras").optimizers.Nadam(1e-3)))
+_rnn_swing_case(case, "rnn_relu_adam_wide_swings", "ReLU recurrence (64 units) at orthogonal gain 3",
+                model="rnn_wide", seed=181, data_seed=191, units=(64,), gain=3.0, optimizer="Adam", lr=3e-4)
+_rnn_swing_case(case, "rnn_relu_nadam_swings", "ReLU recurrence (40 units) at orthogonal gain 2.5",
+                model="rnn_nadam", seed=193, data_seed=197, units=(40,), gain=2.5, optimizer="Nadam", lr=1e-3)
 RNN_RULE = ("healthy: a ReLU recurrence (32 units) at orthogonal gain 1 under RMSprop(1e-3) on sequences whose signal "
             "starts at a step drawn per batch; the loss falls (checked); it must have no episode at any step")
 
