@@ -98,6 +98,8 @@ GRAD_SUM_NAMES: tuple[str, ...] = tuple(s.name for s in GRAD_SUMS)
 #: The optional fields: NaN when not recorded.
 OPTIONAL_FIELDS: tuple[str, ...] = ("weight_max_abs", "weight_ssq_rel", "update_max_abs", "update_ssq_rel",
                                     "micro_batches", "noise_ssq_rel")
+
+
 def power_of(x: Any, power: int) -> Any:
     """``x`` multiplied by itself ``power`` times (``x * x`` for 2: one rounding, the same bits on every backend)."""
     out = x
