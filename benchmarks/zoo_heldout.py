@@ -499,6 +499,20 @@ def _grad_norms(model: Any, x: np.ndarray, y: np.ndarray, loss: Any) -> np.ndarr
     return np.array([float(tf.norm(g)) for g in tape.gradient(value, model.trainable_variables)])
 
 
+def _decades_per_batch(mutant: Any, healthy: Any, x: np.ndarray, y: np.ndarray, batch: int, loss: Any, *,
+                       sign: float) -> list[list[float]]:
+    """Evidence beside the label (which reads the first batch only): per variable, ``[min, median, max]`` over every
+    batch of the data, before training, of the decades its gradient norm sits from the twin's on the same batch."""
+    rows = []
+    for b in range(len(x) // batch):
+        part = slice(b * batch, (b + 1) * batch)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rows.append(sign * np.log10(_grad_norms(mutant, x[part], y[part], loss)
+                                        / _grad_norms(healthy, x[part], y[part], loss)))
+    d = np.array(rows)
+    return [[round(float(v), 2) for v in np.nanpercentile(d[:, i], [0, 50, 100])] for i in range(d.shape[1])]
+
+
 def _twin_case(build: Callable[[bool], Any], status: str, twin: str, *, steps: int, x: np.ndarray, y: np.ndarray,
                batch: int, optimizer: Callable[[], Any], loss: Any = None) -> Callable[[str], dict[str, Any]]:
     rule = TWIN_RULE.format(twin=twin, status=status, side="above" if status == "exploding" else "below")
@@ -508,6 +522,7 @@ def _twin_case(build: Callable[[bool], Any], status: str, twin: str, *, steps: i
         mutant, healthy = build(True), build(False)
         ref = _grad_norms(healthy, x[:batch], y[:batch], loss_fn)
         start = _grad_norms(mutant, x[:batch], y[:batch], loss_fn)
+        spread = _decades_per_batch(mutant, healthy, x, y, batch, loss_fn, sign=1.0 if status == "exploding" else -1.0)
         r = train_loop(log_dir, mutant, optimizer(), x, y, steps=steps, batch=batch, loss=loss_fn)
         end = _grad_norms(mutant, x[:batch], y[:batch], loss_fn)
         sign = 1.0 if status == "exploding" else -1.0
@@ -531,7 +546,8 @@ def _twin_case(build: Callable[[bool], Any], status: str, twin: str, *, steps: i
         return {"sick": any(e["status"] != "healthy" for e in layers.values()), "layers": layers,
                 "culprits": sorted(sick, key=lambda n: -order[n]), "onset": 1 if sick else (min(nan) if nan else None),
                 "first_nan": min(nan) if nan else None, "diverges": bool(nan), "rule": rule,
-                "evidence": {"loss_first": r["loss"][0], "loss_last": r["loss"][-1]}}
+                "evidence": {"loss_first": r["loss"][0], "loss_last": r["loss"][-1],
+                             "decades_per_batch_at_start": dict(zip(names, spread, strict=True))}}
 
     return run
 
