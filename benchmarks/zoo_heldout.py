@@ -815,11 +815,16 @@ _rnn_swing_case(_design_case, "rnn_stacked_relu_adam_swings",
                 data_seed=163, units=(24, 24), gain=2.5, optimizer="Adam", lr=1e-3)
 _rnn_swing_case(case, "rnn_relu_adam_gain2_swings", "ReLU recurrence (32 units) at orthogonal gain 2",
                 model="rnn_gain2", seed=167, data_seed=173, units=(32,), gain=2.0, optimizer="Adam", lr=1e-3)
-# Written before the rule for a blow-up alike in every layer under an adaptive optimizer (never tuned on).
-_rnn_swing_case(case, "rnn_relu_adam_wide_swings", "ReLU recurrence (64 units) at orthogonal gain 3",
+# Written before the rule for a blow-up alike in every layer under an adaptive optimizer; the first was then studied
+# for the onset of that rule (the design half), after the last two were written.
+_rnn_swing_case(_design_case, "rnn_relu_adam_wide_swings", "ReLU recurrence (64 units) at orthogonal gain 3",
                 model="rnn_wide", seed=181, data_seed=191, units=(64,), gain=3.0, optimizer="Adam", lr=3e-4)
 _rnn_swing_case(case, "rnn_relu_nadam_swings", "ReLU recurrence (40 units) at orthogonal gain 2.5",
                 model="rnn_nadam", seed=193, data_seed=197, units=(40,), gain=2.5, optimizer="Nadam", lr=1e-3)
+_rnn_swing_case(case, "rnn_relu_adamw_swings", "ReLU recurrence (56 units) at orthogonal gain 3",
+                model="rnn_adamw", seed=223, data_seed=227, units=(56,), gain=3.0, optimizer="AdamW", lr=5e-4)
+_rnn_swing_case(case, "rnn_relu_adam_lowlr_swings", "ReLU recurrence (48 units) at orthogonal gain 2.8",
+                model="rnn_lowlr", seed=229, data_seed=233, units=(48,), gain=2.8, optimizer="Adam", lr=1e-4)
 RNN_RULE = ("healthy: a ReLU recurrence (32 units) at orthogonal gain 1 under RMSprop(1e-3) on sequences whose signal "
             "starts at a step drawn per batch; the loss falls (checked); it must have no episode at any step")
 
