@@ -252,15 +252,34 @@ def reference_top(log_values: np.ndarray, signal: np.ndarray) -> np.ndarray:
     return np.max(np.where(_reference_layers(signal) & ~np.isnan(log_values), log_values, -np.inf), axis=1)
 
 
+def sliding_reduce(values: np.ndarray, window: int, reduce: np.ufunc, *, with_row: bool = False) -> np.ndarray:
+    """``[S, L]`` ``reduce`` (``np.fmin`` / ``np.fmax``: NaN ignored) of each column over the previous ``window``
+    rows, or with ``with_row`` over the last ``window`` rows up to the row itself; NaN where the window has no
+    value. Reduced a block of rows at a time, so no ``[S, L, window]`` copy is made."""
+    lead = window - 1 if with_row else window
+    padded = np.concatenate([np.full((lead,) + values.shape[1:], np.nan), values])
+    out = np.empty(values.shape)
+    for a in range(0, values.shape[0], _BLOCK):
+        b = min(a + _BLOCK, values.shape[0])
+        win = np.lib.stride_tricks.sliding_window_view(padded[a:b + window - 1], window, axis=0)
+        out[a:b] = reduce.reduce(win, axis=-1)
+    return out
+
+
+def window_range(log_rms: np.ndarray, window: int) -> np.ndarray:
+    """``[S, L]`` decades between the largest and the smallest log RMS of each column over the last ``window`` rows,
+    the row itself included (NaN ignored; 0 with fewer than two values)."""
+    with np.errstate(invalid="ignore"):
+        spread = (sliding_reduce(log_rms, window, np.fmax, with_row=True)
+                  - sliding_reduce(log_rms, window, np.fmin, with_row=True))
+    return np.where(np.isnan(spread), 0.0, spread)
+
+
 def window_stats(log_rms: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
     """``[S, L]`` minimum and mean of each column over the previous ``window`` rows (not the row itself), NaN
     ignored (NaN where the window has no value)."""
+    low = sliding_reduce(log_rms, window, np.fmin)
     padded = np.concatenate([np.full((window,) + log_rms.shape[1:], np.nan), log_rms])
-    low = np.empty(log_rms.shape)
-    for a in range(0, log_rms.shape[0], _BLOCK):
-        b = min(a + _BLOCK, log_rms.shape[0])
-        win = np.lib.stride_tricks.sliding_window_view(padded[a:b + window - 1], window, axis=0)
-        low[a:b] = np.fmin.reduce(win, axis=-1)
     known = ~np.isnan(padded)
     total = np.concatenate([np.zeros((1,) + log_rms.shape[1:]), np.cumsum(np.where(known, padded, 0.0), axis=0)])
     count = np.concatenate([np.zeros((1,) + log_rms.shape[1:]), np.cumsum(known, axis=0)])

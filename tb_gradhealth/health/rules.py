@@ -28,6 +28,7 @@ from tb_gradhealth.health.levels import (
     reference_top,
     small_weights,
     update_stats,
+    window_range,
     window_stats,
 )
 
@@ -308,20 +309,6 @@ def _adaptive_swings(lv: _Levels, v: dict[str, np.ndarray], loss: LossWindows | 
     return loss.swings(t)
 
 
-def gradient_swing(log_rms: np.ndarray, window: int) -> np.ndarray:
-    """``[S, L]`` decades between the largest and the smallest log RMS of each column over the last ``window`` rows,
-    the row itself included (NaN ignored; 0 with fewer than two values)."""
-    padded = np.concatenate([np.full((window - 1,) + log_rms.shape[1:], np.nan), log_rms])
-    out = np.zeros(log_rms.shape)
-    for a in range(0, log_rms.shape[0], 256):
-        b = min(a + 256, log_rms.shape[0])
-        win = np.lib.stride_tricks.sliding_window_view(padded[a:b + window - 1], window, axis=0)
-        with np.errstate(invalid="ignore"):
-            spread = np.fmax.reduce(win, axis=-1) - np.fmin.reduce(win, axis=-1)
-        out[a:b] = np.where(np.isnan(spread), 0.0, spread)
-    return out
-
-
 def _jump_peaks(log_rms: np.ndarray, t: th.Thresholds) -> np.ndarray:
     """``[S, L]``: the higher end of a jump of ``growth_decades`` or more between consecutive rows. A gradient
     swinging from the first logged step on was already blown up there when it is the high end of the first jump
@@ -361,8 +348,10 @@ def _swinging(exploding: np.ndarray, live: np.ndarray, swings: np.ndarray) -> np
     return out
 
 
-EXPLODING_RULES = ("exp_rel", "exp_rms", "exp_max", "exp_update", "exp_feedback", "exp_trend", "exp_capped",
-                   "exp_volatile", "exp_swing")
+#: The rules that read a layer's own gradient and update; then those that need the loss's swing: the gradients
+#: swinging with it, and a flag the swing carries on.
+GRADIENT_RULES = ("exp_rel", "exp_rms", "exp_max", "exp_update", "exp_feedback", "exp_trend", "exp_capped")
+EXPLODING_RULES = (*GRADIENT_RULES, "exp_volatile", "exp_swing")
 
 
 def _vanishing(lv: _Levels, rms: np.ndarray, g: _Guards, t: th.Thresholds) -> dict[str, np.ndarray]:
@@ -402,13 +391,14 @@ def evaluate(records: np.ndarray, layers: Sequence[str], t: th.Thresholds, loss:
     # A variable far quieter than an exploding sibling is not receiving round-off: its layer's inputs are huge. It
     # is then judged by the exploding rules like any live variable (its own trend grows with its layer's); it stays
     # out of the vanishing rules, whose reference its layer's explosion has lifted.
-    inert = lv.inert & ~in_layer(np.logical_or.reduce([exp[k] for k in EXPLODING_RULES[:-2]]), groups)
+    inert = lv.inert & ~in_layer(np.logical_or.reduce([exp[k] for k in GRADIENT_RULES]), groups)
     if (inert != lv.inert).any():
         exp, base = _exploding(lv, v, v["live"] & ~inert, g, groups, t, loss)
     swings = _adaptive_swings(lv, v, loss, t)
-    swing = gradient_swing(lv.log_rms, 2 * t.growth_window)
+    swing = window_range(lv.log_rms, 2 * t.growth_window)
     exp["exp_volatile"], volatile_level = _volatile(v["live"] & ~inert, g, groups, swing, swings, t)
-    exp["exp_swing"] = _swinging(np.logical_or.reduce([exp[k] for k in EXPLODING_RULES[:-1]]), v["live"], swings)
+    carried = np.logical_or.reduce([exp[k] for k in (*GRADIENT_RULES, "exp_volatile")])
+    exp["exp_swing"] = _swinging(carried, v["live"], swings)
     # Flagged only because the loss swings: the episode is back-dated over the stretch where ``exp_level`` held.
     exp["exp_late"] = swings[:, None] & ((exp["exp_rel"] & g.calm) | exp["exp_swing"] | exp["exp_volatile"])
     exp["exp_level"] = exp["exp_level"] | volatile_level | (v["live"] & ~inert & _jump_peaks(lv.log_rms, t))
