@@ -224,6 +224,9 @@ def _regression(units: float, lr: float) -> Callable[[str], dict[str, Any]]:
 
 case("regression_units_1", SCALE_RULE)(_regression(1.0, 1e-3))
 case("regression_units_300", SCALE_RULE)(_regression(300.0, 3e-2))
+# Written before the rule that reads the output layer's weight against its bias was changed: targets in the
+# tens of thousands, where the last hidden activations grow to fit them.
+case("regression_units_1e4", SCALE_RULE)(_regression(1e4, 0.3))
 
 LOSS_FACTOR_RULE = ("healthy: the same He/ReLU classifier with its loss multiplied by a constant and SGD's learning "
                     "rate divided by it (the same weights at every step); the loss falls (checked)")
