@@ -588,7 +588,9 @@ def _uniform_blow_up(swinging: bool) -> tuple[list[str], np.ndarray, np.ndarray,
     jump = np.random.default_rng(3).uniform(3.0, 6.0, 30) * (steps % 2 == 1) if swinging else np.zeros(30)
     rms, weight, update = np.full((30, 5), 1e8), np.full((30, 5), 0.1), np.full((30, 5), 1e-4)
     rms[:, :4] *= 10.0 ** jump[:, None]
-    rms[:, 4] = 0.4  # the output bias's gradient is bounded (softmax minus one-hot) and holds still
+    # the output bias's gradient is bounded (softmax minus one-hot): it holds still when the network blows up, and a
+    # constant factor on the loss multiplies it with the rest
+    rms[:, 4] = 0.4 if swinging else 0.4e8
     loss = 1e10 * 0.99**steps * 10.0**jump
     return names, steps, _run(rms, names, weight_rms=weight, update_rms=update), (steps, loss)
 
@@ -609,4 +611,53 @@ def test_uniformly_large_gradients_that_hold_still_are_not_a_blow_up():
     assert _flagged(diagnose_run(names, steps, records, progress=loss)) == {}
     # the same swinging gradients without the loss: nothing says the network is out of control
     names, steps, records, _ = _uniform_blow_up(True)
+    assert _flagged(diagnose_run(names, steps, records)) == {}
+
+
+HEAD_NAMES = ["rnn/kernel", "rnn/recurrent_kernel", "rnn/bias", "out/kernel", "out/bias"]
+HEAD_SIZES = [8 * 64, 64 * 64, 64, 64 * 5, 5]  # a 64-unit recurrence over 8 features, 5 classes
+
+
+def _head_inputs(inputs: float, *, loss_factor: float = 1.0, steps: int = 20, lasting: int = 20) -> np.ndarray:
+    """Adam records (every update 1e-3 of its layer's weights) of a recurrence whose activations sit at ``inputs``
+    for the first ``lasting`` logged steps (1 after): every gradient behind the output bias carries them (a weight's
+    gradient is its bias's times the layer's inputs), the output bias's is the loss's own (softmax minus one-hot,
+    0.1); ``loss_factor`` multiplies every gradient."""
+    scale = np.where(np.arange(steps) < lasting, inputs, 1.0)[:, None]
+    rms = np.full((steps, 5), 1e-2) * np.array([1.0, 1.0, 1.0, 1.0, 0.0])
+    rms = rms * scale + np.array([0.0, 0.0, 0.0, 0.0, 0.1])
+    weight, update = np.full((steps, 5), 0.1), np.full((steps, 5), 1e-4)
+    return _run(rms * loss_factor, HEAD_NAMES, weight_rms=weight, update_rms=update, sizes=HEAD_SIZES)
+
+
+def test_an_output_weight_gradient_decades_above_its_own_bias_is_activations_blown_up():
+    # Every layer the head's kernel included sits 10 decades above a healthy twin from the first step and Adam keeps
+    # each step at 1e-3: no layer stands above the reference and nothing swings, but the output kernel's gradient is
+    # 1e10 times its own bias's, which only inputs of that size make.
+    steps = np.arange(1, 21)
+    h = diagnose_run(HEAD_NAMES, steps, _head_inputs(1e12)).by_layer()
+    assert {n for n in HEAD_NAMES if h[n].status == "exploding"} == set(HEAD_NAMES[:4])
+    assert all(h[n].first_step == 1 for n in HEAD_NAMES[:4])
+    assert any("on their way forward" in r for r in h["out/kernel"].reasons)
+    assert "on their way forward" in h["rnn/recurrent_kernel"].fixes[0]
+    # the streaming view waits for the gap to last: one step of it proves nothing
+    assert _flagged(diagnose_run(HEAD_NAMES, steps, _head_inputs(1e12), at_step=3)) == {}
+
+
+@pytest.mark.parametrize("factor", [1e-6, 1e9])
+def test_a_constant_loss_factor_moves_the_output_bias_with_its_weight(factor):
+    steps = np.arange(1, 21)
+    assert _flagged(diagnose_run(HEAD_NAMES, steps, _head_inputs(1.0, loss_factor=factor))) == {}
+
+
+def test_a_few_steps_of_large_inputs_to_the_output_layer_are_not_a_blow_up():
+    steps = np.arange(1, 21)
+    assert _flagged(diagnose_run(HEAD_NAMES, steps, _head_inputs(1e12, lasting=3))) == {}
+
+
+def test_a_model_that_is_only_its_output_layer_reads_its_data_not_activations():
+    # softmax regression on raw features in the 1e5s: the weight's gradient is 1e5 times the bias's
+    names, steps = ["out/kernel", "out/bias"], np.arange(1, 21)
+    rms = np.tile([1e4, 0.1], (20, 1))
+    records = _run(rms, names, weight_rms=np.full((20, 2), 0.1), update_rms=np.full((20, 2), 1e-4), sizes=[320, 5])
     assert _flagged(diagnose_run(names, steps, records)) == {}

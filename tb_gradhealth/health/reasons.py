@@ -264,10 +264,21 @@ def _volatile_why(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], float]:
             g - c.t.growth_decades)
 
 
+def _inputs_why(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], float]:
+    ev, s, i, t = c.ev, c.s, c.i, c.t
+    gap, quiet = float(ev.head_gap[s]), float(ev.head_quiet[s])
+    above = float(ev.log_rms[s, i]) - quiet
+    return ([f"{_rms_text(c, d)} is {above:.1f} decades above the output layer's bias gradient ({_e(10.0 ** quiet)}, "
+             f"the loss's own); that layer's weight gradient has sat {gap:.1f} decades above it for "
+             f"{t.sustain_steps}+ logged steps, so its inputs are of the order of {_e(10.0 ** gap)}: the activations "
+             f"blew up on their way forward, whatever the optimizer does with each step"], above - t.explode_decades)
+
+
 #: Each exploding rule's flag and its reason with its excess (decades beyond its line), in the order they are told.
 _EXPLODING_WHY = (("exp_rel", _relative_why), ("exp_rms", _rms_bound_why), ("exp_max", _max_bound_why),
                   ("exp_update", _update_why), ("exp_feedback", _feedback_why), ("exp_trend", _trend_why),
-                  ("exp_capped", _capped_why), ("exp_volatile", _volatile_why), ("exp_swing", _swing_why))
+                  ("exp_capped", _capped_why), ("exp_inputs", _inputs_why), ("exp_volatile", _volatile_why),
+                  ("exp_swing", _swing_why))
 
 
 def _exploding_reasons(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], float]:

@@ -265,6 +265,7 @@ def _exploding(lv: _Levels, v: dict[str, np.ndarray], signal: np.ndarray, g: _Gu
     """The exploding rules (see docs/DIAGNOSIS.md) judged on the variables with ``signal``, and the trend's base."""
     live, dec = v["live"], lv.dec()
     trend, base = _trend(lv, signal, g, t, loss)
+    inputs, head_gap, head_quiet = _huge_inputs(lv, signal, g, v["size"], groups, t)
     swings = _adaptive_swings(lv, v, loss, t)[:, None]
     with np.errstate(invalid="ignore"):
         flags = {
@@ -282,10 +283,50 @@ def _exploding(lv: _Levels, v: dict[str, np.ndarray], signal: np.ndarray, g: _Gu
             # while a larger variable of the layer grows by the trend rule too.
             "exp_trend": trend & (g.big | in_layer(trend & g.big, groups)),
             "exp_capped": _capped(lv, g, t),
+            "exp_inputs": inputs,
             # The relative rule's level condition without its adaptive gate: the state a swinging loss condemns.
             "exp_level": signal & (dec >= t.explode_decades) & g.above_roundoff,
+            "head_gap": head_gap,
+            "head_quiet": head_quiet,
         }
     return flags, base
+
+
+def _head_gap(log_rms: np.ndarray, size: np.ndarray, above_roundoff: np.ndarray, head: np.ndarray
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """``([S]`` decades the output layer's loudest variable sits above its quietest, ``[S]`` the quietest's log
+    RMS``)``, where the loudest is the larger tensor (a weight over its bias) and both are live above round-off
+    (NaN elsewhere). A weight's gradient is its bias's times the layer's inputs, so the gap is their scale."""
+    sub = log_rms[:, head]
+    ok = ~np.isnan(sub) & above_roundoff[:, head]
+    rows = np.arange(sub.shape[0])
+    loud = np.argmax(np.where(ok, sub, -np.inf), axis=1)
+    quiet = np.argmin(np.where(ok, sub, np.inf), axis=1)
+    valid = ok.sum(axis=1) >= 2
+    valid &= size[rows, head[loud]] > size[rows, head[quiet]]
+    quiet_log = np.where(valid, sub[rows, quiet], np.nan)
+    return np.where(valid, sub[rows, loud] - quiet_log, np.nan), quiet_log
+
+
+def _huge_inputs(lv: _Levels, signal: np.ndarray, g: _Guards, size: np.ndarray, groups: list[np.ndarray],
+                 t: th.Thresholds) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``([S, L]`` exploding, ``[S]`` the gap, ``[S]`` the bias's log RMS``)``: the activations blew up on their
+    way forward. For ``sustain_steps`` logged steps the
+    output layer's weight gradient sits ``inert_decades`` or more above its own bias's (whose gradient is the
+    loss's, unamplified: nothing after the output layer can cancel it, so this gap is not round-off, it is the scale
+    of the layer's inputs); every variable ``explode_decades`` or more above that bias is then exploding, whatever
+    the optimizer does with it. A constant factor on the loss moves both gradients alike; a model that is only its
+    output layer reads its data, not activations."""
+    n = lv.log_rms.shape[1]
+    head = next((cols for cols in groups if cols.max() == n - 1), None)
+    if head is None or len(head) == n:
+        nothing = np.full(lv.log_rms.shape[0], np.nan)
+        return np.zeros(lv.log_rms.shape, dtype=bool), nothing, nothing
+    gap, quiet = _head_gap(lv.log_rms, size, g.above_roundoff & ~g.converged, head)
+    with np.errstate(invalid="ignore"):
+        held = in_runs_of((gap >= t.inert_decades)[:, None], t.sustain_steps)[:, 0]
+        flag = held[:, None] & signal & g.above_roundoff & (lv.log_rms - quiet[:, None] >= t.explode_decades)
+    return flag, gap, quiet
 
 
 def _capped(lv: _Levels, g: _Guards, t: th.Thresholds) -> np.ndarray:
@@ -350,7 +391,8 @@ def _swinging(exploding: np.ndarray, live: np.ndarray, swings: np.ndarray) -> np
 
 #: The rules that read a layer's own gradient and update; then those that need the loss's swing: the gradients
 #: swinging with it, and a flag the swing carries on.
-GRADIENT_RULES = ("exp_rel", "exp_rms", "exp_max", "exp_update", "exp_feedback", "exp_trend", "exp_capped")
+GRADIENT_RULES = ("exp_rel", "exp_rms", "exp_max", "exp_update", "exp_feedback", "exp_trend", "exp_capped",
+                  "exp_inputs")
 EXPLODING_RULES = (*GRADIENT_RULES, "exp_volatile", "exp_swing")
 
 
