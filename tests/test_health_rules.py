@@ -661,3 +661,21 @@ def test_a_model_that_is_only_its_output_layer_reads_its_data_not_activations():
     rms = np.tile([1e4, 0.1], (20, 1))
     records = _run(rms, names, weight_rms=np.full((20, 2), 0.1), update_rms=np.full((20, 2), 1e-4), sizes=[320, 5])
     assert _flagged(diagnose_run(names, steps, records)) == {}
+
+
+def test_the_nan_origin_among_a_layers_variables_is_the_one_that_went_wrong_first():
+    # The output layer's bias blows up 3 logged steps before its kernel; both (and the layer below) turn NaN at one
+    # step. The answer, the timeline and every layer's origin note name one variable: the bias.
+    names, steps = ["hidden/kernel", "hidden/bias", "out/kernel", "out/bias"], np.arange(1, 21)
+    rms = np.full((20, 4), 1e-2)
+    rms[5:, 3] *= 10.0 ** np.arange(1, 16)
+    rms[8:, 2] *= 10.0 ** np.arange(1, 13)
+    rms[13:] = np.nan
+    records = _run(rms, names, sizes=[64 * 64, 64, 64 * 64, 64])
+    h = diagnose_run(names, steps, records)
+    answer = h.answer
+    assert (answer["layer"], answer["now"]) == ("out/bias", "nonfinite")
+    named = {m.group(1) for lh in h.layers for r in lh.reasons
+             for m in [re.search(r"first layer to reach nonfinite was (\S+),", r)] if m}
+    assert named == {"out/bias"}
+    assert any("NaN/Inf started here" in r for r in h.by_layer()["out/bias"].reasons)

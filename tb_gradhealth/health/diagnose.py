@@ -103,26 +103,31 @@ def _layer_healths(ev: Steps, steps: np.ndarray, records: np.ndarray, layers: Se
     # A skipped NaN/Inf step counts when NaN/Inf follows it at the next step (the update was NaN, not skipped).
     follows = np.zeros_like(ev.nonfinite)
     follows[:-1] = ev.nonfinite[1:]
-    origin = _first_nonfinite(ev.nonfinite & ~(ev.skipped & ~follows), depth, ev.size.max(axis=0))
     present = ev.present
     last_rows = np.where(present.any(axis=0), present.shape[0] - 1 - np.argmax(present[::-1], axis=0), 0)
     d = record.derived(records[last_rows, np.arange(len(layers))])
     tracks = [track(ev, i, t) if ev.columns("present")[i].any() else None for i in range(len(layers))]
+    began = np.array([tr.rows[tr.chain_start()] if tr is not None and tr.runs else np.inf for tr in tracks])
+    origin = _first_nonfinite(ev.nonfinite & ~(ev.skipped & ~follows), depth, ev.size.max(axis=0), began)
     borrowed = follow_siblings(tracks, ev, layers)
     return [layer_health(ev, steps, layers, i, d, origin, t, tracks[i], info.get(layers[i], ("", "")))
             for i in range(len(layers))], borrowed
 
 
-def _first_nonfinite(nonfinite: np.ndarray, depth: np.ndarray, size: np.ndarray) -> tuple[int, int, int] | None:
+def _first_nonfinite(nonfinite: np.ndarray, depth: np.ndarray, size: np.ndarray, began: np.ndarray
+                     ) -> tuple[int, int, int] | None:
     """(first step row with NaN/Inf, the layer where it started, how many layers were nonfinite there) or None.
     Backprop computes the deepest layer first, so the deepest nonfinite layer is where it started; of that layer's
-    variables, the largest (:func:`deepest_first`: a bias and its kernel receive one upstream gradient)."""
+    variables (a bias and its kernel receive one upstream gradient), the one whose chain of flags began first
+    (``began``: its row), as the run's answer and timeline name it, then the largest (:func:`deepest_first`)."""
     rows = np.flatnonzero(nonfinite.any(axis=1))
     if rows.size == 0:
         return None
     r = int(rows[0])
     bad = np.flatnonzero(nonfinite[r])
-    return r, int(max(bad, key=lambda i: deepest_first(depth, size, int(i)))), int(bad.size)
+    top = int(max(bad, key=lambda i: (deepest_first(depth, size, int(i))[0], -began[i],
+                                      *deepest_first(depth, size, int(i))[1:])))
+    return r, top, int(bad.size)
 
 
 def _last_finite(out: list[LayerHealth], steps: np.ndarray, records: np.ndarray) -> list[LayerHealth]:
