@@ -679,3 +679,14 @@ def test_the_nan_origin_among_a_layers_variables_is_the_one_that_went_wrong_firs
              for m in [re.search(r"first layer to reach nonfinite was (\S+),", r)] if m}
     assert named == {"out/bias"}
     assert any("NaN/Inf started here" in r for r in h.by_layer()["out/bias"].reasons)
+
+
+def test_an_output_bias_that_fitted_the_targets_mean_is_not_huge_inputs():
+    # A regression on large targets: once the output bias has fitted their mean its gradient (the mean residual)
+    # falls 4.5 decades below its kernel's, from step 8 on; the inputs did not change.
+    steps = np.arange(1, 21)
+    rms = np.full((20, 5), 1e-2)
+    rms[:, 4] = np.where(steps < 8, 1e-2, 3e-7)  # above round-off of its own peak
+    records = _run(rms, HEAD_NAMES, weight_rms=np.full((20, 5), 0.1), update_rms=np.full((20, 5), 1e-4),
+                   sizes=HEAD_SIZES)
+    assert _flagged(diagnose_run(HEAD_NAMES, steps, records)) == {}

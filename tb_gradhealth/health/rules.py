@@ -311,12 +311,14 @@ def _head_gap(log_rms: np.ndarray, size: np.ndarray, above_roundoff: np.ndarray,
 def _huge_inputs(lv: _Levels, signal: np.ndarray, g: _Guards, size: np.ndarray, groups: list[np.ndarray],
                  t: th.Thresholds) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``([S, L]`` exploding, ``[S]`` the gap, ``[S]`` the bias's log RMS``)``: the activations blew up on their
-    way forward. For ``sustain_steps`` logged steps the
-    output layer's weight gradient sits ``inert_decades`` or more above its own bias's (whose gradient is the
-    loss's, unamplified: nothing after the output layer can cancel it, so this gap is not round-off, it is the scale
-    of the layer's inputs); every variable ``explode_decades`` or more above that bias is then exploding, whatever
-    the optimizer does with it. A constant factor on the loss moves both gradients alike; a model that is only its
-    output layer reads its data, not activations."""
+    way forward. From the first logged step on, for ``sustain_steps`` logged steps or more, the output layer's weight
+    gradient sits ``inert_decades`` or more above its own bias's (whose gradient is the loss's, unamplified: nothing
+    after the output layer can cancel it, so this gap is not round-off, it is the scale of the layer's inputs);
+    every variable ``explode_decades`` or more above that bias is then exploding, whatever the optimizer does with
+    it. Only from the first step: once the bias has fitted the targets' mean, its gradient is the mean residual,
+    which it keeps near zero itself, and a gap that opens later says that, not huge inputs (a regression whose
+    targets are in the tens of thousands). A constant factor on the loss moves both gradients alike; a model that is
+    only its output layer reads its data, not activations."""
     n = lv.log_rms.shape[1]
     head = next((cols for cols in groups if cols.max() == n - 1), None)
     if head is None or len(head) == n:
@@ -324,7 +326,8 @@ def _huge_inputs(lv: _Levels, signal: np.ndarray, g: _Guards, size: np.ndarray, 
         return np.zeros(lv.log_rms.shape, dtype=bool), nothing, nothing
     gap, quiet = _head_gap(lv.log_rms, size, g.above_roundoff & ~g.converged, head)
     with np.errstate(invalid="ignore"):
-        held = in_runs_of((gap >= t.inert_decades)[:, None], t.sustain_steps)[:, 0]
+        from_start = np.logical_and.accumulate(gap >= t.inert_decades)
+        held = from_start & (from_start.sum() >= t.sustain_steps)
         flag = held[:, None] & signal & g.above_roundoff & (lv.log_rms - quiet[:, None] >= t.explode_decades)
     return flag, gap, quiet
 
