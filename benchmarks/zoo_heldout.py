@@ -516,18 +516,18 @@ def _grad_norms(model: Any, x: np.ndarray, y: np.ndarray, loss: Any) -> np.ndarr
     return np.array([float(tf.norm(g)) for g in tape.gradient(value, model.trainable_variables)])
 
 
-def _decades_per_batch(model: Any, twin: Any, x: np.ndarray, y: np.ndarray, batch: int, loss: Any, *,
-                       sign: float) -> np.ndarray:
-    """Per batch of the data (rows) and variable (columns), the decades ``model``'s gradient norm sits above
-    (``sign`` 1) or below (-1) ``twin``'s on the same batch. Data whose recurrence runs for a different number of
-    steps on every batch puts each batch at a different distance, so a label reads them all, not one."""
-    rows = []
-    for b in range(len(x) // batch):
-        part = slice(b * batch, (b + 1) * batch)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            rows.append(sign * np.log10(_grad_norms(model, x[part], y[part], loss)
-                                        / _grad_norms(twin, x[part], y[part], loss)))
-    return np.array(rows)
+def _norms_per_batch(model: Any, x: np.ndarray, y: np.ndarray, batch: int, loss: Any) -> np.ndarray:
+    """``[batches, variables]`` the gradient norm of each variable on each batch of the data."""
+    return np.array([_grad_norms(model, x[b * batch:(b + 1) * batch], y[b * batch:(b + 1) * batch], loss)
+                     for b in range(len(x) // batch)])
+
+
+def _decades(norms: np.ndarray, twin: np.ndarray, sign: float) -> np.ndarray:
+    """Per batch (rows) and variable (columns), the decades ``norms`` sit above (``sign`` 1) or below (-1) the
+    twin's on the same batch. Data whose recurrence runs for a different number of steps on every batch puts each
+    batch at a different distance, so a label reads them all, not one."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return sign * np.log10(norms / twin)
 
 
 def _spread(d: np.ndarray) -> list[list[float]]:
@@ -554,9 +554,10 @@ def _twin_case(build: Callable[[bool], Any], status: str, twin: str, *, steps: i
     def run(log_dir: str) -> dict[str, Any]:
         loss_fn = loss or ce()
         mutant, healthy = build(True), build(False)
-        before = _decades_per_batch(mutant, healthy, x, y, batch, loss_fn, sign=sign)
+        twin_norms = _norms_per_batch(healthy, x, y, batch, loss_fn)
+        before = _decades(_norms_per_batch(mutant, x, y, batch, loss_fn), twin_norms, sign)
         r = train_loop(log_dir, mutant, optimizer(), x, y, steps=steps, batch=batch, loss=loss_fn)
-        after = _decades_per_batch(mutant, healthy, x, y, batch, loss_fn, sign=sign)
+        after = _decades(_norms_per_batch(mutant, x, y, batch, loss_fn), twin_norms, sign)
         at_start, at_end = _median_decades(before), _median_decades(after)
         # a gradient that is NaN/Inf on every batch by the end is judged at the start alone (its NaN is measured per
         # step below)
@@ -851,18 +852,24 @@ _rnn_swing_case(case, "rnn_relu_adamw_swings", "ReLU recurrence (56 units) at or
                 model="rnn_adamw", seed=223, data_seed=227, units=(56,), gain=3.0, optimizer="AdamW", lr=5e-4)
 _rnn_swing_case(case, "rnn_relu_adam_lowlr_swings", "ReLU recurrence (48 units) at orthogonal gain 2.8",
                 model="rnn_lowlr", seed=229, data_seed=233, units=(48,), gain=2.8, optimizer="Adam", lr=1e-4)
-RNN_RULE = ("healthy: a ReLU recurrence (32 units) at orthogonal gain 1 under RMSprop(1e-3) on sequences whose signal "
-            "starts at a step drawn per batch; the loss falls (checked); it must have no episode at any step")
+def _rnn_healthy_case(name: str, *, model: str, seed: int, data_seed: int, optimizer: str, lr: float) -> None:
+    """Register a healthy case: a ReLU recurrence (32 units) at orthogonal gain 1 under
+    ``keras.optimizers.<optimizer>(lr)``, 60 steps of 32 sequences of :func:`_span_data` from ``data_seed``."""
+    rule = (f"healthy: a ReLU recurrence (32 units) at orthogonal gain 1 under {optimizer}({lr:g}) on sequences whose "
+            "signal starts at a step drawn per batch; the loss falls (checked); it must have no episode at any step")
+
+    def run(log_dir: str) -> dict[str, Any]:
+        import keras
+
+        x, y = _span_data(60, 32, data_seed)
+        net = _relu_rnn_stack(seed, model, units=(32,), gain=1.0)(True)
+        r = train_loop(log_dir, net, getattr(keras.optimizers, optimizer)(lr), x, y, steps=60, batch=32)
+        return healthy_labels(r, rule)
+
+    case(name, rule)(run)
 
 
-@case("rnn_relu_rmsprop_healthy", RNN_RULE)
-def rnn_relu_rmsprop_healthy(log_dir: str) -> dict[str, Any]:
-    import keras
-
-    x, y = _span_data(60, 32, 199)
-    model = _relu_rnn_stack(211, "rnn_ok", units=(32,), gain=3.0)(False)
-    r = train_loop(log_dir, model, keras.optimizers.RMSprop(1e-3), x, y, steps=60, batch=32)
-    return healthy_labels(r, RNN_RULE)
+_rnn_healthy_case("rnn_relu_rmsprop_healthy", model="rnn_ok", seed=211, data_seed=199, optimizer="RMSprop", lr=1e-3)
 
 
 AE_RULE = ("healthy: a Dense autoencoder (64-16-64) with Adam on low-rank data; the loss falls (checked); it must "
@@ -911,16 +918,4 @@ _rnn_swing_case(case, "rnn_relu_adamax_gain2_2", "ReLU recurrence (44 units) at 
                 model="rnn_adamax", seed=263, data_seed=269, units=(44,), gain=2.2, optimizer="Adamax", lr=2e-3)
 _rnn_swing_case(case, "rnn_relu_adam_gain1_5", "ReLU recurrence (32 units) at orthogonal gain 1.5",
                 model="rnn_adam15", seed=281, data_seed=283, units=(32,), gain=1.5, optimizer="Adam", lr=1e-3)
-RNN_ADAM_RULE = ("healthy: a ReLU recurrence (32 units) at orthogonal gain 1 under Adam(1e-3) on sequences whose "
-                 "signal starts at a step drawn per batch; the loss falls (checked); it must have no episode at any "
-                 "step")
-
-
-@case("rnn_relu_adam_healthy", RNN_ADAM_RULE)
-def rnn_relu_adam_healthy(log_dir: str) -> dict[str, Any]:
-    import keras
-
-    x, y = _span_data(60, 32, 271)
-    model = _relu_rnn_stack(277, "rnn_adam_ok", units=(32,), gain=1.0)(True)
-    r = train_loop(log_dir, model, keras.optimizers.Adam(1e-3), x, y, steps=60, batch=32)
-    return healthy_labels(r, RNN_ADAM_RULE)
+_rnn_healthy_case("rnn_relu_adam_healthy", model="rnn_adam_ok", seed=277, data_seed=271, optimizer="Adam", lr=1e-3)

@@ -623,9 +623,8 @@ def _head_inputs(inputs: float, *, loss_factor: float = 1.0, steps: int = 20, la
     for the first ``lasting`` logged steps (1 after): every gradient behind the output bias carries them (a weight's
     gradient is its bias's times the layer's inputs), the output bias's is the loss's own (softmax minus one-hot,
     0.1); ``loss_factor`` multiplies every gradient."""
-    scale = np.where(np.arange(steps) < lasting, inputs, 1.0)[:, None]
-    rms = np.full((steps, 5), 1e-2) * np.array([1.0, 1.0, 1.0, 1.0, 0.0])
-    rms = rms * scale + np.array([0.0, 0.0, 0.0, 0.0, 0.1])
+    rms = np.full((steps, 5), 1e-2) * np.where(np.arange(steps) < lasting, inputs, 1.0)[:, None]
+    rms[:, 4] = 0.1
     weight, update = np.full((steps, 5), 0.1), np.full((steps, 5), 1e-4)
     return _run(rms * loss_factor, HEAD_NAMES, weight_rms=weight, update_rms=update, sizes=HEAD_SIZES)
 

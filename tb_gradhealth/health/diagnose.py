@@ -125,9 +125,11 @@ def _first_nonfinite(nonfinite: np.ndarray, depth: np.ndarray, size: np.ndarray,
         return None
     r = int(rows[0])
     bad = np.flatnonzero(nonfinite[r])
-    top = int(max(bad, key=lambda i: (deepest_first(depth, size, int(i))[0], -began[i],
-                                      *deepest_first(depth, size, int(i))[1:])))
-    return r, top, int(bad.size)
+    def first_in_deepest(i: int) -> tuple[float, ...]:
+        layer_depth, *rest = deepest_first(depth, size, int(i))
+        return (layer_depth, -began[i], *rest)
+
+    return r, int(max(bad, key=first_in_deepest)), int(bad.size)
 
 
 def _last_finite(out: list[LayerHealth], steps: np.ndarray, records: np.ndarray) -> list[LayerHealth]:

@@ -150,6 +150,12 @@ def layer_groups(layers: Sequence[str]) -> list[np.ndarray]:
     return [np.array(v) for v in by.values() if len(v) > 1]
 
 
+def output_group(groups: list[np.ndarray], n_layers: int) -> np.ndarray | None:
+    """The column indices of the output layer (the group holding the last variable), None when it has one variable:
+    its variables feed the loss directly, nothing after them can cancel their gradient."""
+    return next((cols for cols in groups if cols.max() == n_layers - 1), None)
+
+
 def loudest_sibling(log_rms: np.ndarray, groups: list[np.ndarray]) -> np.ndarray:
     """``[S, L]``: the largest log RMS among the *other* variables of each variable's layer (NaN if none)."""
     out = np.full(log_rms.shape, np.nan)

@@ -23,6 +23,7 @@ from tb_gradhealth.health.levels import (
     log10,
     loudest_sibling,
     median_where,
+    output_group,
     pinned_at_clip,
     reference,
     reference_top,
@@ -143,9 +144,9 @@ def _round_off(quiet_sibling: np.ndarray, low: np.ndarray, n_layers: int, groups
     """``[S, L]`` inert: far below the other variables of its layer and below the vanishing line. The last layer's
     variables feed the loss directly: nothing after them can cancel their gradient to round-off."""
     inert = quiet_sibling & low
-    for g in groups:
-        if g.max() == n_layers - 1:
-            inert[:, g] = False
+    head = output_group(groups, n_layers)
+    if head is not None:
+        inert[:, head] = False
     return inert
 
 
@@ -292,13 +293,13 @@ def _exploding(lv: _Levels, v: dict[str, np.ndarray], signal: np.ndarray, g: _Gu
     return flags, base
 
 
-def _head_gap(log_rms: np.ndarray, size: np.ndarray, above_roundoff: np.ndarray, head: np.ndarray
+def _head_gap(log_rms: np.ndarray, size: np.ndarray, usable: np.ndarray, head: np.ndarray
               ) -> tuple[np.ndarray, np.ndarray]:
     """``([S]`` decades the output layer's loudest variable sits above its quietest, ``[S]`` the quietest's log
     RMS``)``, where the loudest is the larger tensor (a weight over its bias) and both are live above round-off
     (NaN elsewhere). A weight's gradient is its bias's times the layer's inputs, so the gap is their scale."""
     sub = log_rms[:, head]
-    ok = ~np.isnan(sub) & above_roundoff[:, head]
+    ok = ~np.isnan(sub) & usable[:, head]
     rows = np.arange(sub.shape[0])
     loud = np.argmax(np.where(ok, sub, -np.inf), axis=1)
     quiet = np.argmin(np.where(ok, sub, np.inf), axis=1)
@@ -320,7 +321,7 @@ def _huge_inputs(lv: _Levels, signal: np.ndarray, g: _Guards, size: np.ndarray, 
     targets are in the tens of thousands). A constant factor on the loss moves both gradients alike; a model that is
     only its output layer reads its data, not activations."""
     n = lv.log_rms.shape[1]
-    head = next((cols for cols in groups if cols.max() == n - 1), None)
+    head = output_group(groups, n)
     if head is None or len(head) == n:
         nothing = np.full(lv.log_rms.shape[0], np.nan)
         return np.zeros(lv.log_rms.shape, dtype=bool), nothing, nothing
