@@ -216,17 +216,18 @@ SCALE_RULE = ("healthy: a He/ReLU MLP regression with Adam (lr matched to the un
               "(the twin with unit targets is the same training up to that constant); the loss falls (checked)")
 
 
-def _regression(units: float, lr: float) -> Callable[[str], dict[str, Any]]:
+def _regression(units: float, lr: float, *, seed: int = 41, depth: int = 3, optimizer: str = "Adam",
+                rule: str = SCALE_RULE) -> Callable[[str], dict[str, Any]]:
     def run(log_dir: str) -> dict[str, Any]:
         import keras
 
-        rng = np.random.default_rng(41)
+        rng = np.random.default_rng(seed)
         x = rng.standard_normal((100 * 32, FEATURES)).astype(np.float32)
         y = (units * (x @ rng.standard_normal((FEATURES, 1)) / math.sqrt(FEATURES))).astype(np.float32)
-        model, _ = relu_mlp(3, out=1)
-        r = train_loop(log_dir, model, keras.optimizers.Adam(lr), x, y, steps=100, batch=32,
+        model, _ = relu_mlp(depth, out=1)
+        r = train_loop(log_dir, model, getattr(keras.optimizers, optimizer)(lr), x, y, steps=100, batch=32,
                        loss=keras.losses.MeanSquaredError())
-        return healthy_labels(r, SCALE_RULE)
+        return healthy_labels(r, rule)
 
     return run
 
@@ -239,6 +240,14 @@ case("regression_units_300", SCALE_RULE)(_regression(300.0, 3e-2))
 _design_case("regression_units_1e4", SCALE_RULE)(_regression(1e4, 0.3))
 case("regression_units_3e3", SCALE_RULE)(_regression(3e3, 0.1))
 case("regression_units_3e4", SCALE_RULE)(_regression(3e4, 0.5))
+# Written before the trend rule weighed a whole network's growth against the loss: regressions whose gradients
+# grow by decades over their first steps while the fit scales up to targets in the tens of thousands (every
+# optimizer's steps are of the learning rate's size, so the weights must grow for the output to reach the targets).
+_BIG_TARGETS = SCALE_RULE.replace("with Adam (lr matched to the units)", "with an adaptive optimizer at a high lr")
+case("regression_units_1e5", _BIG_TARGETS)(_regression(1e5, 1.0, seed=43, rule=_BIG_TARGETS))
+case("regression_units_3e4_deep", _BIG_TARGETS)(_regression(3e4, 0.3, seed=47, depth=5, rule=_BIG_TARGETS))
+case("regression_units_1e4_rmsprop", _BIG_TARGETS)(_regression(1e4, 0.2, seed=53, optimizer="RMSprop",
+                                                                rule=_BIG_TARGETS))
 
 LOSS_FACTOR_RULE = ("healthy: the same He/ReLU classifier with its loss multiplied by a constant and SGD's learning "
                     "rate divided by it (the same weights at every step); the loss falls (checked)")
@@ -919,3 +928,27 @@ _rnn_swing_case(case, "rnn_relu_adamax_gain2_2", "ReLU recurrence (44 units) at 
 _rnn_swing_case(case, "rnn_relu_adam_gain1_5", "ReLU recurrence (32 units) at orthogonal gain 1.5",
                 model="rnn_adam15", seed=281, data_seed=283, units=(32,), gain=1.5, optimizer="Adam", lr=1e-3)
 _rnn_healthy_case("rnn_relu_adam_healthy", model="rnn_adam_ok", seed=277, data_seed=271, optimizer="Adam", lr=1e-3)
+# Written before the ranking named where a blow-up on the way forward began: more recurrences at gains above 2
+# under adaptive optimizers (which variables are sick is what the twins measure), and a ReLU MLP whose every layer
+# multiplies its activations by about 5 at init, beside its He-initialised twin, under Adam.
+_rnn_swing_case(case, "rnn_relu_adam_gain2_3", "ReLU recurrence (30 units) at orthogonal gain 2.3",
+                model="rnn_adam23", seed=293, data_seed=307, units=(30,), gain=2.3, optimizer="Adam", lr=1e-3)
+_rnn_swing_case(case, "rnn_relu_rmsprop_gain2_6", "ReLU recurrence (40 units) at orthogonal gain 2.6",
+                model="rnn_rms26", seed=311, data_seed=313, units=(40,), gain=2.6, optimizer="RMSprop", lr=1e-3)
+
+
+def _relu_gain(mutant: bool) -> Any:
+    import keras
+
+    keras.utils.set_random_seed(317)
+    # weight variance scale/fan_in: 2 is He (activations keep their scale), 50 multiplies them by 5 per layer
+    init = keras.initializers.VarianceScaling(50.0 if mutant else 2.0, "fan_in", "normal", seed=317)
+    return keras.Sequential([keras.Input((FEATURES,))]
+                            + [keras.layers.Dense(32, activation="relu", kernel_initializer=init, name=f"relu_{i}")
+                               for i in range(6)] + [keras.layers.Dense(CLASSES, name="logits")], name="relu_gain")
+
+
+_GX, _GY = teacher_data(40 * 64, 331)
+case("mutant_relu_gain5_adam", TWIN_RULE.format(twin="He init", status="exploding", side="above"))(
+    _twin_case(_relu_gain, "exploding", "He init", steps=40, x=_GX, y=_GY, batch=64,
+               optimizer=lambda: __import__("keras").optimizers.Adam(1e-3)))
