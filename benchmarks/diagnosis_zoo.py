@@ -183,6 +183,9 @@ class Halt:
     lead_possible: int | None = None
     #: a divergence halted more than one logged step before its labelled onset
     premature: bool = False
+    #: the first halt on a layer whose label is not doubtful: the one a healthy run is judged by (its doubtful
+    #: layers' flags count for nothing, as in the flagged-layer rows)
+    halt_clear: int | None = None
 
 
 @dataclass
@@ -276,6 +279,9 @@ def score_run(labels: Mapping[str, Any], d: Diagnosed) -> RunScore:
         r.run_onset_error = None if li is None else abs(flagged_steps[0] - li)
     halts = [i for i in range(len(steps)) if any(v in STOP_ON for v in d.status[i].values())]
     r.stop.halt = steps[halts[0]] if halts else None
+    clear = [i for i in halts if any(v in STOP_ON and not lab_layers.get(n, {}).get("doubtful")
+                                     for n, v in d.status[i].items())]
+    r.stop.halt_clear = steps[clear[0]] if clear else None
     r.stop.first_nan = labels.get("first_nan")
     if r.diverges and halts and r.run_onset_label is not None:
         oi = _index_at_or_after(steps, r.run_onset_label)
@@ -432,10 +438,13 @@ def goals(runs: Sequence[RunScore]) -> list[dict[str, Any]]:
         len(good) == len(measurable),
         f"{len(good)} of {len(measurable)} measurable divergences; leads "
         + ", ".join(f"{r.case}: {_lead_text(r)}" for r in div))
-    halted = [r for r in healthy if r.stop.halt is not None]
-    add("stop_on never halts a healthy run", not halted,
+    halted = [r for r in healthy if r.stop.halt_clear is not None]
+    doubt = [r for r in healthy if r.stop.halt is not None and r.stop.halt_clear is None]
+    add("stop_on never halts a healthy run (on a layer whose label is not doubtful)", not halted,
         f"{len(halted)} of {len(healthy)} healthy runs halted"
-        + (f" ({', '.join(f'{r.case} at {r.stop.halt}' for r in halted)})" if halted else ""))
+        + (f" ({', '.join(f'{r.case} at {r.stop.halt_clear}' for r in halted)})" if halted else "")
+        + (f"; halted on doubtful layers only: {', '.join(f'{r.case} at {r.stop.halt}' for r in doubt)}"
+           if doubt else ""))
     flags = sum(c["tp"] + c["fp"] for r in sick for c in r.pairs.values())
     right = sum(c["tp"] for r in sick for c in r.pairs.values())
     precision = right / flags if flags else None

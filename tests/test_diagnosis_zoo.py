@@ -147,6 +147,20 @@ def test_healthy_run_flag_counts():
     assert [g["pass"] for g in goals if "healthy" in g["goal"]] == [False, False, False]
 
 
+def test_a_halt_on_a_doubtful_layer_alone_does_not_count_against_a_healthy_run():
+    labels = _labels(sick=False)
+    labels["layers"]["b/kernel"]["doubtful"] = True  # the only layer that goes nonfinite (from step 50)
+    d = zoo.diagnose_steps(LAYERS, STEPS, _records(), diagnose=_fake_diagnose, thresholds=object())
+    r = zoo.score_run(labels, d)
+    assert (r.stop.halt, r.stop.halt_clear) == (50, None)
+    goal = next(g for g in zoo.goals([r]) if g["goal"].startswith("stop_on never"))
+    assert goal["pass"] and goal["figure"] == "0 of 1 healthy runs halted; halted on doubtful layers only: tiny at 50"
+    labels["layers"]["b/kernel"].pop("doubtful")
+    r = zoo.score_run(labels, d)
+    goal = next(g for g in zoo.goals([r]) if g["goal"].startswith("stop_on never"))
+    assert r.stop.halt_clear == 50 and not goal["pass"] and goal["figure"] == "1 of 1 healthy runs halted (tiny at 50)"
+
+
 def test_a_past_episode_on_a_healthy_run_counts_though_the_run_ends_clean():
     """c is vanishing at step 60 only: diagnosed at step 50 the run is clean except for a and b; cut at 50, a
     diagnosis whose last step is clean still carries the episodes it had at earlier steps."""
