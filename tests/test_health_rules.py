@@ -643,6 +643,15 @@ def test_an_output_weight_gradient_decades_above_its_own_bias_is_activations_blo
     assert _flagged(diagnose_run(HEAD_NAMES, steps, _head_inputs(1e12), at_step=3)) == {}
 
 
+def test_activations_blown_up_on_their_way_forward_are_blamed_where_the_forward_pass_starts():
+    # Built with the recurrence's activations at 1e12: the output kernel's gradient is huge only because its inputs
+    # are. Backprop reaches the output layer first, but the blow-up came from the layer before it: the answer, rank 1
+    # and the timeline name the recurrence (by its largest variable), not the output kernel.
+    h = diagnose_run(HEAD_NAMES, np.arange(1, 21), _head_inputs(1e12))
+    assert h.answer["layer"] == h.layers[0].layer == h.timeline[0]["layer"] == "rnn/recurrent_kernel"
+    assert h.layers[0].rank_reason == "cause"
+
+
 @pytest.mark.parametrize("factor", [1e-6, 1e9])
 def test_a_constant_loss_factor_moves_the_output_bias_with_its_weight(factor):
     steps = np.arange(1, 21)
@@ -689,3 +698,109 @@ def test_an_output_bias_that_fitted_the_targets_mean_is_not_huge_inputs():
     records = _run(rms, HEAD_NAMES, weight_rms=np.full((20, 5), 0.1), update_rms=np.full((20, 5), 1e-4),
                    sizes=HEAD_SIZES)
     assert _flagged(diagnose_run(HEAD_NAMES, steps, records)) == {}
+
+
+#: log10 gradient RMS over the first 8 logged steps of a ReLU MLP regression (three hidden layers of 32), as measured
+#: in its training, and its per-batch losses at those steps. "3e4": targets of the order of 3e4 under Adam(0.5):
+#: every layer's gradient grows 2-3 decades over three steps while the weights grow to put the output on the
+#: targets' scale, and the loss is flat within minibatch noise. "1e5": targets of 1e5 under Adam(1.0): the layers
+#: nearest the loss grow by 1.6 decades too (the whole network grows), while the loss moves by at most 0.16 decades.
+_FITS = {
+    "3e4": ([[3.26, 3.21, 3.25, 3.26, 3.20, 3.34, 3.94, 4.01], [4.74, 4.87, 4.79, 4.24, 4.65, 3.54, 5.47, 3.80],
+             [5.74, 5.92, 5.58, 4.93, 5.53, 3.95, 6.66, 4.13], [6.17, 5.96, 5.64, 5.35, 5.01, 4.27, 5.94, 4.36],
+             [6.46, 6.87, 6.26, 5.69, 6.28, 4.55, 7.50, 4.63], [5.79, 5.97, 5.65, 5.11, 5.74, 4.26, 6.80, 4.47],
+             [5.87, 6.03, 5.76, 4.96, 5.79, 3.94, 6.81, 3.94], [5.95, 6.16, 5.82, 5.08, 5.83, 4.01, 6.83, 3.64]],
+            [9.26e8, 7.28e8, 9.91e8, 9.38e8, 8.06e8, 9.24e8, 4.94e8, 3.53e8]),
+    "1e5": ([[3.55, 3.49, 3.66, 3.61, 3.73, 3.69, 4.37, 3.76], [6.19, 6.20, 5.96, 5.11, 5.69, 3.79, 6.70, 3.71],
+             [6.91, 7.11, 6.69, 5.83, 6.60, 4.47, 7.75, 4.18], [7.50, 7.97, 7.36, 6.69, 7.37, 5.30, 8.56, 5.11],
+             [6.78, 6.78, 6.47, 5.47, 6.34, 4.57, 7.46, 4.74], [6.86, 7.12, 6.79, 5.87, 6.72, 4.71, 7.82, 4.03],
+             [6.74, 6.91, 6.72, 5.74, 6.65, 4.64, 7.81, 4.13], [6.76, 6.83, 6.64, 5.76, 6.67, 4.61, 7.83, 4.21]],
+            [5.81e9, 7.35e9, 7.33e9, 8.41e9, 5.18e9, 7.80e9, 5.25e9, 4.25e9]),
+}
+
+
+def _fit_scaling_up(flat_before: int, steps: int = 30, fit: str = "3e4") -> tuple[list[str], np.ndarray, np.ndarray]:
+    """Records of that regression: ``flat_before`` logged steps at its first step's scale, then the measured rise
+    (``fit``), then its last measured scale held; weights grow from He's 0.24 to 1 over the rise, Adam's steps of
+    0.5 then 0.2."""
+    names = [f"mlp/{layer}/{k}" for layer in ("relu_0", "relu_1", "relu_2", "logits") for k in ("kernel", "bias")]
+    table = np.array(_FITS[fit][0])
+    rows = np.concatenate([np.repeat(table[:1], flat_before, axis=0), table])
+    rows = np.concatenate([rows, np.repeat(rows[-1:], steps - len(rows), axis=0)])
+    ramp = np.clip((np.arange(steps) - flat_before) / 4.0, 0.0, 1.0)[:, None]
+    weight = 0.24 + 0.76 * ramp * np.ones((1, 8))
+    update = np.where(ramp < 1.0, 0.5, 0.2) * np.ones((1, 8))
+    sizes = [1024, 32, 1024, 32, 1024, 32, 32, 1]
+    return names, np.arange(1, steps + 1), _run(10.0 ** rows, names, weight_rms=weight, update_rms=update,
+                                               sizes=sizes)
+
+
+def test_a_fit_scaling_up_to_large_targets_over_its_first_steps_is_not_a_blow_up():
+    # Four minibatch losses whose later two sit 17% above the first two are no evidence the loss rises: the whole
+    # network's gradient grows 800x with the weights that carry the output to the targets, and the loss then falls.
+    names, steps, records = _fit_scaling_up(0)
+    loss = (steps, np.concatenate([_FITS["3e4"][1], 3.53e8 * 0.9 ** np.arange(1, steps.size - 7)]))
+    assert _episodes_at_every_step(names, steps, records, loss) == set()
+    assert _episodes_at_every_step(names, steps, records) == set()
+
+
+def test_a_rise_to_the_reference_while_the_loss_rises_is_flagged_once_eight_losses_say_so():
+    # The query kernel rising from 1e-6 to the reference over its first 4 logged steps, the loss rising 10% per
+    # logged step (1% noise): the network does not learn. Fewer than eight losses are no evidence of a trend
+    # (minibatch noise moves two against two by more than 5%), so the flag comes at step 8, not before.
+    names, steps, records = _attention(1.0)
+    rising = (steps, 1.1 ** steps * np.exp(np.random.default_rng(3).normal(0, 0.01, steps.size)))
+    flagged = [int(s) for s in steps
+               if "exploding" in diagnose_run(names, steps, records, at_step=int(s), progress=rising).statuses()]
+    assert flagged[0] == 8 and flagged == list(range(8, flagged[-1] + 1))
+
+
+def test_a_whole_network_growing_while_its_loss_holds_is_the_fit_scaling_up():
+    # Every gradient, the layers nearest the loss included, grows by decades over three steps; the loss holds (then
+    # falls): no episode. The same growth while the loss jumps 30x at the step it peaks is a blow-up, and so is it
+    # where no loss is recorded (the gradients alone cannot tell the two apart).
+    names, steps, records = _fit_scaling_up(0, fit="1e5")
+    losses = _FITS["1e5"][1]
+    tail = 4.25e9 * 0.9 ** np.arange(1, steps.size - 7)
+    holds = (steps, np.concatenate([losses, tail]))
+    assert _episodes_at_every_step(names, steps, records, holds) == set()
+    jumps = (steps, np.concatenate([losses[:3], [30 * losses[3]], losses[4:], tail]))
+    assert "exploding" in diagnose_run(names, steps, records, at_step=4, progress=jumps).statuses()
+    assert "exploding" in diagnose_run(names, steps, records, at_step=4).statuses()
+
+
+
+def _swinging_recurrence(head_bias_rms: float | None) -> tuple[list[str], np.ndarray, np.ndarray, tuple]:
+    """Adam records (every update 1e-3 of its layer's weights) of a recurrence whose variables and output kernel
+    share one gradient size that swings over 3.5 decades from batch to batch (the signal starts at a step drawn per
+    batch), the output bias at ``head_bias_rms`` (None: swinging with them); the loss swings with the gradients."""
+    names = ["rnn/kernel", "rnn/recurrent_kernel", "rnn/bias", "out/kernel", "out/bias"]
+    steps = np.arange(1, 61)
+    swing = 10.0 ** np.random.default_rng(11).uniform(0.0, 3.5, steps.size)
+    rms = np.ones((steps.size, 5)) * swing[:, None]
+    if head_bias_rms is not None:
+        rms[:, 4] = head_bias_rms
+    weight, update = np.full((steps.size, 5), 0.1), np.full((steps.size, 5), 1e-4)
+    records = _run(rms, names, weight_rms=weight, update_rms=update, sizes=[8 * 32, 32 * 32, 32, 32 * 4, 4])
+    return names, steps, records, (steps, 2.0 * swing ** 1.2)
+
+
+def test_gradients_of_one_size_swinging_under_adam_are_one_blow_up_from_its_start():
+    # Every variable's gradient is of one size, so the spread across them cannot show that Adam rescales them; over
+    # time it does: the gradients swing by decades, the updates do not. The swinging loss then carries the flag
+    # over the quiet batches: one episode from the first flag to the end, not one per burst.
+    names, steps, records, loss = _swinging_recurrence(0.3)
+    h = diagnose_run(names, steps, records, progress=loss).by_layer()
+    for n in names[:4]:
+        assert [(e["status"], e["to"]) for e in h[n].episodes] == [("exploding", 60)], h[n].episodes
+        assert h[n].first_step <= 2
+
+
+@pytest.mark.parametrize(("head_bias_rms", "answer"), [(0.3, "rnn/recurrent_kernel"), (None, "out/kernel")])
+def test_an_output_kernel_exploding_beside_a_calm_bias_is_not_the_cause(head_bias_rms, answer):
+    # The output kernel's gradient is its bias's times its inputs. Beside a calm bias (the loss's own gradient) it
+    # is large because the recurrence's outputs are: the answer is the recurrence. With the bias swinging as well
+    # (the loss's gradient itself is huge), the layer backprop reaches first is.
+    names, steps, records, loss = _swinging_recurrence(head_bias_rms)
+    h = diagnose_run(names, steps, records, progress=loss)
+    assert h.answer["layer"] == h.layers[0].layer == answer

@@ -69,13 +69,13 @@ def diagnose_run(
         return RunHealth(step=None, thresholds=t, layers=out)
     depth = group_depth(layers)
     windows = loss_windows(steps, progress, t) if progress is not None else None
-    out, borrowed = _layer_healths(evaluate(records, layers, t, windows), steps, records, layers, t, depth,
-                                   layer_info or {})
+    out, borrowed, forward = _layer_healths(evaluate(records, layers, t, windows), steps, records, layers, t, depth,
+                                            layer_info or {})
     trend = loss_trend(progress[0], progress[1], int(steps[-1])) if progress is not None else None
     out = _add_evidence(out, records, t, trend, layer_info)
     out = weigh_growth(out, trend, update_growth(steps, records) if trend is not None else None, int(steps[-1]))
     out = _last_finite(out, steps, records)
-    ranked, is_cause = cause_first(sorted(out, key=lambda lh: (-lh.severity, lh.index)), borrowed, depth)
+    ranked, is_cause = cause_first(sorted(out, key=lambda lh: (-lh.severity, lh.index)), borrowed, depth, forward)
     answer = run_answer(ranked, is_cause, (int(steps[0]), int(steps[-1])))
     ranked = assign_ranks(ranked, answer)
     first_bad, cause = legacy_fields(answer)
@@ -97,9 +97,11 @@ def _up_to(steps: np.ndarray, records: np.ndarray, at_step: int | None) -> tuple
 
 
 def _layer_healths(ev: Steps, steps: np.ndarray, records: np.ndarray, layers: Sequence[str], t: Thresholds,
-                   depth: np.ndarray, info: Mapping[str, tuple[str, str]]) -> tuple[list[LayerHealth], frozenset[str]]:
-    """Each layer's episodes, status, reasons, severity and fixes (for its kind, ``info``), in network order, and
-    the layers whose onset is that of a larger variable of their layer."""
+                   depth: np.ndarray, info: Mapping[str, tuple[str, str]]
+                   ) -> tuple[list[LayerHealth], frozenset[str], frozenset[str]]:
+    """Each layer's episodes, status, reasons, severity and fixes (for its kind, ``info``), in network order; the
+    layers whose onset is that of a larger variable of their layer; those whose current chain the huge-inputs rule
+    flagged (the activations blew up on their way forward)."""
     # A skipped NaN/Inf step counts when NaN/Inf follows it at the next step (the update was NaN, not skipped).
     follows = np.zeros_like(ev.nonfinite)
     follows[:-1] = ev.nonfinite[1:]
@@ -110,8 +112,10 @@ def _layer_healths(ev: Steps, steps: np.ndarray, records: np.ndarray, layers: Se
     began = np.array([tr.rows[tr.chain_start()] if tr is not None and tr.runs else np.inf for tr in tracks])
     origin = _first_nonfinite(ev.nonfinite & ~(ev.skipped & ~follows), depth, ev.size.max(axis=0), began)
     borrowed = follow_siblings(tracks, ev, layers)
+    forward = frozenset(layers[i] for i, tr in enumerate(tracks)
+                        if tr is not None and tr.runs and ev.exp_inputs[tr.rows[tr.chain_start():], i].any())
     return [layer_health(ev, steps, layers, i, d, origin, t, tracks[i], info.get(layers[i], ("", "")))
-            for i in range(len(layers))], borrowed
+            for i in range(len(layers))], borrowed, forward
 
 
 def _first_nonfinite(nonfinite: np.ndarray, depth: np.ndarray, size: np.ndarray, began: np.ndarray

@@ -123,13 +123,35 @@ def layerwise_common(upd_ratio: np.ndarray, weight_norm: np.ndarray, size: np.nd
 def adaptive(upd_rms: np.ndarray, rms: np.ndarray, live: np.ndarray, size: np.ndarray) -> bool:
     """The optimizer rescales each variable's gradient: over the logged steps, the median spread (largest minus
     smallest across the variables of at least 16 elements) of log10 update RMS / gradient RMS exceeds
-    ``ADAPTIVE_SPREAD``. False where updates are not recorded."""
+    ``ADAPTIVE_SPREAD``; or, where every variable's gradient is of one size (the spread across them cannot show
+    it), over time: the gradient's RMS moves by ``ADAPTIVE_SPREAD`` more decades than its update's (10th to 90th
+    percentile over the logged steps, median over those variables). Under plain SGD the update follows the
+    gradient's size; Adam's stays at the learning rate's while the gradient swings by decades. Momentum smooths
+    batch-to-batch swings too, so SGD with momentum whose gradients swing by decades reads as adaptive here: the
+    loss swinging with them is then evidence as well. False where updates are not recorded."""
     with np.errstate(invalid="ignore", divide="ignore"):
-        ratio = log10(upd_rms) - log10(rms)
+        log_upd, log_rms = log10(upd_rms), log10(rms)
+        ratio = log_upd - log_rms
         ok = live & (size >= 16) & np.isfinite(ratio)
         spread = _masked_max(ratio, ok, axis=1) - _masked_min(ratio, ok, axis=1)
         typical = median_where(spread, np.isfinite(spread))
-    return bool(typical > ADAPTIVE_SPREAD)
+        if typical > ADAPTIVE_SPREAD:
+            return True
+        moved = _moved(log_rms, ok) - _moved(log_upd, ok)
+        return bool(median_where(moved, np.isfinite(moved)) > ADAPTIVE_SPREAD)
+
+
+def _moved(log_values: np.ndarray, ok: np.ndarray) -> np.ndarray:
+    """``[L]`` decades from the 10th to the 90th percentile of each column's values over the rows where ``ok`` (NaN
+    for a column with fewer than ``_MOVED_MIN_ROWS`` such rows)."""
+    cols = np.where(ok, log_values, np.nan).T.copy()
+    cols.sort(axis=-1)
+    out = _sorted_quantile(cols, 0.9) - _sorted_quantile(cols, 0.1)
+    return np.where(ok.sum(axis=0) >= _MOVED_MIN_ROWS, out, np.nan)
+
+
+#: Logged steps a variable needs before its gradient's and update's movement over time are compared.
+_MOVED_MIN_ROWS = 8
 
 
 def layer_of(name: str) -> str | None:

@@ -114,7 +114,8 @@ class LossWindows(NamedTuple):
     #: ``2 * growth_window`` logged steps (decades; NaN where fewer than two finite positive values)
     rise: np.ndarray
     #: over the last ``growth_window`` logged steps, the median of the later half of the loss values is more than
-    #: ``FLAT`` above (``rises``) or below (``falls``) the median of the earlier half
+    #: ``FLAT`` above (``rises``) or below (``falls``) the median of the earlier half; False while the window holds
+    #: fewer than ``MIN_POINTS`` values (two minibatch losses against two move by more than ``FLAT`` by chance)
     rises: np.ndarray
     falls: np.ndarray
 
@@ -144,7 +145,7 @@ def loss_windows(steps: np.ndarray, progress: tuple[np.ndarray, np.ndarray], t: 
         if swing.size >= 2:
             rise[k] = float(np.max(swing - np.minimum.accumulate(swing)))
         trend = log[np.searchsorted(ls, steps[max(0, k - t.growth_window)], side="left"):end[k]]
-        if trend.size >= 4:
+        if trend.size >= MIN_POINTS:
             half = trend.size // 2
             moved = 10.0 ** (float(np.median(trend[-half:])) - float(np.median(trend[:half]))) - 1.0
             rises[k], falls[k] = moved > FLAT, moved < -FLAT

@@ -93,15 +93,16 @@ def _severity(code: int, excess: float, persistence: int, nan_started_here: bool
     return BASE[code] + min(SPAN - 2.0, (1.0 + excess) * persistence)
 
 
-def cause_first(ranked: list[LayerHealth], borrowed: frozenset[str] = frozenset(), depth: np.ndarray | None = None
-                ) -> tuple[list[LayerHealth], bool]:
+def cause_first(ranked: list[LayerHealth], borrowed: frozenset[str] = frozenset(), depth: np.ndarray | None = None,
+                forward: frozenset[str] = frozenset()) -> tuple[list[LayerHealth], bool]:
     """The ranking with the cause first, and whether it has one: among the layers with the most severe current status,
     the one whose chain of episodes began first (ties: see :func:`_culprit`). A learning rate that explodes every
     layer at step 1 and kills their ReLUs by step 3 is told as "exploding from step 1 -> dead from 3", not as "dead
     since 1". ``borrowed``: layers whose onset is a larger variable's of their layer (a small tensor follows its
     layer); the onset is their layer's, not evidence of their own, so they are the cause only when nothing else ties.
     ``depth``: :func:`~tb_gradhealth.health.answer.group_depth` of the layers (default: each variable its own
-    layer). The answer's words are :func:`tb_gradhealth.health.answer.run_answer`'s."""
+    layer). ``forward``: layers whose explosion the huge-inputs rule read (see :func:`_culprit`). The answer's words
+    are :func:`tb_gradhealth.health.answer.run_answer`'s."""
     if not ranked or not ranked[0].code.is_flag:
         return ranked, False
     if depth is None:
@@ -111,7 +112,7 @@ def cause_first(ranked: list[LayerHealth], borrowed: frozenset[str] = frozenset(
     began = min((lh.first_step for lh in chains), default=None)
     tied = [lh for lh in chains if lh.first_step == began]
     tied = [lh for lh in tied if lh.layer not in borrowed] or tied
-    top = _culprit(tied, worst, ranked, depth) if chains else ranked[0]
+    top = _culprit(tied, worst, ranked, depth, forward) if chains else ranked[0]
     return [top] + [lh for lh in ranked if lh is not top], True
 
 
@@ -120,16 +121,40 @@ def cause_first(ranked: list[LayerHealth], borrowed: frozenset[str] = frozenset(
 PLATEAU_DECADES = 1.0
 
 
-def _culprit(tied: list[LayerHealth], status: th.Status, ranked: list[LayerHealth], depth: np.ndarray) -> LayerHealth:
+def _culprit(tied: list[LayerHealth], status: th.Status, ranked: list[LayerHealth], depth: np.ndarray,
+             forward: frozenset[str] = frozenset()) -> LayerHealth:
     """Where a chain that began at one step on several layers started, named by that layer's largest tied variable
-    (:func:`deepest_first`). Exploding, NaN and the rest: the deepest layer, which backprop reaches first.
-    Vanishing: see :func:`_vanishing_layer`."""
+    (:func:`deepest_first`). Exploding, NaN and the rest: the deepest layer, which backprop reaches first; but an
+    explosion the huge-inputs rule read (``forward``: the activations blew up on their way forward, and every later
+    layer's gradient is large because its inputs are) started where the forward pass does: the first tied layer of
+    those in network order. Vanishing: see :func:`_vanishing_layer`."""
     if status == th.VANISHING:
         tied = _vanishing_layer(tied, ranked, depth) or tied
     size = np.zeros(len(depth))
     for lh in ranked:
         size[lh.index] = lh.size
+    ahead = [lh for lh in tied if lh.layer in forward] if status == th.EXPLODING else []
+    if ahead:
+        first = min(int(depth[lh.index]) for lh in ahead)
+        tied = [lh for lh in ahead if int(depth[lh.index]) == first]
+    elif status == th.EXPLODING:
+        tied = _behind_the_head(tied, ranked, depth) or tied
     return max(tied, key=lambda lh: deepest_first(depth, size, lh.index))
+
+
+def _behind_the_head(tied: list[LayerHealth], ranked: list[LayerHealth], depth: np.ndarray) -> list[LayerHealth]:
+    """The tied variables outside the output layer, when its smallest variable (its bias) is not exploding: a
+    weight's gradient is its bias's times the layer's inputs, and the output bias's is the loss's own, which nothing
+    amplifies; an output weight exploding beside a calm bias is large because its inputs are, and the layer before
+    made them. Empty when the model is one layer or nothing else ties."""
+    last = int(depth.max())
+    head = [lh for lh in ranked if int(depth[lh.index]) == last]
+    if len(head) < 2:
+        return []
+    bias = min(head, key=lambda lh: (lh.size, -lh.index))
+    if bias.code == th.EXPLODING:
+        return []
+    return [lh for lh in tied if int(depth[lh.index]) != last]
 
 
 def _levels(layers: list[LayerHealth]) -> dict[int, float]:

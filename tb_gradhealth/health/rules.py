@@ -239,7 +239,9 @@ def _trend(lv: _Levels, signal: np.ndarray, g: _Guards, t: th.Thresholds, loss: 
     mean, not rising out of the vanishing zone (a branch whose scale grows by design) and not at round-off, and
     growing past where a learning layer goes: above every reference layer *and* above the largest it had been
     before the window, each by more than minibatch noise (0.4 decades, ``2 * growth_decades / growth_window``), or
-    with the reference rising by decades too (half the growth line: the whole network grows). A gradient that rises
+    with the reference rising by decades too (half the growth line: the whole network grows) while the loss rises
+    or swings, or is not recorded (a fit scaling up to large targets grows every gradient while its loss holds or
+    falls). A gradient that rises
     *to* the reference or back to its own earlier scale is a layer starting to learn (a zero-initialised parameter,
     query and key kernels leaving their small init); within a decade below the reference it is a flag only where
     the loss says the network does not learn (it rises or swings by decades)."""
@@ -254,7 +256,11 @@ def _trend(lv: _Levels, signal: np.ndarray, g: _Guards, t: th.Thresholds, loss: 
         noise = 2.0 * t.growth_decades / t.growth_window
         top = np.fmax(reference_top(lv.log_rms, signal)[:, None], _peak_before(log_sig, t.growth_window))
         beyond = log_sig > top + noise
-        heading = ref_grew | beyond | ((dec >= -1.0) & _against_learning(loss, t, dec.shape))
+        # ... unless the loss holds or falls meanwhile: the fit scaling up to its targets (a regression whose output
+        # must reach 1e5 grows every gradient with its weights) grows the whole network too, and the loss says which
+        not_learning = _against_learning(loss, t, dec.shape)
+        whole = ref_grew & (not_learning | (loss is None))
+        heading = whole | beyond | ((dec >= -1.0) & not_learning)
         out_of_zone = ~(typical - ref_mean <= -t.vanish_decades)
         trend = (signal & (log_sig - base >= t.growth_decades) & (log_sig - typical >= t.growth_decades / 2)
                  & heading & g.above_roundoff & out_of_zone)
