@@ -255,6 +255,11 @@ case("regression_units_3e5", _BIG_TARGETS)(_regression(3e5, 2.0, seed=59, rule=_
 case("regression_units_1e4_deep", _BIG_TARGETS)(_regression(1e4, 0.2, seed=61, depth=4, rule=_BIG_TARGETS))
 case("regression_units_3e4_adamax", _BIG_TARGETS)(_regression(3e4, 0.5, seed=67, optimizer="Adamax",
                                                                rule=_BIG_TARGETS))
+# Three more, written before the one of those flagged late (its output kernel, at step 71) was studied.
+case("regression_units_1e4_deep5", _BIG_TARGETS)(_regression(1e4, 0.2, seed=71, depth=5, rule=_BIG_TARGETS))
+case("regression_units_3e3_deep", _BIG_TARGETS)(_regression(3e3, 0.1, seed=73, depth=4, rule=_BIG_TARGETS))
+case("regression_units_1e5_nadam", _BIG_TARGETS)(_regression(1e5, 1.0, seed=79, optimizer="Nadam",
+                                                              rule=_BIG_TARGETS))
 
 LOSS_FACTOR_RULE = ("healthy: the same He/ReLU classifier with its loss multiplied by a constant and SGD's learning "
                     "rate divided by it (the same weights at every step); the loss falls (checked)")
