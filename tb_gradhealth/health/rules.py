@@ -274,11 +274,12 @@ def _exploding(lv: _Levels, v: dict[str, np.ndarray], signal: np.ndarray, g: _Gu
     trend, base = _trend(lv, signal, g, t, loss)
     inputs, head_gap, head_quiet = _huge_inputs(lv, signal, g, v["size"], groups, t)
     swings = _adaptive_swings(lv, v, loss, t)[:, None]
+    behind = _judged_by_relative(lv.log_rms.shape[1], groups)
     with np.errstate(invalid="ignore"):
         flags = {
             # An adaptive optimizer keeps the steps of a layer far above the reference at the others' pace, which
             # is no disease; a loss that swings by decades at the same time says the gradients are out of control.
-            "exp_rel": signal & (dec >= t.explode_decades) & (~g.calm | swings) & g.above_roundoff,
+            "exp_rel": signal & (dec >= t.explode_decades) & (~g.calm | swings) & g.above_roundoff & behind,
             # The absolute bounds judge a layer the reference cannot (the whole network is huge); a layer far above
             # the reference is judged by the relative rule and its learning rate (a fresh first convolution on raw
             # pixels under Adam exceeds the bounds for a step and is healthy).
@@ -297,6 +298,19 @@ def _exploding(lv: _Levels, v: dict[str, np.ndarray], signal: np.ndarray, g: _Gu
             "head_quiet": head_quiet,
         }
     return flags, base
+
+
+def _judged_by_relative(n: int, groups: list[np.ndarray]) -> np.ndarray:
+    """``[L]``: the variables the relative rule judges, all but the output layer's (when it has a weight and a bias
+    and is not the whole model). That rule reads a gradient grown on its way back from the loss, and nothing
+    amplifies the output layer's: its weight sits above its bias by its inputs' scale, which the huge-inputs rule
+    reads from the first step (once the bias has fitted the targets' mean, its gradient is the mean residual, kept
+    near zero by the bias itself, and the gap says only that)."""
+    out = np.ones(n, dtype=bool)
+    head = output_group(groups, n)
+    if head is not None and len(head) < n:
+        out[head] = False
+    return out
 
 
 def _head_gap(log_rms: np.ndarray, size: np.ndarray, usable: np.ndarray, head: np.ndarray
