@@ -851,3 +851,24 @@ def test_an_output_kernel_far_above_its_fitted_bias_is_not_a_gradient_grown_on_i
                    update_rms=np.tile(update, (len(rows), 1)), sizes=sizes)
     steps = np.arange(61, 81)
     assert _episodes_at_every_step(names, steps, records, (steps, np.array(_FITTED_HEAD[1]))) == set()
+
+
+def _output_kernel_growing_alone(factor: float) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """Two dense layers at 1e-3 for 24 logged steps, except the output kernel, whose gradient is multiplied by
+    ``factor`` a step from step 14 on while its bias stays where it was."""
+    names = ["dense_0/kernel", "dense_0/bias", "dense_1/kernel", "dense_1/bias"]
+    rms = np.full((24, 4), 1e-3)
+    rms[14:, 2] *= factor ** np.arange(1, 11)
+    return names, np.arange(24), _run(rms, names, sizes=[64, 8, 64, 8])
+
+
+def test_an_output_kernel_whose_gradient_grows_alone_is_exploding_from_where_it_began():
+    # Grown a million-fold in ten steps beside its calm bias, with nothing else moving: the output kernel is one of
+    # the layers nearest the loss, but it has outgrown the others and the network. The same run with the kernel held
+    # where it was has no episode.
+    names, steps, records = _output_kernel_growing_alone(4.0)
+    h = diagnose_run(names, steps, records)
+    assert _flagged(h) == {"dense_1/kernel": "exploding"}
+    assert h.onset["layer"] == "dense_1/kernel" and h.onset["step"] == 14
+    names, steps, records = _output_kernel_growing_alone(1.0)
+    assert _episodes_at_every_step(names, steps, records) == set()

@@ -15,6 +15,7 @@ from tb_gradhealth.health import thresholds as th
 from tb_gradhealth.health.levels import (
     adaptive,
     in_layer,
+    in_reference,
     in_runs_of,
     layer_groups,
     layer_weight_scale,
@@ -237,8 +238,9 @@ def _trend(lv: _Levels, signal: np.ndarray, g: _Guards, t: th.Thresholds, loss: 
     """``[S, L]`` exploding by trend and the base it is measured from (the lowest log RMS of the previous window,
     over the steps with ``signal``): RMS grew ``growth_decades`` above that base and half as much above the window's
     mean, not rising out of the vanishing zone (a branch whose scale grows by design) and not at round-off, and
-    growing past where a learning layer goes: above every reference layer *and* above the largest it had been
-    before the window, each by more than minibatch noise (0.4 decades, ``2 * growth_decades / growth_window``), or
+    growing past where a learning layer goes: above every other reference layer *and* above the largest it had
+    been before the window, each by more than minibatch noise (0.4 decades, ``2 * growth_decades / growth_window``;
+    a reference layer also by outgrowing the median layer by the growth line), or
     with the reference rising by decades too (half the growth line: the whole network grows) while the loss rises
     or swings, or is not recorded (a fit scaling up to large targets grows every gradient while its loss holds or
     falls). A gradient that rises
@@ -254,8 +256,14 @@ def _trend(lv: _Levels, signal: np.ndarray, g: _Guards, t: th.Thresholds, loss: 
         ref_grew = (lv.ref - ref_low[:, 0] >= t.growth_decades / 2)[:, None]
         # past a scale by more than minibatch noise (twice the trend's own per-step slope, as the onset reads it)
         noise = 2.0 * t.growth_decades / t.growth_window
-        top = np.fmax(reference_top(lv.log_rms, signal)[:, None], _peak_before(log_sig, t.growth_window))
+        top = np.fmax(reference_top(lv.log_rms, signal), _peak_before(log_sig, t.growth_window))
         beyond = log_sig > top + noise
+        # a layer nearest the loss is past the others only when it also outgrew the network (by the growth line
+        # beyond the median layer's growth over the window): an output weight growing alone beside its calm bias,
+        # not one growing with every hidden layer while the fit scales up
+        grown = log_sig - base
+        outgrew = grown - median_where(grown, ~np.isnan(grown))[:, None] >= t.growth_decades
+        beyond &= ~in_reference(signal) | outgrew
         # ... unless the loss holds or falls meanwhile: the fit scaling up to its targets (a regression whose output
         # must reach 1e5 grows every gradient with its weights) grows the whole network too, and the loss says which
         not_learning = _against_learning(loss, t, dec.shape)
