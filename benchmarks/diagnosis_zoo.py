@@ -11,7 +11,8 @@ The scorer reads every run back with :func:`tb_gradhealth.reader.read_logdir`, d
 (a) per status, precision and recall over (layer, logged step) pairs, pooled over all runs;
 (b) per healthy run, the layers flagged at the last step and at any step, and those with a flagged episode in the
     diagnosis at any step (a past alarm in the timeline counts: a healthy run must have none);
-(c) per sick run, rank #1 and ``first_bad``, whether each is a labelled culprit and whether they agree;
+(c) per sick run, rank #1 and ``first_bad``, whether each is a variable of a labelled culprit's layer and whether
+    they agree;
 (d) onset errors in logged steps, and for a global cause the detection lead over the loss;
 (e) a ``stop_on=("nonfinite", "exploding")`` simulation: false halts on healthy runs, and for divergences the lead
     (logged steps between the halt and the first NaN);
@@ -205,8 +206,10 @@ class RunScore:
     first_bad: str | None = None
     first_bad_status: str | None = None
     culprits: list[str] = field(default_factory=list)
+    #: rank #1 / first_bad is a variable of a culprit's layer (the diagnosis names a layer by its largest variable)
     rank1_ok: bool | None = None
     first_bad_ok: bool | None = None
+    rank1_exact: bool | None = None  # rank #1 is itself a labelled culprit variable
     same: bool | None = None
     #: per labelled sick layer: label, diagnosed status at the last step, the two onset errors (None = not found)
     layer_onsets: list[dict[str, Any]] = field(default_factory=list)
@@ -231,6 +234,11 @@ class RunScore:
     labelled_kinds: list[str] = field(default_factory=list)
     n_layers: int = 0
     n_steps: int = 0
+
+
+def layer_of(variable: str) -> str:
+    """The layer a variable belongs to: its name without the last component (``dense_1/kernel`` -> ``dense_1``)."""
+    return variable.rsplit("/", 1)[0] if "/" in variable else variable
 
 
 def score_run(labels: Mapping[str, Any], d: Diagnosed) -> RunScore:
@@ -266,8 +274,10 @@ def score_run(labels: Mapping[str, Any], d: Diagnosed) -> RunScore:
     r.rank1, r.rank1_status = d.rank1, d.rank1_status
     r.first_bad, r.first_bad_status = d.first_bad, d.first_bad_status
     if r.sick:
-        r.rank1_ok = d.rank1 in culprits and is_flag(d.rank1_status)
-        r.first_bad_ok = d.first_bad in culprits
+        layers = {layer_of(n) for n in culprits}
+        r.rank1_ok = d.rank1 is not None and layer_of(d.rank1) in layers and is_flag(d.rank1_status)
+        r.first_bad_ok = d.first_bad is not None and layer_of(d.first_bad) in layers
+        r.rank1_exact = d.rank1 in culprits and is_flag(d.rank1_status)
         r.same = d.first_bad is not None and d.rank1 == d.first_bad
     r.layer_onsets = _layer_onsets(labels, d)
     r.run_onset_label = labels.get("onset")
@@ -454,8 +464,9 @@ def goals(runs: Sequence[RunScore]) -> list[dict[str, Any]]:
                                                                          if precision is not None else ""))
     single = [r for r in sick if len(r.culprits) <= 2 and r.culprits]
     ok = [r for r in single if r.rank1_ok]
+    exact = [r for r in single if r.rank1_exact]
     add("rank #1 is the culprit where the label names one layer", len(ok) == len(single),
-        f"{len(ok)} of {len(single)} single-culprit runs"
+        f"{len(ok)} of {len(single)} single-culprit runs ({len(exact)} naming a labelled culprit variable itself)"
         + (f" (missed: {', '.join(r.case for r in single if not r.rank1_ok)})" if len(ok) < len(single) else ""))
     swept = [r for r in runs if r.scale_changes]
     changed = [r for r in swept if any(r.scale_changes.values())]

@@ -208,3 +208,18 @@ def test_scaled_gradients_match_records_of_the_scaled_gradient(factor):
     got = zoo.scaled_gradients(record.compute(g, w)[None, None], factor)[0, 0]
     want = record.compute(g * factor, w)
     np.testing.assert_allclose(got, want, rtol=1e-6, equal_nan=True)  # float32 rounding of g * factor
+
+
+def test_a_culprit_is_matched_by_its_layer_and_the_exact_variable_is_counted_apart():
+    # The label names b/kernel; a diagnosis naming b/bias (the same layer, its largest variable by the product's
+    # rule) names the culprit's layer, but not the labelled variable itself; naming c/kernel names neither.
+    labels = _labels(sick=True)
+    labels["layers"]["b/bias"] = {"status": "healthy", "onset": None, "doubtful": True}
+    for named, layer_ok, exact in (("b/bias", True, False), ("c/kernel", False, False), ("b/kernel", True, True)):
+        d = zoo.diagnose_steps(LAYERS, STEPS, _records(), diagnose=_fake_diagnose, thresholds=object())
+        d.rank1, d.rank1_status, d.first_bad = named, "nonfinite", named
+        r = zoo.score_run(labels, d)
+        assert (r.rank1_ok, r.first_bad_ok, r.rank1_exact) == (layer_ok, layer_ok, exact), named
+        goal = next(g for g in zoo.goals([r]) if g["goal"].startswith("rank #1 is the culprit"))
+        assert goal["pass"] is layer_ok
+        assert goal["figure"].startswith(f"{int(layer_ok)} of 1 single-culprit runs ({int(exact)} naming")
