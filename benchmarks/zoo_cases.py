@@ -45,6 +45,8 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.diagnosis_zoo import layer_of
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 FEATURES = 32
@@ -293,15 +295,11 @@ def loss_departure(loss: Sequence[float], twin_losses: Sequence[Sequence[float]]
 # --- labelling rules ------------------------------------------------------------------------------------------
 
 
-def _group(name: str) -> str:
-    return name.rsplit("/", 1)[0] if "/" in name else name
-
-
 def groups(names: Sequence[str]) -> dict[str, list[int]]:
     """Variables of each layer (name prefix), in network order."""
     out: dict[str, list[int]] = {}
     for i, n in enumerate(names):
-        out.setdefault(_group(n), []).append(i)
+        out.setdefault(layer_of(n), []).append(i)
     return out
 
 

@@ -260,7 +260,7 @@ def _steady_start(w0: np.ndarray, u0: np.ndarray, groups: list[np.ndarray]) -> n
     return out
 
 
-def _reference_layers(signal: np.ndarray) -> np.ndarray:
+def reference_layers(signal: np.ndarray) -> np.ndarray:
     """``[S, L]``: the reference layers: the last ``REFERENCE_FRACTION`` (at least ``REFERENCE_MIN``) of the
     layers with ``signal`` at each step, i.e. those nearest the loss."""
     n = signal.sum(axis=1)
@@ -270,26 +270,21 @@ def _reference_layers(signal: np.ndarray) -> np.ndarray:
 
 
 def reference(log_values: np.ndarray, signal: np.ndarray) -> np.ndarray:
-    """``[S]``: median of ``log_values`` over the reference layers (:func:`_reference_layers`)."""
-    return median_where(log_values, _reference_layers(signal))
+    """``[S]``: median of ``log_values`` over the reference layers (:func:`reference_layers`)."""
+    return median_where(log_values, reference_layers(signal))
 
 
-def reference_top(log_values: np.ndarray, signal: np.ndarray) -> np.ndarray:
-    """``[S, L]``: the largest of ``log_values`` over the reference layers other than the column's own (-inf where
-    there are none): the top of the range the layers nearest the loss span at that step. A reference layer is not
-    measured against itself."""
-    vals = np.where(_reference_layers(signal) & ~np.isnan(log_values), log_values, -np.inf)
+def reference_top(log_values: np.ndarray, near_loss: np.ndarray) -> np.ndarray:
+    """``[S, L]``: the largest of ``log_values`` over the reference layers (``near_loss``, :func:`reference_layers`)
+    other than the column's own (-inf where there are none): the top of the range the layers nearest the loss span
+    at that step. A reference layer is not measured against itself."""
+    vals = np.where(near_loss & ~np.isnan(log_values), log_values, -np.inf)
     if vals.shape[1] < 2:
         return np.full(vals.shape, -np.inf)
     two = -np.partition(-vals, 1, axis=1)[:, :2]  # each row's largest and second largest
     first = vals == two[:, :1]
     alone = first.sum(axis=1, keepdims=True) == 1  # one column holds the row's largest: the others' top is the next
     return np.where(first & alone, two[:, 1:], two[:, :1])
-
-
-def in_reference(signal: np.ndarray) -> np.ndarray:
-    """``[S, L]``: the column is one of the reference layers at that step."""
-    return _reference_layers(signal)
 
 
 def sliding_reduce(values: np.ndarray, window: int, reduce: np.ufunc, *, with_row: bool = False) -> np.ndarray:

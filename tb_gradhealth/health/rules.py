@@ -15,7 +15,6 @@ from tb_gradhealth.health import thresholds as th
 from tb_gradhealth.health.levels import (
     adaptive,
     in_layer,
-    in_reference,
     in_runs_of,
     layer_groups,
     layer_weight_scale,
@@ -27,6 +26,7 @@ from tb_gradhealth.health.levels import (
     output_group,
     pinned_at_clip,
     reference,
+    reference_layers,
     reference_top,
     small_weights,
     update_stats,
@@ -256,14 +256,15 @@ def _trend(lv: _Levels, signal: np.ndarray, g: _Guards, t: th.Thresholds, loss: 
         ref_grew = (lv.ref - ref_low[:, 0] >= t.growth_decades / 2)[:, None]
         # past a scale by more than minibatch noise (twice the trend's own per-step slope, as the onset reads it)
         noise = 2.0 * t.growth_decades / t.growth_window
-        top = np.fmax(reference_top(lv.log_rms, signal), _peak_before(log_sig, t.growth_window))
+        near_loss = reference_layers(signal)
+        top = np.fmax(reference_top(lv.log_rms, near_loss), _peak_before(log_sig, t.growth_window))
         beyond = log_sig > top + noise
         # a layer nearest the loss is past the others only when it also outgrew the network (by the growth line
         # beyond the median layer's growth over the window): an output weight growing alone beside its calm bias,
         # not one growing with every hidden layer while the fit scales up
         grown = log_sig - base
         outgrew = grown - median_where(grown, ~np.isnan(grown))[:, None] >= t.growth_decades
-        beyond &= ~in_reference(signal) | outgrew
+        beyond &= ~near_loss | outgrew
         # ... unless the loss holds or falls meanwhile: the fit scaling up to its targets (a regression whose output
         # must reach 1e5 grows every gradient with its weights) grows the whole network too, and the loss says which
         not_learning = _against_learning(loss, t, dec.shape)
