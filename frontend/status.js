@@ -7,13 +7,14 @@
 import { el } from './dom.js';
 
 /** Severity order, worst first (same as health.STATUSES). */
-export const STATUSES = ['nonfinite', 'exploding', 'vanishing', 'dead', 'missing', 'inert', 'healthy'];
+export const STATUSES = ['nonfinite', 'exploding', 'vanishing', 'dead', 'missing', 'inert', 'healthy', 'frozen'];
 
 /**
- * Statuses that are not a disease: `healthy`, and `inert` (a parameter that only ever receives round-off
- * gradient, e.g. a bias right before a BatchNorm; informational). They never count as flagged.
+ * Statuses that are not a disease: `healthy`, `inert` (a parameter that only ever receives round-off
+ * gradient, e.g. a bias right before a BatchNorm; informational) and `frozen` (no gradient by the user's choice:
+ * requires_grad=False, outside the optimizer). They never count as flagged.
  */
-export const UNFLAGGED = new Set(['inert', 'healthy']);
+export const UNFLAGGED = new Set(['inert', 'healthy', 'frozen']);
 
 /** Whether a status is a problem (counts in "flagged" totals, badges and the timeline). */
 export function isFlagged(status) {
@@ -28,6 +29,7 @@ export const STATUS_STYLE = {
   missing: { color: '#F0E442', ink: '#000000', glyph: '?', label: 'missing' },
   inert: { color: '#BDBDBD', ink: '#000000', glyph: '○', label: 'inert' },
   healthy: { color: '#009E73', ink: '#000000', glyph: '✓', label: 'healthy' },
+  frozen: { color: '#56B4E9', ink: '#000000', glyph: '❄', label: 'frozen' },
 };
 
 /** A status badge: glyph + word on the status colour; class `badge badge-<status>` for tests and CSS. */

@@ -18,8 +18,9 @@ from typing import Any
 from tb_gradhealth import health
 from tb_gradhealth.numbers import format_count, format_magnitude, format_severity
 
-#: Statuses that count as "flagged" (the others: a layer that is fine, or a parameter that only gets round-off).
-FLAGGED = tuple(s for s in health.STATUSES if s not in ("healthy", "inert"))
+#: Statuses that count as "flagged" (the others: a layer that is fine, a parameter that only gets round-off, one
+#: frozen by the user).
+FLAGGED = health.FLAGS
 #: The widest the reasons of one table row get before they wrap under it.
 REASONS_WIDTH = 100
 #: How far the wrapped reasons are indented under their row.
@@ -93,6 +94,8 @@ def headline(body: dict[str, Any], v: Verdict) -> str:
     if v.word == "ok" or answer is None:  # nothing flagged (a FAIL then fails on healthy or inert layers)
         word = v.word if v.word == "ok" else f"{v.word} {v.status}"
         text = f"{word}, {format_count(v.flagged)} of {format_count(v.layers)} layers flagged"
+        frozen = body["summary"]["counts"].get("frozen", 0)
+        text += f" ({format_count(frozen)} frozen)" if frozen else ""
     else:
         text = f"{v.word} {v.status} — {plain(answer['headline'])}"
     return text + (f"; {loss}" if loss else "")

@@ -12,7 +12,9 @@ A record describes one tensor (normally one variable's gradient) at one logged s
   1e-38 to 1e+38 where a plain sum of squares under- or overflows float32 (at about 1e-19 and 1e+19);
 * optional fields (NaN when not recorded): the weight's and the applied update's max|.| and relative sum of
   squares, the number of micro-batches and the relative spread of micro-batch gradients (gradient noise);
-* ``missing``: 1 when no gradient reached the variable (a ``None`` gradient), 0 otherwise;
+* ``missing``: 0 when the variable has a gradient, :data:`MISSING` (1) when none reached it (a ``None`` gradient
+  of a variable that should learn), :data:`FROZEN` (2) when it has none by the user's choice (``requires_grad=False``,
+  a parameter outside the optimizer): a frozen record has no values, like a missing one, and is not a disease;
 * a log-magnitude histogram of the finite nonzero values with fixed decade edges (:data:`HIST_EDGES`), holding
   *estimated element counts* per bin, and ``hist_sample``: how many finite nonzero elements it was built from.
   When ``hist_sample`` equals the finite nonzero count the histogram is exact; otherwise it is a uniform sample
@@ -42,7 +44,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-FORMAT_VERSION = 1
+#: v2: the ``missing`` field may hold :data:`FROZEN`; a v1 reader would read such a row as damaged, so it refuses v2.
+FORMAT_VERSION = 2
+#: The values of the ``missing`` field: a gradient, none reached the variable, none by the user's choice.
+HAS_GRADIENT, MISSING, FROZEN = 0.0, 1.0, 2.0
 
 COUNT_FIELDS: tuple[str, ...] = ("size", "nan", "posinf", "neginf", "zero")
 
@@ -171,7 +176,16 @@ def value_defaults() -> dict[str, float]:
 def missing() -> np.ndarray:
     """The record of a variable that received no gradient (``None``)."""
     rec = empty()
-    rec[INDEX["missing"]] = 1.0
+    rec[INDEX["missing"]] = MISSING
+    return rec
+
+
+def frozen(size: int = 0) -> np.ndarray:
+    """The record of a variable frozen by the user (no gradient by choice: ``requires_grad=False``, outside the
+    optimizer) with ``size`` elements: no values, and no rule reads it as a disease."""
+    rec = empty()
+    rec[INDEX["missing"]] = FROZEN
+    rec[INDEX["size"]] = size
     return rec
 
 
@@ -550,7 +564,7 @@ def from_disk(tensor: np.ndarray) -> np.ndarray:
     """The float32 disk tensor (from any writer) → memory-form rows ``[L, NUM_FIELDS]`` float64."""
     t = np.ascontiguousarray(np.asarray(tensor), dtype=np.float32)
     if t.ndim != 2 or t.shape[1] < DISK_HIST_START:
-        raise ValueError(f"not a gradhealth v{FORMAT_VERSION} record tensor: shape {t.shape}")
+        raise ValueError(f"not a gradhealth record tensor: shape {t.shape}")
     out = np.zeros((t.shape[0], NUM_FIELDS), dtype=np.float64)
     from_disk_into(t, out, slice(None))
     return out
@@ -584,12 +598,12 @@ def check_disk(t: np.ndarray, rows_per_event: int | None = None) -> tuple[np.nda
 
     Every writer produces rows that pass these checks; a flipped byte, a truncated copy spliced into a file or a
     writer bug usually fails one of them. A row is damaged when: a count is negative or the nonfinite and zero counts
-    exceed ``size``; ``missing`` is not 0 or 1; finite values exist but ``min``/``max`` are not finite, ``min > max``,
-    the mean is outside ``[min, max]``, or ``ssq_rel`` is outside ``[1, finite count]`` (0 when all are zero); an
-    optional field or a histogram bin is negative or infinite; the histogram's total differs from the finite nonzero
-    count; its ``hist_lo`` differs from the event's (the median of its rows: the value more than half of them share,
-    when one does), or its window leaves the histogram. A flip that keeps
-    every field plausible is not detected here (the event file's data checksum catches it when it is checked).
+    exceed ``size``; ``missing`` is not 0, 1 or 2; finite values exist but ``min``/``max`` are not finite,
+    ``min > max``, the mean is outside ``[min, max]``, or ``ssq_rel`` is outside ``[1, finite count]`` (0 when all
+    are zero); an optional field or a histogram bin is negative or infinite; the histogram's total differs from the
+    finite nonzero count; its ``hist_lo`` differs from the event's (the median of its rows: the value more than half
+    of them share, when one does), or its window leaves the histogram. A flip that keeps every field plausible is
+    not detected here (the event file's data checksum catches it when it is checked).
     """
     t = np.asarray(t, dtype=np.float32)
     if t.shape[0] == 0:
@@ -631,7 +645,7 @@ def _value_checks(finite: np.ndarray, zero: np.ndarray, vi: dict[str, np.ndarray
         slack = _CHECK_RTOL * m
         nonzero = has & (finite - zero > 0)
         checks = [
-            (~np.isin(vi["missing"], (0.0, 1.0)), "missing flag is not 0 or 1"),
+            (~np.isin(vi["missing"], (HAS_GRADIENT, MISSING, FROZEN)), "missing flag is not 0, 1 or 2"),
             (has & ~(np.isfinite(mn) & np.isfinite(mx)),
              "min/max not finite although finite values are counted (a value beyond float32's range?)"),
             (has & (mn > mx), "min > max"),
@@ -691,7 +705,7 @@ def decode_disk(t: np.ndarray) -> tuple[np.ndarray, dict[int, str]]:
 def tensor_or_raise(t: np.ndarray) -> np.ndarray:
     """``t`` if it has the disk form's shape ``[L, >= 18]``, else ValueError."""
     if np.ndim(t) != 2 or np.shape(t)[1] < DISK_HIST_START:
-        raise ValueError(f"tensor of shape {np.shape(t)} is not a v{FORMAT_VERSION} record tensor")
+        raise ValueError(f"tensor of shape {np.shape(t)} is not a gradhealth record tensor")
     return t
 
 

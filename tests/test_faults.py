@@ -153,7 +153,8 @@ def build_fault_logdir(root: Path) -> dict[str, Case]:  # noqa: PLR0915 - one bl
     cases["wrong_rows"] = Case([], [], "4 rows for 3 layers", "4 rows for 3 layers", damaged=6, written=6)
 
     _write(root / "one_d", [gl.frame(e) for e in _events(six, rng, tensor=lambda s, r: record.to_disk(r)[0])])
-    cases["one_d"] = Case([], [], "not a v1 record tensor", "not a v1 record tensor", damaged=6, written=6)
+    cases["one_d"] = Case([], [], "not a gradhealth record tensor", "not a gradhealth record tensor", damaged=6,
+                          written=6)
 
     _write(root / "strings", [gl.frame(e) for e in _events(six, rng, tensor=lambda s, r: np.array([b"x", b"y"]))])
     cases["strings"] = Case([], [], "dtype", "dtype", damaged=6, written=6)

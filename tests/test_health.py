@@ -19,6 +19,7 @@ import pytest
 from tb_gradhealth import health, record
 from tb_gradhealth.health import STATUSES, Thresholds, diagnose_run
 from tb_gradhealth.health.levels import history
+from tb_gradhealth.health.result import BASE
 
 # --- synthetic records ----------------------------------------------------------------------------------------------
 
@@ -707,11 +708,12 @@ def test_depth_profile_opens_at_the_last_step_that_shows_something():
 def test_status_codes_follow_the_documented_severity_order():
     """The codes order the statuses as docs/DIAGNOSIS.md does (a lower code is worse), the words are what the JSON
     carries, and the module constants are the same members."""
-    words = ["nonfinite", "exploding", "vanishing", "dead", "missing", "inert", "healthy"]
+    words = ["nonfinite", "exploding", "vanishing", "dead", "missing", "inert", "healthy", "frozen"]
     assert [s.word for s in sorted(health.Status)] == words == list(health.STATUSES)
     assert list(health.FLAGS) == words[:5] and health.FLAG_CODES == {health.Status.of(w) for w in words[:5]}
     assert health.VANISHING is health.Status.VANISHING and health.Status.of("dead") == health.DEAD == 3
     assert health.Status.EXPLODING < health.Status.DEAD and not health.Status.INERT.is_flag
+    assert not health.FROZEN.is_flag and BASE[health.FROZEN] == BASE[health.HEALTHY] == 0
     with pytest.raises(ValueError, match="unknown status 'sick'"):
         health.Status.of("sick")
     rms = _healthy_grid()
@@ -739,3 +741,24 @@ def test_results_are_built_by_keyword_and_frozen():
     with pytest.raises(TypeError):
         health.RunHealth(None, Thresholds(), [])
     assert [x.rank for x in run.layers] == list(range(1, 7)) and run.layers[0].rank_reason == "cause"
+
+
+@pytest.mark.unit
+def test_a_frozen_parameter_is_shown_apart_and_never_flagged():
+    """A parameter frozen by the user (the record's ``missing`` field at ``record.FROZEN``) is ``frozen``: no rule
+    reads it, it has no episode, and the run beside it is judged as without it; a ``None`` gradient of a parameter
+    that should learn stays ``missing``."""
+    rng = np.random.default_rng(0)
+    names = ["backbone/kernel", "backbone/bias", "stray/kernel", "head/kernel", "head/bias"]
+    rows = np.stack([np.stack([record.frozen(64 * 64), record.frozen(64), record.missing(),
+                               record.compute(rng.normal(size=(64, 8)) * 1e-2, rng.normal(size=(64, 8))),
+                               record.compute(rng.normal(size=8) * 1e-2, rng.normal(size=8))]) for _ in range(12)])
+    h = diagnose_run(names, np.arange(12), rows)
+    by = h.by_layer()
+    assert by["backbone/kernel"].status == by["backbone/bias"].status == "frozen"
+    assert by["backbone/kernel"].episodes == [] and by["backbone/kernel"].severity == 0
+    assert by["stray/kernel"].status == "missing"
+    assert by["head/kernel"].status == by["head/bias"].status == "healthy"
+    assert h.counts["frozen"] == 2 and h.counts["missing"] == 1
+    frozen_only = diagnose_run(names[:2] + names[3:], np.arange(12), rows[:, [0, 1, 3, 4]])
+    assert frozen_only.answer is None and frozen_only.counts["frozen"] == 2

@@ -73,7 +73,8 @@ export function summaryLine(health) {
   const chips = STATUSES.filter((s) => counts[s]).map((s) => el('span', {
     class: `count-chip count-${s}`,
     title: s === 'inert' ? `${count(counts[s])} parameter(s) receive only round-off gradient (informational, not flagged)`
-      : `${count(counts[s])} layer(s) ${s}`,
+      : s === 'frozen' ? `${count(counts[s])} parameter(s) frozen by the user (no gradient by choice; not flagged)`
+        : `${count(counts[s])} layer(s) ${s}`,
     style: { borderColor: STATUS_STYLE[s].color },
   }, el('span', { class: 'count-glyph', text: STATUS_STYLE[s].glyph, style: { color: STATUS_STYLE[s].color } }),
   el('b', { text: count(counts[s]) }), ` ${s}`));
@@ -81,8 +82,8 @@ export function summaryLine(health) {
   const answer = answerOf(health);
   let verdict = null;
   if (!answer) {
-    const inert = counts.inert ? ` (${count(counts.inert)} inert)` : '';
-    verdict = el('span', { class: 'first-bad ok', text: `No layer flagged at step ${health.step}${inert}.` });
+    const quiet = ['inert', 'frozen'].filter((s) => counts[s]).map((s) => `${count(counts[s])} ${s}`).join(', ');
+    verdict = el('span', { class: 'first-bad ok', text: `No layer flagged at step ${health.step}${quiet ? ` (${quiet})` : ''}.` });
   }
   return el('div', { class: 'summary-line', attrs: { 'data-testid': 'summary' } },
     el('div', { class: 'summary-counts' },

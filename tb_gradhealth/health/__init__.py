@@ -32,6 +32,7 @@ from tb_gradhealth.health.thresholds import (
     EXPLODING,
     FLAG_CODES,
     FLAGS,
+    FROZEN,
     HEALTHY,
     INERT,
     MISSING,
@@ -45,7 +46,8 @@ from tb_gradhealth.health.thresholds import (
 )
 
 __all__ = [
-    "BLOWN_UP", "CHAIN_GAP", "DEAD", "EXPLODING", "FLAGS", "FLAG_CODES", "HEALTHY", "INERT", "MISSING", "NONFINITE",
+    "BLOWN_UP", "CHAIN_GAP", "DEAD", "EXPLODING", "FLAGS", "FLAG_CODES", "FROZEN", "HEALTHY", "INERT", "MISSING",
+    "NONFINITE",
     "REFERENCE_FRACTION", "REFERENCE_MIN", "SKIPPED", "STATUSES", "TREND_MIN_SIZE", "VANISHING", "LayerHealth",
     "RunHealth", "Status", "ThresholdError", "Thresholds", "diagnose_run", "layer_groups", "profile",
 ]

@@ -186,7 +186,7 @@ def track(ev: Steps, i: int, t: th.Thresholds) -> Track:
 
 def flagged_episodes(track: Track, steps: np.ndarray) -> list[dict[str, Any]]:
     return [{"status": th.STATUSES[code], "from": int(steps[track.rows[a]]), "to": int(steps[track.rows[b]])}
-            for code, a, b in track.runs if code not in (th.HEALTHY, th.INERT)]
+            for code, a, b in track.runs if code in th.FLAG_CODES]
 
 
 def follow_siblings(tracks: list[Track | None], ev: Steps, layers: Sequence[str]) -> frozenset[str]:

@@ -325,12 +325,13 @@ def window_stats(log_rms: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarr
 
 
 def live_stats(records: np.ndarray) -> dict[str, np.ndarray]:
-    """Per (step, layer): presence, missing, NaN/Inf, all-zero, the RMS of the nonzero finite values and the norm
-    of all finite values."""
-    size, missing, nonfinite_count, zero, _, max_abs = history(records)
+    """Per (step, layer): presence, missing, frozen (no gradient by the user's choice), NaN/Inf, all-zero, the RMS of
+    the nonzero finite values and the norm of all finite values."""
+    size, flag, nonfinite_count, zero, _, max_abs = history(records)
     present = ~np.isnan(size)
-    missing = present & (missing > 0.5)
-    values = present & ~missing
+    frozen = present & (flag == record.FROZEN)
+    missing = present & (flag > 0.5) & ~frozen
+    values = present & ~missing & ~frozen
     nonfinite = values & (nonfinite_count > 0)
     dead = values & ~nonfinite & (size > 0) & (zero >= size)
     nonzero = size - nonfinite_count - zero
@@ -339,7 +340,8 @@ def live_stats(records: np.ndarray) -> dict[str, np.ndarray]:
         rms = np.where(nonzero > 0, max_abs * np.sqrt(ssq / np.where(nonzero > 0, nonzero, 1)), np.nan)
     live = values & ~nonfinite & ~dead & (rms > 0)
     norm = max_abs * np.sqrt(records[..., record.INDEX["ssq_rel"]])  # over every finite value
-    return {"present": present, "missing": missing, "nonfinite": nonfinite, "dead": dead, "live": live,
+    return {"present": present, "missing": missing, "frozen": frozen, "nonfinite": nonfinite, "dead": dead,
+            "live": live,
             "size": np.where(present, size, 0.0), "rms": rms, "max_abs": max_abs, "norm": norm}
 
 

@@ -48,7 +48,7 @@ def layer_health(ev: Steps, steps: np.ndarray, layers: Sequence[str], i: int, d:
     if code in (th.EXPLODING, th.VANISHING, th.HEALTHY):  # a dead, NaN or missing gradient makes the ratios moot
         reasons.extend(_ratio_notes(d, i, t))
         reasons.extend(optimizer_notes(ev, s, i))
-    flagged = code not in (th.HEALTHY, th.INERT)
+    flagged = code in th.FLAG_CODES
     severity = _severity(code, excess, last[2] - chain + 1, origin is not None and origin[1] == i
                          and track.rows[chain] <= origin[0])
     nan_here = origin is not None and origin[1] == i
@@ -59,7 +59,7 @@ def layer_health(ev: Steps, steps: np.ndarray, layers: Sequence[str], i: int, d:
         reasons.append(_chain_note(episodes, first_step, th.STATUSES[code], since))
     return LayerHealth(
         layer=name, index=i, status=th.STATUSES[code], severity=float(severity), reasons=reasons,
-        fixes=fixes(code, ev, track, i, nan_here, info) if code not in (th.HEALTHY,) else [],
+        fixes=fixes(code, ev, track, i, nan_here, info) if code not in (th.HEALTHY, th.FROZEN) else [],
         first_step=first_step, step=int(steps[s]), status_since=since, episodes=episodes,
         size=int(d["size"][i]) if np.isfinite(d["size"][i]) else 0,
         **{k: float(d[k][i]) for k in ("norm", "rms", "max_abs", "mean", "zero_fraction", "grad_to_weight",
@@ -86,7 +86,7 @@ def _severity(code: int, excess: float, persistence: int, nan_started_here: bool
     often has an all-zero gradient afterwards)."""
     if code == th.INERT:
         return BASE[th.INERT] + 1.0
-    if code == th.HEALTHY:
+    if code in (th.HEALTHY, th.FROZEN):
         return 0.0
     if nan_started_here:
         return BASE[th.NONFINITE] + SPAN - 1.0
@@ -377,6 +377,9 @@ def _reasons(code: int, c: _Ctx, d: dict[str, np.ndarray], i: int) -> tuple[list
         return [f"no gradient reached this variable (None gradient) {c.lasting()}"], 0.0
     if code == th.INERT:
         return [_inert_reason(c)], 0.0
+    if code == th.FROZEN:
+        return [f"frozen: no gradient is computed for it by the user's choice (requires_grad=False, trainable=False or "
+                f"outside the optimizer) {c.lasting()}; not a disease"], 0.0
     dec = c.ev.dec(c.s, i)
     if c.ev.learns[c.s, i] and dec <= -c.t.vanish_decades:
         return [f"note: {_rms_text(c, d)} is {-dec:.1f} decades below {c.ref_text()}, but its updates keep pace "

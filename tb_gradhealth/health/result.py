@@ -7,11 +7,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from tb_gradhealth.health.thresholds import STATUSES, Status, Thresholds
+from tb_gradhealth.health.thresholds import HEALTHY, STATUSES, Status, Thresholds
 
-#: Severity = base of the status + a within-status part in [0, SPAN): statuses never overlap.
+#: Severity = base of the status + a within-status part in [0, SPAN): statuses never overlap. A frozen parameter
+#: (no gradient by the user's choice) ranks with the healthy ones.
 SPAN = 1000.0
-BASE = {code: (len(STATUSES) - 1 - code) * SPAN for code in range(len(STATUSES))}
+BASE = {code: max(0, HEALTHY - code) * SPAN for code in range(len(STATUSES))}
 _ORDER = (
     "rank 1 is the run's answer, the cause (rank_reason \"cause\"; it may have a lower severity than rank 2): "
     "among the layers with the most severe status, the one whose chain of episodes began first (ties to the deepest "

@@ -441,7 +441,7 @@ def _vanishing(lv: _Levels, rms: np.ndarray, g: _Guards, t: th.Thresholds) -> di
 
 def _raw(v: dict[str, np.ndarray], flags: dict[str, np.ndarray], exploding: np.ndarray) -> np.ndarray:
     """``[S, L]`` status code per (step, layer): where several rules match, the first of the statuses' order wins
-    (missing, nonfinite, dead, exploding, vanishing, inert)."""
+    (missing, nonfinite, dead, exploding, vanishing, inert); a frozen parameter has no values to judge."""
     raw = np.full(v["live"].shape, th.HEALTHY, dtype=np.int8)
     raw[flags["inert"]] = th.INERT
     raw[flags["van_rel"] | flags["van_abs"]] = th.VANISHING
@@ -450,6 +450,7 @@ def _raw(v: dict[str, np.ndarray], flags: dict[str, np.ndarray], exploding: np.n
     raw[v["nonfinite"]] = th.NONFINITE
     raw[flags["skipped"]] = th.SKIPPED
     raw[v["missing"]] = th.MISSING
+    raw[v["frozen"]] = th.FROZEN
     raw[~v["present"]] = th.ABSENT
     return raw
 

@@ -13,8 +13,9 @@ from typing import Any
 
 class Status(IntEnum):
     """A layer's status, most severe first: the code is also the severity order (a lower code is worse). The JSON
-    and the views carry the :attr:`word`. ``inert`` (a parameter that only ever receives round-off) and
-    ``healthy`` are not flags."""
+    and the views carry the :attr:`word`. ``inert`` (a parameter that only ever receives round-off), ``healthy``
+    and ``frozen`` (no gradient by the user's choice: ``requires_grad=False``, a parameter outside the optimizer)
+    are not flags."""
 
     NONFINITE = 0
     EXPLODING = 1
@@ -23,6 +24,7 @@ class Status(IntEnum):
     MISSING = 4
     INERT = 5
     HEALTHY = 6
+    FROZEN = 7
 
     @property
     def word(self) -> str:
@@ -47,7 +49,7 @@ class Status(IntEnum):
 STATUSES: tuple[str, ...] = tuple(s.word for s in Status)
 #: The statuses that count as a problem (counted, ranked, gate the CLI by default through ``--fail-on``).
 FLAGS: tuple[str, ...] = tuple(s.word for s in Status if s.is_flag)
-NONFINITE, EXPLODING, VANISHING, DEAD, MISSING, INERT, HEALTHY = Status
+NONFINITE, EXPLODING, VANISHING, DEAD, MISSING, INERT, HEALTHY, FROZEN = Status
 FLAG_CODES: frozenset[Status] = frozenset(s for s in Status if s.is_flag)
 #: Raw code of a step whose NaN/Inf gradient the optimizer skipped (recorded update exactly zero): confirmed as
 #: ``nonfinite`` only when it lasts ``sustain_steps``, like the slow statuses.
