@@ -49,6 +49,8 @@ def diagnose_run(
     at_step: int | None = None,
     progress: tuple[np.ndarray, np.ndarray] | None = None,
     layer_info: Mapping[str, tuple[str, str]] | None = None,
+    skipped: tuple[np.ndarray, np.ndarray] | None = None,
+    source: Mapping[str, str] | None = None,
 ) -> RunHealth:
     """Diagnose every layer of a run from its records, using the logged steps at or before ``at_step``.
 
@@ -58,7 +60,11 @@ def diagnose_run(
     A layer without any record up to the step is reported ``missing``. ``progress``: ``(steps, loss)`` of the
     training loss where it is recorded (:mod:`tb_gradhealth.progress` reads it), evidence beside the gradients.
     ``layer_info``: ``{layer: (kind, activation)}`` where the writer knew the model (:mod:`tb_gradhealth.layerinfo`),
-    named in the reasons and used to pick the fixes.
+    named in the reasons and used to pick the fixes. ``skipped``: ``(steps, flags)`` where the writer knew whether
+    the optimizer applied the step (``amp/step_skipped``: 1 skipped, e.g. by a loss scaler after an overflow; 0
+    applied), the only evidence of a skip besides the records that follow it. ``source``: what the writer knew of
+    the training loop (:data:`tb_gradhealth.metadata.Content.source`: ``{"loop": "keras.fit", "optimizer": "SGD",
+    ...}``), used to word the fixes for the loop the user runs.
     """
     steps, records = _up_to(*_check_inputs(layers, steps, records), at_step)
     t = thresholds
