@@ -4,6 +4,8 @@ Each case of ``benchmarks/zoo_cases.py`` trains a small TF/Keras network on CPU,
 with the project's writers and its raw per-step training loss (scalar ``loss``) into one run directory, and saves
 ``labels.json`` there: per-layer ground truth derived from what each layer *does* (weight change over the run,
 structure, injected faults, the raw loss), never from the diagnosis. The rule of each case is written next to it.
+The PyTorch, Lightning, Hugging Face and JAX cases (``benchmarks/zoo_child.py``) train in a child process without
+TensorFlow and leave the same run directory and labels.
 
 The scorer reads every run back with :func:`tb_gradhealth.reader.read_logdir`, diagnoses it with
 :func:`tb_gradhealth.health.diagnose_run` at every logged step (public API only) and prints:
@@ -237,8 +239,10 @@ class RunScore:
 
 
 def layer_of(variable: str) -> str:
-    """The layer a variable belongs to: its name without the last component (``dense_1/kernel`` -> ``dense_1``)."""
-    return variable.rsplit("/", 1)[0] if "/" in variable else variable
+    """The layer a variable belongs to: its name without the last ``/`` or ``.`` component (``dense_1/kernel`` ->
+    ``dense_1``, PyTorch's ``fc1.weight`` -> ``fc1``)."""
+    cut = max(variable.rfind("/"), variable.rfind("."))
+    return variable[:cut] if cut > 0 else variable
 
 
 def score_run(labels: Mapping[str, Any], d: Diagnosed) -> RunScore:
@@ -682,7 +686,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def _registries(half: str) -> list[tuple[str, dict[str, Any], Callable[[str, Path], Any]]]:
-    from benchmarks import zoo_cases, zoo_heldout  # noqa: PLC0415 - TensorFlow only when training
+    from benchmarks import zoo_cases, zoo_child, zoo_heldout  # noqa: PLC0415 - TensorFlow only when training
+
+    zoo_child.load_cases()  # the PyTorch, Lightning, Hugging Face and JAX cases join both halves
 
     out = []
     if half in ("heldout", "both"):
