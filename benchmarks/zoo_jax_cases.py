@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks import zoo_cases, zoo_measure
+from benchmarks import zoo_cases, zoo_heldout, zoo_measure
 from benchmarks.zoo_cases import CLASSES, image_data, teacher_data
 from benchmarks.zoo_child import case
 from benchmarks.zoo_measure import Trace
@@ -136,3 +136,5 @@ def _finetune_case(half: dict, name: str, *, conv: bool, seed: int, optimizer: s
 
 
 _finetune_case(zoo_cases.CASES, "jax_frozen_backbone_mlp", conv=False, seed=601, optimizer="adam", lr=1e-2, warm=100)
+_finetune_case(zoo_heldout.CASES, "jax_frozen_backbone_conv", conv=True, seed=607, optimizer="adamw", lr=1e-2,
+               warm=150)

@@ -236,6 +236,10 @@ def _finetune_case(half: dict, name: str, *, conv: bool, seed: int, optimizer: s
 
 _finetune_case(DESIGN, "torch_frozen_backbone_mlp", conv=False, seed=401, optimizer="Adam", lr=1e-2, stale=False,
                warm=100)
+_finetune_case(HELDOUT, "torch_frozen_backbone_conv", conv=True, seed=409, optimizer="AdamW", lr=1e-2, stale=False,
+               warm=150)
+_finetune_case(HELDOUT, "torch_frozen_backbone_stale_grad", conv=False, seed=419, optimizer="SGD", lr=0.1,
+               stale=True, warm=100)
 
 
 # --- 2. a mixture of experts --------------------------------------------------------------------------------------
@@ -329,6 +333,8 @@ def _moe_case(half: dict, name: str, *, seed: int, experts: int, k: int, batch: 
 
 
 _moe_case(DESIGN, "torch_moe_top1", seed=431, experts=8, k=1, batch=8, set_to_none=True)
+_moe_case(HELDOUT, "torch_moe_top2_zero_grads", seed=433, experts=12, k=2, batch=12, set_to_none=False)
+_moe_case(HELDOUT, "torch_moe_top1_wide", seed=439, experts=6, k=1, batch=5, set_to_none=True, lr=1e-3)
 
 
 # --- 3. trained to convergence under Adam/AdamW -------------------------------------------------------------------
@@ -439,6 +445,13 @@ def _converge_case(half: dict, name: str, *, what: str, build: Callable[[], Any]
 _converge_case(DESIGN, "torch_transformer_adamw_converged", what="a one-layer transformer classifier",
                build=lambda: _transformer(443, layers=1, checkpoint=False), data=_token_data(256, 443), loss_fn=ce,
                optimizer="AdamW", lr=3e-3, steps=300)
+_converge_case(HELDOUT, "torch_regression_adam_converged", what="a tanh MLP regression",
+               build=lambda: _regression_mlp(449), data=_regression_targets(512, 449), loss_fn=mse, optimizer="Adam",
+               lr=1e-3, steps=300)
+_converge_case(HELDOUT, "torch_transformer_checkpointed_converged",
+               what="a two-layer transformer classifier under activation checkpointing",
+               build=lambda: _transformer(457, layers=2, checkpoint=True), data=_token_data(192, 457), loss_fn=ce,
+               optimizer="AdamW", lr=2e-3, steps=300)
 
 
 # --- 4. mixed precision: the first steps overflow, unscale_ and clip_grad_norm_ before the recorder -----------------
@@ -517,6 +530,9 @@ def _nchw(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 _amp_case(DESIGN, "torch_amp_unscale_clip_mlp", build=lambda: _amp_mlp(461), data=teacher_data(60 * 32, 461),
           scale_log2=24, optimizer="Adam", lr=1e-3)
+_amp_case(HELDOUT, "torch_amp_unscale_clip_cnn", build=lambda: _amp_cnn(463),
+          data=_nchw(*image_data(100 * 32, 463, 16)), scale_log2=30, optimizer="SGD", lr=0.05, momentum=0.9,
+          steps=100)
 
 
 # --- 5. a GAN whose discriminator learns 100x too fast -----------------------------------------------------------
@@ -646,7 +662,7 @@ def _gan_case(half: dict, name: str, *, side: str, seed: int, width: int, optimi
     case(half, name, rule)(run)
 
 
-for _half, _prefix, _seed, _width in ((DESIGN, "torch_gan", 467, 64),):
+for _half, _prefix, _seed, _width in ((DESIGN, "torch_gan", 467, 64), (HELDOUT, "torch_gan_w48", 479, 48)):
     for _side in ("discriminator", "generator"):
         _gan_case(_half, f"{_prefix}_{_side}", side=_side, seed=_seed, width=_width, optimizer="Adam", lr=1e-3,
                   d_factor=1.0, steps=300)
@@ -714,3 +730,4 @@ def _growing_lr_case(half: dict, name: str, *, seed: int, channels: int, lr: flo
 
 
 _growing_lr_case(DESIGN, "torch_growing_lr_cnn", seed=487, channels=8, lr=1e-3)
+_growing_lr_case(HELDOUT, "torch_growing_lr_cnn_wide", seed=491, channels=16, lr=3e-4)

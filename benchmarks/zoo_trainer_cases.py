@@ -174,6 +174,8 @@ def unrecovered_labels(trace: Trace, twins: Sequence[Trace], dep: dict[str, int 
 
 _gru_case(DESIGN, "lightning_gru_lm_unclipped", seed=503, clipped=False)
 _gru_case(DESIGN, "lightning_gru_lm_clipped", seed=503, clipped=True)
+_gru_case(HELDOUT, "lightning_gru_lm_unclipped_h96", seed=509, clipped=False, hidden=96, bptt=30)
+_gru_case(HELDOUT, "lightning_gru_lm_clipped_h96", seed=509, clipped=True, hidden=96, bptt=30)
 
 
 # --- 7. clipped and unclipped twins under the Hugging Face Trainer ------------------------------------------------
@@ -277,6 +279,8 @@ def _gpt2_case(half: dict, name: str, *, seed: int, clipped: bool, lr: float, st
 
 
 
-for _half, _name, _kw in ((DESIGN, "hf_gpt2_sgd", {"seed": 521, "lr": 5.0}),):
+for _half, _name, _kw in ((DESIGN, "hf_gpt2_sgd", {"seed": 521, "lr": 5.0}),
+                          (HELDOUT, "hf_gpt2_sgd_s547", {"seed": 547, "lr": 4.0}),
+                          (HELDOUT, "hf_gpt2_sgd_w24", {"seed": 547, "lr": 3.0, "width": 24})):
     _gpt2_case(_half, f"{_name}_unclipped", clipped=False, **_kw)
     _gpt2_case(_half, f"{_name}_clipped", clipped=True, **_kw)

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from benchmarks import zoo_measure
+from benchmarks import zoo_cases, zoo_child, zoo_heldout, zoo_measure
 from benchmarks.zoo_measure import Trace
 
 pytestmark = pytest.mark.unit
@@ -95,3 +95,9 @@ def test_cause_labels_chain_the_status_from_its_start_then_nonfinite():
     assert (labels["sick"], labels["culprits"], labels["onset"], labels["first_nan"]) == (True, ["a"], 3, 7)
 
 
+def test_child_cases_register_in_one_half_each_with_the_child_runner():
+    zoo_child.load_cases()
+    child = {h: [n for n, c in cases.items() if c.runner is zoo_child.run_in_child]
+             for h, cases in (("design", zoo_cases.CASES), ("heldout", zoo_heldout.CASES))}
+    assert child["design"] and child["heldout"]
+    assert not set(child["design"]) & set(child["heldout"])
