@@ -202,7 +202,9 @@ def identical_until(a: tuple[Sequence[int], np.ndarray, Mapping[int, float]],
     for i, s in enumerate(steps_a):
         if i >= len(steps_b) or steps_b[i] != s or rec_a[i].shape != rec_b[i].shape:
             break
-        if not np.array_equal(rec_a[i], rec_b[i], equal_nan=True) or loss_a.get(s) != loss_b.get(s):
+        la, lb = loss_a.get(s), loss_b.get(s)
+        same_loss = la == lb or (la is not None and lb is not None and math.isnan(la) and math.isnan(lb))
+        if not (np.array_equal(rec_a[i], rec_b[i], equal_nan=True) and same_loss):
             break
         last = int(s)
     return last

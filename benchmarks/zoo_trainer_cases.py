@@ -27,7 +27,7 @@ import numpy as np
 from benchmarks import zoo_cases, zoo_heldout, zoo_measure
 from benchmarks.zoo_child import case
 from benchmarks.zoo_measure import Trace
-from benchmarks.zoo_torch_cases import Probe
+from benchmarks.zoo_torch_loop import Probe
 
 DESIGN, HELDOUT = zoo_cases.CASES, zoo_heldout.CASES
 

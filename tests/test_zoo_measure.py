@@ -69,6 +69,8 @@ def test_identical_until_is_the_last_step_of_a_bitwise_equal_prefix():
     assert zoo_measure.identical_until((list(range(5)), rec, loss), (list(range(5)), other, loss)) == 2
     assert zoo_measure.identical_until((list(range(5)), rec, loss), (list(range(5)), rec, {**loss, 1: 9.0})) == 0
     assert zoo_measure.identical_until((list(range(5)), rec, loss), (list(range(5)), rec, {**loss, 0: 9.0})) is None
+    nan = {**loss, 4: math.nan}
+    assert zoo_measure.identical_until((list(range(5)), rec, nan), (list(range(5)), rec.copy(), dict(nan))) == 4
 
 
 def test_healthy_labels_check_the_frozen_and_the_trained_weights():
