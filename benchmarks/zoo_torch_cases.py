@@ -479,29 +479,26 @@ def _gan(seed: int, *, width: int, optimizer: str, lr: float, d_lr: float, steps
         with torch.no_grad():
             return _energy_distance(gen(held_noise).double().numpy(), held_data)
 
+    def apply(s: int, loss: Any, probe: Probe, opt: Any, recorded: bool) -> None:
+        """One side's optimizer step (through the recorder on the recorded side), measured by its probe."""
+        loss.backward()
+        probe.before()
+        if recorded:
+            rec.step(s, loss=loss)
+        else:
+            opt.step()
+        probe.after(s, float(loss.detach()))
+
     before = distance()
     for s in range(1, steps + 1):
         xb = real[(s - 1) * GAN_BATCH:s * GAN_BATCH]
         z = torch.randn(GAN_BATCH, GAN_NOISE, generator=noise)
         d_opt.zero_grad()
         fake = gen(z).detach()
-        d_loss = bce(disc(xb), torch.ones(GAN_BATCH, 1)) + bce(disc(fake), torch.zeros(GAN_BATCH, 1))
-        d_loss.backward()
-        pd.before()
-        if side == "discriminator":
-            rec.step(s, loss=d_loss)
-        else:
-            d_opt.step()
-        pd.after(s, float(d_loss.detach()))
+        apply(s, bce(disc(xb), torch.ones(GAN_BATCH, 1)) + bce(disc(fake), torch.zeros(GAN_BATCH, 1)), pd, d_opt,
+              side == "discriminator")
         g_opt.zero_grad()
-        g_loss = bce(disc(gen(z)), torch.ones(GAN_BATCH, 1))
-        g_loss.backward()
-        pg.before()
-        if side == "generator":
-            rec.step(s, loss=g_loss)
-        else:
-            g_opt.step()
-        pg.after(s, float(g_loss.detach()))
+        apply(s, bce(disc(gen(z)), torch.ones(GAN_BATCH, 1)), pg, g_opt, side == "generator")
     if rec is not None:
         rec.writer.close()
     return pd.finish(), pg.finish(), [before, distance()]
