@@ -16,7 +16,7 @@ The scorer reads every run back with :func:`tb_gradhealth.reader.read_logdir`, d
 (d) onset errors in logged steps, and for a global cause the detection lead over the loss;
 (e) a ``stop_on=("nonfinite", "exploding")`` simulation: false halts on healthy runs, and for divergences the lead
     (logged steps between the halt and the first NaN);
-(f) the goals, PASS/FAIL with the measured figure.
+(f) the goals, PASS/FAIL with the measured figure (runs that never recovered, and identical prefixes, among them).
 
     flock /tmp/gradhealth-heavy.lock python benchmarks/diagnosis_zoo.py            # train what is not cached, score
     python benchmarks/diagnosis_zoo.py --list
@@ -44,12 +44,20 @@ Label format (``labels.json``)::
                                                    "latest_onset": step (optional: a global cause),
                                                    "doubtful": bool (optional)}},
      "culprits": [layers acceptable as rank #1 / first_bad], "onset": step | null, "first_nan": step | null,
-     "diverges": bool, "rule": "one line"}
+     "diverges": bool, "rule": "one line",
+     "recovered": bool (optional), "identical_until": step (optional)}
 
 A sick layer has its status from ``onset`` to the end (healthy before). ``episodes`` (when given) replace that with
 a chain, e.g. exploding from the onset then nonfinite from the first NaN: the expected status at a step is that
 of the last episode begun at or before it. A ``doubtful`` layer sits within half a decade of its case's threshold:
 it is left out of the pair counts and the goals (and counted apart).
+
+Two run-level fields, where a case measured them: ``recovered`` says whether the loss came back to its level
+before an exploding or nonfinite episode (False: it never did; a run whose diagnosis at its last step names no
+answer and flags no layer then reads as sound, and counts against the goal), and ``identical_until`` is the last
+step at which the run is bit-identical (records and loss) to its clean twin: an episode the diagnosis begins at or
+before it, at any logged step, dates a problem to a time the run was that clean twin. Statuses ``healthy``,
+``inert`` and ``frozen`` (a parameter the user froze) are no flag; every other one is, ``missing`` included.
 """
 
 from __future__ import annotations
@@ -71,8 +79,9 @@ if __package__ in (None, ""):  # ``python benchmarks/diagnosis_zoo.py`` from a c
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 SICK_STATUSES = ("vanishing", "exploding", "dead", "nonfinite")
-#: Diagnosed statuses that do not count as a flag (``inert`` is informational: round-off only).
-NOT_FLAGGED = frozenset({"healthy", "inert", "missing"})
+#: Diagnosed statuses that do not count as a flag: ``inert`` is informational (round-off only), ``frozen`` a parameter
+#: the user froze. ``missing`` counts: a trainable backbone read as missing is a finding, right or wrong.
+NOT_FLAGGED = frozenset({"healthy", "inert", "frozen"})
 STOP_ON = ("nonfinite", "exploding")
 #: The lead (logged steps between the halt and the first NaN) the stop_on goal asks for.
 LEAD = 3
@@ -98,6 +107,10 @@ class Diagnosed:
     first_bad_status: str | None
     #: layers with a flagged episode (any status but healthy/inert) in the diagnosis at any logged step
     episode_layers: list[str] = field(default_factory=list)
+    #: per layer with a flagged episode: the earliest step any of its episodes began, over every logged step
+    episode_from: dict[str, int] = field(default_factory=dict)
+    #: the diagnosis at the last step names an answer (a flagged chain)
+    answered: bool = False
 
 
 def diagnose_steps(layers: Sequence[str], steps: np.ndarray, records: np.ndarray,
@@ -109,13 +122,15 @@ def diagnose_steps(layers: Sequence[str], steps: np.ndarray, records: np.ndarray
 
     diagnose = diagnose or health.diagnose_run
     thresholds = thresholds if thresholds is not None else health.Thresholds()
-    per_step, last, with_episode = [], None, set()
+    per_step, last, begun = [], None, {}
     for s in steps:
         extra = {"progress": progress} if progress is not None else {}
         last = diagnose(list(layers), steps, records, thresholds, at_step=int(s), **extra)
         per_step.append({lh.layer: lh.status for lh in last.layers})
-        with_episode |= {lh.layer for lh in last.layers
-                         if any(is_flag(e["status"]) for e in getattr(lh, "episodes", None) or ())}
+        for lh in last.layers:
+            for e in getattr(lh, "episodes", None) or ():
+                if is_flag(e["status"]):
+                    begun[lh.layer] = min(begun.get(lh.layer, int(e["from"])), int(e["from"]))
     if last is None or not last.layers:
         return Diagnosed(list(layers), [int(s) for s in steps], per_step, {}, None, None, None, None)
     fb = last.first_bad or {}
@@ -124,7 +139,8 @@ def diagnose_steps(layers: Sequence[str], steps: np.ndarray, records: np.ndarray
         first_step={lh.layer: lh.first_step for lh in last.layers},
         rank1=last.layers[0].layer, rank1_status=last.layers[0].status,
         first_bad=fb.get("layer"), first_bad_status=fb.get("status"),
-        episode_layers=[n for n in layers if n in with_episode],
+        episode_layers=[n for n in layers if n in begun], episode_from={n: begun[n] for n in layers if n in begun},
+        answered=getattr(last, "answer", None) is not None,
     )
 
 
@@ -232,6 +248,14 @@ class RunScore:
     #: per gradient scale factor: (layer, logged step) pairs whose status differs from the unscaled records'
     scale_changes: dict[str, int] = field(default_factory=dict)
     labelled_kinds: list[str] = field(default_factory=list)
+    #: labelled ``recovered`` (False: an episode after which the loss never came back), else None
+    recovered: bool | None = None
+    #: the diagnosis at the last step names nothing: no answer and no flagged layer
+    reads_ok_at_end: bool = False
+    #: labelled ``identical_until``: the last step at which the run is bit-identical to its clean twin
+    identical_until: int | None = None
+    #: layers with an episode (at any logged step) that began at or before ``identical_until``
+    prefix_episodes: list[str] = field(default_factory=list)
     n_layers: int = 0
     n_steps: int = 0
 
@@ -280,6 +304,11 @@ def score_run(labels: Mapping[str, Any], d: Diagnosed) -> RunScore:
         r.rank1_exact = d.rank1 in culprits and is_flag(d.rank1_status)
         r.same = d.first_bad is not None and d.rank1 == d.first_bad
     r.layer_onsets = _layer_onsets(labels, d)
+    r.recovered = labels.get("recovered")
+    r.reads_ok_at_end = bool(steps) and not d.answered and not any(is_flag(v) for v in d.status[-1].values())
+    r.identical_until = labels.get("identical_until")
+    if r.identical_until is not None:
+        r.prefix_episodes = [n for n in d.layers if d.episode_from.get(n, math.inf) <= r.identical_until]
     r.run_onset_label = labels.get("onset")
     flagged_steps = [i for i in range(len(steps)) if any(is_flag(v) for v in d.status[i].values())]
     if flagged_steps:
@@ -468,6 +497,17 @@ def goals(runs: Sequence[RunScore]) -> list[dict[str, Any]]:
     add("rank #1 is the culprit where the label names one layer", len(ok) == len(single),
         f"{len(ok)} of {len(single)} single-culprit runs ({len(exact)} naming a labelled culprit variable itself)"
         + (f" (missed: {', '.join(r.case for r in single if not r.rank1_ok)})" if len(ok) < len(single) else ""))
+    never = [r for r in runs if r.recovered is False]
+    quiet = [r for r in never if r.reads_ok_at_end]
+    add("0 runs that never recovered read ok at their last step (no answer, no flagged layer)", not quiet,
+        f"{len(quiet)} of {len(never)} runs that never recovered" + (f" ({', '.join(r.case for r in quiet)})"
+                                                                     if quiet else ""))
+    twinned = [r for r in runs if r.identical_until is not None]
+    early = [r for r in twinned if r.prefix_episodes]
+    named = ", ".join(f"{r.case} (to step {r.identical_until}): {_short(r.prefix_episodes, 2)}" for r in early)
+    add("0 episodes beginning inside a clean twin's identical prefix", not early,
+        f"{sum(len(r.prefix_episodes) for r in early)} layers in {len(early)} of {len(twinned)} runs with an "
+        "identical prefix" + (f" ({named})" if early else ""))
     swept = [r for r in runs if r.scale_changes]
     changed = [r for r in swept if any(r.scale_changes.values())]
     add("identical verdicts across the gradient-scale sweep (x1e-3 ... x1e3)", not changed,

@@ -223,3 +223,44 @@ def test_a_culprit_is_matched_by_its_layer_and_the_exact_variable_is_counted_apa
         goal = next(g for g in zoo.goals([r]) if g["goal"].startswith("rank #1 is the culprit"))
         assert goal["pass"] is layer_ok
         assert goal["figure"].startswith(f"{int(layer_ok)} of 1 single-culprit runs ({int(exact)} naming")
+
+
+def test_missing_counts_as_a_flag_and_frozen_does_not():
+    # A trainable layer read as missing is a finding (a frozen backbone reported missing must be caught); a parameter
+    # the user froze, reported frozen, is not.
+    d = zoo.diagnose_steps(LAYERS, STEPS[:2], _records()[:2], diagnose=_fake_diagnose, thresholds=object())
+    d.status = [{**row, "a/kernel": "missing", "b/kernel": "frozen"} for row in d.status]
+    r = zoo.score_run(_labels(sick=False), d)
+    assert r.flagged_last == ["a/kernel"] and r.flagged_any == ["a/kernel"]
+    assert (zoo.is_flag("missing"), zoo.is_flag("frozen"), zoo.is_flag("inert")) == (True, False, False)
+
+
+def test_a_run_that_never_recovered_must_not_read_ok_at_its_last_step():
+    labels = {**_labels(sick=True), "recovered": False}
+    clean = zoo.diagnose_steps(LAYERS, STEPS[:2], _records()[:2], diagnose=_fake_diagnose, thresholds=object())
+    flagged = zoo.diagnose_steps(LAYERS, STEPS, _records(), diagnose=_fake_diagnose, thresholds=object())
+    answered = zoo.diagnose_steps(LAYERS, STEPS[:2], _records()[:2], diagnose=_fake_diagnose, thresholds=object())
+    answered.answered = True  # an answer without a flagged layer at the step still names the episode
+    figures = {}
+    for name, d in (("clean", clean), ("flagged", flagged), ("answered", answered)):
+        r = zoo.score_run(labels, d)
+        goal = next(g for g in zoo.goals([r]) if g["goal"].startswith("0 runs that never recovered"))
+        figures[name] = (r.reads_ok_at_end, goal["pass"], goal["figure"])
+    assert figures == {"clean": (True, False, "1 of 1 runs that never recovered (tiny)"),
+                       "flagged": (False, True, "0 of 1 runs that never recovered"),
+                       "answered": (False, True, "0 of 1 runs that never recovered")}
+    r = zoo.score_run({**labels, "recovered": True}, clean)  # only runs labelled recovered: false are judged
+    goal = next(g for g in zoo.goals([r]) if g["goal"].startswith("0 runs that never recovered"))
+    assert goal["pass"] and goal["figure"] == "0 of 0 runs that never recovered"
+
+
+@pytest.mark.parametrize(("until", "early"), [(20, []), (30, ["a/kernel"]), (50, ["a/kernel", "b/kernel"])])
+def test_episodes_beginning_inside_a_clean_twins_identical_prefix(until, early):
+    # a's episode begins at 30, b's at 50 and c's at 60 (at the diagnosis of step 60 only: a past episode counts)
+    d = zoo.diagnose_steps(LAYERS, STEPS, _records(), diagnose=_fake_diagnose, thresholds=object())
+    assert d.episode_from == {"a/kernel": 30, "b/kernel": 50, "c/kernel": 60}
+    r = zoo.score_run({**_labels(sick=True), "identical_until": until}, d)
+    assert r.prefix_episodes == early
+    goal = next(g for g in zoo.goals([r]) if g["goal"].startswith("0 episodes beginning inside"))
+    assert goal["pass"] is (not early)
+    assert goal["figure"].startswith(f"{len(early)} layers in {int(bool(early))} of 1 runs with an identical prefix")
