@@ -722,7 +722,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def _registries(half: str) -> list[tuple[str, dict[str, Any], Callable[[str, Path], Any]]]:
-    from benchmarks import zoo_cases, zoo_heldout  # noqa: PLC0415 - TensorFlow only when training
+    from benchmarks import zoo_cases, zoo_heldout, zoo_story_cases  # noqa: F401, PLC0415 - TensorFlow only when training
 
     out = []
     if half in ("heldout", "both"):
