@@ -622,3 +622,62 @@ def _floor_case(kind: str, *, seed: int, data_seed: int, widths: Sequence[int], 
 _rule, _run = _floor_case("regression", seed=871, data_seed=873, widths=(64, 64), lr=3e-3, steps=800)
 register(DESIGN, "regression_floor_adam", _rule + " (ReLU MLP 64-64, Adam(3e-3), noise std 0.3)")(_run)
 
+
+# --- the held-out instances: written before the rules for these classes changed, never tuned on ----------------------
+
+register(HELDOUT, "app_densenet121_momentum", MOMENTUM_APP_RULE + " (DenseNet121)", heavy=True)(
+    _app_momentum("DenseNet121", scale=1.0, seed=911))
+
+register(HELDOUT, "exp_mlp_nan_early", NAN_STOP_RULE + " (2 exponential layers of 32, SGD(0.01))")(
+    _exp_nan_case(seed=921, depth=2, width=32, lr=0.01, data_seed=923))
+register(HELDOUT, "corrupt_batch_nan_after_healthy_b", NAN_TWIN_RULE + " (ReLU then exponential layer of 64; batch "
+         "22 times 50)")(_corrupt_batch_case(_relu_exp_head(925, width=64, name="relu_exp_b"), at=22, factor=50.0,
+                                             lr=0.01, data_seed=927))
+
+
+def _linear_rnn(seed: int, *, gain: float, units: int, name: str) -> Callable[[bool], Any]:
+    """A builder of a linear SimpleRNN classifier over 40 steps whose recurrent kernel is orthogonal at ``gain``
+    (the mutant) or 1 (its twin)."""
+
+    def build(mutant: bool) -> Any:
+        import keras
+
+        keras.utils.set_random_seed(seed)
+        init = keras.initializers.Orthogonal(gain=gain if mutant else 1.0, seed=seed)
+        return keras.Sequential([keras.Input((40, 8)),
+                                 keras.layers.SimpleRNN(units, activation="linear", recurrent_initializer=init,
+                                                        name="rnn"),
+                                 keras.layers.Dense(CLASSES, name="logits")], name=name)
+
+    return build
+
+
+_LX = np.random.default_rng(931).standard_normal((60 * 32, 40, 8)).astype(np.float32)
+_LY = np.argmax(_LX[:, :5, :CLASSES].sum(axis=1), axis=1).astype(np.int32)
+_rule, _run = _tiny_lr_case(_linear_rnn(933, gain=1.2, units=32, name="linear_rnn"), twin="orthogonal gain 1",
+                            x=_LX, y=_LY, batch=32, steps=60, lr=1e-7, usual=0.01)
+register(HELDOUT, "linear_rnn_gain_1_2_tiny_lr", _rule + " (a linear SimpleRNN of 32 over 40 steps, recurrent "
+         "kernel orthogonal at gain 1.2, SGD(1e-7))")(_run)
+_WX, _WY = teacher_data(60 * 64, 935)
+_rule, _run = _tiny_lr_case(_scaled_relu_mlp(937, depth=8, width=64, scale=2.2, name="relu_big_b"),
+                            twin="He's scale", x=_WX, y=_WY, batch=64, steps=60, lr=1e-8, usual=0.01)
+register(HELDOUT, "relu_mlp_2_2x_he_tiny_lr", _rule + " (8 ReLU layers of 64 at 2.2x He's std, SGD(1e-8))")(_run)
+
+_cnn_b = _jump_convnet((8, 16, 32), 64, "relu", "cnn_b")
+_rule, _run = _jump_case(_cnn_b, seed=941, lo=0.03, hi=0.9, at=30, until=None, data_seed=943)
+register(HELDOUT, "cnn_lr_jump_unrecovered_b", _rule)(_run)
+_rule, _run = _jump_case(_cnn_b, seed=941, lo=0.03, hi=0.24, at=30, until=33, data_seed=943)
+register(HELDOUT, "cnn_lr_spike_recovered_b", _rule)(_run)
+_rule, _run = _jump_case(_jump_convnet((16, 32), 32, "elu", "cnn_elu"), seed=945, lo=0.05, hi=1.0, at=35,
+                         until=None, data_seed=947)
+register(HELDOUT, "cnn_elu_lr_jump_unrecovered", _rule + " (ELU convnet)")(_run)
+
+_rule, _run = _growth_case(lambda seed: _convnet(seed, widths=(8, 16, 16), dense=16, activation="relu",
+                                                 name="cnn_growth_b", outputs=1), seed=961, lr=1e-3, data_seed=963)
+register(HELDOUT, "cnn_lr_growth_momentum_fit_b", _rule)(_run)
+
+_rule, _run = _floor_case("classifier", seed=971, data_seed=973, widths=(64, 64), lr=2e-3, steps=800)
+register(HELDOUT, "classifier_floor_adam", _rule + " (ReLU MLP 64-64, Adam(2e-3), labels drawn from a softmax)")(
+    _run)
+_rule, _run = _floor_case("regression", seed=975, data_seed=977, widths=(128,), lr=2e-3, steps=1000, noise=0.5)
+register(HELDOUT, "regression_floor_adam_wide", _rule + " (ReLU MLP 128, Adam(2e-3), noise std 0.5)")(_run)
