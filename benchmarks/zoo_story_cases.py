@@ -411,10 +411,12 @@ JUMP_RULE = ("custom loop, SGD at {lo:g} until step {at}, then {what}; twins: th
              "exploding from its departure from the twins' range (gradient norm or update/weight, "
              "zoo_cases.twin_departures), at the latest from the loss label (the first step from the jump on whose "
              "loss is above every twin's and above its own range over the 10 steps before the jump), exact zeros "
-             "(dead) and NaN/Inf as measured per step. recovered: false when every loss from the loss label to the "
-             "end stays above that range (the labels run to the end); true when the mean of the last 10 losses is "
-             "back inside it, and every variable is healthy again from the first step after the loss's peak whose "
-             "loss is back inside it; a run that is neither is not labelled; culprits: every variable")
+             "(dead) and NaN/Inf as measured per step. The run must have learned before the jump (that range below "
+             "half its loss over its first 10 steps, checked). recovered: false when every loss from the loss "
+             "label to the end stays above that range (the labels run to the end); true when the mean of the last "
+             "10 losses is back inside it, and every variable is healthy again from the first step after the "
+             "loss's peak whose loss is back inside it; a run that is neither is not labelled; culprits: every "
+             "variable")
 JUMP_WINDOW = 10
 
 
@@ -444,6 +446,9 @@ def jump_labels(run: dict[str, Any], log_dir: str, twins: Sequence[dict[str, Any
     loss = np.asarray(run["loss"], dtype=np.float64)
     pre = loss[at - 1 - JUMP_WINDOW:at - 1]
     level = float(pre.max())
+    if not level < 0.5 * float(loss[:JUMP_WINDOW].mean()):
+        raise RuntimeError(f"the run had not learned before the jump (its loss {level:.3g} against "
+                           f"{loss[:JUMP_WINDOW].mean():.3g} at its start): no level to come back to")
     top = np.max([np.asarray(t["loss"], dtype=np.float64) for t in twins], axis=0)
     above = ~((loss <= top) | (loss <= level))  # NaN counts as above
     rise = next((s for s in range(at, loss.size + 1) if above[s - 1]), None)
@@ -517,41 +522,110 @@ register(DESIGN, "cnn_lr_spike_recovered", _rule)(_run)
 
 # --- 5. a learning rate growing 1.3x a step in fit() until NaN (what stop_on is for) ---------------------------------
 
-GROWTH_RULE = (zoo_cases.DIVERGE_RULE + "; fit() under SGD(momentum=0.9) whose learning rate grows 1.3x a step from "
-               "{lr:g} (a convnet regressing its images' top-left brightness, MSE); a variable's exploding episode "
-               "starts where it leaves the range of twins at the constant {lr:g} (3 seeds, its own among them: "
-               "identical_until measured against it), at the latest at the divergence rule's onset; recovered: "
-               "false (its loss ends NaN/Inf)")
+GROWTH_RULE = ("divergence rule (zoo_cases.DIVERGE_RULE) on the raw loss and the weight norms before every step, "
+               "except where a gradient is NaN/Inf: measured at every step with tf.GradientTape on that step's batch "
+               "from the weights the step starts at (a float32 loss overflows to Inf steps before any gradient does, "
+               "and the writer's NaN-origin search then undoes the steps whose gradient is not finite, so neither the "
+               "loss nor the weights show it); fit() under SGD(momentum=0.9) whose learning rate grows 1.3x a step "
+               "from {lr:g} (a convnet regressing its images' top-left brightness, MSE); a variable's exploding "
+               "episode starts where it leaves the range of twins at the constant {lr:g} (3 seeds, its own among "
+               "them: identical_until measured against it), at the latest at the divergence rule's onset; recovered: "
+               "false (checked: the mean of its last 10 losses is NaN/Inf or above every loss before that onset)")
 GROWTH_TWIN_SEEDS = (101, 102)
+
+
+def _gradient_states(x: np.ndarray, y: np.ndarray, batch: int) -> Any:
+    import keras
+    import tensorflow as tf
+
+    class GradientStates(keras.callbacks.Callback):
+        """Before every step of a ``fit`` over ``(x, y)`` in order (``shuffle=False``): what each variable's gradient
+        is on the step's batch from the weights the step starts at (plain ``tf.GradientTape``, the compiled loss):
+        "nonfinite", "dead" (exactly zero) or "live". Non-trainable state (batch statistics) is put back."""
+
+        def on_train_begin(self, logs: Any = None) -> None:
+            self.states: list[list[str]] = []
+
+        def on_train_batch_begin(self, b: int, logs: Any = None) -> None:
+            k = len(self.states)
+            xb, yb = x[k * batch:(k + 1) * batch], y[k * batch:(k + 1) * batch]
+            model = self.model
+            kept = [(v, tf.identity(v)) for v in model.non_trainable_variables]
+            with tf.GradientTape() as tape:
+                value = keras.losses.get(model.loss)(yb, model(xb, training=True))
+            grads = tape.gradient(value, model.trainable_variables)
+            for v, w in kept:
+                v.assign(w)
+            self.states.append(["nonfinite" if not bool(tf.reduce_all(tf.math.is_finite(g))) else
+                                "dead" if not bool(tf.reduce_any(g != 0)) else "live" for g in grads])
+
+    return GradientStates()
+
+
+def _with_measured_states(entry: dict[str, Any] | None, steps: Sequence[int], states: Sequence[str]
+                          ) -> dict[str, Any]:
+    """A divergence label with the gradient measured at each step: exact zeros are dead and NaN/Inf nonfinite
+    where they were measured; a finite gradient keeps the label's status then (its exploding episode, or healthy;
+    never nonfinite)."""
+    eps = [(e["status"], e["from"]) for e in (entry or {}).get("episodes") or ()]
+
+    def live_as(step: int) -> str:
+        now = [st for st, start in eps if start <= step and st != "nonfinite"]
+        return now[-1] if now else "healthy"
+
+    if entry is not None and not eps:  # a label without episodes (inert): kept as it is
+        return entry
+    out = zoo_heldout._measured_chain(steps, states, live_as)
+    if entry is not None and "latest_onset" in entry and out["status"] != "healthy":
+        out["latest_onset"] = entry["latest_onset"]
+    return out
 
 
 def _growth_case(build: Callable[[int], Any], *, seed: int, lr: float, data_seed: int, batches: int = 60,
                  batch: int = 32) -> tuple[str, Callable[[str], dict[str, Any]]]:
     """``(rule, case)``: the convnet ``build(seed)`` (one output) regressing the mean brightness of each image's
     top-left quadrant, trained by fit() under SGD(momentum=0.9) at ``lr * 1.3**i`` (``i`` the optimizer's step
-    count), 3 steps past its first NaN loss, labelled by :data:`GROWTH_RULE`."""
+    count) until 3 steps past its first non-finite loss (or the end of the data), labelled by
+    :data:`GROWTH_RULE`."""
     rule = GROWTH_RULE.format(lr=lr)
 
     def run(log_dir: str) -> dict[str, Any]:
         import keras
 
+        from tb_gradhealth import summary
+
         x, _ = image_data(batches * batch, data_seed, 16)
         y = x[:, :8, :8].mean(axis=(1, 2, 3))[:, None]
+        mse = keras.losses.MeanSquaredError()
+        model = build(seed)
         growing = keras.optimizers.schedules.ExponentialDecay(lr, decay_steps=1, decay_rate=1.3)
-        labels = zoo_cases._diverging_fit(log_dir, build(seed), keras.optimizers.SGD(growing, momentum=0.9), x, y,
-                                          batch=batch, loss=keras.losses.MeanSquaredError())
-        if labels["first_nan"] is None:
-            raise RuntimeError("the growing learning rate did not reach a NaN loss")
+        model.compile(optimizer=keras.optimizers.SGD(growing, momentum=0.9), loss=mse)
+        states = _gradient_states(x, y, batch)
+        trace = zoo_cases.fit_logged(model, x, y, log_dir, batch=batch, stop_after_nan=3, callbacks=[states])
+        names = summary.variable_names(model.trainable_variables)
+        nonfinite = {n: next((s for s, row in zip(trace.steps, states.states, strict=True)
+                              if row[i] == "nonfinite"), None) for i, n in enumerate(names)}
+        labels = zoo_cases.divergence_labels(names, trace.steps, trace.loss, np.array(trace.wnorm), nonfinite,
+                                             rule=rule)
+        onset, loss = labels["onset"], np.asarray(trace.loss, dtype=np.float64)
+        tail = float(loss[-10:].mean())
+        if labels["first_nan"] is None or onset is None or tail <= float(loss[:onset - 1].max()):
+            raise RuntimeError(f"no divergence to label: onset {onset}, first NaN/Inf gradient "
+                               f"{labels['first_nan']}, loss {loss}")
         with tempfile.TemporaryDirectory() as keep:
             twins = []
             for s in (seed, *GROWTH_TWIN_SEEDS):
-                model = build(s)
-                model.compile(optimizer=keras.optimizers.SGD(lr, momentum=0.9), loss=keras.losses.MeanSquaredError())
+                twin = build(s)
+                twin.compile(optimizer=keras.optimizers.SGD(lr, momentum=0.9), loss=mse)
                 twins.append(os.path.join(keep, str(s)))
-                zoo_cases.fit_logged(model, x, y, twins[-1], batch=batch)
+                zoo_cases.fit_logged(twin, x, y, twins[-1], batch=batch)
             labels = zoo_cases.with_twin_departures(labels, zoo_cases.twin_departures(log_dir, twins))
             labels["identical_until"] = identical_until(log_dir, twins[0])
-        labels.update(recovered=False, rule=rule)
+        labels["layers"] = {n: _with_measured_states(labels["layers"].get(n), trace.steps,
+                                                     [row[i] for row in states.states])
+                            for i, n in enumerate(names)}
+        labels["recovered"] = False
+        labels["evidence"]["gradient_states"] = {n: [row[i] for row in states.states] for i, n in enumerate(names)}
         return labels
 
     return rule, run
@@ -664,9 +738,11 @@ _rule, _run = _tiny_lr_case(_scaled_relu_mlp(937, depth=8, width=64, scale=2.2, 
 register(HELDOUT, "relu_mlp_2_2x_he_tiny_lr", _rule + " (8 ReLU layers of 64 at 2.2x He's std, SGD(1e-8))")(_run)
 
 _cnn_b = _jump_convnet((8, 16, 32), 64, "relu", "cnn_b")
-_rule, _run = _jump_case(_cnn_b, seed=941, lo=0.03, hi=0.9, at=30, until=None, data_seed=943)
+_rule, _run = _jump_case(_cnn_b, seed=941, lo=0.03, hi=0.9, at=50, until=None, data_seed=943)
 register(HELDOUT, "cnn_lr_jump_unrecovered_b", _rule)(_run)
-_rule, _run = _jump_case(_cnn_b, seed=941, lo=0.03, hi=0.24, at=30, until=33, data_seed=943)
+_rule, _run = _jump_case(_cnn_b, seed=941, lo=0.03, hi=0.6, at=50, until=53, data_seed=943)
+register(HELDOUT, "cnn_lr_spike_unrecovered_b", _rule)(_run)
+_rule, _run = _jump_case(_cnn_b, seed=941, lo=0.03, hi=0.4, at=50, until=52, data_seed=943)
 register(HELDOUT, "cnn_lr_spike_recovered_b", _rule)(_run)
 _rule, _run = _jump_case(_jump_convnet((16, 32), 32, "elu", "cnn_elu"), seed=945, lo=0.05, hi=1.0, at=35,
                          until=None, data_seed=947)
