@@ -21,7 +21,7 @@ import math
 import os
 import tempfile
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -439,46 +439,70 @@ def _convnet(seed: int, *, widths: Sequence[int], dense: int, activation: str, n
     return keras.Sequential(layers, name=name)
 
 
-def jump_labels(run: dict[str, Any], log_dir: str, twins: Sequence[dict[str, Any]], *, at: int, rule: str
-                ) -> dict[str, Any]:
-    """Labels of a learning-rate jump at step ``at`` by :data:`JUMP_RULE`; ``twins`` as ``zoo_heldout._twin_runs``
-    returns them, the first one the run's own seed."""
-    loss = np.asarray(run["loss"], dtype=np.float64)
-    pre = loss[at - 1 - JUMP_WINDOW:at - 1]
-    level = float(pre.max())
-    if not level < 0.5 * float(loss[:JUMP_WINDOW].mean()):
-        raise RuntimeError(f"the run had not learned before the jump (its loss {level:.3g} against "
-                           f"{loss[:JUMP_WINDOW].mean():.3g} at its start): no level to come back to")
-    top = np.max([np.asarray(t["loss"], dtype=np.float64) for t in twins], axis=0)
+class LossEpisode(NamedTuple):
+    """What the loss did around a learning-rate jump (:data:`JUMP_RULE`), steps 1-based."""
+
+    #: the highest loss over the ``JUMP_WINDOW`` steps before the jump: its range before the episode
+    level: float
+    #: the first step from the jump on whose loss is above every twin's and above ``level`` (the loss label)
+    rise: int
+    #: the step of the highest loss from ``rise`` on (the first NaN/Inf one, if any)
+    peak: int
+    #: the first step after ``peak`` whose loss is back at or below ``level`` (None: never)
+    back: int | None
+    recovered: bool
+
+
+def loss_episode(loss: Sequence[float], twin_losses: Sequence[Sequence[float]], *, at: int) -> LossEpisode:
+    """The loss around a jump at step ``at`` against its own level before it and its twins' losses; raises
+    RuntimeError where :data:`JUMP_RULE` labels nothing (the run had not learned before the jump, the loss never
+    rose, or it neither stayed up nor came back)."""
+    loss = np.asarray(loss, dtype=np.float64)
+    level = float(loss[at - 1 - JUMP_WINDOW:at - 1].max())
+    start = float(loss[:JUMP_WINDOW].mean())
+    if not level < 0.5 * start:
+        raise RuntimeError(f"the run had not learned before the jump (its loss {level:.3g} against {start:.3g} at "
+                           "its start): no level to come back to")
+    top = np.max([np.asarray(t, dtype=np.float64)[:loss.size] for t in twin_losses], axis=0)
     above = ~((loss <= top) | (loss <= level))  # NaN counts as above
     rise = next((s for s in range(at, loss.size + 1) if above[s - 1]), None)
     if rise is None:
         raise RuntimeError("the loss never rose above its twins and its level before the jump")
-    peak = rise + int(np.nanargmax(np.where(np.isfinite(loss[rise - 1:]), loss[rise - 1:], np.inf)))
-    unrecovered = not (loss[rise - 1:] <= level).any()  # NaN counts as above
+    after = loss[rise - 1:]
+    peak = rise + int(np.argmax(np.where(np.isfinite(after), after, np.inf)))
+    stayed_up = not (after <= level).any()  # NaN counts as above
     back = next((s for s in range(peak + 1, loss.size + 1) if loss[s - 1] <= level), None)
     recovered = back is not None and float(loss[-JUMP_WINDOW:].mean()) <= level
-    if unrecovered == recovered:
+    if stayed_up == recovered:
         raise RuntimeError(f"neither recovered nor unrecovered: level {level:.3g}, rise at {rise}, back at {back}, "
                            f"last {JUMP_WINDOW} mean {loss[-JUMP_WINDOW:].mean():.3g}")
-    end = back if recovered else math.inf
+    return LossEpisode(level, rise, peak, back, recovered)
+
+
+def jump_labels(run: dict[str, Any], log_dir: str, twins: Sequence[dict[str, Any]], *, at: int, rule: str
+                ) -> dict[str, Any]:
+    """Labels of a learning-rate jump at step ``at`` by :data:`JUMP_RULE`; ``twins`` as ``zoo_heldout._twin_runs``
+    returns them, the first one the run's own seed."""
+    ep = loss_episode(run["loss"], [t["loss"] for t in twins], at=at)
+    end = ep.back if ep.recovered else math.inf
     dep = zoo_cases.twin_departures(log_dir, [t["dir"] for t in twins])
-    steps = list(range(1, loss.size + 1))
+    steps = list(range(1, len(run["loss"]) + 1))
     layers = {}
     for i, n in enumerate(run["names"]):
-        start = dep[n] if dep[n] is not None else rise
+        start = dep[n] if dep[n] is not None else ep.rise
         entry = zoo_heldout._measured_chain(steps, [st[i] for st in run["states"]],
                                             lambda s, start=start: "exploding" if start <= s < end else "healthy")
         if entry["status"] != "healthy":
-            entry["latest_onset"] = max(rise, start)
+            entry["latest_onset"] = max(ep.rise, start)
         layers[n] = entry
     onsets = [e["onset"] for e in layers.values() if e["onset"] is not None]
-    nan = [ep["from"] for e in layers.values() for ep in e.get("episodes", []) if ep["status"] == "nonfinite"]
+    nan = [e["from"] for entry in layers.values() for e in entry.get("episodes", []) if e["status"] == "nonfinite"]
+    last = float(np.mean(run["loss"][-JUMP_WINDOW:]))
     return {"sick": True, "layers": layers, "culprits": list(run["names"]), "onset": min(onsets),
-            "latest_onset": rise, "first_nan": min(nan) if nan else None, "diverges": not recovered,
-            "recovered": recovered, "identical_until": identical_until(log_dir, twins[0]["dir"]), "rule": rule,
-            "evidence": {"departures": dep, "loss_rise": rise, "loss_peak_step": peak, "loss_back_at": back,
-                         "level_before_jump": level, "loss_last_mean": float(loss[-JUMP_WINDOW:].mean()),
+            "latest_onset": ep.rise, "first_nan": min(nan) if nan else None, "diverges": not ep.recovered,
+            "recovered": ep.recovered, "identical_until": identical_until(log_dir, twins[0]["dir"]), "rule": rule,
+            "evidence": {"departures": dep, "loss_rise": ep.rise, "loss_peak_step": ep.peak, "loss_back_at": ep.back,
+                         "level_before_jump": ep.level, "loss_last_mean": last,
                          "twin_loss_last_mean": [float(np.mean(t["loss"][-JUMP_WINDOW:])) for t in twins]}}
 
 
