@@ -1,6 +1,6 @@
 """Zoo cases of everyday Keras/TensorFlow loops whose story runs over time, and how each one is labelled.
 
-Six classes: ``keras.applications`` models trained from scratch by ``fit()`` under SGD with momentum (healthy),
+Six classes: ``keras.applications`` models trained from scratch by ``fit()`` under SGD with momentum (no blow-up),
 a run that ``TerminateOnNaN`` stops on its first NaN (at its first steps, or after healthy ones), huge gradients
 that a tiny learning rate keeps finite, a learning rate that jumps in the middle of a convnet's training (the loss
 does or does not come back), a learning rate growing 1.3x a step in ``fit()`` until NaN, and fits under Adam that
@@ -107,13 +107,14 @@ def _loss_recorder() -> Any:
     return LossRecorder()
 
 
-# --- 1. keras.applications from scratch under SGD with momentum: healthy ------------------------------------------
+# --- 1. keras.applications from scratch under SGD with momentum: no blow-up ---------------------------------------
 
-MOMENTUM_APP_RULE = ("healthy by measurement: fit() applies each step's fresh gradient (it cannot forget to zero "
+MOMENTUM_APP_RULE = ("no blow-up by measurement: fit() applies each step's fresh gradient (it cannot forget to zero "
                      "it); the loss is finite at every step and a continuation of the same training (60 more steps "
-                     "on fresh batches) stays finite and ends below the run's first tenth (it does not run away); "
-                     "inert rule on the model graph + learning rule per layer (checked); SGD(0.01, momentum=0.9), "
-                     "whose velocity grows over its first steps by design, 60 steps logged at every step")
+                     "on fresh batches) stays finite and ends below the run's first tenth (it does not run away) "
+                     "(checked); per layer the inert rule on the model graph and the learning rule (vanishing where "
+                     "a layer moves 3 decades less than the head; healthy otherwise); SGD(0.01, momentum=0.9), whose "
+                     "velocity grows over its first steps by design, 60 steps logged at every step")
 APP_MOMENTUM_STEPS = 60
 
 
@@ -140,9 +141,9 @@ def _app_momentum(app: str, *, scale: float, seed: int) -> Callable[[str], dict[
         more = _raw_losses(rec.means)
         first, _ = _loss_tenths(trace.loss)
         _, cont_last = _loss_tenths(more)
-        if not (np.isfinite(trace.loss).all() and np.isfinite(more).all() and cont_last < first) or labels["sick"]:
-            raise RuntimeError(f"{app}: not healthy by measurement: loss first tenth {first:.3g}, continuation's "
-                               f"last tenth {cont_last:.3g}, sick layers {labels['culprits']}")
+        if not (np.isfinite(trace.loss).all() and np.isfinite(more).all() and cont_last < first):
+            raise RuntimeError(f"{app}: the loss ran away: first tenth {first:.3g}, continuation's last tenth "
+                               f"{cont_last:.3g}")
         labels["evidence"].update(loss_first_last_tenth=list(_loss_tenths(trace.loss)),
                                   continuation_loss_first_last_tenth=list(_loss_tenths(more)))
         return labels
@@ -725,6 +726,8 @@ register(DESIGN, "regression_floor_adam", _rule + " (ReLU MLP 64-64, Adam(3e-3),
 
 register(HELDOUT, "app_densenet121_momentum", MOMENTUM_APP_RULE + " (DenseNet121)", heavy=True)(
     _app_momentum("DenseNet121", scale=1.0, seed=911))
+register(HELDOUT, "app_efficientnetv2b0_momentum", MOMENTUM_APP_RULE + " (EfficientNetV2B0: takes 0-255 inputs)",
+         heavy=True)(_app_momentum("EfficientNetV2B0", scale=255.0, seed=913))
 
 register(HELDOUT, "exp_mlp_nan_early", NAN_STOP_RULE + " (2 exponential layers of 32, SGD(0.01))")(
     _exp_nan_case(seed=921, depth=2, width=32, lr=0.01, data_seed=923))
