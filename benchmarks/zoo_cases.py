@@ -240,13 +240,14 @@ def _trace_callback() -> Any:
 
 
 def fit_logged(model: Any, x: Any, y: Any, log_dir: str, *, batch: int, update_freq: int = 1,
-               stop_after_nan: int | None = None, epochs: int = 1) -> Any:
-    """``model.fit`` with the gradient-health callback and the loss/weight trace; returns the trace."""
+               stop_after_nan: int | None = None, epochs: int = 1, callbacks: Sequence[Any] = ()) -> Any:
+    """``model.fit`` with the gradient-health callback and the loss/weight trace (then ``callbacks``, the user's own,
+    e.g. ``TerminateOnNaN``); returns the trace."""
     from tb_gradhealth.keras import GradientHealthCallback
 
     trace = _trace_callback()(log_dir, stop_after_nan)
     model.fit(x, y, batch_size=batch, epochs=epochs, verbose=0, shuffle=False,
-              callbacks=[GradientHealthCallback(log_dir, update_freq=update_freq), trace])
+              callbacks=[GradientHealthCallback(log_dir, update_freq=update_freq), trace, *callbacks])
     return trace
 
 
