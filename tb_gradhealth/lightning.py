@@ -6,7 +6,9 @@ gradient clipping), just before ``optimizer.step()``: it records the gradients a
 all-reduced gradient and global rank 0 writes; under FSDP / ZeRO (``sharded=True``) every rank records its shards
 and :func:`tb_gradhealth.torch.merge` makes the full gradients' records. On logged steps it also records the loss
 ``training_step`` returned and, in the tags' metadata, each parameter's layer kind and activation
-(:mod:`tb_gradhealth.torch_kinds`): evidence the diagnosis weighs. Lightning is imported only by this module.
+(:mod:`tb_gradhealth.torch_kinds`): evidence the diagnosis weighs. A parameter with ``requires_grad=False`` or
+outside the optimizer is recorded frozen, and a ``.grad`` not produced since the last optimizer step missing, as
+under :class:`tb_gradhealth.torch.StepRecorder`. Lightning is imported only by this module.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from tb_gradhealth import _storage, record
+from tb_gradhealth import _storage, _torchparams, record
 from tb_gradhealth import torch as tgh
 from tb_gradhealth._failsafe import Failsafe
 from tb_gradhealth.torch_kinds import module_layer_info
@@ -48,6 +50,9 @@ class GradHealth(pl.Callback):
         self.writer: Writer | None = None
         self._pending: Any = None
         self._step = 0
+        #: whether each ``.grad`` is the step's own; whether an optimizer step ran since the batch began
+        self._watch: _torchparams.GradWatch | None = None
+        self._stepping = False
         self._kinds: dict[str, tuple[str, str]] = {}
         #: what failed on the host costs a warning and a count, never the training (:mod:`tb_gradhealth._failsafe`)
         self.failsafe = Failsafe()
@@ -58,18 +63,33 @@ class GradHealth(pl.Callback):
             self.writer = Writer(log_dir, hist_sample=self.hist_sample, strict=self.strict)
         self._kinds = self.failsafe.run("reading the layers' kinds", module_layer_info, pl_module) or {}
 
+    def _logs(self, step: int) -> bool:
+        return step < self.first or step % self.every == 0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._watch = self.failsafe.run("watching which gradients a step produces", _torchparams.GradWatch,
+                                        list(pl_module.named_parameters()))
+
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         step = trainer.global_step
-        if not (step < self.first or step % self.every == 0) or not (self.sharded or trainer.is_global_zero):
+        self._stepping = True
+        if not self._logs(step) or not (self.sharded or trainer.is_global_zero):
             return
-        params = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
+        params = list(pl_module.named_parameters())
         self._step = step
-        pending = self.failsafe.run("computing the gradient-health record", tgh.before_step, params, step,
-                                    self.hist_sample, self.updates, records=1)
+        selection = self.failsafe.run("selecting the parameters to read", _torchparams.select, params, optimizer,
+                                      self._watch, records=1)
+        pending = None if selection is None else self.failsafe.run(
+            "computing the gradient-health record", tgh.before_step, params, step, self.hist_sample, self.updates,
+            selection=selection, records=1)
         self._pending = None if pending is None else (params, pending)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        if self._stepping and self._watch is not None:  # global_step is now the next optimizer step's
+            self.failsafe.run("watching which gradients a step produces", self._watch.stepped,
+                              self._logs(trainer.global_step))
+        self._stepping = False
         if self._pending is None:
             return
         params, pending = self._pending

@@ -19,6 +19,9 @@ without TensorFlow.
 * :func:`add_gradients` = compute (+ merge) + one host copy + :meth:`Writer.add_records`; under
   ``torch.distributed`` rank 0 writes. :class:`StepRecorder` wraps ``optimizer.step()`` (and ``GradScaler``):
   it records the gradient the optimizer applies, after AMP unscaling, the applied update, and skipped steps.
+* A parameter frozen by the user (``requires_grad=False``, or outside the optimizer given) gets the frozen record,
+  built on the host without reading its ``.grad``; under :class:`StepRecorder` a ``.grad`` that is not this
+  step's (not produced since the last optimizer step) is recorded missing (:mod:`tb_gradhealth._torchparams`).
 
 Numbers agree with :func:`tb_gradhealth.record.compute` (float64 reference): counts, min/max and the exact
 histogram are equal; ``ssq_rel``/``mean`` (float32 accumulation) to about 1e-6 relative. Values are taken as float32
@@ -33,21 +36,23 @@ of them in the sample).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from tb_gradhealth import _core, _devicebatch, _devicestats, _torcheager, record
+from tb_gradhealth import _core, _devicebatch, _devicestats, _torcheager, _torchparams, record
 from tb_gradhealth import _torchstats as ts
 from tb_gradhealth._core import LayerInputs
 from tb_gradhealth._failsafe import Failsafe
+from tb_gradhealth._torchparams import Selection, local
 from tb_gradhealth.record import Delta
 from tb_gradhealth.torch_kinds import layer_info_for
 from tb_gradhealth.writer import Writer
 
 __all__ = [
     "Delta",
+    "Pending",
     "StepRecorder",
     "add_gradients",
     "after_step",
@@ -88,12 +93,6 @@ def named_gradients(
 def layer_names(source: Any) -> list[str]:
     """The row names :func:`compute` gives ``source`` (parameter names or dict keys)."""
     return named_gradients(source, weights=False)[0]
-
-
-def _local(t: Any) -> Any:
-    """A DTensor's local shard (what this rank holds); any other tensor as it is."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
 
 
 def _stack(counts: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -141,6 +140,7 @@ def compute(
     hist_sample: int | None = record.DEFAULT_HIST_SAMPLE,
     seed: int | None = None,
     compile: bool = False,
+    optimizer: Any = None,
 ) -> torch.Tensor:
     """The stacked records ``[L, NUM_FIELDS]`` float32, on the gradients' device, rows in :func:`layer_names` order.
 
@@ -148,19 +148,47 @@ def compute(
     DTensor shards accepted). ``weights``: ``True`` (the parameters, with a module or pairs) or ``{name: tensor}``;
     ``updates``: ``{name: tensor or Delta(before, after)}``. ``seed`` (e.g. the step) seeds histogram sampling; by
     default it comes from the data. ``compile=True`` runs the statistics through ``torch.compile`` (dense inputs;
-    one host read of whether the common branches hold).
+    one host read of whether the common branches hold). A module's or the pairs' parameter with
+    ``requires_grad=False``, or in none of ``optimizer``'s ``param_groups``, gets the frozen record
+    (:func:`record.frozen`), its ``.grad`` unread.
     """
-    names, glist, wlist = named_gradients(grads, weights is True)
+    source = _source(grads)
+    selection = _selection(source, optimizer)
+    return _with_frozen_rows(_records(source, weights, updates, selection, hist_sample=hist_sample, seed=seed,
+                                      compile=compile), selection)
+
+
+def _source(grads: Any) -> Any:
+    """A module's ``named_parameters()`` or the pairs given as a list (read more than once), or the dict."""
+    if isinstance(grads, torch.nn.Module):
+        return list(grads.named_parameters())
+    return grads if isinstance(grads, Mapping) else list(grads)
+
+
+def _selection(source: Any, optimizer: Any = None, watch: Any = None) -> Selection:
+    """The frozen and stale rows of ``source`` (a ``{name: grad}`` dict has neither)."""
+    if isinstance(source, Mapping):
+        n = len(source)
+        return Selection(frozen=(False,) * n, stale=(False,) * n, sizes=(0,) * n)
+    return _torchparams.select(source, optimizer, watch)
+
+
+def _records(source: Any, weights: Any, updates: Any, selection: Selection, *, hist_sample: int | None,
+             seed: int | None, compile: bool = False) -> torch.Tensor:
+    """The stacked records of the rows ``selection`` reads (not the frozen ones), in order; a stale row's gradient
+    is missing."""
+    names, glist, wlist = named_gradients(source, weights is True)
     if isinstance(weights, Mapping):
         wlist = [weights.get(n) for n in names]
     ulist = [updates.get(n) for n in names] if isinstance(updates, Mapping) else [None] * len(names)
-    glist = tuple(_local(g) for g in glist)
-    wlist = tuple(_local(w) for w in wlist)
-    sizes = tuple(_size(g, w) for g, w in zip(glist, wlist, strict=True))
-    offsets = None if seed is None else [ts.seed_offset(int(seed), i) for i in range(len(names))]
-    inputs = LayerInputs(grads=glist, weights=wlist, updates=tuple(ulist), sizes=sizes,
+    live = selection.live
+    glist = tuple(None if selection.stale[i] else local(glist[i]) for i in live)
+    wlist = tuple(local(wlist[i]) for i in live)
+    sizes = tuple(_size(g, w) or selection.sizes[i] for i, g, w in zip(live, glist, wlist, strict=True))
+    offsets = None if seed is None else [ts.seed_offset(int(seed), i) for i in live]
+    inputs = LayerInputs(grads=glist, weights=wlist, updates=tuple(ulist[i] for i in live), sizes=sizes,
                          hist_sample=int(hist_sample or 0), seed=None, offsets=offsets)
-    if not names:
+    if not live:
         return torch.zeros((0, record.NUM_FIELDS), dtype=torch.float32)
     if compile and not any(g is not None and g.is_sparse for g in glist):
         stacked = _compiled_common_branches(inputs)
@@ -190,6 +218,19 @@ def _size(g: Any, w: Any) -> int:
     if g is not None:
         return g.numel()
     return w.numel() if w is not None else 0
+
+
+def _with_frozen_rows(stacked: torch.Tensor, selection: Selection) -> torch.Tensor:
+    """Every row's stacked record: ``stacked`` (the rows read) with the frozen rows, built on the host, put in
+    their places (one small copy to the device, only when some row is frozen)."""
+    frozen = [i for i, f in enumerate(selection.frozen) if f]
+    if not frozen:
+        return stacked
+    out = torch.empty((len(selection.frozen), record.NUM_FIELDS), dtype=torch.float32, device=stacked.device)
+    out[frozen] = torch.from_numpy(_core.frozen_stacked([selection.sizes[i] for i in frozen])).to(stacked.device)
+    if selection.live:
+        out[selection.live] = stacked
+    return out
 
 
 # --- merging shards and copying to the host -----------------------------------------------------------------
@@ -241,6 +282,7 @@ def add_gradients(
     hist_sample: int | None = None,
     seed: int | None = None,
     compile: bool = False,
+    optimizer: Any = None,
 ) -> np.ndarray | None:
     """Compute the records on the device, copy only them to the host and write them with ``writer``.
 
@@ -250,60 +292,88 @@ def add_gradients(
     combines them (every rank must call, with the same ``hist_sample``: ``None`` takes the writer's, or the
     default where a rank has no writer), rank 0 writes. Returns the memory-form rows on the writing rank. Given a
     module, each parameter's layer kind and activation (:mod:`tb_gradhealth.torch_kinds`) go in the tag's metadata.
+    A parameter with ``requires_grad=False``, or in none of ``optimizer``'s ``param_groups``, is recorded frozen
+    (:func:`record.frozen`): its row is built on the host, its ``.grad`` unread.
     """
     if not sharded and _rank(group) != 0:
         return None
     hs = (writer.hist_sample if writer is not None else record.DEFAULT_HIST_SAMPLE) if hist_sample is None \
         else hist_sample
-    stacked = compute(grads, weights, updates, hist_sample=hs, seed=step if seed is None else seed, compile=compile)
-    if sharded:
-        stacked = merge(stacked, group)
-        if _rank(group) != 0:
-            return None
-    rows = to_memory(stacked)
+    source = _source(grads)
+    selection = _selection(source, optimizer)
+    stacked = _records(source, weights, updates, selection, hist_sample=hs, seed=step if seed is None else seed,
+                       compile=compile)
+    rows = _rows(stacked, selection, sharded, group)
+    if rows is None:
+        return None
     if writer is not None:
-        names = layer_names(grads)
+        names = layer_names(source)
         info = layer_info_for(grads, names) if isinstance(grads, torch.nn.Module) else ()
         writer.add_records(step, names, rows, name=name, layer_info=info)
     return rows
 
 
+def _rows(stacked: torch.Tensor, selection: Selection, sharded: bool, group: Any) -> np.ndarray | None:
+    """Every row's memory form from the stacked records of the rows read: with the frozen rows filled on the host;
+    ``sharded``: the shards' records merged first, frozen rows included (their sizes add up), and ``None`` on
+    the ranks other than 0."""
+    if sharded:
+        stacked = merge(_with_frozen_rows(stacked, selection), group)
+    if _rank(group) != 0:
+        return None
+    return to_memory(stacked) if sharded else _core.with_frozen(to_memory(stacked), selection.frozen,
+                                                                 selection.sizes)
+
+
+class Pending(NamedTuple):
+    """What :func:`before_step` hands :func:`after_step`."""
+
+    #: the stacked records of the rows read (every row but the frozen ones)
+    stacked: torch.Tensor
+    #: the weights of those rows before the step, by name (``None``: updates not recorded)
+    before: dict[str, torch.Tensor] | None
+    selection: Selection
+
+
 def before_step(params: Sequence[tuple[str, torch.nn.Parameter]], step: int, hist_sample: int,
-                updates: bool = True, buffers: Sequence[torch.Tensor] | None = None,
-                ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+                updates: bool = True, buffers: Sequence[torch.Tensor] | None = None, *,
+                selection: Selection | None = None) -> Pending:
     """Just before an optimizer step: the gradients' and weights' stacked records and (``updates``) a snapshot of
-    the weights, for :func:`after_step`: copied into ``buffers`` (tensors like the parameters, reused from one
-    logged step to the next: no new memory to fault in) or else into new tensors. Shared by :class:`StepRecorder`
-    and the Lightning / Hugging Face callbacks."""
-    stacked = compute(params, True, hist_sample=hist_sample, seed=step)
+    the weights, for :func:`after_step`: copied into ``buffers`` (tensors like the parameters read, reused from
+    one logged step to the next: no new memory to fault in) or else into new tensors. ``selection``
+    (:func:`tb_gradhealth._torchparams.select`: by default ``requires_grad`` alone): the frozen rows, neither read
+    nor copied, and the stale ones, read as missing. Shared by :class:`StepRecorder` and the Lightning / Hugging
+    Face callbacks."""
+    selection = _torchparams.select(params) if selection is None else selection
+    stacked = _records(params, True, None, selection, hist_sample=hist_sample, seed=step)
     if not updates:
-        return stacked, None
-    weights = [p.detach() for _, p in params]
+        return Pending(stacked, None, selection)
+    live = [params[i] for i in selection.live]
+    weights = [p.detach() for _, p in live]
     if buffers is None:
-        return stacked, {n: w.clone() for (n, _), w in zip(params, weights, strict=True)}
+        return Pending(stacked, {n: w.clone() for (n, _), w in zip(live, weights, strict=True)}, selection)
     torch._foreach_copy_(list(buffers), weights)
-    return stacked, {n: b for (n, _), b in zip(params, buffers, strict=True)}
+    return Pending(stacked, {n: b for (n, _), b in zip(live, buffers, strict=True)}, selection)
 
 
-def after_step(pending: tuple[torch.Tensor, dict[str, torch.Tensor] | None],
-               params: Sequence[tuple[str, torch.nn.Parameter]], sharded: bool = False,
+def after_step(pending: Pending, params: Sequence[tuple[str, torch.nn.Parameter]], sharded: bool = False,
                group: Any = None, in_place: bool = False) -> np.ndarray | None:
     """Just after the step: the applied update ``before - after`` joins the records, shards are merged
-    (``sharded``), and the memory-form rows are returned on rank 0 (``None`` on the others). ``in_place``: the
-    snapshot (float32) becomes the update, computed in it; otherwise it is kept and the update is a new tensor."""
-    stacked, before = pending
-    if before is not None:
-        after = [p.detach() for _, p in params]
+    (``sharded``), and the memory-form rows of every parameter (the frozen ones filled on the host) are returned
+    on rank 0 (``None`` on the others). ``in_place``: the snapshot (float32) becomes the update, computed in it;
+    otherwise it is kept and the update is a new tensor."""
+    stacked, before, selection = pending
+    if before is not None and selection.live:
+        live = [params[i] for i in selection.live]
+        after = [p.detach() for _, p in live]
         if in_place:
-            snapshot = [before[n] for n, _ in params]
+            snapshot = [before[n] for n, _ in live]
             torch._foreach_sub_(snapshot, after)
             update = [ts.flat(u) for u in snapshot]
         else:
-            update = [ts.norm_input(Delta(before[n], a)) for (n, _), a in zip(params, after, strict=True)]
+            update = [ts.norm_input(Delta(before[n], a)) for (n, _), a in zip(live, after, strict=True)]
         stacked[:, _UPDATE_COLUMNS] = _torcheager.norms(update)
-    if sharded:
-        stacked = merge(stacked, group)
-    return to_memory(stacked) if _rank(group) == 0 else None
+    return _rows(stacked, selection, sharded, group)
 
 
 class StepRecorder:
@@ -324,6 +394,11 @@ class StepRecorder:
 
     Given a module, each parameter's layer kind and activation (:mod:`tb_gradhealth.torch_kinds`) are kept in the
     tags' metadata; ``step(step, loss=loss)`` records the training loss on logged steps. The diagnosis uses both.
+
+    A parameter with ``requires_grad=False`` or in none of ``optimizer``'s ``param_groups`` is recorded frozen (its
+    ``.grad`` unread, its weights not copied), read again at each logged step (gradual unfreezing); one whose
+    ``.grad`` was not produced since the last step (a branch not taken, ``zero_grad(set_to_none=False)``) is
+    recorded missing: :class:`tb_gradhealth._torchparams.GradWatch`, armed around logged steps only.
     """
 
     def __init__(
@@ -353,7 +428,10 @@ class StepRecorder:
         self._failsafe = Failsafe()
         self._reusable = updates and all(type(p.detach()) is torch.Tensor and p.dtype == torch.float32
                                          for _, p in self.params)
-        self._snapshot: list[torch.Tensor] | None = None
+        #: the snapshot tensors of the weights read, and which rows they are
+        self._snapshot: tuple[list[int], list[torch.Tensor]] | None = None
+        #: whether each ``.grad`` is the step's own (host bookkeeping armed around logged steps)
+        self._watch = _torchparams.GradWatch(self.params)
 
     @property
     def dropped_records(self) -> int:
@@ -371,15 +449,16 @@ class StepRecorder:
         self.scaler.update()
         return not self.scaler.get_scale() < before  # the scaler backs off exactly when it skips a step
 
-    def _buffers(self, step: int) -> list[torch.Tensor] | None:
-        """The weights' snapshot tensors, kept while the next step is logged too (then its copy writes memory
-        already in use) and given back otherwise; ``None`` where the snapshot cannot be reused (weights not plain
-        float32 tensors, or no updates recorded)."""
+    def _buffers(self, step: int, selection: Selection) -> list[torch.Tensor] | None:
+        """The snapshot tensors of the weights read (every parameter but the frozen ones), kept while the next step
+        is logged too (then its copy writes memory already in use) and given back otherwise; ``None`` where the
+        snapshot cannot be reused (weights not plain float32 tensors, or no updates recorded)."""
         if not self._reusable:
             return None
-        if self._snapshot is None:
-            self._snapshot = [torch.empty_like(p.detach()) for _, p in self.params]
-        buffers = self._snapshot
+        live = selection.live
+        if self._snapshot is None or self._snapshot[0] != live:  # a parameter was frozen or unfrozen
+            self._snapshot = (live, [torch.empty_like(self.params[i][1].detach()) for i in live])
+        buffers = self._snapshot[1]
         if not self.logs(step + 1):
             self._snapshot = None
         return buffers
@@ -391,6 +470,12 @@ class StepRecorder:
     def step(self, step: int, batch: Sequence[Any] | None = None, *, loss: Any = None) -> bool:
         """Run the optimizer step, recording it when ``step`` is logged. ``loss``: this step's training loss (a
         tensor or a float), written with :meth:`Writer.add_loss` on logged steps only (the one host read of it)."""
+        try:
+            return self._step(step, batch, loss)
+        finally:  # from here on a .grad that backward does not reach is not the next step's
+            self._failsafe.run("watching which gradients a step produces", self._watch.stepped, self.logs(step + 1))
+
+    def _step(self, step: int, batch: Sequence[Any] | None, loss: Any) -> bool:
         if not self.logs(step):
             return self._optimizer_step()
         if self.scaler is not None:
@@ -406,9 +491,12 @@ class StepRecorder:
         if loss is not None and self.writer is not None:
             safe.run("recording the loss", self.writer.add_loss, step,
                      loss.detach() if isinstance(loss, torch.Tensor) else loss)
-        buffers = self._buffers(step)
-        pending = safe.run("computing the gradient-health record", before_step, self.params, step, hs, self.updates,
-                           buffers, records=1)
+        selection = safe.run("selecting the parameters to read", _torchparams.select, self.params, self.optimizer,
+                             self._watch, records=1)
+        buffers = None if selection is None else self._buffers(step, selection)
+        pending = None if selection is None else safe.run(
+            "computing the gradient-health record", before_step, self.params, step, hs, self.updates, buffers,
+            selection=selection, records=1)
         applied = self._optimizer_step()
         if pending is None:
             return applied
@@ -417,7 +505,7 @@ class StepRecorder:
                          self.group, in_place, records=1)
         if grads is None:
             return applied
-        before = pending[1]
+        before = pending.before
         if self.origin is not None and self.scaler is None:  # where the first NaN/Inf was made (torch_origin)
             found = safe.run("finding where the NaN/Inf was made", self.origin.after_step, step, grads, self.params,
                              before, batch, self.writer.logdir if self.writer is not None else None)

@@ -7,8 +7,11 @@ recorded gradient is the one the optimizer applies, AFTER clipping (``Trainer`` 
 not clipping) so a reader can tell. The applied update is recorded in ``on_optimizer_step``. The loss ``Trainer``
 logs (every ``logging_steps``, its mean since the last log) is recorded in ``on_log`` at the step of its last
 batch's record, and each parameter's layer
-kind and activation (:mod:`tb_gradhealth.torch_kinds`) in the tags' metadata: evidence the diagnosis weighs. The
-main process writes. ``transformers`` is imported only by this module.
+kind and activation (:mod:`tb_gradhealth.torch_kinds`) in the tags' metadata: evidence the diagnosis weighs. A
+parameter with ``requires_grad=False`` (a frozen base model under an adapter) or outside the optimizer is recorded
+frozen, and a ``.grad`` not produced since the last optimizer step missing, as under
+:class:`tb_gradhealth.torch.StepRecorder`. The main process writes. ``transformers`` is imported only by this
+module.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from tb_gradhealth import _storage, record
+from tb_gradhealth import _storage, _torchparams, record
 from tb_gradhealth import torch as tgh
 from tb_gradhealth._failsafe import Failsafe
 from tb_gradhealth.torch_kinds import layer_info_for
@@ -47,28 +50,39 @@ class GradHealthCallback(TrainerCallback):
         self.hist_sample, self.updates, self.name = hist_sample, updates, name
         self.writer: Writer | None = None
         self._pending: Any = None
+        #: whether each ``.grad`` is the step's own (:class:`tb_gradhealth._torchparams.GradWatch`)
+        self._watch: _torchparams.GradWatch | None = None
         #: what failed on the host costs a warning and a count, never the training (:mod:`tb_gradhealth._failsafe`)
         self.failsafe = Failsafe()
 
-    def _params(self, model: Any) -> list:
-        return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    def _logs(self, step: int) -> bool:
+        return step < self.first or step % self.every == 0
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if state.is_world_process_zero and self.writer is None:
             log_dir = self.log_dir or os.path.join(args.logging_dir or os.path.join(args.output_dir, "runs"),
                                                    "gradhealth")
             self.writer = Writer(log_dir, hist_sample=self.hist_sample, strict=self.strict)
+        if self.writer is not None and kwargs.get("model") is not None:
+            self._watch = self.failsafe.run("watching which gradients a step produces", _torchparams.GradWatch,
+                                            list(kwargs["model"].named_parameters()))
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         step = state.global_step
-        if self.writer is None or not (step < self.first or step % self.every == 0):
+        if self.writer is None or not self._logs(step):
             return
-        params = self._params(kwargs["model"])
-        pending = self.failsafe.run("computing the gradient-health record", tgh.before_step, params, step,
-                                    self.hist_sample, self.updates, records=1)
+        params = list(kwargs["model"].named_parameters())
+        selection = self.failsafe.run("selecting the parameters to read", _torchparams.select, params,
+                                      kwargs.get("optimizer"), self._watch, records=1)
+        pending = None if selection is None else self.failsafe.run(
+            "computing the gradient-health record", tgh.before_step, params, step, self.hist_sample, self.updates,
+            selection=selection, records=1)
         self._pending = None if pending is None else (step, params, pending)
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._watch is not None:  # global_step + 1 is the next optimizer step
+            self.failsafe.run("watching which gradients a step produces", self._watch.stepped,
+                              self._logs(state.global_step + 1))
         if self._pending is None or self.writer is None:
             return
         step, params, pending = self._pending
