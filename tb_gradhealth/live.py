@@ -10,7 +10,7 @@ behind the CLI and the tab (:func:`tb_gradhealth._payloads.diagnose`), so at a l
 the call (each writer calls it once a step's loss and skip flag are in).
 
 :class:`StopCheck` is ``stop_on`` for every writer (the Keras callback, PyTorch's ``StepRecorder``, the Lightning
-and Hugging Face callbacks, :class:`tb_gradhealth.jax.StopCheck`): at each logged step, that diagnosis; the first
+and Hugging Face callbacks, :class:`tb_gradhealth.jax.StepWatch`): at each logged step, that diagnosis; the first
 step where a layer's current status is watched gives a :class:`StopEvent`. A check reads the whole history, as the
 report does, so it costs O(logged steps so far): the first :data:`DENSE_CHECKS` logged steps are each checked, later
 ones ever more sparsely (every ``k // DENSE_CHECKS``-th at the ``k``-th), which keeps the cost per logged step
