@@ -163,10 +163,10 @@ class _Rows:
                 self.buf[:, k, others] = np.nan
                 self.touched[:] = True
             planes = rows.T  # [F, l]
-            for f in range(record.NUM_FIELDS):
-                if self.touched[f] or np.any(planes[f] != 0):
-                    self.buf[f, k, cols] = planes[f]
-                    self.touched[f] = True
+            write = self.touched | np.any(planes != 0, axis=1)  # a plane no record set stays untouched
+            fields = np.flatnonzero(write)
+            self.buf[fields[:, None], k, cols[None, :]] = planes[fields]
+            self.touched |= write
 
 
 class LiveRun:
