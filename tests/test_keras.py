@@ -531,7 +531,8 @@ def test_other_backend_and_bad_arguments_raise(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="probe_data"):
         GradientHealthCallback(tmp_path, update_freq=None)
     with pytest.raises(ValueError, match="stop_on"):
-        GradientHealthCallback(tmp_path, stop_on=("vanishing",))
+        GradientHealthCallback(tmp_path, stop_on=("healthy",))  # not a flag of the diagnosis
+    assert GradientHealthCallback(tmp_path, stop_on="vanishing").stop_on == ("vanishing",)
     monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
     with pytest.raises(CaptureError, match="Writer"):
         GradientHealthCallback(tmp_path)
