@@ -11,10 +11,7 @@ import io
 import json
 from typing import Any
 
-from tb_gradhealth import cli, live
-
-#: What the report's run body holds beside the diagnosis: about reading the logdir, not about the run's health.
-READING = ("run", "history_steps", "loss", "problems", "notes", "nan_origin")
+from tb_gradhealth import cli, health, live
 
 
 def as_json(value: Any) -> Any:
@@ -37,6 +34,19 @@ def record_checks(monkeypatch) -> dict[int, dict]:
 
     monkeypatch.setattr(live.StopCheck, "check", recording)
     return seen
+
+
+def spy_diagnose_run(monkeypatch) -> list[dict]:
+    """The keyword arguments of every call of ``health.diagnose_run`` from now on (it still diagnoses)."""
+    calls: list[dict] = []
+    diagnose_run = health.diagnose_run
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return diagnose_run(*args, **kwargs)
+
+    monkeypatch.setattr(health, "diagnose_run", spy)
+    return calls
 
 
 def report(logdir: str, step: int | None = None, run: str | None = None) -> dict:

@@ -17,7 +17,7 @@ import pytest
 
 from tb_gradhealth import cli, health, live, metadata, progress, reader, record
 from tb_gradhealth.writer import Writer
-from tests.live_replay import as_json, diagnosis_of, report
+from tests.live_replay import as_json, diagnosis_of, report, spy_diagnose_run
 
 pytestmark = pytest.mark.unit
 
@@ -232,14 +232,7 @@ def test_the_cli_hands_the_skipped_steps_and_the_source_to_the_diagnosis(tmp_pat
     found = progress.read_progress(reader.find_runs(str(tmp_path))["."])
     assert found.skipped[0].tolist() == list(range(1, 9)) and found.skipped[1].tolist() == [0, 0, 1, 1, 0, 0, 0, 0]
     assert found.loss[1].tolist() == [float(np.float32(1.0 / s)) for s in range(1, 9)]
-    calls = []
-    diagnose_run = health.diagnose_run
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs)
-        return diagnose_run(*args, **kwargs)
-
-    monkeypatch.setattr(health, "diagnose_run", spy)
+    calls = spy_diagnose_run(monkeypatch)
     assert cli.main(["report", str(tmp_path), "--json", "--step", "6"]) == 0
     capsys.readouterr()
     (kw,) = calls

@@ -14,9 +14,10 @@ import pytest
 from tensorboard.plugins import base_plugin
 from werkzeug.test import Client
 
-from tb_gradhealth import cli, health, plugin, progress, record
+from tb_gradhealth import cli, plugin, progress, record
 from tb_gradhealth import testing as gl
 from tb_gradhealth.writer import Writer
+from tests.live_replay import spy_diagnose_run
 from tests.test_plugin import PluginApp, get_json
 
 pytestmark = pytest.mark.e2e
@@ -93,14 +94,7 @@ def test_the_cli_json_is_the_same_answer(written, capsys):
 @pytest.mark.parametrize("reading", ["data server", "event files"])
 def test_the_skipped_steps_and_the_loop_reach_the_diagnosis(written, reading, monkeypatch):
     logdir, _, _, provider = written
-    calls = []
-    diagnose_run = health.diagnose_run
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs)
-        return diagnose_run(*args, **kwargs)
-
-    monkeypatch.setattr(health, "diagnose_run", spy)
+    calls = spy_diagnose_run(monkeypatch)
     get_json(_client(provider, logdir if reading == "event files" else None), f"/health?run={SKIPS}&step=5")
     (kw,) = calls
     assert kw["source"] == SOURCE and kw["at_step"] == 5
