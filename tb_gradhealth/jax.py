@@ -11,7 +11,8 @@
 * :func:`recording` wraps an optax-style ``GradientTransformation`` (``init``/``update``; optax itself is not
   imported): its state carries the record of the gradient and of the transformed update (the update the optimizer
   applies), computed every ``every`` steps. :func:`add_records` / :func:`write_state` copy the record to the host
-  and write it with :class:`tb_gradhealth.Writer`.
+  and write it with :class:`tb_gradhealth.Writer`; :class:`StepWatch` writes each new one with the step's loss and
+  says whether ``stop_on`` asks the loop to stop.
 * Frozen parameters: ``compute(..., frozen=mask)`` gives the leaves ``mask`` names the frozen record (no
   statistics computed); :func:`recording` finds the leaves its optimizer never updates from the optimizer's
   structure (``set_to_zero``, ``transforms.freeze``, a ``multi_transform`` partition: :mod:`tb_gradhealth._jaxfrozen`).
@@ -22,7 +23,8 @@ The statistics are :mod:`tb_gradhealth._devicestats`, shared with the PyTorch pa
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -30,13 +32,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from tb_gradhealth import _core, _devicestats, _jaxfrozen, record
+from tb_gradhealth import _core, _devicestats, _jaxfrozen, metadata, record
 from tb_gradhealth._core import LayerInputs
 from tb_gradhealth._failsafe import Failsafe
+from tb_gradhealth.live import StopCheck, StopEvent, Stoppable
 from tb_gradhealth.writer import Writer
 
-__all__ = ["RecordingState", "add_records", "compute", "frozen_rows", "keras_callback", "layer_names", "merge",
-           "recording", "to_memory", "write_state"]
+__all__ = ["RecordingState", "StepWatch", "StopEvent", "add_records", "compute", "frozen_rows", "keras_callback",
+           "layer_names", "merge", "recording", "to_memory", "write_state"]
+
+_log = logging.getLogger("tb_gradhealth")
+#: What the records' metadata says of the loop when the caller names nothing more.
+JAX_LOOP = {"loop": "jax"}
 
 
 def _histogram(av: jax.Array, w: jax.Array) -> jax.Array:
@@ -238,15 +245,16 @@ def to_memory(stacked: Any) -> np.ndarray:
 
 
 def add_records(writer: Writer, step: int, names: list[str], stacked: Any, *, name: str = "gradients",
-                frozen: Any = None) -> str:
+                frozen: Any = None, source: Mapping[str, str] | None = None) -> str:
     """Copy stacked records (e.g. returned by a jitted step) to the host and write them. Returns the tag.
     ``frozen`` (:func:`frozen_rows`): those rows are written as the frozen record of their size, filled on the
-    host, whatever was computed for them."""
+    host, whatever was computed for them. ``source``: what the tags' metadata says of the loop (default ``{"loop":
+    "jax"}``; an optimizer's name may be added, e.g. ``{"loop": "jax", "optimizer": "adamw"}``)."""
     rows = to_memory(stacked)
     flags = frozen_rows(frozen, list(names))
     if any(flags):
         rows = _core.with_frozen(rows[[not f for f in flags]], flags, rows[:, record.INDEX["size"]])
-    return writer.add_records(step, names, rows, name=name)
+    return writer.add_records(step, names, rows, name=name, source=source or JAX_LOOP)
 
 
 # --- optax-style wrapper --------------------------------------------------------------------------------------
@@ -326,6 +334,51 @@ def write_state(writer: Writer, state: RecordingState, names: list[str], *, name
     return at
 
 
+class StepWatch(Stoppable):
+    """A JAX/optax loop's logged steps written with their loss, and ``stop_on``: call :meth:`step` after each
+    training step; it says whether to stop.
+
+    ``names``: the rows (:func:`layer_names` of the gradients); ``stop_on``: statuses of
+    :data:`tb_gradhealth.health.FLAGS` (e.g. ``("nonfinite", "exploding")``; empty: never stop) checked with
+    ``thresholds`` by the diagnosis ``tb-gradhealth report --step S`` gives on the logdir at each logged step ``S``
+    (:class:`tb_gradhealth.live.StopCheck`); ``optimizer``: its name, kept in the tags' metadata for the diagnosis
+    (e.g. ``"sgd"``; ``momentum``: its momentum, where it has one).
+    """
+
+    def __init__(self, writer: Writer, names: Sequence[str], *, stop_on: Sequence[str] = (), thresholds: Any = None,
+                 name: str = "gradients", optimizer: str | None = None, momentum: float | None = None) -> None:
+        self.writer, self.names, self.name = writer, list(names), name
+        self.source = {**JAX_LOOP, **({"optimizer": optimizer} if optimizer else {}),
+                       **({"momentum": f"{momentum:g}"} if momentum else {})}
+        self._stop = StopCheck(stop_on, thresholds=thresholds, name=name) if stop_on else None
+        if self._stop is not None:
+            self._stop.watch(writer)
+        #: the step of the last record written (-1: none yet)
+        self.last_step = -1
+
+    def step(self, record_or_state: Any, *, loss: Any = None, step: int | None = None) -> bool:
+        """After a training step: the :func:`recording` state (its record is written once, at the step it was
+        computed: the first call that sees it; the other calls read one int) or a stacked record of ``step``
+        (:func:`compute`'s, returned by the step), written with the step's ``loss``; then ``stop_on``'s check of
+        that step. Returns :attr:`should_stop`."""
+        if isinstance(record_or_state, RecordingState):
+            at = int(jax.device_get(record_or_state.recorded_at))
+            stacked = record_or_state.record
+        elif step is None:
+            raise TypeError("step: a stacked record needs the step it was computed at")
+        else:
+            at, stacked = int(step), record_or_state
+        if at < 0 or at == self.last_step:
+            return self.should_stop
+        self.last_step = at
+        if loss is not None:
+            self.writer.add_loss(at, loss)
+        add_records(self.writer, at, self.names, stacked, name=self.name, source=self.source)
+        if self._stop is not None and self._stop.event is None and (event := self._stop.check(at)) is not None:
+            _log.warning("%s; the loop should stop (StepWatch.should_stop)", event.message())
+        return self.should_stop
+
+
 def keras_callback(writer: Writer, key: str = "gradhealth", *, every: int = 1, name: str = "gradients") -> Any:
     """A Keras 3 callback (JAX backend) that writes the stacked record a custom ``train_step`` puts in its logs.
 
@@ -358,6 +411,7 @@ def keras_callback(writer: Writer, key: str = "gradhealth", *, every: int = 1, n
         def write(self, stacked: Any) -> None:
             variables = self.model.trainable_variables
             info = self.failsafe.run("reading the layers' kinds", model_layer_info, self.model, variables) or ()
-            writer.add_records(self.step, [v.path for v in variables], to_memory(stacked), name=name, layer_info=info)
+            writer.add_records(self.step, [v.path for v in variables], to_memory(stacked), name=name, layer_info=info,
+                               source=metadata.loop_source("keras.fit", self.model.optimizer))
 
     return GradHealthLogs()

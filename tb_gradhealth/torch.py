@@ -35,17 +35,19 @@ of them in the sample).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from tb_gradhealth import _core, _devicebatch, _devicestats, _torcheager, _torchparams, record
+from tb_gradhealth import _core, _devicebatch, _devicestats, _torcheager, _torchparams, metadata, record
 from tb_gradhealth import _torchstats as ts
 from tb_gradhealth._core import LayerInputs
 from tb_gradhealth._failsafe import Failsafe
 from tb_gradhealth._torchparams import Selection, local
+from tb_gradhealth.live import StopCheck, StopEvent, Stoppable, StopTraining
 from tb_gradhealth.record import Delta
 from tb_gradhealth.torch_kinds import layer_info_for
 from tb_gradhealth.writer import Writer
@@ -54,6 +56,8 @@ __all__ = [
     "Delta",
     "Pending",
     "StepRecorder",
+    "StopEvent",
+    "StopTraining",
     "add_gradients",
     "after_step",
     "before_step",
@@ -63,6 +67,8 @@ __all__ = [
     "named_gradients",
     "to_memory",
 ]
+
+_log = logging.getLogger("tb_gradhealth")
 
 #: The stacked columns of the applied update's norms (:func:`after_step` fills them in).
 _UPDATE_COLUMNS = [_core.stacked_column("update_max_abs"), _core.stacked_column("update_ssq_rel")]
@@ -309,7 +315,7 @@ def add_gradients(
     if writer is not None:
         names = layer_names(source)
         info = layer_info_for(grads, names) if isinstance(grads, torch.nn.Module) else ()
-        writer.add_records(step, names, rows, name=name, layer_info=info)
+        writer.add_records(step, names, rows, name=name, layer_info=info, source=metadata.loop_source("torch"))
     return rows
 
 
@@ -376,7 +382,7 @@ def after_step(pending: Pending, params: Sequence[tuple[str, torch.nn.Parameter]
     return _rows(stacked, selection, sharded, group)
 
 
-class StepRecorder:
+class StepRecorder(Stoppable):
     """Records the gradient the optimizer applies (after ``GradScaler`` unscaling) and the update it makes.
 
     Replace ``opt.step()`` (or ``scaler.step(opt); scaler.update()``) with ``recorder.step(step)``. On a logged
@@ -393,12 +399,21 @@ class StepRecorder:
     made (docs/NAN_ORIGIN.md); it needs every step, so with ``origin`` ``every`` defaults to 1.
 
     Given a module, each parameter's layer kind and activation (:mod:`tb_gradhealth.torch_kinds`) are kept in the
-    tags' metadata; ``step(step, loss=loss)`` records the training loss on logged steps. The diagnosis uses both.
+    tags' metadata; ``step(step, loss=loss)`` records the training loss on logged steps. The diagnosis uses both,
+    and the optimizer's class and momentum, kept there too.
 
     A parameter with ``requires_grad=False`` or in none of ``optimizer``'s ``param_groups`` is recorded frozen (its
     ``.grad`` unread, its weights not copied), read again at each logged step (gradual unfreezing); one whose
     ``.grad`` was not produced since the last step (a branch not taken, ``zero_grad(set_to_none=False)``) is
     recorded missing: :class:`tb_gradhealth._torchparams.GradWatch`, armed around logged steps only.
+
+    ``stop_on`` (statuses of :data:`tb_gradhealth.health.FLAGS`, e.g. ``("nonfinite", "exploding")``): at each
+    logged step, the diagnosis ``tb-gradhealth report --step S`` gives on the logdir at that step
+    (:class:`tb_gradhealth.live.StopCheck`, with ``thresholds``); at the first step where a layer's current status
+    is watched, :attr:`should_stop` turns True and :attr:`stop_event` says why (a :class:`StopEvent`, also logged):
+    the loop reads the flag and ends. ``raise_on_stop=True`` raises :class:`StopTraining` (holding the event) from
+    that :meth:`step` instead, after its optimizer step. It needs a ``writer`` (the check reads what it writes);
+    under ``torch.distributed`` the writing rank decides: broadcast the flag if every rank must stop.
     """
 
     def __init__(
@@ -415,6 +430,9 @@ class StepRecorder:
         group: Any = None,
         name: str = "gradients",
         origin: Any = None,
+        stop_on: Sequence[str] = (),
+        thresholds: Any = None,
+        raise_on_stop: bool = False,
     ) -> None:
         self.writer, self.optimizer, self.scaler = writer, optimizer, scaler
         self.origin = origin
@@ -432,6 +450,12 @@ class StepRecorder:
         self._snapshot: tuple[list[int], list[torch.Tensor]] | None = None
         #: whether each ``.grad`` is the step's own (host bookkeeping armed around logged steps)
         self._watch = _torchparams.GradWatch(self.params)
+        #: what the records' metadata says of the loop: PyTorch, the optimizer's class and momentum
+        self.source = metadata.loop_source("torch", optimizer)
+        self._stop = StopCheck(stop_on, thresholds=thresholds, name=name) if stop_on else None
+        if self._stop is not None and writer is not None:
+            self._stop.watch(writer)
+        self.raise_on_stop = bool(raise_on_stop)
 
     @property
     def dropped_records(self) -> int:
@@ -439,6 +463,19 @@ class StepRecorder:
         writer's queue holds, or the recording failed: each failure is logged once; training went on)."""
         writer = self.writer.dropped_records if self.writer is not None else 0
         return writer + self._failsafe.dropped_records
+
+    def _check_stop(self, step: int) -> None:
+        """``stop_on`` at a logged step whose records, loss and skip flag are written."""
+        stop = self._stop
+        if stop is None or stop.event is not None:
+            return
+        found = getattr(self.origin, "origin", None)
+        event = self._failsafe.run("checking stop_on", stop.check, step, found)
+        if event is None:
+            return
+        _log.warning("%s; training should stop (StepRecorder.should_stop)", event.message())
+        if self.raise_on_stop:
+            raise StopTraining(event)
 
     def _optimizer_step(self) -> bool:
         if self.scaler is None:
@@ -512,8 +549,10 @@ class StepRecorder:
             applied = applied and (found is None or before is None)  # the update was undone
         if self.writer is not None:
             safe.run("writing a gradient-health record", self.writer.add_records, step,
-                     [n for n, _ in self.params], grads, name=self.name, layer_info=self.layer_info, records=1)
+                     [n for n, _ in self.params], grads, name=self.name, layer_info=self.layer_info,
+                     source=self.source, records=1)
             if scale is not None:
                 safe.run("writing the loss scale", self.writer.add_scalars, step,
                          {"amp/loss_scale": scale, "amp/step_skipped": float(not applied)})
+            self._check_stop(step)
         return applied
