@@ -737,7 +737,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def _registries(half: str) -> list[tuple[str, dict[str, Any], Callable[[str, Path], Any]]]:
-    from benchmarks import zoo_cases, zoo_child, zoo_heldout  # noqa: PLC0415 - TensorFlow only when training
+    # TensorFlow only when training; the story cases register in both halves on import
+    from benchmarks import zoo_cases, zoo_child, zoo_heldout, zoo_story_cases  # noqa: F401, PLC0415
 
     zoo_child.load_cases()  # the PyTorch, Lightning, Hugging Face and JAX cases join both halves
 
