@@ -20,6 +20,28 @@ _GENERATIONS = itertools.count(1)
 
 
 @dataclass(frozen=True, eq=False)
+class ActivationSeries:
+    """Every forward record of one run (:data:`record.ACT_FIELDS`): ``layers`` in network order (the layers whose
+    outputs the writer recorded: ``dense_1``, ``net.0``), ``steps`` int64 ``[S]`` ascending unique, ``records``
+    float64 ``[S, L, record.ACT_NUM_FIELDS]`` with a layer's row all-NaN at a step where it has no record, and
+    ``layer_info`` ``{layer: (kind, activation)}`` where the writer knew them."""
+
+    layers: tuple[str, ...]
+    steps: np.ndarray
+    records: np.ndarray
+    layer_info: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    tags: tuple[str, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.records.nbytes + self.steps.nbytes)
+
+    def present(self) -> np.ndarray:
+        """``[S, L]`` bool: where a layer has a forward record."""
+        return ~np.isnan(self.records[..., record.ACT_INDEX["size"]])
+
+
+@dataclass(frozen=True, eq=False)
 class RunSeries:
     """Every gradient-health record of one run.
 
@@ -54,6 +76,8 @@ class RunSeries:
     layer_info: Mapping[str, tuple[str, str]] = field(default_factory=dict)
     #: What the writer knew of the training loop (:attr:`tb_gradhealth.metadata.Content.source`), else empty.
     source: Mapping[str, str] = field(default_factory=dict)
+    #: The run's forward records (:class:`ActivationSeries`), None where the writer recorded none.
+    activations: ActivationSeries | None = None
     _index: dict[str, int] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -78,7 +102,8 @@ class RunSeries:
     def nbytes(self) -> int:
         held = self.records.nbytes if self.resident_bytes is None else self.resident_bytes
         windows = sum(a.nbytes for a in (self.window_steps, self.window_last) if a is not None)
-        return int(held + self.steps.nbytes + windows)
+        forward = self.activations.nbytes if self.activations is not None else 0
+        return int(held + self.steps.nbytes + windows + forward)
 
     def present(self) -> np.ndarray:
         """``[S, L]`` bool: where a layer has a record (absent rows are all-NaN; a record's size is never NaN)."""
@@ -97,6 +122,7 @@ class RunSeries:
             "maybe_downsampled": self.maybe_downsampled,
             "problems": list(self.problems),
             "notes": list(self.notes),
+            "activation_layers": list(self.activations.layers) if self.activations is not None else [],
         }
 
 
@@ -241,10 +267,13 @@ def _damaged_rows(points: list[_Checked], n_layers: int) -> list[tuple[int, int,
 
 
 class _Tag(NamedTuple):
-    """A tag whose metadata decodes, and the layers it names."""
+    """A tag whose metadata decodes, the layers it names, whether it holds forward records, and its rows' layer
+    kinds and activations (``()`` when not known)."""
 
     data: TagData
     layers: tuple[str, ...]
+    forward: bool = False
+    info: tuple[tuple[str, str], ...] = ()
 
 
 def _block_base(tag: str) -> str:
@@ -273,15 +302,15 @@ def _join_blocks(good: list[_Tag]) -> list[_Tag]:
     """The step-block tags of one layer list (:func:`metadata.tag_for`) as one tag, their points in write order
     (wall time), so that the restart rule (:func:`supersede`) applies across blocks as to a tag of every step: a
     job restarted at step 50 replaces the earlier records from step 50 on, in whichever block they are."""
-    by_tag = {t.data.tag: t.data for t in good}
+    by_tag = {t.data.tag: t for t in good}
     out = []
-    for (base, lay), names in _joined((t.data.tag, t.layers) for t in good).items():
-        tds = [by_tag[n] for n in names]
-        if len(tds) == 1:
-            out.append(_Tag(tds[0], lay))
+    for (base, _lay), names in _joined((t.data.tag, t.layers) for t in good).items():
+        first = by_tag[names[0]]
+        if len(names) == 1:
+            out.append(first)
             continue
-        points = sorted((_as_point(p) for td in tds for p in td.points), key=lambda p: float(p.wall_time))
-        out.append(_Tag(TagData(base, tds[0].content, points), lay))
+        points = sorted((_as_point(p) for n in names for p in by_tag[n].data.points), key=lambda p: float(p.wall_time))
+        out.append(first._replace(data=TagData(base, first.data.content, points)))
     return out
 
 
@@ -318,6 +347,8 @@ def assemble(
     problems = list(problems)
     notes: list[str] = []
     good, info, source = _readable_tags(tags, problems)
+    forward = _assemble_activations([t for t in good if t.forward], problems, notes)
+    good = [t for t in good if not t.forward]
     tag_names = tuple(t.data.tag for t in good)
     layers = layer_order({t.data.tag: t.layers for t in good})
     good = _join_blocks(good)
@@ -340,6 +371,7 @@ def assemble(
         resident_bytes=(record.HIST_START + max(0, bins[1] - bins[0])) * steps.size * len(layers) * 8,
         layer_info=info,
         source=source,
+        activations=forward,
     )
 
 
@@ -355,10 +387,60 @@ def _readable_tags(tags: Sequence[TagData], problems: list[str]
         except ValueError as e:  # including metadata.UnsupportedVersion (a future format version)
             problems.append(Problem(Kind.RECORDS, f"tag {td.tag}: skipped: {e}"))
             continue
-        good.append(_Tag(td, content.layers))
-        info.update(zip(content.layers, content.layer_info, strict=False))  # () without info
+        forward = content.kind == record.ACTIVATIONS
+        good.append(_Tag(td, content.layers, forward, content.layer_info))
+        if not forward:
+            info.update(zip(content.layers, content.layer_info, strict=False))  # () without info
         source.update(content.source)
     return good, info, source
+
+
+def _assemble_activations(tags: list[_Tag], problems: list[str], notes: list[str]) -> ActivationSeries | None:
+    """The forward records of a run's activation tags (:data:`record.ACTIVATIONS`), merged by layer name as the
+    gradient records are (step blocks joined, TensorBoard's restart rule, the last record of a step written wins);
+    a tensor of the wrong shape or a damaged row is skipped with one problem line per tag. None without such tags."""
+    if not tags:
+        return None
+    layers = layer_order({t.data.tag: t.layers for t in tags})
+    col = {name: i for i, name in enumerate(layers)}
+    info = {name: row for t in sorted(tags, key=lambda t: t.data.tag)
+            for name, row in zip(t.layers, t.info, strict=False)}
+    names = tuple(t.data.tag for t in tags)
+    points: list[tuple[float, int, int, np.ndarray, np.ndarray]] = []  # wall time, order, step, cols, rows
+    for t in _join_blocks(tags):
+        kept, restarts = supersede(t.data.points)
+        if restarts:
+            notes.append(f"tag {t.data.tag}: steps went back {len(restarts)} time(s) (a restart), first to step "
+                         f"{restarts[0]}: the earlier records from that step on are replaced, as TensorBoard does")
+        cols = np.array([col[n] for n in t.layers], dtype=np.int64)
+        bad_tensors, bad_rows, first = 0, 0, None
+        for p in kept:
+            try:
+                if isinstance(p.tensor, str):
+                    raise ValueError(p.tensor)
+                tensor = record.act_tensor_or_raise(np.asarray(p.tensor, dtype=np.float32))
+                if tensor.shape[0] != len(t.layers):
+                    raise ValueError(f"tensor has {tensor.shape[0]} rows for {len(t.layers)} layers")
+            except (ValueError, TypeError) as e:
+                bad_tensors += 1
+                first = first or f"step {p.step}: {e}"
+                continue
+            bad, reasons = record.act_check_disk(tensor)
+            if reasons:
+                bad_rows += len(reasons)
+                row, why = min(reasons.items())
+                first = first or f"step {p.step} row {row}: {why}"
+            if not bad.all():
+                points.append((float(p.wall_time), len(points), int(p.step), cols[~bad],
+                               record.act_from_disk(tensor[~bad])))
+        if bad_tensors or bad_rows:
+            problems.append(Problem(Kind.RECORDS, f"tag {t.data.tag}: {bad_tensors} unreadable forward record "
+                                                  f"tensor(s) and {bad_rows} damaged row(s) skipped, first at {first}"))
+    steps = np.unique(np.array([p[2] for p in points], dtype=np.int64))
+    records = np.full((steps.size, len(layers), record.ACT_NUM_FIELDS), np.nan)
+    for _, _, step, cols, rows in sorted(points, key=lambda p: (p[0], p[1])):
+        records[int(np.searchsorted(steps, step)), cols] = rows
+    return ActivationSeries(tuple(layers), steps, records, info, names)
 
 
 class _Point(NamedTuple):
@@ -379,7 +461,7 @@ def _checked_points(good: list[_Tag], layers: list[str], problems: list[str],
     col = {name: i for i, name in enumerate(layers)}
     valid: list[_Point] = []
     downsampled = False
-    for td, tag_layers in good:
+    for td, tag_layers, *_ in good:
         cols = np.array([col[name] for name in tag_layers], dtype=np.int64)
         points, restarts = supersede(td.points)
         if restarts:

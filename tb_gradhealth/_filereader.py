@@ -173,6 +173,9 @@ class _Run:
     store: _Store | None = None
     whole: bool = False  # not a plain append once: read whole at every change from now on
     series: dict[str, RunSeries] = field(default_factory=dict)
+    #: The activation tags' points read so far, and their assembly.
+    forward: dict[str, TagData] = field(default_factory=dict)
+    activations: Any = None
     sizes: tuple[tuple[str, int], ...] = ()
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -297,6 +300,7 @@ class FileReader:
         tags = {td.tag: td for td in read_run_dir(paths, problems, self._options)}
         problems = [p for p in problems if getattr(p, "kind", None) is not Kind.PARTIAL]  # the next read resumes there
         state.whole, state.store, state.offsets, state.known = True, None, {}, {}
+        state.forward, state.activations = {}, None
         if not tags:
             state.series = {run_dir: assemble(run_dir, [], problems=problems)} if any_of_kind(
                 problems, Kind.RECORDS) else {}
@@ -350,14 +354,22 @@ class FileReader:
         if len(streams) != 1:
             raise NotAnAppend("several streams")
         try:
-            contents = [metadata.decode_content(c) for c in state.known.values()]
+            decoded = {tag: metadata.decode_content(c) for tag, c in state.known.items()}
         except ValueError as e:
             raise NotAnAppend("unreadable tag metadata") from e
+        forward = {tag for tag, c in decoded.items() if c.kind == record.ACTIVATIONS}
+        for tag in forward & set(tags):  # forward records are small: kept as read, assembled whole below
+            state.forward.setdefault(tag, TagData(tag, state.known[tag])).points.extend(tags.pop(tag).points)
+        contents = [c for tag, c in decoded.items() if tag not in forward]
         layer_lists = {c.layers for c in contents}
-        if len(layer_lists) != 1:
+        if len(layer_lists) > 1:
             raise NotAnAppend("several layer lists")
+        if forward:
+            state.activations = self._forward_series(run_dir, state)
         with_points = [td for td in tags.values() if td.points]
         if not with_points:
+            if forward and state.store is not None:  # forward records alone in this chunk
+                state.series = {run_dir: dataclasses.replace(state.series[run_dir], activations=state.activations)}
             return
         points = sum(len(td.points) for td in with_points)
         if state.store is None:
@@ -370,9 +382,20 @@ class FileReader:
             raise NotAnAppend("damaged records or a restart")
         store.append(part, math.ceil(points * chunks_left))
         info = {layer: kind for c in contents for layer, kind in zip(c.layers, c.layer_info, strict=False)}
-        source = {k: v for _, c in sorted(zip(state.known, contents, strict=True), key=lambda tc: tc[0])
+        source = {k: v for _, c in sorted(decoded.items(), key=lambda tc: tc[0])
                   for k, v in c.source.items()}  # as assemble reads it: the tags by name
-        state.series = {run_dir: store.series(run_dir, tuple(sorted(state.known)), info, source)}
+        gradient_tags = tuple(sorted(set(state.known) - forward))
+        state.series = {run_dir: dataclasses.replace(store.series(run_dir, gradient_tags, info, source),
+                                                     activations=state.activations)}
+
+    @staticmethod
+    def _forward_series(run_dir: str, state: _Run) -> Any:
+        """The run's forward records from every point of its activation tags read so far (assembled as the CLI
+        assembles them; a damaged one reads the run whole)."""
+        part = assemble(run_dir, [TagData(td.tag, td.content, list(td.points)) for td in state.forward.values()])
+        if part.problems or part.notes:
+            raise NotAnAppend("damaged forward records or a restart")
+        return part.activations
 
     def _evict(self) -> None:
         """Drop the least recently used runs beyond ``cache_bytes`` (always keeping the last one read)."""

@@ -1,7 +1,8 @@
 """The record streams of a run directory and the series names they get: one place that writes a series name
 ``"<run> [<stream>]"`` and one that reads it back.
 
-A writer's ``name=`` (``gradients`` by default) is the stream of its tags (``gradhealth/<name>/<hash8>``). A run
+A writer's ``name=`` (``gradients`` by default) is the stream of its tags (``gradhealth/<name>/<hash8>``, and
+``gradhealth/<name>/activations/<hash8>`` for its forward records). A run
 directory with one stream is one series named as the directory; with several, the ``gradients`` stream (else the
 first by name) keeps the directory's name and every other stream is a series of its own, ``"<run> [<stream>]"``
 (e.g. Keras' ``probe_gradients`` on a fixed batch: another measurement, never mixed with the training's).
@@ -11,15 +12,19 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from tb_gradhealth import metadata
+from tb_gradhealth import metadata, record
 
 PRIMARY_STREAM = "gradients"
 
 
 def stream_of(tag: str) -> str:
-    """The record stream of a tag: ``<name>`` of ``gradhealth/<name>/<hash8>`` (the writers' ``name=``)."""
+    """The record stream of a tag: ``<name>`` of ``gradhealth/<name>/<hash8>`` (the writers' ``name=``), and of
+    ``gradhealth/<name>/activations/<hash8>``, the same stream's forward records."""
     body = tag[len(metadata.TAG_PREFIX) :] if tag.startswith(metadata.TAG_PREFIX) else tag
     name, sep, _digest = body.rpartition("/")
+    head, slash, last = name.rpartition("/")
+    if slash and head and last == record.ACTIVATIONS:
+        return head
     return name if sep and name else body
 
 

@@ -185,6 +185,9 @@ class LiveRun:
         self._rows = _Rows()
         self._scalars: dict[str, dict[int, float]] = {tag: {} for tag in progress.TAGS}
         self._about: tuple[dict[str, tuple[str, str]], dict[str, str]] = ({}, {})
+        #: The forward records' tags with their points as written, and their assembly (None: not yet made).
+        self._forward: dict[str, TagData] = {}
+        self._activations: Any = None
 
     def watch(self, writer: Any) -> None:
         """Read every event ``writer`` writes from now on (:meth:`tb_gradhealth.writer.Writer.observe`)."""
@@ -211,8 +214,14 @@ class LiveRun:
             except ValueError:  # a reader skips the tag (and says so): so does the live run
                 td.points.clear()
                 return
-            self._rows.relayout(layer_order({t: c.layers for t, c in self._contents.items()}))
+            self._rows.relayout(layer_order({t: c.layers for t, c in self._contents.items()
+                                             if c.kind != record.ACTIVATIONS}))
             self._about = self._tag_facts()
+        if self._contents[td.tag].kind == record.ACTIVATIONS:  # small: kept as written, assembled when asked for
+            self._forward.setdefault(td.tag, TagData(td.tag, td.content)).points.extend(td.points)
+            td.points.clear()
+            self._activations = None
+            return
         part = assemble(self.run, [td], consume=True)
         self._rows.put(part)
 
@@ -222,7 +231,8 @@ class LiveRun:
         source: dict[str, str] = {}
         for tag in sorted(self._contents):
             content = self._contents[tag]
-            info.update(zip(content.layers, content.layer_info, strict=False))
+            if content.kind != record.ACTIVATIONS:
+                info.update(zip(content.layers, content.layer_info, strict=False))
             source.update(content.source)
         return info, source
 
@@ -236,9 +246,13 @@ class LiveRun:
         event)."""
         rows = self._rows
         info, source = self._about
+        if self._activations is None and self._forward:
+            self._activations = assemble(self.run, [TagData(t.tag, t.content, list(t.points))
+                                                    for t in self._forward.values()]).activations
         return RunSeries(run=self.run, layers=rows.layers, steps=rows.steps[: rows.n],
-                         records=rows.buf[:, : rows.n, :].transpose(1, 2, 0), tags=tuple(sorted(self._contents)),
-                         layer_info=info, source=source)
+                         records=rows.buf[:, : rows.n, :].transpose(1, 2, 0),
+                         tags=tuple(sorted(t for t in self._contents if t not in self._forward)),
+                         layer_info=info, source=source, activations=self._activations)
 
     def progress(self) -> progress.Progress:
         """The loss and skipped steps as :func:`tb_gradhealth.progress.read_progress` reads them."""

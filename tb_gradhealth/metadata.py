@@ -71,16 +71,20 @@ def block_steps(n_layers: int) -> int:
     return 1 << (n.bit_length() - 1)
 
 
-def tag_for(layers: tuple[str, ...] | list[str], name: str = "gradients", step: int | None = None) -> str:
+def tag_for(layers: tuple[str, ...] | list[str], name: str = "gradients", step: int | None = None, *,
+            kind: str = record.GRADIENTS) -> str:
     """The tag of a record tensor whose rows are ``layers`` (stable across processes and runs).
 
     Without ``step``: ``gradhealth/<name>/<hash8>``, one tag for every step (what the TF summary op writes). With
     ``step``: ``gradhealth/<name>/<hash8>.<block>``, ``block = step // block_steps(len(layers))``: a run's records
     split over tags of at most :data:`BLOCK_LAYER_STEPS` layer-steps each, so that a reader can fetch a run of any
     length in answers of bounded size (readers merge a run's tags by layer name, old ones included).
+
+    Forward records (``kind="activations"``) of the stream ``name`` go under ``gradhealth/<name>/activations/...``:
+    the same stream (one series with its gradients, :func:`tb_gradhealth._streams.stream_of`), a tag of their own.
     """
     digest = hashlib.sha1("\n".join(layers).encode("utf-8")).hexdigest()[:8]
-    base = f"{TAG_PREFIX}{name}/{digest}"
+    base = f"{TAG_PREFIX}{name}/{kind}/{digest}" if kind == record.ACTIVATIONS else f"{TAG_PREFIX}{name}/{digest}"
     return base if step is None else f"{base}.{int(step) // block_steps(len(layers))}"
 
 
@@ -189,10 +193,12 @@ def create_summary_metadata(
     layer_info: tuple[tuple[str, str], ...] = (),
     source: Mapping[str, str] | None = None,
 ) -> summary_pb2.SummaryMetadata:
-    """The ``SummaryMetadata`` for a record tensor; ``DATA_CLASS_TENSOR`` so the data provider serves it.
+    """The ``SummaryMetadata`` for a record tensor of ``kind`` (forward records for ``"activations"``, gradient
+    records for any other, each written with :func:`record.version_of` its kind); ``DATA_CLASS_TENSOR`` so the data
+    provider serves it.
     ``layer_info``: per row, ``(layer kind, activation)`` where the writer knows the model; ``source``: what the
     writer knows of the training loop (:attr:`Content.source`)."""
-    content = Content(record.FORMAT_VERSION, tuple(layers), kind, hist_sample, tuple(layer_info),
+    content = Content(record.version_of(kind), tuple(layers), kind, hist_sample, tuple(layer_info),
                       check_source(source or {}))
     return summary_pb2.SummaryMetadata(
         summary_description=description,

@@ -1,4 +1,5 @@
-"""Gradient-health summaries → one :class:`RunSeries` per run, from a TensorBoard data provider or a logdir.
+"""Gradient-health summaries → one :class:`RunSeries` per run (its forward records beside, an
+:class:`ActivationSeries`), from a TensorBoard data provider or a logdir.
 
 Two sources share one assembly (:func:`assemble`): the plugin reads through ``context.data_provider`` (whichever
 loader TensorBoard runs: the Rust data server or the Python multiplexer; :class:`ProviderReader`), and the CLI reads
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 from tb_gradhealth._assembly import (
     CHECK_CHUNK,
+    ActivationSeries,
     RunSeries,
     TagData,
     TagPoint,
@@ -58,8 +60,8 @@ from tb_gradhealth._streams import PRIMARY_STREAM, parse_series, run_of, series_
 
 __all__ = [
     "CHECK_CHUNK", "LISTING_TTL_S", "PRIMARY_STREAM", "PROVIDER_ERRORS", "PYTHON_LOADER_DEFAULT", "READ_BUDGET_BYTES",
-    "RUST_LOADER_DEFAULT", "SAMPLE_ALL", "WORST_ROW_BYTES", "LogdirData", "ProviderError", "ProviderReader",
-    "RunSeries", "TagData", "TagPoint", "add_event", "assemble", "find_runs", "is_event_file",
+    "RUST_LOADER_DEFAULT", "SAMPLE_ALL", "WORST_ROW_BYTES", "ActivationSeries", "LogdirData", "ProviderError",
+    "ProviderReader", "RunSeries", "TagData", "TagPoint", "add_event", "assemble", "find_runs", "is_event_file",
     "new_records", "orphan_problems", "parse_series", "read_groups", "read_logdir", "read_run_dir", "run_of",
     "sampling", "series_name", "split_streams", "stream_of", "supersede", "tag_bytes",
 ]

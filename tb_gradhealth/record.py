@@ -1,4 +1,5 @@
-"""The gradient-health record: the one definition of its fields, histogram edges, merge rules and encodings.
+"""The gradient-health record and the forward record: the one definition of their fields, histogram edges, merge
+rules and encodings.
 
 Every path (numpy writer, TF summary op, TPU host_call, readers, docs) uses this module, so a record written by
 one path is read and merged by any other. It imports numpy only.
@@ -34,6 +35,11 @@ Three encodings share these fields:
   float32 rounding), the 12 values, ``hist_lo`` (first histogram bin kept) and ``W`` histogram bins
   ``[hist_lo, hist_lo + W)``: bins that are empty in every layer of the event are trimmed from both ends, which
   keeps a layer-step near 150 bytes instead of 400.
+
+The forward record (:data:`ACT_FIELDS`, v3) describes one layer's output over a logged step's batch: its counts
+(NaN/Inf, exact zeros, units dead for every input of the batch, elements saturated at a bounded activation's
+bounds), its extremes, mean and ``ssq_rel``; float32 ``[L, 14]`` on disk, under tags of its own
+(:func:`compute_activations`, :func:`act_merge_all`, :func:`act_to_disk`; docs/FORMAT.md).
 """
 
 from __future__ import annotations
@@ -45,7 +51,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 #: v2: the ``missing`` field may hold :data:`FROZEN`; a v1 reader would read such a row as damaged, so it refuses v2.
-FORMAT_VERSION = 2
+#: v3: the forward record (:data:`ACTIVATIONS` tags, :data:`ACT_FIELDS`); gradient tags are unchanged since v2 and
+#: still written as v2 (:data:`KIND_VERSION`), so a v2 reader reads them and refuses only the activation tags.
+FORMAT_VERSION = 3
 #: The values of the ``missing`` field: a gradient, none reached the variable, none by the user's choice.
 HAS_GRADIENT, MISSING, FROZEN = 0.0, 1.0, 2.0
 
@@ -284,23 +292,24 @@ def compute(
     return rec
 
 
-def _set_counts_and_moments(rec: np.ndarray, g: np.ndarray) -> np.ndarray:
-    """Fill the counts, extremes, mean and ``ssq_rel`` of the flat values ``g``; returns their finite values."""
+def _set_counts_and_moments(rec: np.ndarray, g: np.ndarray, index: dict[str, int] = INDEX) -> np.ndarray:
+    """Fill the counts, extremes, mean and ``ssq_rel`` of the flat values ``g`` (at ``index``: the gradient's or
+    the forward record's); returns their finite values."""
     nan, posinf, neginf = np.isnan(g), np.isposinf(g), np.isneginf(g)
     finite = g[~(nan | posinf | neginf)]
-    rec[INDEX["size"]] = g.size
-    rec[INDEX["nan"]] = int(nan.sum())
-    rec[INDEX["posinf"]] = int(posinf.sum())
-    rec[INDEX["neginf"]] = int(neginf.sum())
-    rec[INDEX["zero"]] = int(np.count_nonzero(finite == 0))
+    rec[index["size"]] = g.size
+    rec[index["nan"]] = int(nan.sum())
+    rec[index["posinf"]] = int(posinf.sum())
+    rec[index["neginf"]] = int(neginf.sum())
+    rec[index["zero"]] = int(np.count_nonzero(finite == 0))
     if finite.size:
         f64 = finite.astype(np.float64)
-        rec[INDEX["min"]] = f64.min()
-        rec[INDEX["max"]] = f64.max()
+        rec[index["min"]] = f64.min()
+        rec[index["max"]] = f64.max()
         m = float(np.abs(f64).max())
         if m > 0:
             for name, value in grad_sums(f64, m).items():
-                rec[INDEX[name]] = value
+                rec[index[name]] = value
     return finite
 
 
@@ -377,20 +386,20 @@ def merge(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return merge_all(np.stack([a, b]))
 
 
-def _merge_grad_sums(r: np.ndarray, out: np.ndarray, ma: np.ndarray, m: np.ndarray) -> None:
-    """The :data:`GRAD_SUMS` fields of the parts ``r`` (max|g| ``ma``, largest ``m``) merged into ``out``: a mean
-    weighted by the parts' finite counts (a lone part's comes back exactly: x 1.0), a relative sum rescaled to
-    ``m``, added."""
-    n = finite_count(r)
+def _merge_grad_sums(r: np.ndarray, out: np.ndarray, ma: np.ndarray, m: np.ndarray, n: np.ndarray,
+                     index: dict[str, int]) -> None:
+    """The :data:`GRAD_SUMS` fields (at ``index``: the gradient's or the forward record's) of the parts ``r``
+    (max|.| ``ma``, largest ``m``, ``n`` finite values each) merged into ``out``: a mean weighted by the parts'
+    finite counts (a lone part's comes back exactly: x 1.0), a relative sum rescaled to ``m``, added."""
     total = n.sum(axis=0)
     for s in GRAD_SUMS:
-        v = r[..., INDEX[s.name]]
+        v = r[..., index[s.name]]
         if s.mean:
             with np.errstate(invalid="ignore", divide="ignore"):
                 weighted = np.where(n > 0, n / np.where(total > 0, total, 1) * v, 0.0).sum(axis=0)
-            out[..., INDEX[s.name]] = np.where(total > 0, weighted, v[-1])
+            out[..., index[s.name]] = np.where(total > 0, weighted, v[-1])
         else:
-            out[..., INDEX[s.name]] = _rescaled(v, ma, m, s.power).sum(axis=0)
+            out[..., index[s.name]] = _rescaled(v, ma, m, s.power).sum(axis=0)
 
 
 def merge_all(records: np.ndarray, axis: int = 0) -> np.ndarray:
@@ -408,7 +417,7 @@ def merge_all(records: np.ndarray, axis: int = 0) -> np.ndarray:
     out[..., INDEX["max"]] = np.maximum.reduce(r[..., INDEX["max"]], axis=0)
     ma = max_abs(r)
     m = ma.max(axis=0)
-    _merge_grad_sums(r, out, ma, m)
+    _merge_grad_sums(r, out, ma, m, finite_count(r), INDEX)
     noise = _rescaled(r[..., INDEX["noise_ssq_rel"]], ma, m)
     out[..., INDEX["noise_ssq_rel"]] = np.where(np.isnan(noise).all(axis=0), np.nan, np.nansum(noise, axis=0))
     out[..., INDEX["micro_batches"]] = np.fmax.reduce(r[..., INDEX["micro_batches"]], axis=0)
@@ -719,3 +728,276 @@ def from_device(counts: np.ndarray, values: np.ndarray) -> np.ndarray:
             f"got {counts.shape} and {values.shape}"
         )
     return np.concatenate([counts.astype(np.float64), values.astype(np.float64)], axis=-1)
+
+
+# --- the forward record ---------------------------------------------------------------------------------------
+
+#: The kind (tag metadata ``kind``) of forward records: one layer's output at a logged step.
+ACTIVATIONS = "activations"
+GRADIENTS = "gradients"
+#: The format version a tag of each kind is written with (a reader reads up to :data:`FORMAT_VERSION`): a tag of
+#: any other ``kind`` (a label its writer chose, such as ``"merged"``) holds gradient records, written as v2.
+KIND_VERSION: dict[str, int] = {GRADIENTS: 2, ACTIVATIONS: 3}
+
+
+def version_of(kind: str) -> int:
+    """The format version a tag of ``kind`` is written with (:data:`KIND_VERSION`)."""
+    return KIND_VERSION.get(kind, KIND_VERSION[GRADIENTS])
+
+#: The forward record's exact counts: the output's elements, its NaN/+Inf/-Inf and exact zeros (after flush to
+#: zero), its ``units`` (the size of its unit axis: a Dense layer's features, a convolution's channels), the units
+#: ``dead`` for every input of the batch (exactly zero at every other index) and the finite elements ``saturated``
+#: within :data:`SATURATION_MARGIN` of a bound of a bounded activation (0 when unbounded).
+ACT_COUNT_FIELDS: tuple[str, ...] = ("size", "nan", "posinf", "neginf", "zero", "units", "dead", "saturated")
+#: Its values: the finite extremes, the mean and ``ssq_rel`` (as the gradient record's :data:`GRAD_SUMS`), and the
+#: activation's bounds (NaN: not a bounded activation, or not known).
+ACT_VALUE_FIELDS: tuple[str, ...] = ("min", "max", "mean", "ssq_rel", "bound_lo", "bound_hi")
+ACT_FIELDS: tuple[str, ...] = ACT_COUNT_FIELDS + ACT_VALUE_FIELDS
+ACT_NUM_FIELDS: int = len(ACT_FIELDS)
+ACT_NUM_COUNTS: int = len(ACT_COUNT_FIELDS)
+ACT_INDEX: dict[str, int] = {name: i for i, name in enumerate(ACT_FIELDS)}
+
+#: A bounded activation's output counts as saturated within this fraction of its range from a bound: for tanh
+#: ``|a| >= 0.98`` and for sigmoid ``a <= 0.01`` or ``a >= 0.99``, where the derivative is at most 4% of its
+#: largest (``1 - 0.98**2 = 0.0396``; ``0.99 * 0.01 / 0.25 = 0.0396``).
+SATURATION_MARGIN: float = 0.01
+#: The bounded activations, as the writers name them (Keras' names; :mod:`tb_gradhealth.torch_kinds` maps torch's).
+BOUNDS: dict[str, tuple[float, float]] = {
+    "sigmoid": (0.0, 1.0), "hard_sigmoid": (0.0, 1.0), "softmax": (0.0, 1.0),
+    "tanh": (-1.0, 1.0), "hard_tanh": (-1.0, 1.0), "softsign": (-1.0, 1.0),
+}
+
+
+def activation_bounds(activation: str) -> tuple[float, float] | None:
+    """The ``(lo, hi)`` bounds of a bounded activation by its name (:data:`BOUNDS`), None for any other."""
+    return BOUNDS.get(str(activation).lower())
+
+
+def saturation_edges(bounds: tuple[float, float]) -> tuple[np.float32, np.float32]:
+    """The float32 thresholds every writer compares an output with (``a <= lo_edge`` or ``a >= hi_edge``: saturated),
+    :data:`SATURATION_MARGIN` of the range inside each bound."""
+    lo, hi = float(bounds[0]), float(bounds[1])
+    margin = SATURATION_MARGIN * (hi - lo)
+    return np.float32(lo + margin), np.float32(hi - margin)
+
+
+def act_empty(shape: tuple[int, ...] = ()) -> np.ndarray:
+    """Forward records of empty outputs: the identity of :func:`act_merge_all` (min=+inf, max=-inf, bounds NaN)."""
+    rec = np.zeros(tuple(shape) + (ACT_NUM_FIELDS,), dtype=np.float64)
+    rec[..., ACT_INDEX["min"]] = np.inf
+    rec[..., ACT_INDEX["max"]] = -np.inf
+    rec[..., ACT_INDEX["bound_lo"]] = np.nan
+    rec[..., ACT_INDEX["bound_hi"]] = np.nan
+    return rec
+
+
+def _units_view(v: np.ndarray, unit_axis: int) -> np.ndarray:
+    """The output as ``[batch positions, units]``: its unit axis last, every other axis one (an output of fewer than
+    two axes, a value per example, is one unit)."""
+    if v.ndim < 2:
+        return v.reshape(-1, 1)
+    return np.moveaxis(v, unit_axis, -1).reshape(-1, v.shape[unit_axis])
+
+
+def unit_alive(output: np.ndarray, *, unit_axis: int = -1) -> np.ndarray:
+    """``bool [units]``: the units not exactly zero (after flush to zero) for some input of the batch, a NaN or Inf
+    counting as not zero. A unit is dead for a batch made of parts exactly where no part has it alive, so writers
+    that record a batch in parts (micro-batches, data-parallel shards) OR these before counting
+    (:func:`act_merge_batches`)."""
+    v = _units_view(flush_to_zero(np.asarray(output)), unit_axis)
+    return np.any(v != 0, axis=0)
+
+
+def compute_activations(
+    output: np.ndarray,
+    *,
+    unit_axis: int = -1,
+    bounds: tuple[float, float] | None = None,
+) -> np.ndarray:
+    """The forward record (memory form ``[ACT_NUM_FIELDS]``) of one layer's output over a batch, in float64 from
+    the float32 view of the values (as :func:`compute`): the float64 reference of every writer.
+
+    ``unit_axis``: the axis of the output's units (-1 for Keras and Dense layers, 1 for PyTorch's ``NCHW``
+    convolutions); every other axis is a batch axis (examples, positions). ``bounds``: the activation's
+    ``(lo, hi)`` (:func:`activation_bounds`) for the saturated count, None for an unbounded one.
+    """
+    v = flush_to_zero(np.asarray(output))
+    rec = act_empty()
+    finite = _set_counts_and_moments(rec, v.reshape(-1), ACT_INDEX)
+    alive = unit_alive(v, unit_axis=unit_axis) if v.size else np.zeros(0, bool)
+    rec[ACT_INDEX["units"]] = alive.size
+    rec[ACT_INDEX["dead"]] = int(np.count_nonzero(~alive))
+    if bounds is not None:
+        lo, hi = saturation_edges(bounds)
+        rec[ACT_INDEX["saturated"]] = int(np.count_nonzero((finite <= lo) | (finite >= hi)))
+        rec[ACT_INDEX["bound_lo"]], rec[ACT_INDEX["bound_hi"]] = float(bounds[0]), float(bounds[1])
+    return rec
+
+
+#: The forward record's fields that :func:`act_merge_all` adds (counts, and the relative sum of squares).
+ACT_ADDITIVE: tuple[int, ...] = tuple(ACT_INDEX[name] for name in ACT_COUNT_FIELDS
+                                      + tuple(s.name for s in GRAD_SUMS if not s.mean))
+
+
+def act_merge_all(records: np.ndarray, axis: int = 0) -> np.ndarray:
+    """Merge forward records along ``axis``: of disjoint sets of units of one output (tensor-parallel shards), or of
+    several steps (a window). Counts add (so ``dead / units`` of steps is their mean dead fraction), min/max
+    combine, the mean and ``ssq_rel`` merge as :func:`merge`'s, the bounds are taken where known.
+
+    Parts of one batch (micro-batches, data-parallel shards) share their units: merge them with
+    :func:`act_merge_batches`, which needs each part's :func:`unit_alive`.
+    """
+    r = np.moveaxis(np.asarray(records, dtype=np.float64), axis, 0)
+    if r.shape[0] == 0:
+        return act_empty(r.shape[1:-1])
+    out = np.empty(r.shape[1:], dtype=np.float64)
+    for name in ACT_COUNT_FIELDS:
+        out[..., ACT_INDEX[name]] = r[..., ACT_INDEX[name]].sum(axis=0)
+    out[..., ACT_INDEX["min"]] = np.minimum.reduce(r[..., ACT_INDEX["min"]], axis=0)
+    out[..., ACT_INDEX["max"]] = np.maximum.reduce(r[..., ACT_INDEX["max"]], axis=0)
+    mn, mx = r[..., ACT_INDEX["min"]], r[..., ACT_INDEX["max"]]
+    ma = np.maximum(-mn, mx)
+    ma = np.where(np.isfinite(ma), ma, 0.0)
+    m = ma.max(axis=0)
+    n = r[..., ACT_INDEX["size"]] - r[..., ACT_INDEX["nan"]] - r[..., ACT_INDEX["posinf"]] - r[..., ACT_INDEX["neginf"]]
+    _merge_grad_sums(r, out, ma, m, n, ACT_INDEX)
+    for name in ("bound_lo", "bound_hi"):
+        out[..., ACT_INDEX[name]] = np.fmax.reduce(r[..., ACT_INDEX[name]], axis=0)
+    return out
+
+
+def act_merge_batches(records: np.ndarray, alive: np.ndarray) -> np.ndarray:
+    """The forward record of one output over a batch given in parts: ``records [k, ACT_NUM_FIELDS]`` of the parts
+    and their :func:`unit_alive` ``[k, units]``. Equal to :func:`compute_activations` of the whole batch: a unit
+    is dead where it is dead in every part."""
+    records = np.asarray(records, dtype=np.float64)
+    alive = np.asarray(alive, dtype=bool)
+    out = act_merge_all(records)
+    out[ACT_INDEX["units"]] = alive.shape[-1]
+    out[ACT_INDEX["dead"]] = int(np.count_nonzero(~np.any(alive, axis=0)))
+    return out
+
+
+def act_scale(rec: np.ndarray, factor: float | np.ndarray) -> np.ndarray:
+    """The forward records with their additive fields (:data:`ACT_ADDITIVE`) times ``factor``: a window's mean
+    step, as :func:`scale` for the gradient record."""
+    out = np.array(rec, dtype=np.float64)
+    factor = np.asarray(factor, dtype=np.float64)
+    for i in ACT_ADDITIVE:
+        out[..., i] *= factor
+    return out
+
+
+def act_derived(rec: np.ndarray) -> dict[str, np.ndarray]:
+    """Human-facing quantities of forward records, float64 over the leading dimensions: ``rms``, ``mean``,
+    ``max_abs`` over the finite values (NaN where there are none); ``nonfinite``; ``zero_fraction`` of the
+    elements; ``dead_fraction`` of the units; ``saturated_fraction`` of the finite elements (NaN for an unbounded
+    activation)."""
+    rec = np.asarray(rec, dtype=np.float64)
+    col = {name: rec[..., i] for name, i in ACT_INDEX.items()}
+    size, units = col["size"], col["units"]
+    nonfinite = col["nan"] + col["posinf"] + col["neginf"]
+    n = size - nonfinite
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        m = np.maximum(-col["min"], col["max"])
+        m = np.where((n > 0) & np.isfinite(m), m, np.nan)
+        rms = np.where(n > 0, m * np.sqrt(col["ssq_rel"] / np.where(n > 0, n, 1)), np.nan)
+        bounded = np.isfinite(col["bound_lo"]) & np.isfinite(col["bound_hi"])
+        return {
+            "size": size,
+            "finite": n,
+            "nonfinite": nonfinite,
+            "zero_fraction": np.where(size > 0, col["zero"] / np.where(size > 0, size, 1), np.nan),
+            "units": units,
+            "dead": col["dead"],
+            "dead_fraction": np.where(units > 0, col["dead"] / np.where(units > 0, units, 1), np.nan),
+            "saturated_fraction": np.where(bounded & (n > 0), col["saturated"] / np.where(n > 0, n, 1), np.nan),
+            "min": col["min"],
+            "max": col["max"],
+            "mean": np.where(n > 0, col["mean"], np.nan),
+            "max_abs": m,
+            "rms": rms,
+        }
+
+
+def _check_act_rows(rec: np.ndarray) -> np.ndarray:
+    rec = np.asarray(rec, dtype=np.float64)
+    if rec.ndim != 2 or rec.shape[1] != ACT_NUM_FIELDS:
+        raise ValueError(f"expected forward records of shape [L, {ACT_NUM_FIELDS}], got {rec.shape}")
+    return rec
+
+
+def act_to_disk(rec: np.ndarray) -> np.ndarray:
+    """Forward records ``[L, ACT_NUM_FIELDS]`` -> the float32 disk tensor ``[L, ACT_NUM_FIELDS]``: the counts as
+    int32 bit patterns (exact), the values as float32."""
+    rec = _check_act_rows(rec)
+    counts = rec[:, :ACT_NUM_COUNTS]
+    if np.any(counts > MAX_ELEMENTS_PER_PART):
+        raise ValueError(f"a count exceeds {MAX_ELEMENTS_PER_PART}: split the output into parts")
+    out = np.empty(rec.shape, dtype=np.float32)
+    out.view(np.int32)[:, :ACT_NUM_COUNTS] = np.rint(counts).astype(np.int32)
+    with np.errstate(over="ignore"):
+        out[:, ACT_NUM_COUNTS:] = rec[:, ACT_NUM_COUNTS:]
+    return out
+
+
+def act_from_disk(tensor: np.ndarray) -> np.ndarray:
+    """The float32 disk tensor of forward records -> memory form ``[L, ACT_NUM_FIELDS]`` float64."""
+    t = act_tensor_or_raise(np.ascontiguousarray(np.asarray(tensor), dtype=np.float32))
+    out = np.empty(t.shape, dtype=np.float64)
+    out[:, :ACT_NUM_COUNTS] = t.view(np.int32)[:, :ACT_NUM_COUNTS]
+    out[:, ACT_NUM_COUNTS:] = t[:, ACT_NUM_COUNTS:]
+    return out
+
+
+def act_tensor_or_raise(t: np.ndarray) -> np.ndarray:
+    """``t`` if it has the forward disk form's shape ``[L, ACT_NUM_FIELDS]``, else ValueError."""
+    if np.ndim(t) != 2 or np.shape(t)[1] != ACT_NUM_FIELDS:
+        raise ValueError(f"tensor of shape {np.shape(t)} is not a forward record tensor ([L, {ACT_NUM_FIELDS}])")
+    return t
+
+
+def act_check_disk(t: np.ndarray) -> tuple[np.ndarray, dict[int, str]]:
+    """Which rows of a forward disk tensor are damaged: ``(bad [L] bool, {row: reason})``, as :func:`check_disk`.
+
+    A row is damaged when a count is negative; the nonfinite and zero counts exceed ``size``; ``dead`` exceeds
+    ``units`` or ``units`` exceeds ``size`` (or is 0 for a nonempty output); ``saturated`` exceeds the finite count,
+    or is not 0 without bounds; the bounds are not both NaN or both finite with ``lo < hi``; finite values are counted
+    but min/max are not finite, ``min > max``, the mean is outside ``[min, max]`` or ``ssq_rel`` outside
+    ``[1, finite count]`` (0 when all are zero).
+    """
+    t = np.asarray(act_tensor_or_raise(np.asarray(t)), dtype=np.float32)
+    c = {name: np.ascontiguousarray(t[:, i]).view(np.int32).astype(np.int64) for i, name in enumerate(ACT_COUNT_FIELDS)}
+    v = {name: t[:, ACT_INDEX[name]].astype(np.float64) for name in ACT_VALUE_FIELDS}
+    finite = c["size"] - c["nan"] - c["posinf"] - c["neginf"]
+    has = finite > 0
+    lo, hi = v["bound_lo"], v["bound_hi"]
+    with np.errstate(invalid="ignore", over="ignore"):
+        m = np.maximum(np.abs(v["min"]), np.abs(v["max"]))
+        slack = _CHECK_RTOL * m
+        nonzero = has & (finite - c["zero"] > 0)
+        checks = [
+            (np.any(np.stack(list(c.values())) < 0, axis=0), "negative count"),
+            (finite - c["zero"] < 0, "NaN, Inf and zero counts exceed size"),
+            ((c["dead"] > c["units"]) | (c["units"] > np.maximum(c["size"], 1)) | ((c["size"] > 0) & (c["units"] == 0)),
+             "dead units exceed units, or units exceed size"),
+            (c["saturated"] > np.maximum(finite, 0), "saturated count exceeds the finite count"),
+            (~((np.isnan(lo) & np.isnan(hi)) | (np.isfinite(lo) & np.isfinite(hi) & (lo < hi))),
+             "bounds are not both NaN or an interval"),
+            (np.isnan(lo) & (c["saturated"] != 0), "saturated count without bounds"),
+            (has & ~(np.isfinite(v["min"]) & np.isfinite(v["max"])), "min/max not finite although finite values are "
+                                                                     "counted"),
+            (has & (v["min"] > v["max"]), "min > max"),
+            (has & ~((v["mean"] >= v["min"] - slack) & (v["mean"] <= v["max"] + slack)), "mean outside [min, max]"),
+            (nonzero & ~((v["ssq_rel"] >= 1.0 - _CHECK_RTOL) & (v["ssq_rel"] <= finite * (1.0 + _CHECK_RTOL))),
+             "ssq_rel outside [1, finite count]"),
+            (has & (finite - c["zero"] == 0) & ((m != 0) | (v["ssq_rel"] != 0)), "all values zero but min/max/ssq_rel "
+                                                                                  "are not"),
+        ]
+    reasons: dict[int, str] = {}
+    for mask, why in checks:
+        for i in np.flatnonzero(mask):
+            reasons.setdefault(int(i), why)
+    bad = np.zeros(t.shape[0], dtype=bool)
+    bad[list(reasons)] = True
+    return bad, reasons

@@ -85,9 +85,9 @@ def _check_array(value: Any, what: str) -> np.ndarray:
     return arr
 
 
-def _check_counts(layers: Sequence[str], rows: np.ndarray) -> None:
+def _check_counts(layers: Sequence[str], rows: np.ndarray, num_counts: int = record.NUM_COUNTS) -> None:
     """ValueError naming the first layer whose counts are not non-negative integers (they could not be encoded)."""
-    counts = rows[:, : record.NUM_COUNTS]
+    counts = rows[:, :num_counts]
     bad = ~np.all(np.isfinite(counts) & (counts >= 0) & (counts == np.round(counts)), axis=1)
     if bad.any():
         j = int(np.flatnonzero(bad)[0])
@@ -224,6 +224,52 @@ class Writer:
         ) if layers else record.empty((0,))
         return self.add_records(step, layers, rows, name=name, wall_time=wall_time)
 
+    def add_activations(
+        self,
+        step: int,
+        outputs: Mapping[str, np.ndarray],
+        *,
+        unit_axis: int | Mapping[str, int] = -1,
+        activations: Mapping[str, str] | None = None,
+        name: str = "gradients",
+        wall_time: float | None = None,
+        layer_info: Sequence[tuple[str, str]] = (),
+    ) -> str:
+        """Record ``{layer: output}``, each layer's output over the step's batch, at ``step``: the forward record
+        (:func:`tb_gradhealth.record.compute_activations`: RMS, mean, max|a|, NaN/Inf, exact zeros, units dead for
+        every input of the batch, and the saturated fraction of a bounded activation), beside the gradients of the
+        stream ``name``.
+
+        Layers are rows in the dict's order, the network's forward order. ``unit_axis``: the axis of the units (one
+        for every layer, or ``{layer: axis}``; -1 by default: features last, as Keras and ``nn.Linear`` have them;
+        PyTorch's convolutions have their channels at 1). ``activations``: ``{layer: activation name}`` (``"relu"``,
+        ``"tanh"``, ...): a bounded one (:data:`tb_gradhealth.record.BOUNDS`) gets its saturated count, and the name
+        is kept in the tag's metadata for the diagnosis (``layer_info`` gives ``(kind, activation)`` per row
+        instead). Returns the tag.
+        """
+        self._check_open()
+        layers = _names(outputs, "outputs")
+        acts = dict(activations or {})
+        unknown = [k for k in acts if k not in outputs]
+        if unknown:
+            raise ValueError(f"activations: no output given for {', '.join(map(repr, unknown))}")
+        axes = dict(unit_axis) if isinstance(unit_axis, Mapping) else dict.fromkeys(layers, unit_axis)
+        rows = []
+        for n in layers:
+            arr = _check_array(outputs[n], f"output of layer {n!r}")
+            axis = axes.get(n, -1)
+            if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):
+                raise TypeError(f"unit_axis of layer {n!r} must be an integer, got {axis!r}")
+            if arr.ndim >= 2 and not -arr.ndim <= axis < arr.ndim:
+                raise ValueError(f"unit_axis {axis} of layer {n!r} is outside its output's {arr.ndim} axes")
+            rows.append(record.compute_activations(arr, unit_axis=int(axis),
+                                                   bounds=record.activation_bounds(acts.get(n, ""))))
+        if not layer_info and acts:
+            layer_info = [("", str(acts.get(n, ""))) for n in layers]
+        mem = np.stack(rows) if rows else record.act_empty((0,))
+        return self.add_records(step, layers, mem, name=name, kind=record.ACTIVATIONS, wall_time=wall_time,
+                                layer_info=layer_info)
+
     def add_records(
         self,
         step: int,
@@ -236,25 +282,29 @@ class Writer:
         layer_info: Sequence[tuple[str, str]] = (),
         source: Mapping[str, str] | None = None,
     ) -> str:
-        """Write already-computed records (memory form ``[L, NUM_FIELDS]``, rows = ``layers``). Returns the tag.
-        ``layer_info``: per row, ``(layer kind, activation)`` where known, kept in the tag's metadata; ``source``:
-        what the caller knows of the training loop, kept there too (default: the writer's :attr:`source`)."""
+        """Write already-computed records (memory form ``[L, NUM_FIELDS]``, rows = ``layers``; forward records
+        ``[L, ACT_NUM_FIELDS]`` for ``kind="activations"``). Returns the tag. ``layer_info``: per row, ``(layer kind,
+        activation)`` where known, kept in the tag's metadata; ``source``: what the caller knows of the training
+        loop, kept there too (default: the writer's :attr:`source`)."""
         self._check_open()
         layers = _names(layers, "layers")
         if not isinstance(name, str) or not name:
             raise TypeError(f"name must be a non-empty string, got {name!r}")
+        forward = kind == record.ACTIVATIONS
+        width, num_counts = (record.ACT_NUM_FIELDS, record.ACT_NUM_COUNTS) if forward else (record.NUM_FIELDS,
+                                                                                             record.NUM_COUNTS)
         rows = _check_array(mem_rows, "mem_rows").astype(np.float64)
-        if rows.shape != (len(layers), record.NUM_FIELDS):
-            raise ValueError(f"expected records of shape [{len(layers)}, {record.NUM_FIELDS}], got {rows.shape}")
+        if rows.shape != (len(layers), width):
+            raise ValueError(f"expected records of shape [{len(layers)}, {width}], got {rows.shape}")
         if len(set(layers)) != len(layers):
             raise ValueError("layer names must be unique")
-        _check_counts(layers, rows)
+        _check_counts(layers, rows, num_counts)
         about = self.source if source is None else metadata.check_source(source)
-        base = metadata.tag_for(layers, name)
+        base = metadata.tag_for(layers, name, kind=kind)
         self._last_step[base] = step = check_step(step, self._last_step.get(base))
-        disk = record.to_disk(rows)
-        self._warn_inconsistent(base, layers, step, disk)
-        tag = metadata.tag_for(layers, name, step)
+        disk = record.act_to_disk(rows) if forward else record.to_disk(rows)
+        self._warn_inconsistent(base, layers, step, disk, forward)
+        tag = metadata.tag_for(layers, name, step, kind=kind)
         md = None
         if tag not in self._tags_with_metadata:
             info = tuple((str(k), str(a)) for k, a in layer_info) if len(layer_info) == len(layers) else ()
@@ -264,13 +314,15 @@ class Writer:
         self._emit(make_event(step, tag, disk, md, wall_time))
         return tag
 
-    def _warn_inconsistent(self, base: str, layers: Sequence[str], step: int, disk: np.ndarray) -> None:
-        """Warn, once per layer, about rows that fail the readers' checks (:func:`record.check_disk`).
+    def _warn_inconsistent(self, base: str, layers: Sequence[str], step: int, disk: np.ndarray,
+                           forward: bool = False) -> None:
+        """Warn, once per layer, about rows that fail the readers' checks (:func:`record.check_disk`, or
+        :func:`record.act_check_disk` for ``forward`` records).
 
         Such a row is still written: the readers report it as damaged, with its reason, where the user looks, and
         the rows of the other layers and steps are kept. Raising here would end the training that produced it.
         """
-        _, reasons = record.check_disk(disk)
+        _, reasons = (record.act_check_disk if forward else record.check_disk)(disk)
         for j, why in sorted(reasons.items()):
             if (base, layers[j]) not in self._warned:
                 self._warned.add((base, layers[j]))

@@ -290,7 +290,8 @@ def test_gradients_round_trip_through_event_files(tmp_path):
     assert len(got) == 2
     for tag, (raw, points) in got.items():
         content = metadata.decode_content(raw)
-        assert content.layers == ("layer0/kernel", "layer1/kernel") and content.version == record.FORMAT_VERSION
+        assert content.layers == ("layer0/kernel", "layer1/kernel")
+        assert content.version == record.version_of("gradients")
         name = "eager" if "eager" in tag else "gradients"
         assert tag == metadata.tag_for(content.layers, name, step=0)  # every step here is in the first block
         assert [s for s, _ in points] == ([11] if "eager" in tag else [0, 1, 2])
