@@ -7,7 +7,8 @@ all-reduced gradient and global rank 0 writes; under FSDP / ZeRO (``sharded=True
 and :func:`tb_gradhealth.torch.merge` makes the full gradients' records. On logged steps it also records the loss
 ``training_step`` returned, under AMP with a loss scaler (``precision="16-mixed"``) the scale and whether the
 scaler skipped the step (``amp/loss_scale``, ``amp/step_skipped``), and in the tags' metadata each parameter's
-layer kind and activation (:mod:`tb_gradhealth.torch_kinds`) and the optimizer: evidence the diagnosis weighs. A
+layer kind and activation (:mod:`tb_gradhealth.torch_kinds`) and the optimizer: evidence the diagnosis weighs;
+with ``activations=True``, each layer's output in the logged steps' batches. A
 parameter with ``requires_grad=False`` or outside the optimizer is recorded frozen, and a ``.grad`` not produced
 since the last optimizer step missing, as under :class:`tb_gradhealth.torch.StepRecorder`. ``stop_on`` stops the
 trainer at the first logged step whose diagnosis shows a watched status (:class:`tb_gradhealth.live.StopCheck`).
@@ -27,6 +28,7 @@ import torch
 from tb_gradhealth import _storage, _torchparams, metadata, record
 from tb_gradhealth import torch as tgh
 from tb_gradhealth._failsafe import Failsafe
+from tb_gradhealth._torchforward import ForwardHooks
 from tb_gradhealth.live import StopCheck, Stoppable
 from tb_gradhealth.progress import SKIPPED_TAG
 from tb_gradhealth.torch_kinds import module_layer_info
@@ -50,12 +52,17 @@ class GradHealth(pl.Callback, Stoppable):
     logged step, the diagnosis ``tb-gradhealth report --step S`` gives on the logdir at that step (with
     ``thresholds``); at the first step where a layer's current status is watched, ``trainer.should_stop`` is set
     (on every rank: the writing rank's decision is shared) and :attr:`stop_event` says why.
+
+    ``activations=True`` (off by default) also records each layer's output in the training batches of logged steps
+    (the forward record, docs/ACTIVATIONS.md), through forward hooks (:mod:`tb_gradhealth._torchforward`) that the
+    writing rank registers when such a batch starts and removes once its optimizer step is written: other batches,
+    validation and prediction run none. Accumulated batches of one optimizer step are parts of its batch.
     """
 
     def __init__(self, log_dir: str | None = None, *, every: int = 100, first: int = 10,
                  hist_sample: int = record.DEFAULT_HIST_SAMPLE, updates: bool = True, sharded: bool = False,
                  name: str = "gradients", strict: bool = False, stop_on: Sequence[str] = (),
-                 thresholds: Any = None) -> None:
+                 thresholds: Any = None, activations: bool = False) -> None:
         super().__init__()
         if log_dir is not None:  # one that can never be written fails here, before the trainer starts
             _storage.check_writable(log_dir)
@@ -78,6 +85,9 @@ class GradHealth(pl.Callback, Stoppable):
         self._stop = StopCheck(stop_on, thresholds=thresholds, name=name) if stop_on else None
         #: a logged step whose stop decision every rank takes at the end of its batch
         self._decide = False
+        self.activations = bool(activations)
+        #: the layers' outputs in logged steps' batches (``activations=True``, the writing rank), made at setup
+        self._forward: ForwardHooks | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if trainer.is_global_zero and self.writer is None:
@@ -86,6 +96,14 @@ class GradHealth(pl.Callback, Stoppable):
             if self._stop is not None:
                 self._stop.watch(self.writer)
         self._kinds = self.failsafe.run("reading the layers' kinds", module_layer_info, pl_module) or {}
+        if self.activations and self.writer is not None and self._forward is None:
+            self._forward = ForwardHooks(pl_module)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self._forward is not None:  # this batch's optimizer step is global_step: hooks for its forward if logged
+            self.failsafe.run("arming the forward hooks", self._forward.arm, self._logs(trainer.global_step))
+            self._forward.begin()  # training_step may call the module's parts rather than its forward
 
     def _logs(self, step: int) -> bool:
         return step < self.first or step % self.every == 0
@@ -121,9 +139,12 @@ class GradHealth(pl.Callback, Stoppable):
         if self._stepping and self._watch is not None:  # global_step is now the next optimizer step's
             self.failsafe.run("watching which gradients a step produces", self._watch.stepped,
                               self._logs(trainer.global_step))
-        self._stepping = False
+        stepped, self._stepping = self._stepping, False
         if self._pending is not None:
             self._write(trainer, outputs)
+        if stepped and self._forward is not None:  # what a step not written saw goes; no hook until a logged batch
+            self._forward.clear()
+            self._forward.arm(False)
         if self._decide:
             self._decide = False
             self._stop_if_asked(trainer)
@@ -145,6 +166,9 @@ class GradHealth(pl.Callback, Stoppable):
         self.failsafe.run("writing a gradient-health record", self.writer.add_records, self._step, names, rows,
                           name=self.name, layer_info=[self._kinds.get(n, ("", "")) for n in names],
                           source=self.source, records=1)
+        if self._forward is not None:
+            self.failsafe.run("writing the forward records", self._forward.write, self.writer, self._step,
+                              name=self.name, source=self.source, records=1)
         scaler = _scaler(trainer)
         if self._scale is not None and scaler is not None:  # the scaler backs off exactly when it skips a step
             skipped = float(scaler.get_scale()) < self._scale
@@ -161,6 +185,9 @@ class GradHealth(pl.Callback, Stoppable):
             trainer.should_stop = True
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._forward is not None:
+            self._forward.arm(False)
+            self._forward = None
         if self.writer is not None:
             self.writer.close()
             self.writer = None

@@ -46,6 +46,7 @@ from tb_gradhealth import _core, _devicebatch, _devicestats, _torcheager, _torch
 from tb_gradhealth import _torchstats as ts
 from tb_gradhealth._core import LayerInputs
 from tb_gradhealth._failsafe import Failsafe
+from tb_gradhealth._torchforward import ForwardHooks
 from tb_gradhealth._torchparams import Selection, local
 from tb_gradhealth.live import StopCheck, StopEvent, Stoppable, StopTraining
 from tb_gradhealth.record import Delta
@@ -407,6 +408,13 @@ class StepRecorder(Stoppable):
     ``.grad`` was not produced since the last step (a branch not taken, ``zero_grad(set_to_none=False)``) is
     recorded missing: :class:`tb_gradhealth._torchparams.GradWatch`, armed around logged steps only.
 
+    ``activations=True`` (a module given; off by default: it reads every recorded layer's output) also records
+    each layer's output at logged steps, beside its gradient (the forward record, docs/ACTIVATIONS.md): forward
+    hooks (:mod:`tb_gradhealth._torchforward`) registered after the step before a logged one and removed after
+    it, so unlogged steps run none; the outputs are reduced on their device and leave it as a few numbers and one
+    bit a unit. Several forwards before one ``step`` (micro-batches) are parts of one batch. Under
+    ``torch.distributed`` the writing rank records its own batch.
+
     ``stop_on`` (statuses of :data:`tb_gradhealth.health.FLAGS`, e.g. ``("nonfinite", "exploding")``): at each
     logged step, the diagnosis ``tb-gradhealth report --step S`` gives on the logdir at that step
     (:class:`tb_gradhealth.live.StopCheck`, with ``thresholds``); at the first step where a layer's current status
@@ -433,7 +441,11 @@ class StepRecorder(Stoppable):
         stop_on: Sequence[str] = (),
         thresholds: Any = None,
         raise_on_stop: bool = False,
+        activations: bool = False,
     ) -> None:
+        if activations and not isinstance(model, torch.nn.Module):
+            raise ValueError("activations=True reads the layers' outputs through forward hooks: give the model as a "
+                             "torch.nn.Module, not its parameters")
         self.writer, self.optimizer, self.scaler = writer, optimizer, scaler
         self.origin = origin
         self.params = list(model.named_parameters() if isinstance(model, torch.nn.Module) else model)
@@ -456,6 +468,10 @@ class StepRecorder(Stoppable):
         if self._stop is not None and writer is not None:
             self._stop.watch(writer)
         self.raise_on_stop = bool(raise_on_stop)
+        #: the layers' outputs at logged steps (``activations=True``), armed for the first step's forward
+        self._forward = ForwardHooks(model) if activations and writer is not None and _rank(group) == 0 else None
+        if self._forward is not None:
+            self._forward.arm(True)
 
     @property
     def dropped_records(self) -> int:
@@ -511,6 +527,9 @@ class StepRecorder(Stoppable):
             return self._step(step, batch, loss)
         finally:  # from here on a .grad that backward does not reach is not the next step's
             self._failsafe.run("watching which gradients a step produces", self._watch.stepped, self.logs(step + 1))
+            if self._forward is not None:  # the hooks run only in the forward of a logged step
+                self._forward.clear()
+                self._failsafe.run("arming the forward hooks", self._forward.arm, self.logs(step + 1))
 
     def _step(self, step: int, batch: Sequence[Any] | None, loss: Any) -> bool:
         if not self.logs(step):
@@ -551,6 +570,9 @@ class StepRecorder(Stoppable):
             safe.run("writing a gradient-health record", self.writer.add_records, step,
                      [n for n, _ in self.params], grads, name=self.name, layer_info=self.layer_info,
                      source=self.source, records=1)
+            if self._forward is not None:
+                safe.run("writing the forward records", self._forward.write, self.writer, step, name=self.name,
+                         source=self.source, records=1)
             if scale is not None:
                 safe.run("writing the loss scale", self.writer.add_scalars, step,
                          {"amp/loss_scale": scale, "amp/step_skipped": float(not applied)})

@@ -8,7 +8,8 @@ not clipping) so a reader can tell, and under mixed precision with a loss scaler
 whether the scaler skipped the step (``amp/loss_scale``, ``amp/step_skipped``). The applied update is recorded in
 ``on_optimizer_step``. The loss ``Trainer`` logs (every ``logging_steps``, its mean since the last log) is recorded
 in ``on_log`` at the step of its last batch's record, and each parameter's layer kind and activation
-(:mod:`tb_gradhealth.torch_kinds`) and the optimizer in the tags' metadata: evidence the diagnosis weighs. A
+(:mod:`tb_gradhealth.torch_kinds`) and the optimizer in the tags' metadata: evidence the diagnosis weighs; with
+``activations=True``, each layer's output in the logged steps' batches. A
 parameter with ``requires_grad=False`` (a frozen base model under an adapter) or outside the optimizer is recorded
 frozen, and a ``.grad`` not produced since the last optimizer step missing, as under
 :class:`tb_gradhealth.torch.StepRecorder`. ``stop_on`` ends training (``control.should_training_stop``) at the
@@ -28,6 +29,7 @@ from transformers import TrainerCallback
 from tb_gradhealth import _storage, _torchparams, metadata, record
 from tb_gradhealth import torch as tgh
 from tb_gradhealth._failsafe import Failsafe
+from tb_gradhealth._torchforward import ForwardHooks
 from tb_gradhealth.live import StopCheck, Stoppable
 from tb_gradhealth.progress import SKIPPED_TAG
 from tb_gradhealth.torch_kinds import layer_info_for
@@ -51,12 +53,17 @@ class GradHealthCallback(TrainerCallback, Stoppable):
     logged step, the diagnosis ``tb-gradhealth report --step S`` gives on the logdir at that step (with
     ``thresholds``); at the first step where a layer's current status is watched, ``control.should_training_stop``
     is set and :attr:`stop_event` says why. A step whose loss ``Trainer`` logs is checked once the loss is written.
+
+    ``activations=True`` (off by default) also records each layer's output in the batches of logged steps (the
+    forward record, docs/ACTIVATIONS.md), through forward hooks (:mod:`tb_gradhealth._torchforward`) registered in
+    ``on_step_begin`` of a logged step and removed once its update is written: other steps and evaluation run none.
+    The batches of one step under gradient accumulation are parts of its batch.
     """
 
     def __init__(self, log_dir: str | None = None, *, every: int = 100, first: int = 10,
                  hist_sample: int = record.DEFAULT_HIST_SAMPLE, updates: bool = True,
                  name: str = "gradients", strict: bool = False, stop_on: Sequence[str] = (),
-                 thresholds: Any = None) -> None:
+                 thresholds: Any = None, activations: bool = False) -> None:
         if log_dir is not None:  # one that can never be written fails here, before the trainer starts
             _storage.check_writable(log_dir)
         self.strict = bool(strict)
@@ -73,6 +80,9 @@ class GradHealthCallback(TrainerCallback, Stoppable):
         self._stop = StopCheck(stop_on, thresholds=thresholds, name=name) if stop_on else None
         #: the logged step written but not yet checked (its loss may still come in ``on_log``)
         self._unchecked: int | None = None
+        self.activations = bool(activations)
+        #: the layers' outputs in logged steps (``activations=True``, the main process), made when training begins
+        self._forward: ForwardHooks | None = None
 
     def _logs(self, step: int) -> bool:
         return step < self.first or step % self.every == 0
@@ -91,6 +101,14 @@ class GradHealthCallback(TrainerCallback, Stoppable):
         if self.writer is not None and kwargs.get("model") is not None:
             self._watch = self.failsafe.run("watching which gradients a step produces", _torchparams.GradWatch,
                                             list(kwargs["model"].named_parameters()))
+            if self.activations:
+                if self._forward is not None:
+                    self._forward.arm(False)
+                self._forward = ForwardHooks(kwargs["model"])
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._forward is not None:  # before the forwards of optimizer step global_step: hooks if it is logged
+            self.failsafe.run("arming the forward hooks", self._forward.arm, self._logs(state.global_step))
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         step = state.global_step
@@ -110,10 +128,18 @@ class GradHealthCallback(TrainerCallback, Stoppable):
         if self._watch is not None:  # global_step + 1 is the next optimizer step
             self.failsafe.run("watching which gradients a step produces", self._watch.stepped,
                               self._logs(state.global_step + 1))
+        forward = self._forward
+        if forward is not None and self._pending is None:  # not logged: what the hooks saw goes
+            forward.clear()
+            forward.arm(False)
         if self._pending is None or self.writer is None:
             return
         step, params, pending, scale = self._pending
         self._pending = None
+        if forward is not None:
+            self.failsafe.run("writing the forward records", forward.write, self.writer, step, name=self.name,
+                              source=self.source, records=1)
+            forward.arm(False)
         rows = self.failsafe.run("finishing the gradient-health record", tgh.after_step, pending, params, records=1)
         if rows is None:
             return
@@ -152,6 +178,9 @@ class GradHealthCallback(TrainerCallback, Stoppable):
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._check(control)
+        if self._forward is not None:
+            self._forward.arm(False)
+            self._forward = None
         if self.writer is not None:
             self.writer.close()
             self.writer = None

@@ -11,46 +11,9 @@ import pytest
 from tb_gradhealth import metadata, reader, record, testing
 from tb_gradhealth._streams import split_streams, stream_of
 from tb_gradhealth.writer import Writer
+from tests.forward_reference import check_against, reference
 
-TINY = float(np.finfo(np.float32).tiny)
 SCALES = [1e-36, 1e-20, 1e-6, 1.0, 1e6, 1e20, 1e36]
-
-
-def reference(a: np.ndarray, unit_axis: int = -1, bounds: tuple[float, float] | None = None) -> dict[str, float]:
-    """Plain float64 statistics of a float32 output, |a| < TINY flushed to zero; units and dead units by a loop."""
-    x = np.asarray(a, dtype=np.float32).astype(np.float64)
-    x = np.where(np.abs(x) < TINY, 0.0, x)
-    flat = x.ravel()
-    fin = flat[np.isfinite(flat)]
-    units = x.shape[unit_axis] if x.ndim >= 2 else 1
-    dead = 0
-    for u in range(units):
-        unit = np.take(x, u, axis=unit_axis) if x.ndim >= 2 else x
-        dead += all(v == 0 for v in unit.ravel())  # NaN != 0: a NaN unit is not dead
-    out = {"size": flat.size, "nonfinite": int((~np.isfinite(flat)).sum()), "zero": int((fin == 0).sum()),
-           "units": units, "dead": dead}
-    if fin.size:
-        out.update(mean=float(fin.mean()), max_abs=float(np.abs(fin).max()),
-                   rms=math.sqrt(float(np.mean(fin * fin))), min=float(fin.min()), max=float(fin.max()))
-    if bounds is not None:
-        lo, hi = bounds
-        margin = 0.01 * (hi - lo)
-        out["saturated"] = int(sum(1 for v in fin if v <= lo + margin + 1e-7 * abs(lo + margin)
-                                   or v >= hi - margin - 1e-7 * abs(hi - margin)))
-    return out
-
-
-def check_against(rec: np.ndarray, ref: dict[str, float]) -> None:
-    d = record.act_derived(rec)
-    for name in ("size", "nonfinite", "units", "dead"):
-        assert d[name] == ref[name], name
-    assert rec[record.ACT_INDEX["zero"]] == ref["zero"]
-    if "mean" in ref:
-        assert d["min"] == ref["min"] and d["max"] == ref["max"] and d["max_abs"] == ref["max_abs"]
-        np.testing.assert_allclose(d["rms"], ref["rms"], rtol=1e-6)
-        np.testing.assert_allclose(d["mean"], ref["mean"], rtol=1e-6, atol=1e-12 * ref["max_abs"])
-    if "saturated" in ref:
-        assert rec[record.ACT_INDEX["saturated"]] == ref["saturated"]
 
 
 @pytest.mark.unit

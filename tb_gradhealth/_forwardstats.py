@@ -1,0 +1,116 @@
+"""The forward record's statistics of one layer output, written once for array libraries with a numpy-like namespace
+(torch, jax.numpy, TensorFlow's numpy): the PyTorch, JAX and Keras writers call :func:`output_stats` with their
+backend (:class:`tb_gradhealth._devicestats.Backend`), so every device computes what
+:func:`tb_gradhealth.record.compute_activations` (the float64 reference) defines, the same way. Imports numpy only.
+
+Every statistic is a reduction of the output on its device: counts, extremes, the relative sums (shared with the
+gradient record: :func:`tb_gradhealth._devicestats.grad_sums`), the saturated count against
+:func:`record.saturation_edges`, and each unit's ``alive`` bit (a reduction over every axis but the unit axis).
+What leaves the device is a few numbers and one bit a unit (:func:`rows`: the alive bits of the parts of one batch
+are ORed before the dead units are counted, :func:`record.act_merge_batches`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from tb_gradhealth import record
+from tb_gradhealth._devicestats import F32_MAX, Backend, grad_sums
+
+#: The counts :func:`output_stats` gives, in order (``units`` and ``dead`` come from ``alive``).
+COUNTS = ("size", "nan", "posinf", "neginf", "zero", "saturated")
+#: The values it gives, in order.
+VALUES = ("min", "max", *record.GRAD_SUM_NAMES)
+
+
+class OutputStats(NamedTuple):
+    """One output's statistics on its device: ``counts`` int ``[len(COUNTS)]``, ``values`` float32
+    ``[len(VALUES)]`` and ``alive`` bool ``[units]``."""
+
+    counts: Any
+    values: Any
+    alive: Any
+
+
+def unit_axis_of(ndim: int, unit_axis: int) -> int | None:
+    """The unit axis of an output of ``ndim`` axes as a non-negative index, None for an output of fewer than two axes
+    (one unit: a value per example)."""
+    if ndim < 2:
+        return None
+    if not -ndim <= unit_axis < ndim:
+        raise ValueError(f"unit_axis {unit_axis} is outside an output of {ndim} axes")
+    return unit_axis % ndim
+
+
+def output_stats(be: Backend, x: Any, *, unit_axis: int = -1, bounds: tuple[float, float] | None = None,
+                 unit_any: Callable[[Any, int], Any] | None = None) -> OutputStats:
+    """The statistics of one output ``x`` (any float dtype, taken as float32 holds it). ``unit_any(mask, axis)``:
+    ``bool [units]``, whether each unit has a True anywhere along the other axes (default: the namespace's
+    ``moveaxis``, ``reshape`` and ``any``)."""
+    xp = be.xp
+    x = be.f32(x)
+    shape = tuple(int(d) for d in x.shape)
+    n = math.prod(shape)
+    flat = xp.reshape(x, (-1,))
+    a = xp.abs(flat)
+    finite = a <= F32_MAX  # False for NaN and +-Inf
+    keep = finite & (a >= record.FLUSH_BELOW)  # finite and not flushed to zero
+    nfin = xp.count_nonzero(finite)
+    nan = xp.count_nonzero(xp.isnan(flat))
+    posinf = xp.count_nonzero(flat == float("inf"))
+    xk = xp.where(keep, flat, 0.0)
+    mn = xp.min(xp.where(finite, xk, float("inf"))) if n else xp.asarray(float("inf"))
+    mx = xp.max(xp.where(finite, xk, -float("inf"))) if n else xp.asarray(-float("inf"))
+    m = xp.maximum(mx, -mn)
+    m = xp.where(m > 0, m, 0.0)  # no finite value: -inf -> 0
+    sums = grad_sums(be, xk, m, nfin, plain=False) if n else [xp.asarray(0.0)] * len(record.GRAD_SUMS)
+    saturated = nfin * 0
+    if bounds is not None:
+        lo, hi = record.saturation_edges(bounds)
+        saturated = xp.count_nonzero(finite & ((xk <= float(lo)) | (xk >= float(hi))))
+    counts = xp.stack([nfin * 0 + n, nan, posinf, n - nfin - nan - posinf, nfin - xp.count_nonzero(keep), saturated])
+    alive_mask = xp.reshape(~finite | keep, shape)  # not exactly zero: nonzero, NaN or Inf
+    axis = unit_axis_of(len(shape), unit_axis)
+    if axis is None:
+        alive = xp.reshape(xp.any(alive_mask), (1,))
+    else:
+        alive = (unit_any or _unit_any)(xp, alive_mask, axis) if n else xp.zeros((shape[axis],), dtype=bool)
+    return OutputStats(counts, be.f32(xp.stack([mn, mx, *sums])), alive)
+
+
+def _unit_any(xp: Any, mask: Any, axis: int) -> Any:
+    units = mask.shape[axis]
+    return xp.any(xp.reshape(xp.moveaxis(mask, axis, -1), (-1, units)), axis=0)
+
+
+def row(counts: np.ndarray, values: np.ndarray, alive: np.ndarray, bounds: tuple[float, float] | None) -> np.ndarray:
+    """One part's forward record (memory form) from its statistics on the host (before the parts of its batch are
+    merged: ``dead`` here is the part's own)."""
+    rec = record.act_empty()
+    for name, v in zip(COUNTS, np.asarray(counts, dtype=np.float64), strict=True):
+        rec[record.ACT_INDEX[name]] = v
+    for name, v in zip(VALUES, np.asarray(values, dtype=np.float64), strict=True):
+        rec[record.ACT_INDEX[name]] = v
+    alive = np.asarray(alive, dtype=bool)
+    rec[record.ACT_INDEX["units"]] = alive.size if rec[record.ACT_INDEX["size"]] else 0
+    rec[record.ACT_INDEX["dead"]] = int(np.count_nonzero(~alive)) if rec[record.ACT_INDEX["size"]] else 0
+    if bounds is not None:
+        rec[record.ACT_INDEX["bound_lo"]], rec[record.ACT_INDEX["bound_hi"]] = bounds
+    return rec
+
+
+def merged_row(parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]],
+               bounds: tuple[float, float] | None) -> np.ndarray:
+    """The forward record of one output over a batch seen in ``parts`` (each ``(counts, values, alive)`` on the
+    host: micro-batches of one step): :func:`record.act_merge_batches` of their rows."""
+    rows = np.stack([row(c, v, a, bounds) for c, v, a in parts])
+    if len(parts) == 1:
+        return rows[0]
+    sizes = {np.size(a) for _, _, a in parts}
+    if len(sizes) != 1:  # the same layer with other units (another input shape): its parts' own dead counts add
+        return record.act_merge_all(rows)
+    return record.act_merge_batches(rows, np.stack([np.asarray(a, dtype=bool) for _, _, a in parts]))
