@@ -114,3 +114,20 @@ def merged_row(parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]],
     if len(sizes) != 1:  # the same layer with other units (another input shape): its parts' own dead counts add
         return record.act_merge_all(rows)
     return record.act_merge_batches(rows, np.stack([np.asarray(a, dtype=bool) for _, _, a in parts]))
+
+
+def disk_row(be: Backend, stats: OutputStats, bounds: tuple[float, float] | None, bits: Callable[[Any], Any]) -> Any:
+    """One output's forward record in the disk form ``[ACT_NUM_FIELDS]`` float32, on the device: a batch seen
+    whole (no parts to merge), so its dead units are counted there. ``bits``: int32 counts -> their float32 bit
+    patterns (the backend's bitcast)."""
+    xp = be.xp
+    counts = dict(zip(COUNTS, [stats.counts[i] for i in range(len(COUNTS))], strict=True))
+    units = int(stats.alive.shape[0])
+    size = counts["size"]
+    counts["units"] = xp.where(size > 0, units, 0)
+    counts["dead"] = xp.where(size > 0, units - xp.count_nonzero(stats.alive), 0)
+    lo, hi = bounds if bounds is not None else (float("nan"), float("nan"))
+    values = dict(zip(VALUES, [stats.values[i] for i in range(len(VALUES))], strict=True))
+    values |= {"bound_lo": be.f32(xp.asarray(lo)), "bound_hi": be.f32(xp.asarray(hi))}
+    head = bits(xp.stack([xp.asarray(counts[name]).astype(xp.int32) for name in record.ACT_COUNT_FIELDS]))
+    return xp.concatenate([head, xp.stack([be.f32(values[name]) for name in record.ACT_VALUE_FIELDS])])

@@ -17,6 +17,11 @@
   statistics computed); :func:`recording` finds the leaves its optimizer never updates from the optimizer's
   structure (``set_to_zero``, ``transforms.freeze``, a ``multi_transform`` partition: :mod:`tb_gradhealth._jaxfrozen`).
 
+* Each layer's output (the forward record, docs/ACTIVATIONS.md): :func:`forward_records` of flax's
+  ``capture_intermediates`` or of what a model ``sow``s, inside the jitted step of a logged step (a separate
+  ``apply`` with ``capture_intermediates=True`` for those steps only: the other steps' graph is unchanged), and
+  :func:`add_forward_records` on the host.
+
 The statistics are :mod:`tb_gradhealth._devicestats`, shared with the PyTorch path; the numbers match
 :func:`record.compute` as documented in docs/TORCH_JAX.md.
 """
@@ -32,14 +37,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from tb_gradhealth import _core, _devicestats, _jaxfrozen, metadata, record
+from tb_gradhealth import _core, _devicestats, _forwardstats, _jaxfrozen, metadata, record
 from tb_gradhealth._core import LayerInputs
 from tb_gradhealth._failsafe import Failsafe
 from tb_gradhealth.live import StopCheck, StopEvent, Stoppable
 from tb_gradhealth.writer import Writer
 
-__all__ = ["RecordingState", "StepWatch", "StopEvent", "add_records", "compute", "frozen_rows", "keras_callback",
-           "layer_names", "merge", "recording", "to_memory", "write_state"]
+__all__ = ["RecordingState", "StepWatch", "StopEvent", "add_forward_records", "add_records", "compute",
+           "forward_names", "forward_records", "frozen_rows", "keras_callback", "layer_names", "merge", "recording",
+           "to_memory", "write_state"]
 
 _log = logging.getLogger("tb_gradhealth")
 #: What the records' metadata says of the loop when the caller names nothing more.
@@ -255,6 +261,85 @@ def add_records(writer: Writer, step: int, names: list[str], stacked: Any, *, na
     if any(flags):
         rows = _core.with_frozen(rows[[not f for f in flags]], flags, rows[:, record.INDEX["size"]])
     return writer.add_records(step, names, rows, name=name, source=source or JAX_LOOP)
+
+
+# --- forward records -----------------------------------------------------------------------------------------
+
+
+#: The row order :func:`forward_records` saw each structure of outputs in (the order the layers were called):
+#: a dict that leaves a jitted function comes back with its keys sorted, so :func:`forward_names` of the returned
+#: outputs looks its order up here by their structure (which sorting leaves the same).
+_CALL_ORDER: dict[Any, list[str]] = {}
+
+
+def _ordered(tree: Any, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
+    """``(path, leaf)`` of every array of a pytree of dicts, tuples and lists, dicts in their own order (flax fills
+    its ``intermediates`` as the layers are called), unlike ``tree_flatten``, which sorts dict keys."""
+    if isinstance(tree, Mapping):
+        return [item for k, v in tree.items() for item in _ordered(v, (*path, str(k)))]
+    if isinstance(tree, (tuple, list)):
+        return [item for i, v in enumerate(tree) for item in _ordered(v, (*path, f"#{i}"))]
+    return [] if tree is None else [(path, tree)]
+
+
+def _forward_leaves(outputs: Any) -> tuple[list[str], list[Any]]:
+    """``(row names, arrays)`` of a pytree of layer outputs, in call order: flax's ``capture_intermediates``
+    (``{"Dense_0": {"__call__": (out,)}}``: the method name left out, a module called again gets ``#1``, ``#2``), a
+    ``sow`` collection, or a plain ``{name: array}``. The root module's own output (a ``__call__`` at the top) is
+    the last layer's again: left out."""
+    names, arrays = [], []
+    for path, leaf in _ordered(outputs):
+        keys = [k for k in path if k != "__call__"]
+        call = keys.pop() if keys and keys[-1].startswith("#") else "#0"
+        if not keys:
+            continue
+        names.append("/".join(keys) + ("" if call == "#0" else call))
+        arrays.append(leaf)
+    return names, arrays
+
+
+def forward_names(outputs: Any) -> list[str]:
+    """The row names :func:`forward_records` gives ``outputs``, in the order it saw the layers called (also for
+    outputs returned by the jitted function, whose dicts come back sorted)."""
+    known = _CALL_ORDER.get(jax.tree_util.tree_structure(outputs))
+    return list(known) if known is not None else _forward_leaves(outputs)[0]
+
+
+def forward_records(outputs: Any, *, activations: Mapping[str, str] | None = None,
+                    unit_axis: int | Mapping[str, int] = -1) -> jax.Array:
+    """Each layer's output as its forward record (docs/ACTIVATIONS.md), computed on the device (inside a jitted
+    step too): ``[L, ACT_NUM_FIELDS]`` float32 in the disk form, rows in :func:`forward_names` order.
+
+    ``outputs``: the layer outputs of one batch, e.g. ``mutated["intermediates"]`` of ``model.apply(variables, x,
+    capture_intermediates=True, mutable=["intermediates"])`` (every module's output: a ``Dense`` before the
+    activation function that follows it) or the ``intermediates`` a model ``sow``s (``self.sow("intermediates",
+    "relu_1", x)``: post-activation values of your choice). ``activations``: ``{row name: activation}`` (a bounded
+    one gets its saturated count); ``unit_axis``: -1 (flax's features last) or ``{row name: axis}``.
+    """
+    names, arrays = _forward_leaves(outputs)
+    _CALL_ORDER[jax.tree_util.tree_structure(outputs)] = names
+    acts = dict(activations or {})
+    axes = dict(unit_axis) if isinstance(unit_axis, Mapping) else dict.fromkeys(names, unit_axis)
+    rows = []
+    for n, x in zip(names, arrays, strict=True):
+        bounds = record.activation_bounds(acts.get(n, ""))
+        stats = _forwardstats.output_stats(_BE, jnp.asarray(x), unit_axis=int(axes.get(n, -1)), bounds=bounds)
+        rows.append(_forwardstats.disk_row(_BE, stats, bounds,
+                                           lambda c: lax.bitcast_convert_type(c, jnp.float32)))
+    return jnp.stack(rows) if rows else jnp.zeros((0, record.ACT_NUM_FIELDS), jnp.float32)
+
+
+def add_forward_records(writer: Writer, step: int, names: Sequence[str], stacked: Any, *,
+                        activations: Mapping[str, str] | None = None, name: str = "gradients",
+                        source: Mapping[str, str] | None = None) -> str:
+    """Copy :func:`forward_records` (e.g. returned by a jitted step) to the host and write them beside the
+    gradients of the stream ``name``; ``activations`` as given to :func:`forward_records` (kept in the tag's
+    metadata for the diagnosis). Returns the tag."""
+    rows = record.act_from_disk(np.asarray(jax.device_get(stacked), dtype=np.float32))
+    acts = dict(activations or {})
+    info = [("", str(acts.get(n, ""))) for n in names] if acts else ()
+    return writer.add_records(step, list(names), rows, name=name, kind=record.ACTIVATIONS, layer_info=info,
+                              source=source or JAX_LOOP)
 
 
 # --- optax-style wrapper --------------------------------------------------------------------------------------
