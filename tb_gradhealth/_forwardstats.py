@@ -53,8 +53,8 @@ def output_stats(be: Backend, x: Any, *, unit_axis: int = -1, bounds: tuple[floa
     ``moveaxis``, ``reshape`` and ``any``)."""
     xp = be.xp
     x = be.f32(x)
-    shape = tuple(int(d) for d in x.shape)
-    n = math.prod(shape)
+    shape = tuple(x.shape)
+    static = all(d is not None for d in shape)  # a traced TensorFlow step may know its batch only when it runs
     flat = xp.reshape(x, (-1,))
     a = xp.abs(flat)
     finite = a <= F32_MAX  # False for NaN and +-Inf
@@ -62,23 +62,34 @@ def output_stats(be: Backend, x: Any, *, unit_axis: int = -1, bounds: tuple[floa
     nfin = xp.count_nonzero(finite)
     nan = xp.count_nonzero(xp.isnan(flat))
     posinf = xp.count_nonzero(flat == float("inf"))
+    if static:
+        n = nfin * 0 + math.prod(int(d) for d in shape)  # in the counts' integer type
+        neginf = n - nfin - nan - posinf
+    else:  # counted: the size is not known while the step traces
+        neginf = xp.count_nonzero(flat == -float("inf"))
+        n = nfin + nan + posinf + neginf
     xk = xp.where(keep, flat, 0.0)
-    mn = xp.min(xp.where(finite, xk, float("inf"))) if n else xp.asarray(float("inf"))
-    mx = xp.max(xp.where(finite, xk, -float("inf"))) if n else xp.asarray(-float("inf"))
+    empty = static and math.prod(int(d) for d in shape) == 0
+    mn = xp.asarray(float("inf")) if empty else xp.min(xp.where(finite, xk, float("inf")))
+    mx = xp.asarray(-float("inf")) if empty else xp.max(xp.where(finite, xk, -float("inf")))
     m = xp.maximum(mx, -mn)
     m = xp.where(m > 0, m, 0.0)  # no finite value: -inf -> 0
-    sums = grad_sums(be, xk, m, nfin, plain=False) if n else [xp.asarray(0.0)] * len(record.GRAD_SUMS)
+    sums = [xp.asarray(0.0)] * len(record.GRAD_SUMS) if empty else grad_sums(be, xk, m, be.f32(nfin), plain=False)
     saturated = nfin * 0
     if bounds is not None:
         lo, hi = record.saturation_edges(bounds)
         saturated = xp.count_nonzero(finite & ((xk <= float(lo)) | (xk >= float(hi))))
-    counts = xp.stack([nfin * 0 + n, nan, posinf, n - nfin - nan - posinf, nfin - xp.count_nonzero(keep), saturated])
-    alive_mask = xp.reshape(~finite | keep, shape)  # not exactly zero: nonzero, NaN or Inf
+    counts = xp.stack([n, nan, posinf, neginf, nfin - xp.count_nonzero(keep), saturated])
+    dims = [-1 if d is None else int(d) for d in shape]
+    if dims.count(-1) <= 1:
+        alive_mask = xp.reshape(~finite | keep, tuple(dims))  # not exactly zero: nonzero, NaN or Inf
+    else:  # more than one axis known only when the step runs: from the output itself
+        alive_mask = ~(xp.abs(x) < record.FLUSH_BELOW)
     axis = unit_axis_of(len(shape), unit_axis)
     if axis is None:
         alive = xp.reshape(xp.any(alive_mask), (1,))
     else:
-        alive = (unit_any or _unit_any)(xp, alive_mask, axis) if n else xp.zeros((shape[axis],), dtype=bool)
+        alive = xp.zeros((shape[axis],), dtype=bool) if empty else (unit_any or _unit_any)(xp, alive_mask, axis)
     return OutputStats(counts, be.f32(xp.stack([mn, mx, *sums])), alive)
 
 
@@ -118,8 +129,8 @@ def merged_row(parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]],
 
 def disk_row(be: Backend, stats: OutputStats, bounds: tuple[float, float] | None, bits: Callable[[Any], Any]) -> Any:
     """One output's forward record in the disk form ``[ACT_NUM_FIELDS]`` float32, on the device: a batch seen
-    whole (no parts to merge), so its dead units are counted there. ``bits``: int32 counts -> their float32 bit
-    patterns (the backend's bitcast)."""
+    whole (no parts to merge), so its dead units are counted there. ``bits``: integer counts -> the float32 bit
+    patterns of their int32 values (the backend's cast and bitcast)."""
     xp = be.xp
     counts = dict(zip(COUNTS, [stats.counts[i] for i in range(len(COUNTS))], strict=True))
     units = int(stats.alive.shape[0])
@@ -129,5 +140,5 @@ def disk_row(be: Backend, stats: OutputStats, bounds: tuple[float, float] | None
     lo, hi = bounds if bounds is not None else (float("nan"), float("nan"))
     values = dict(zip(VALUES, [stats.values[i] for i in range(len(VALUES))], strict=True))
     values |= {"bound_lo": be.f32(xp.asarray(lo)), "bound_hi": be.f32(xp.asarray(hi))}
-    head = bits(xp.stack([xp.asarray(counts[name]).astype(xp.int32) for name in record.ACT_COUNT_FIELDS]))
+    head = bits(xp.stack([counts[name] for name in record.ACT_COUNT_FIELDS]))
     return xp.concatenate([head, xp.stack([be.f32(values[name]) for name in record.ACT_VALUE_FIELDS])])

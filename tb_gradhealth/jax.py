@@ -325,7 +325,7 @@ def forward_records(outputs: Any, *, activations: Mapping[str, str] | None = Non
         bounds = record.activation_bounds(acts.get(n, ""))
         stats = _forwardstats.output_stats(_BE, jnp.asarray(x), unit_axis=int(axes.get(n, -1)), bounds=bounds)
         rows.append(_forwardstats.disk_row(_BE, stats, bounds,
-                                           lambda c: lax.bitcast_convert_type(c, jnp.float32)))
+                                           lambda c: lax.bitcast_convert_type(c.astype(jnp.int32), jnp.float32)))
     return jnp.stack(rows) if rows else jnp.zeros((0, record.ACT_NUM_FIELDS), jnp.float32)
 
 

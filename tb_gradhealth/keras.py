@@ -42,6 +42,7 @@ from tb_gradhealth._stepbook import LossBook, StepBook, ring_plan
 from tb_gradhealth._tf import capture, compat
 from tb_gradhealth._tf.capture import CUSTOM_LOOP_ADVICE, Capture, CaptureError, CaptureKit, Ring
 from tb_gradhealth._tf.fit_origin import FitOrigin
+from tb_gradhealth._tf.forward import LayerHooks
 from tb_gradhealth.live import StopCheck, StopEvent, Stoppable, check_stop_on
 from tb_gradhealth.progress import SKIPPED_TAG
 from tb_gradhealth.writer import Writer
@@ -182,9 +183,9 @@ class _RecordSink:
         self.layer_info = self.failsafe.run("reading the layers' kinds", layerinfo.model_layer_info, model,
                                             variables) or ()
 
-    def read(self, ring: Ring) -> tuple[int, list[tuple[int, np.ndarray]]]:
-        """``(records read, [(step, rows)] new since the last read)`` from the device's ring buffer; the records
-        overwritten before this read are said in the log."""
+    def read(self, ring: Ring) -> tuple[int, list[tuple[int, np.ndarray, np.ndarray | None]]]:
+        """``(records read, [(step, rows, forward rows or None)] new since the last read)`` from the device's ring
+        buffer; the records overwritten before this read are said in the log."""
         before = self.read_upto
         read = self.failsafe.run("reading the recorded gradients back from the device", ring.read_new, before)
         if read is None:
@@ -197,6 +198,13 @@ class _RecordSink:
     def write(self, step: int, rows: np.ndarray) -> None:
         self.failsafe.run("writing a gradient-health record", self.writer.add_records, step, self.layers, rows,
                           name=self.name, kind="gradients", layer_info=self.layer_info, records=1)
+
+    def write_forward(self, step: int, hooks: LayerHooks, stored: np.ndarray) -> None:
+        """The step's forward records (the disk-form rows the step stored), named as its trace called the layers."""
+        names, rows, info = hooks.rows_of(stored)
+        if names:
+            self.failsafe.run("writing the forward records", self.writer.add_records, step, names, rows,
+                              name=self.name, kind=record.ACTIVATIONS, layer_info=info, records=1)
 
     def write_applied(self, step: int) -> None:
         """Under ``LossScaleOptimizer``: that the optimizer applied the logged step (``amp/step_skipped`` 0). A step
@@ -258,6 +266,11 @@ class GradientHealthCallback(keras.callbacks.Callback, Stoppable):
         strict: a failed write raises (:class:`tb_gradhealth._storage.StrictWriteError`, ending ``fit``) instead
             of a warning with the events kept in memory until the fault clears. Either way a local ``log_dir``
             that can never be written (a parent that is a file, permission denied) raises here, at construction.
+        activations: also record each layer's output at logged steps (the forward record, docs/ACTIVATIONS.md):
+            computed inside the step where the output is made, under a conditional that only logged steps take,
+            and stored beside the step's gradient record. Sequential, functional and subclassed models: every
+            layer called as ``layer(x)`` that owns weights, and every activation layer. Off by default: a logged
+            step reduces every recorded output once more.
     """
 
     def __init__(
@@ -275,6 +288,7 @@ class GradientHealthCallback(keras.callbacks.Callback, Stoppable):
         nan_origin: bool = True,
         compile_statistics: bool | None = None,
         strict: bool = False,
+        activations: bool = False,
     ) -> None:
         super().__init__()
         if keras.backend.backend() != "tensorflow":  # pragma: no cover - the module imports TensorFlow
@@ -296,6 +310,7 @@ class GradientHealthCallback(keras.callbacks.Callback, Stoppable):
         self.stop_on = stop_on
         self.nan_origin = bool(nan_origin)
         self.compile_statistics = compile_statistics
+        self.activations = bool(activations)
         self._failsafe = Failsafe()
         # one object per concern, each (re)made for a fit in on_train_begin
         self._sink = _RecordSink(self.train_dir, name, hist_sample=hist_sample, seed=seed, strict=self.strict,
@@ -307,6 +322,7 @@ class GradientHealthCallback(keras.callbacks.Callback, Stoppable):
         #: ``stop_on``: the live diagnosis of the records this callback writes, kept across fits as the logdir is
         self._stop = StopCheck(self.stop_on, thresholds=thresholds, name=name) if self.stop_on else None
         self._probe: _Probe | None = None
+        self._warned_dropped = False
 
     @property
     def dropped_records(self) -> int:
@@ -342,14 +358,17 @@ class GradientHealthCallback(keras.callbacks.Callback, Stoppable):
         """The ring buffer, the capture path chosen for this fit and its hooks; ``fit`` then calls
         :meth:`_dispatch` for each train call."""
         spe = max(1, int(getattr(model, "steps_per_execution", 1) or 1))
+        hooks = self._layer_hooks(model) if self.activations else None
         row_bytes = len(model.trainable_variables) * (record.NUM_FIELDS - 1) * 4
+        row_bytes += hooks.capacity * record.ACT_NUM_FIELDS * 4 if hooks is not None else 0
         period, slots, calls_per_read = ring_plan(self.update_freq, spe, row_bytes, bool(self.stop_on))
         self._origin = self._make_origin(model)
         # without the batch there is nothing to replay: leave the weights to the optimizer
         guard = self._origin.guard if self._origin is not None and self._origin.keeps_batches else None
         kit = capture.make_kit(model, _innermost_optimizer(model.optimizer), period=period, slots=slots,
                                record_updates=self.record_updates, hist_sample=self.hist_sample, seed=self.seed,
-                               compiled=_compiled_statistics(self.update_freq, self.compile_statistics), guard=guard)
+                               compiled=_compiled_statistics(self.update_freq, self.compile_statistics), guard=guard,
+                               hooks=hooks)
         cap = self._capture = _choose_capture(kit, spe)
         cap.install()
         if self._origin is not None:
@@ -362,6 +381,18 @@ class GradientHealthCallback(keras.callbacks.Callback, Stoppable):
         # the hooks in place. Calls that contain no logged step run the plain step, so they cost nothing, even
         # under XLA where a conditional on the gradients would keep them from fusing into the update.
         cap.take_over(self._dispatch)
+
+    @staticmethod
+    def _layer_hooks(model: Any) -> LayerHooks | None:
+        """The forward hooks of this fit (``activations=True``), None (said in the log) for a model with no layer to
+        record."""
+        hooks = LayerHooks(model)
+        if not hooks.targets:
+            _log.warning("tb_gradhealth: activations=True found no layer to record in %s (no layer with weights or "
+                         "activation layer is called as layer(x)); recording gradients only. Record outputs "
+                         "yourself with tb_gradhealth.Writer.add_activations", type(model).__name__)
+            return None
+        return hooks
 
     def _make_origin(self, model: Any) -> FitOrigin | None:
         """The NaN-origin search of this fit (:mod:`tb_gradhealth._tf.fit_origin`), or None when switched off."""
@@ -473,11 +504,18 @@ class GradientHealthCallback(keras.callbacks.Callback, Stoppable):
         self._book.take_pending()
         read, new = self._sink.read(self._capture.kit.ring)
         scaled = isinstance(self.model.optimizer, keras.optimizers.LossScaleOptimizer)
-        for step, rows in new[-1:] if latest_only else new:
+        hooks = self._capture.kit.forward
+        for step, rows, forward in new[-1:] if latest_only else new:
             self._sink.write(step, rows)
+            if forward is not None and hooks is not None:
+                self._sink.write_forward(step, hooks, forward)
             if scaled:
                 self._sink.write_applied(step)
             self._check_record(step, rows)
+        if hooks is not None and hooks.dropped and not self._warned_dropped:
+            self._warned_dropped = True
+            _log.warning("tb_gradhealth: a step called recorded layers %d times more than the %d rows kept a step; "
+                         "the later calls' outputs are not recorded", hooks.dropped, hooks.capacity)
         return read
 
     def _check_record(self, step: int, rows: np.ndarray) -> None:

@@ -78,7 +78,7 @@ def test_fit_goes_on_through_an_inconsistent_record_and_a_failing_write(tmp_path
 
     def corrupt_step_5(self, already):
         count, new, lost = real_read(self, already)
-        for step, rows in new:
+        for step, rows, _forward in new:
             if step == 5:
                 rows[0, record.INDEX["zero"]] = rows[0, record.INDEX["size"]] + 3  # more zeros than values
         return count, new, lost

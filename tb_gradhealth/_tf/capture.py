@@ -42,6 +42,7 @@ import tensorflow as tf
 
 from tb_gradhealth import record
 from tb_gradhealth._tf import blockstats, compat, gradpack, records, stepoutputs
+from tb_gradhealth._tf import forward as forward_hooks
 from tb_gradhealth._tf.kernels import DeviceRecord
 from tb_gradhealth._tf.naming import variable_names
 from tb_gradhealth.record import Delta
@@ -50,6 +51,8 @@ from tb_gradhealth.record import Delta
 _OWNER = "_tb_gradhealth_capture"
 #: The key under which the train step returns the applied gradients (taken out before ``fit`` sees the logs).
 GRADIENTS_KEY = "_tb_gradhealth_gradients"
+#: The key under which it returns its layers' forward records (:mod:`tb_gradhealth._tf.forward`), likewise.
+FORWARD_KEY = "_tb_gradhealth_forward"
 
 CUSTOM_LOOP_ADVICE = (
     "In a custom train_step or training loop, record the gradients yourself with "
@@ -74,7 +77,7 @@ class Ring:
     """The records on the device: ``slots`` records of ``n`` layers with their steps, the count stored so far, the
     steps still to record whatever the period (``remaining``), and the optimizer's step counter."""
 
-    def __init__(self, strategy: Any, steps: Any, *, period: int, slots: int, n: int) -> None:
+    def __init__(self, strategy: Any, steps: Any, *, period: int, slots: int, n: int, forward_rows: int = 0) -> None:
         #: The optimizer's step counter: its raw ``_iterations`` (batches, which ``iterations`` divides by
         #: ``gradient_accumulation_steps``), so steps line up with keras.callbacks.TensorBoard's batch steps.
         self.steps = steps
@@ -84,6 +87,10 @@ class Ring:
         self.counts = _replica_local(strategy, tf.zeros([slots, n, record.NUM_COUNTS], tf.int32), "gh_counts")
         self.values = _replica_local(strategy, tf.zeros([slots, n, record.NUM_VALUES + record.HIST_BINS], tf.float32),
                                      "gh_values")
+        #: Each slot's forward records (disk form, :mod:`tb_gradhealth._tf.forward`), when layers' outputs are
+        #: recorded: ``forward_rows`` rows a step.
+        self.forward = _replica_local(strategy, tf.zeros([slots, forward_rows, record.ACT_NUM_FIELDS], tf.float32),
+                                      "gh_forward") if forward_rows else None
         self.stamps = _replica_local(strategy, tf.zeros([slots], tf.int64), "gh_stamps")
         self.count = _replica_local(strategy, tf.constant(0, tf.int64), "gh_count")
         self.remaining = _replica_local(strategy, tf.constant(0, tf.int32), "gh_remaining")
@@ -103,28 +110,34 @@ class Ring:
             return armed
         return tf.logical_or(tf.equal(step % self.period, 0), armed)
 
-    def store(self, rec: DeviceRecord, step: tf.Tensor) -> tf.Tensor:
-        """``rec`` written at ``step`` into the next slot (the oldest one once the ring is full)."""
+    def store(self, rec: DeviceRecord, step: tf.Tensor, forward: Any = None) -> tf.Tensor:
+        """``rec`` (and the step's ``forward`` records) written at ``step`` into the next slot (the oldest one once
+        the ring is full)."""
         count = self.count.read_value()
         slot = tf.reshape(tf.cast(count % self.slots, tf.int32), [1, 1])
         self.counts.assign(tf.tensor_scatter_nd_update(self.counts.read_value(), slot, rec.counts[None]))
         self.values.assign(tf.tensor_scatter_nd_update(self.values.read_value(), slot, rec.values[None]))
+        if self.forward is not None and forward is not None:
+            self.forward.assign(tf.tensor_scatter_nd_update(self.forward.read_value(), slot, forward[None]))
         self.stamps.assign(tf.tensor_scatter_nd_update(self.stamps.read_value(), slot, step[None]))
         self.count.assign(count + 1)
         self.remaining.assign(tf.maximum(self.remaining.read_value() - 1, 0))
         return tf.constant(True)
 
-    def read_new(self, already: int) -> tuple[int, list[tuple[int, np.ndarray]], int]:
-        """Records captured since the first ``already``: ``(count, [(step, rows [L, F])] by step, lost)``."""
+    def read_new(self, already: int) -> tuple[int, list[tuple[int, np.ndarray, np.ndarray | None]], int]:
+        """Records captured since the first ``already``: ``(count, [(step, rows [L, F], forward rows or None)] by
+        step, lost)``; the forward rows in their disk form ``[forward_rows, ACT_NUM_FIELDS]``."""
         count = int(self.count.numpy())
         if count <= already:
             return count, [], 0
         lost = max(0, count - already - self.slots)
         counts, values, stamps = self.counts.numpy(), self.values.numpy(), self.stamps.numpy()
+        forward = self.forward.numpy() if self.forward is not None else None
         out = []
         for i in range(max(already, count - self.slots), count):
             slot = i % self.slots
-            out.append((int(stamps[slot]), record.from_device(counts[slot], values[slot])))
+            out.append((int(stamps[slot]), record.from_device(counts[slot], values[slot]),
+                        None if forward is None else forward[slot]))
         out.sort(key=lambda item: item[0])
         return count, out, lost
 
@@ -223,17 +236,21 @@ class CaptureKit:
     optimizer: Any
     ring: Ring
     statistics: Statistics
+    #: The layers' outputs recorded in the step (:mod:`tb_gradhealth._tf.forward`), None when not asked for.
+    forward: forward_hooks.LayerHooks | None = None
 
 
 def make_kit(model: Any, optimizer: Any, *, period: int, slots: int, record_updates: bool,
-             hist_sample: int | None, seed: int | None, compiled: bool, guard: Any = None) -> CaptureKit:
+             hist_sample: int | None, seed: int | None, compiled: bool, guard: Any = None,
+             hooks: forward_hooks.LayerHooks | None = None) -> CaptureKit:
     """The ring buffer and statistics of one ``fit`` of ``model`` (``optimizer``: the one that applies the
-    updates); the ring's variables are made under the model's distribution strategy."""
+    updates; ``hooks``: the layers' outputs too); the ring's variables are made under the model's distribution
+    strategy."""
     stats = Statistics(model.trainable_variables, record_updates=record_updates, hist_sample=hist_sample,
                        seed=seed, compiled=compiled, guard=guard)
     ring = Ring(model.distribute_strategy, compat.optimizer_step_counter(optimizer), period=period, slots=slots,
-                n=len(stats.variables))
-    return CaptureKit(model, optimizer, ring, stats)
+                n=len(stats.variables), forward_rows=hooks.capacity if hooks is not None else 0)
+    return CaptureKit(model, optimizer, ring, stats, hooks)
 
 
 class CallResult(NamedTuple):
@@ -304,6 +321,9 @@ class Capture:
 
         compat.set_optimizer_methods(opt, update_step, all_reduce if original_reduce is not None else None)
         opt.__dict__[_OWNER] = self
+        if self.kit.forward is not None:  # the layers' outputs: hooks on their calls, opened and closed per trace
+            self.kit.forward.install()
+            stepoutputs.add(self.kit.model, FORWARD_KEY, self._forward_output, begin=self._forward_begin)
 
     def uninstall(self) -> None:
         """Put the optimizer's own methods back (if this path's hooks are still the ones installed)."""
@@ -312,6 +332,23 @@ class Capture:
             return
         compat.restore_optimizer_methods(opt)
         opt.__dict__.pop(_OWNER, None)
+        if self.kit.forward is not None:
+            stepoutputs.remove(self.kit.model, FORWARD_KEY)
+            self.kit.forward.uninstall()
+
+    def _forward_begin(self) -> None:
+        """A trace (or an eager run) of the train step begins: its layers' outputs are recorded under
+        :meth:`_forward_logged`."""
+        self.kit.forward.begin(self._forward_logged())
+
+    def _forward_logged(self) -> Any:
+        """Whether the step being traced records its layers' outputs: a boolean tensor, True (every step), or None
+        (this trace records nothing)."""
+        raise NotImplementedError
+
+    def _forward_output(self, data: Any) -> Any:
+        """After the step: the forward records it returns beside its logs (None: they were stored in the step)."""
+        return self.kit.forward.end()
 
     def take_over(self, dispatch: Callable[[Any], Any]) -> None:
         """Fresh train functions, one per variant, traced at their first call with the hooks in place (``fit``
@@ -346,8 +383,8 @@ class Capture:
         reduced, self._trace.reduced = self._trace.reduced, None
         return result, [g for g, _ in reduced] if reduced is not None else list(grads)
 
-    def _store(self, rec: DeviceRecord) -> tf.Tensor:
-        return self.kit.ring.store(rec, self._step())
+    def _store(self, rec: DeviceRecord, forward: Any = None) -> tf.Tensor:
+        return self.kit.ring.store(rec, self._step(), forward)
 
 
 class InStep(Capture):
@@ -396,9 +433,20 @@ class InStep(Capture):
         """In the step the update is still to come: its count plus one."""
         return tf.cast(tf.convert_to_tensor(self.kit.ring.steps), tf.int64) + 1
 
+    def _forward_logged(self) -> Any:
+        """The capture variant records the outputs of its logged steps (the plain one, nothing)."""
+        if self.mode != "capture":
+            return None
+        return True if self.kit.ring.period == 1 else self.kit.ring.logged(self._step())
+
+    def _forward_output(self, data: Any) -> Any:
+        self.kit.forward.end()  # stored with the update's record; a step that ran no update has none
+        return None
+
     def _update_step(self, original: Any, grads: Any, trainable_variables: Any, learning_rate: Any) -> Any:
         if self.mode != "capture":
             return original(grads, trainable_variables, learning_rate)
+        forward = self.kit.forward.end() if self.kit.forward is not None else None
         stats, ring = self.kit.statistics, self.kit.ring
         grads = list(grads)
         trainable_variables = list(trainable_variables)
@@ -410,9 +458,10 @@ class InStep(Capture):
         before = [tf.identity(tf.convert_to_tensor(v)) for v in trainable_variables] if stats.record_updates else None
         result, applied = self._apply(original, grads, trainable_variables, learning_rate)
         if logged is None:  # every step is logged: no conditional around the statistics
-            self._store(stats.whole(rows, applied, before))
+            self._store(stats.whole(rows, applied, before), forward)
         else:  # a call of several steps may hold unlogged ones
-            tf.cond(logged, lambda: self._store(stats.whole(rows, applied, before)), lambda: tf.constant(False))
+            tf.cond(logged, lambda: self._store(stats.whole(rows, applied, before), forward),
+                    lambda: tf.constant(False))
         return result
 
 
@@ -450,18 +499,25 @@ class AfterStep(Capture):
         self.want(capturing)
         before = self.weights_now() if capturing else None
         logs, applied = stepoutputs.take(self.functions["plain"](iterator), GRADIENTS_KEY)
+        logs, forward = stepoutputs.take(logs, FORWARD_KEY)
         if not capturing:
             return CallResult(logs)
         if applied is None:  # traced: the update ran where its gradients cannot leave the step
             return CallResult(logs, conditional_update=self.traced)
         try:
-            self.record_after(applied, before)
+            self.record_after(applied, before, forward)
         except Exception as e:  # noqa: BLE001 - the step itself has run: only the record is lost
             return CallResult(logs, failure=("recording gradient health after the step", e))
         return CallResult(logs)
 
     def _step(self) -> tf.Tensor:
         return tf.cast(tf.convert_to_tensor(self.kit.ring.steps), tf.int64)
+
+    def _forward_logged(self) -> Any:
+        """The outputs of the calls the host asked for (:attr:`wanted`), returned beside the gradients."""
+        if tf.executing_eagerly():  # run_eagerly: the host's flag is the call's
+            return True if self._wanted_now else None
+        return self.wanted > 0
 
     def _update_step(self, original: Any, grads: Any, trainable_variables: Any, learning_rate: Any) -> Any:
         """The update, and the applied gradients kept for :meth:`_step_output`."""
@@ -505,17 +561,17 @@ class AfterStep(Capture):
         stats = self.kit.statistics
         return stats.read_weights() if stats.record_updates else None
 
-    def record_after(self, parts: Any, before: list[tf.Tensor] | None) -> None:
-        """After a call the host asked to log, eagerly: the record of the gradients it returned, stored as the
-        step's hook would if its step is a logged one (by the device's count: a call the host predicted to log may
-        not, after a step the host did not hear of)."""
+    def record_after(self, parts: Any, before: list[tf.Tensor] | None, forward: Any = None) -> None:
+        """After a call the host asked to log, eagerly: the record of the gradients it returned (and the forward
+        records it returned beside them), stored as the step's hook would if its step is a logged one (by the
+        device's count: a call the host predicted to log may not, after a step the host did not hear of)."""
         if not bool(self.kit.ring.logged(self._step())):
             return
         stats, rows, where = self.kit.statistics, self.step_rows, self.step_layout
         after = stats.read_weights()
         if stats.compiled:  # one XLA program for the whole model, compiled at the first logged step
             before_rows = [before[r] for r in rows] if before is not None else None
-            self._store(stats.whole(rows, gradpack.unpack(parts, where, flat=True), before_rows, after))
+            self._store(stats.whole(rows, gradpack.unpack(parts, where, flat=True), before_rows, after), forward)
             return
         self._store(stats.blockwise(rows, lambda which: gradpack.unpack(parts, where, which, flat=True), before,
-                                    after))
+                                    after), forward)

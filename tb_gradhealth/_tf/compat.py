@@ -170,6 +170,42 @@ def set_train_function(model: Any, fn: Callable[..., Any] | None) -> None:
         model.train_function = fn
 
 
+#: The attribute the forward hooks shadow on a layer *instance* (Keras 3.0..3.15: ``Layer.__call__`` reads
+#: ``self.call`` when it runs the layer, eagerly and when a step traces).
+LAYER_CALL = "call"
+
+
+def leaf_layers(model: Any) -> list[Any]:
+    """Every layer of ``model`` that holds no layer of its own, outer layers first (``_flatten_layers``, Keras
+    3.0..3.15; fallback: the public ``layers`` walked recursively)."""
+    flatten = getattr(model, "_flatten_layers", None)
+    if flatten is not None:
+        layers = list(flatten(include_self=False, recursive=True))
+    else:  # pragma: no cover - present in every verified version
+        layers, stack = [], list(getattr(model, "layers", []))
+        while stack:
+            layer = stack.pop(0)
+            layers.append(layer)
+            stack[:0] = list(getattr(layer, "layers", []))
+    return [layer for layer in layers if not getattr(layer, "layers", None) and type(layer).__name__ != "InputLayer"]
+
+
+def layer_path(layer: Any) -> str:
+    """A layer's name in the records: its ``path`` (``sequential/dense``, the prefix of its variables' paths), or its
+    ``name`` where it has no path (a layer without weights)."""
+    return str(getattr(layer, "path", None) or layer.name)
+
+
+def wrap_layer_call(layer: Any, call: Callable[..., Any]) -> None:
+    """Shadow a layer's ``call`` with ``call`` (an instance attribute, read when the step traces)."""
+    layer.__dict__[LAYER_CALL] = call
+
+
+def unwrap_layer_call(layer: Any) -> None:
+    """Drop what :func:`wrap_layer_call` set: the class's ``call`` shows again."""
+    layer.__dict__.pop(LAYER_CALL, None)
+
+
 # --- NaN origin replay (tb_gradhealth._tf.replay) ---------------------------------------------------------------
 
 

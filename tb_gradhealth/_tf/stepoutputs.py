@@ -13,13 +13,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-#: The wrapper's table of ``{key: output(data)}``.
+#: The wrapper's table of ``{key: (output(data), begin() or None)}``.
 _TABLE = "_tb_gradhealth_outputs"
 
 
-def add(model: Any, key: str, output: Callable[[Any], Any]) -> None:
+def add(model: Any, key: str, output: Callable[[Any], Any], begin: Callable[[], None] | None = None) -> None:
     """Make ``model.train_step(data)`` also return ``output(data)`` (called after the step; ``None``: nothing)
-    under ``key`` of its logs (when they are a dict)."""
+    under ``key`` of its logs (when they are a dict); ``begin()`` is called before the step (a part that follows
+    what the step computes, such as the layers' outputs)."""
     step = model.__dict__.get("train_step")
     table = getattr(step, _TABLE, None)
     if table is None:
@@ -27,16 +28,19 @@ def add(model: Any, key: str, output: Callable[[Any], Any]) -> None:
         table = {}
 
         def train_step(data: Any) -> Any:
+            for _, starts in table.values():
+                if starts is not None:
+                    starts()
             logs = original(data)
+            outputs = {k: out(data) for k, (out, _) in table.items()}
             if not isinstance(logs, dict):
                 return logs
-            extra = {k: v for k, v in ((k, out(data)) for k, out in table.items()) if v is not None}
-            return {**logs, **extra}
+            return {**logs, **{k: v for k, v in outputs.items() if v is not None}}
 
         setattr(train_step, _TABLE, table)
         train_step.__wrapped__ = original
         model.train_step = train_step
-    table[key] = output
+    table[key] = (output, begin)
 
 
 def remove(model: Any, key: str) -> None:
