@@ -149,9 +149,37 @@ def _magnitudes(x: dict[str, Any]) -> tuple[list[str], str | None]:
     return [format_magnitude(x.get(k)) for k in ("rms", "max_abs", "norm")], None
 
 
-def table_lines(layers: Sequence[dict[str, Any]]) -> list[str]:
+#: Outputs shown on each side of a flagged layer's own in its forward depth line.
+FORWARD_CONTEXT = 2
+
+
+def _output_text(o: dict[str, Any]) -> str:
+    """``dense_2 0.543 (69% dead)``: an output's RMS, and its dead or saturated fraction where it has one."""
+    extra = [f"{o[k]:.0%} {word}" for k, word in (("dead_fraction", "dead"), ("saturated_fraction", "saturated"))
+             if o.get(k)]
+    return f"{plain(o['output'])} {format_magnitude(o.get('rms'))}" + (f" ({', '.join(extra)})" if extra else "")
+
+
+def forward_line(x: dict[str, Any], profile: dict[str, Any] | None) -> str | None:
+    """A flagged layer's forward depth line: the RMS of the recorded outputs through depth around its own (marked
+    ``[...]``), at the profile's step; None where the layer is not flagged or its output is not recorded."""
+    own = (x.get("forward") or {}).get("output")
+    if not profile or own is None or x["status"] not in health.FLAGS:
+        return None
+    outs = profile["outputs"]
+    at = next((k for k, o in enumerate(outs) if o["output"] == own), None)
+    if at is None:
+        return None
+    lo, hi = max(0, at - FORWARD_CONTEXT), min(len(outs), at + FORWARD_CONTEXT + 1)
+    parts = [f"[{_output_text(o)}]" if k == at else _output_text(o) for k, o in enumerate(outs[lo:hi], lo)]
+    return (f"forward RMS at step {profile['step']}: " + ("... > " if lo else "") + " > ".join(parts)
+            + (" > ..." if hi < len(outs) else ""))
+
+
+def table_lines(layers: Sequence[dict[str, Any]], profile: dict[str, Any] | None = None) -> list[str]:
     """The ranked table: one row per layer, reasons wrapped under it past :data:`REASONS_WIDTH` characters; ``since``
-    is the onset of the layer's current status, ``trouble`` the start of its chain of episodes."""
+    is the onset of the layer's current status, ``trouble`` the start of its chain of episodes; a flagged layer
+    whose output is recorded (``profile``: the health JSON's ``forward_profile``) gets its :func:`forward_line`."""
     width = max([len(plain(x["layer"])) for x in layers] + [5])
     pad = " " * REASONS_INDENT
     lines = [f"  {'#':>4}  {'status':<9}  {'severity':>9}  {'since':>7}  {'trouble':>7}  {'layer':<{width}}  "
@@ -169,6 +197,9 @@ def table_lines(layers: Sequence[dict[str, Any]]) -> list[str]:
         lines.extend(pad + r for r in reasons[1:])
         if len(x.get("episodes", [])) > 1:
             lines.append(f"{pad}episodes: {_episodes_text(x['episodes'])}")
+        depth = forward_line(x, profile)
+        if depth:
+            lines.append(pad + depth)
         if note:
             lines.append(pad + note)
     return lines
@@ -202,7 +233,7 @@ def run_text(body: dict[str, Any], series: Any, label: str, v: Verdict, *, top: 
         layers = [x for x in layers if x["status"] in only]
     shown = layers[:top] if top > 0 else layers
     if shown:
-        lines += table_lines(shown)
+        lines += table_lines(shown, body.get("forward_profile"))
     if top > 0 and len(layers) > top:
         lines.append(f"  ... {format_count(len(layers) - top)} more layers (--top 0 lists all)")
     return "\n".join(lines)

@@ -118,7 +118,7 @@ def diagnose(series: RunSeries, thresholds: health.Thresholds, step: int | None,
     return health.diagnose_run(series.layers, series.steps, series.records, thresholds,
                                at_step=int(series.steps[k]), progress=progress.loss, layer_info=series.layer_info,
                                skipped=progress.skipped, source=dict(series.source) or None,
-                               nan_origin=progress.origin)
+                               nan_origin=progress.origin, activations=series.activations)
 
 
 def loss_payload(loss: tuple[np.ndarray, np.ndarray] | None, at_step: int) -> dict[str, Any] | None:
@@ -138,13 +138,16 @@ def health_payload(series: RunSeries, thresholds: health.Thresholds, step: int |
                    diagnosis: health.RunHealth | None = None, progress: Progress | None = None) -> dict[str, Any]:
     """``{"run", **RunHealth.to_json(), "history_steps", "loss"}``, each layer with ``rms_history`` (sparklines)
     and, where the writer recorded it, its ``kind`` and ``activation``; ``loss``: :func:`loss_payload` of
-    ``progress.loss``."""
+    ``progress.loss``; ``forward_profile`` (:func:`health.depth_profile`) where the layers' outputs are recorded."""
     k = at_index(series, step)
     h = diagnosis if diagnosis is not None else diagnose(series, thresholds, step, progress)
     idx = pick_indices(k + 1, HISTORY_POINTS)
     rms = record.derived(series.records[idx])["rms"]  # [H, L]
     body = {"run": series.run, **h.to_json(), "history_steps": [int(s) for s in series.steps[idx]],
             "loss": loss_payload(progress.loss if progress is not None else None, int(series.steps[k]))}
+    fw = health.Forward.of(series.activations)
+    if fw is not None:
+        body["forward_profile"] = health.depth_profile(fw, int(series.steps[k]))
     for layer in body["layers"]:
         layer["rms_history"] = _floats(rms[:, layer["index"]])
         kind, activation = series.layer_info.get(layer["layer"], ("", ""))

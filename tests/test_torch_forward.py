@@ -238,3 +238,49 @@ def test_trainer_callback_records_the_batches_of_logged_steps(tmp_path):
     run = reader.read_logdir(str(tmp_path / "logs")).runs[0]
     assert len(model.seen.train) == 8 and not run.problems
     model.seen.check(run.activations, [0, 3], per_step=2)
+
+
+def _dead_relu_mlp(dead_units: int) -> nn.Module:
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+    with torch.no_grad():
+        model[2].bias[:dead_units] = -50.0  # these units of the second layer output 0 for every input
+    return model
+
+
+@pytest.mark.parametrize("dead_units", [40, 0])
+def test_the_diagnosis_reads_dead_relu_units_through_the_relu_module_after_a_linear(tmp_path, dead_units):
+    """The ``nn.ReLU`` row speaks for the ``Linear`` before it: its dead units make ``2.weight`` and ``2.bias``
+    dead while their gradient is not zero; the twin without the shift stays healthy."""
+    from tb_gradhealth import _payloads, health
+
+    model = _dead_relu_mlp(dead_units)
+    seen = Seen(model, ["3"])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(4)
+    grads_live = []
+    with Writer(str(tmp_path)) as w:
+        rec = tgh.StepRecorder(w, model, opt, activations=True)
+        for step in range(10):
+            x = torch.randn((32, 8), generator=gen)
+            loss = (model(x) - x[:, :1]).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            grads_live.append(bool(model[2].weight.grad.abs().max() > 0))
+            rec.step(step, loss=loss)
+            opt.step()
+    (series,) = reader.read_logdir(str(tmp_path)).runs
+    by = {x["layer"]: x for x in _payloads.health_payload(series, health.Thresholds(), None)["layers"]}
+    (last,) = seen.outputs[-1]["3"]
+    measured = float(np.mean(~np.any(last != 0, axis=0)))
+    assert all(grads_live)
+    if dead_units:
+        assert measured >= 0.5
+        for name in ("2.weight", "2.bias"):
+            assert by[name]["status"] == "dead", by[name]["reasons"]
+            assert f"{measured:.0%} of its relu units output 0 for every input of the batch" in by[name]["reasons"][0]
+            assert by[name]["forward"]["output"] == "3"
+        assert by["0.weight"]["status"] == "healthy"
+    else:
+        assert measured < 0.5
+        assert all(x["status"] == "healthy" for x in by.values())

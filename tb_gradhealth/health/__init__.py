@@ -15,14 +15,16 @@ The package's modules follow that design: ``thresholds`` (status words, knobs), 
 cause), ``answer`` (the run's answer: the cause layer, since when, its story, fixes and headline, defined once
 for every view, with the ranks and the tie-breaks the timeline shares), ``fixes`` (what to do), ``optimizer``
 (clipping and layer-wise updates read from the records), ``progress`` (the loss as evidence), ``kinds`` (layer kind
-and activation in reasons and fixes), ``result`` (the public result), ``diagnose`` (``diagnose_run``) and
-``profile`` (one step).
+and activation in reasons and fixes), ``forward`` (the layers' outputs read as
+evidence) and ``outputs`` (their words in the reasons), ``result`` (the public result), ``diagnose``
+(``diagnose_run``) and ``profile`` (one step).
 """
 
 from __future__ import annotations
 
 from tb_gradhealth.health.diagnose import diagnose_run
 from tb_gradhealth.health.episodes import BLOWN_UP, CHAIN_GAP
+from tb_gradhealth.health.forward import Forward, depth_profile
 from tb_gradhealth.health.levels import REFERENCE_FRACTION, REFERENCE_MIN, layer_groups
 from tb_gradhealth.health.profile import profile
 from tb_gradhealth.health.result import LayerHealth, RunHealth
@@ -47,6 +49,7 @@ from tb_gradhealth.health.thresholds import (
 __all__ = [
     "BLOWN_UP", "CHAIN_GAP", "DEAD", "EXPLODING", "FLAGS", "FLAG_CODES", "FROZEN", "HEALTHY", "INERT", "MISSING",
     "NONFINITE",
-    "REFERENCE_FRACTION", "REFERENCE_MIN", "STATUSES", "TREND_MIN_SIZE", "VANISHING", "LayerHealth",
-    "RunHealth", "Status", "ThresholdError", "Thresholds", "diagnose_run", "layer_groups", "profile",
+    "REFERENCE_FRACTION", "REFERENCE_MIN", "STATUSES", "TREND_MIN_SIZE", "VANISHING", "Forward", "LayerHealth",
+    "RunHealth", "Status", "ThresholdError", "Thresholds", "depth_profile", "diagnose_run", "layer_groups",
+    "profile",
 ]

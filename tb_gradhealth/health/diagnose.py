@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from tb_gradhealth import record
 from tb_gradhealth.health.answer import assign_ranks, deepest_first, group_depth, legacy_fields, run_answer
 from tb_gradhealth.health.episodes import follow_siblings, onset, run_timeline, track
+from tb_gradhealth.health.forward import Forward, read_units, with_activations
 from tb_gradhealth.health.kinds import explain_kinds
 from tb_gradhealth.health.levels import in_named_layer
 from tb_gradhealth.health.optimizer import global_clip_note
+from tb_gradhealth.health.outputs import explain_outputs
 from tb_gradhealth.health.progress import (
     LossTrend,
     against_episode,
@@ -55,6 +58,7 @@ def diagnose_run(
     skipped: tuple[np.ndarray, np.ndarray] | None = None,
     source: Mapping[str, str] | None = None,
     nan_origin: tuple[int, str | None] | None = None,
+    activations: Any = None,
 ) -> RunHealth:
     """Diagnose every layer of a run from its records, using the logged steps at or before ``at_step``.
 
@@ -71,7 +75,12 @@ def diagnose_run(
     ...}``), used to word the fixes for the loop the user runs. ``nan_origin``: ``(step, layer)`` where the writer
     replayed its first NaN/Inf step and found the layer that made it (:mod:`tb_gradhealth.origin`; ``layer`` None
     when it was made outside any layer): the answer then names that layer, which every gradient record of that step
-    (NaN in every layer when it was made on the way forward) cannot tell.
+    (NaN in every layer when it was made on the way forward) cannot tell. ``activations``: the layers' outputs
+    where the writer recorded them (:class:`tb_gradhealth.health.forward.Forward`, a tuple ``(outputs, steps,
+    records[, info])`` or a :class:`tb_gradhealth.reader.ActivationSeries`): a layer most of whose rectifier units
+    are dead is ``dead``, a saturating layer's vanishing reason quotes its saturated fraction, a forward blow-up is
+    named as the cause of the exploding layers after it, and each layer carries its output's latest fields
+    (``forward``); a layer without such a record reads as without them.
     """
     steps, records = _up_to(*_check_inputs(layers, steps, records), at_step)
     t = thresholds
@@ -82,13 +91,18 @@ def diagnose_run(
         return RunHealth(step=None, thresholds=t, layers=out)
     depth = group_depth(layers)
     windows = loss_windows(steps, progress, t) if progress is not None else None
-    ev = evaluate(records, layers, t, windows, _told(steps, skipped))
-    out, borrowed, forward, started = _layer_healths(ev, steps, records, layers, t, depth, layer_info or {},
-                                            Losses.of(progress), _made_in(nan_origin, steps))
+    fw = Forward.of(activations)
+    units = read_units(fw, layers, steps) if fw is not None else None
+    ev = evaluate(records, layers, t, windows, _told(steps, skipped), units.dead if units is not None else None)
+    out, borrowed, forward, started = _layer_healths(ev, steps, records, layers, t, depth,
+                                                     with_activations(layer_info or {}, units, layers),
+                                                     Losses.of(progress), _made_in(nan_origin, steps))
     trend = loss_trend(progress[0], progress[1], int(steps[-1])) if progress is not None else None
     out, stalled = _add_evidence(out, ev, records, t, trend, layer_info)
     out = weigh_growth(out, trend, update_growth(steps, records) if trend is not None else None, int(steps[-1]),
                        source)
+    if fw is not None and units is not None:
+        out = explain_outputs(out, fw, units, t, int(steps[-1]))
     out = _last_finite(out, steps, records)
     ranked, is_cause = cause_first(sorted(out, key=lambda lh: (-lh.severity, lh.index)), borrowed, depth, forward,
                                    started, stalled)

@@ -17,7 +17,7 @@ _LEARNING_RATE = ("lower the learning rate (or warm it up over the first steps);
                   "(clipnorm / global_clipnorm) as a guard")
 _DEPTH_GROWTH = ("the gradient grows through depth: use an initialisation that keeps it level (He for ReLU, "
                  "Glorot for tanh), normalisation (BatchNorm/LayerNorm), or scale down residual branches")
-_FORWARD_GROWTH = ("the activations grow on their way forward: keep each layer's gain at or below 1 (orthogonal or "
+FORWARD_GROWTH = ("the activations grow on their way forward: keep each layer's gain at or below 1 (orthogonal or "
                    "identity recurrent weights at gain 1 for a ReLU recurrence, He/Glorot elsewhere), normalise "
                    "(LayerNorm), or use a bounded activation (tanh) in the recurrence")
 _VANISHING = ("if the activations saturate (sigmoid/tanh), use ReLU/GELU with He initialisation; add normalisation "
@@ -50,7 +50,7 @@ def fixes(code: int, ev: Steps, track: Track, i: int, nan_here: bool,
                   | ev.exp_capped[rows, i]).any()
             depth = ev.exp_rel[rows, i].any()
             forward = ev.exp_inputs[rows, i].any()
-            out += (([_FORWARD_GROWTH] if forward else []) + ([_LEARNING_RATE] if lr or not (depth or forward) else [])
+            out += (([FORWARD_GROWTH] if forward else []) + ([_LEARNING_RATE] if lr or not (depth or forward) else [])
                     + ([_DEPTH_GROWTH] if depth else []))
         elif c == VANISHING:
             out.append(kind_fix(VANISHING, *info) or _VANISHING)

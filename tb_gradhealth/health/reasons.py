@@ -57,7 +57,8 @@ def layer_health(ev: Steps, steps: np.ndarray, layers: Sequence[str], i: int, d:
     if origin is not None and (code == th.NONFINITE or (origin[1] == i and code in th.FLAG_CODES)):
         reasons.append(_origin_note(origin, i, layers, steps))
     # a dead, NaN or missing gradient (now, or at an unconfirmed last step) makes the ratios moot
-    if code in (th.EXPLODING, th.VANISHING, th.HEALTHY) and ev.raw[s, i] not in (th.MISSING, th.DEAD, th.NONFINITE):
+    if code in (th.EXPLODING, th.VANISHING, th.HEALTHY) and (ev.raw[s, i] not in (th.MISSING, th.DEAD, th.NONFINITE)
+                                                           or _units_dead_at(ev, s, i)):
         reasons.extend(_ratio_notes(d, i, t))
         reasons.extend(optimizer_notes(ev, s, i))
     flagged = code in th.FLAG_CODES
@@ -84,7 +85,7 @@ def _idle(ev: Steps, track: Track, i: int) -> int:
     """Logged steps at which the layer had no gradient or an all-zero one (a ``None`` or zero ``.grad``) outside
     its flagged episodes: idle at times, where no confirmed status explains it."""
     raw = ev.columns("raw")[i, track.rows]
-    idle = (raw == th.MISSING) | (raw == th.DEAD)
+    idle = (raw == th.MISSING) | ((raw == th.DEAD) & ev.columns("zero_grad")[i, track.rows])
     for code, a, b in track.runs:
         if code in th.FLAG_CODES:
             idle[a:b + 1] = False
@@ -96,7 +97,8 @@ def _confirmation_notes(code: int, track: Track, ctx: _Ctx, t: th.Thresholds) ->
     notes = []
     if track.unconfirmed is not None:
         need = t.sustain_steps if track.unconfirmed[0] in (th.DEAD, th.MISSING) else track.need
-        notes.append(_unconfirmed_note(track.unconfirmed, ctx, min(need, t.sustain_steps)))
+        units = track.unconfirmed[0] == th.DEAD and _units_dead_at(ctx.ev, ctx.s, ctx.i)
+        notes.append(_unconfirmed_note(track.unconfirmed, ctx, min(need, t.sustain_steps), units))
     if code == th.VANISHING and track.need < t.sustain_steps:
         notes.append(f"note: a short run ({len(track.rows)} logged step(s)): confirmed over {track.need} logged "
                      f"step(s) instead of {t.sustain_steps}, so less certain; more logged steps would confirm it")
@@ -419,6 +421,19 @@ def _dead_example(activation: str) -> str:
     return "e.g. dead ReLU units, saturated tanh/sigmoid units, or a path cut by stop_gradient"
 
 
+def _units_dead_at(ev: Steps, s: int, i: int) -> bool:
+    """Whether the variable's dead status at row ``s`` is its layer's dead units (its gradient is live there)."""
+    return bool(ev.units_dead[s, i]) and not bool(ev.zero_grad[s, i])
+
+
+def _dead_units_reason(c: _Ctx) -> str:
+    """``71% of its units output 0 for every input of the batch ...``: the dead-units rule's evidence."""
+    frac = float(c.ev.flags["dead_fraction"][c.s, c.i])
+    act = f"its {c.activation} " if c.activation else "its "
+    return (f"{frac:.0%} of {act}units output 0 for every input of the batch {c.lasting()}: the gradient still "
+            f"flows through the units left, but the layer computes with {1 - frac:.0%} of its width")
+
+
 def _inert_reason(c: _Ctx) -> str:
     ev, s, i = c.ev, c.s, c.i
     gap = float(ev.sibling[s, i] - ev.log_rms[s, i])
@@ -439,6 +454,8 @@ def _reasons(code: int, c: _Ctx, d: dict[str, np.ndarray], i: int) -> tuple[list
         return _exploding_reasons(c, d)
     if code == th.VANISHING:
         return _vanishing_reasons(c, d)
+    if code == th.DEAD and _units_dead_at(c.ev, c.s, i):
+        return [_dead_units_reason(c)], 0.0
     if code == th.DEAD:
         size = int(d["size"][i])
         return [f"all {size:,} gradient values are exactly zero {c.lasting()}: no signal reaches this variable "
@@ -463,9 +480,11 @@ def _reasons(code: int, c: _Ctx, d: dict[str, np.ndarray], i: int) -> tuple[list
     return [], 0.0
 
 
-def _unconfirmed_note(unconfirmed: tuple[int, int], c: _Ctx, need: int) -> str:
+def _unconfirmed_note(unconfirmed: tuple[int, int], c: _Ctx, need: int, units: bool = False) -> str:
     code, length = unconfirmed
     what = {th.VANISHING: "vanishing-level RMS", th.DEAD: "all-zero gradient"}.get(code, "no gradient")
+    if units:
+        what = f"{float(c.ev.flags['dead_fraction'][c.s, c.i]):.0%} of its units dead for every input of the batch"
     return (f"note: {what} at the last {length} logged step(s); flagged as {th.STATUSES[code]} once it lasts {need}")
 
 

@@ -76,6 +76,9 @@ class LayerHealth:
     #: parameter used at some steps only: an expert, a branch, embedding rows)
     idle_steps: int = 0
     logged_steps: int = 0
+    #: where the writer recorded the layers' outputs: the latest fields of the output that shows this layer's units
+    #: (``{"output", "step", "activation", "rms", "dead_fraction", "saturated_fraction"}``); None otherwise
+    forward: dict[str, Any] | None = None
 
     @property
     def code(self) -> Status:
@@ -105,6 +108,7 @@ class LayerHealth:
             "logged_steps": int(self.logged_steps),
             **{k: json_float(getattr(self, k)) for k in (
                 "zero_fraction", "grad_to_weight", "update_to_weight", "noise", "weight_norm")},
+            **({"forward": dict(self.forward)} if self.forward is not None else {}),
         }
 
 

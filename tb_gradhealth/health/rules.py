@@ -473,9 +473,12 @@ def _vanishing(lv: _Levels, rms: np.ndarray, g: _Guards, t: th.Thresholds) -> di
 
 def _raw(v: dict[str, np.ndarray], flags: dict[str, np.ndarray], exploding: np.ndarray) -> np.ndarray:
     """``[S, L]`` status code per (step, layer): where several rules match, the first of the statuses' order wins
-    (missing, nonfinite, dead, exploding, vanishing, inert); a frozen parameter has no values to judge."""
+    (missing, nonfinite, dead, exploding, vanishing, dead units, inert); a frozen parameter has no values to judge.
+    Dead units (a layer's output says most of its units are dead) make a layer dead that its gradient alone leaves
+    healthy or inert; a gradient rule's verdict stands."""
     raw = np.full(v["live"].shape, th.HEALTHY, dtype=np.int8)
     raw[flags["inert"]] = th.INERT
+    raw[flags["units_dead"]] = th.DEAD
     raw[flags["van_rel"] | flags["van_abs"]] = th.VANISHING
     raw[exploding] = th.EXPLODING
     raw[v["dead"]] = th.DEAD
@@ -486,13 +489,26 @@ def _raw(v: dict[str, np.ndarray], flags: dict[str, np.ndarray], exploding: np.n
     return raw
 
 
+def _units_dead(dead_fraction: np.ndarray | None, live: np.ndarray, t: th.Thresholds) -> np.ndarray:
+    """``[S, L]``: the variable's layer's output has ``dead_units`` or more of its units dead for every input of the
+    batch, after a rectifier (``dead_fraction``: :attr:`tb_gradhealth.health.forward.Units.dead`, NaN where not
+    recorded), while its gradient is live: the units left still pass one, so no gradient rule sees the layer
+    compute with a fraction of its width. Confirmed over ``sustain_steps`` logged steps, as every dead run is."""
+    if dead_fraction is None:
+        return np.zeros(live.shape, dtype=bool)
+    with np.errstate(invalid="ignore"):
+        return live & (dead_fraction >= t.dead_units)
+
+
 def evaluate(records: np.ndarray, layers: Sequence[str], t: th.Thresholds, loss: LossWindows | None = None,
-             told_skipped: np.ndarray | None = None) -> Steps:
+             told_skipped: np.ndarray | None = None, dead_fraction: np.ndarray | None = None) -> Steps:
     """Every rule at every (logged step, layer); see docs/DIAGNOSIS.md for each rule's reason. ``loss``: the
     recorded loss around each logged step, where it is recorded (the trend's evidence, a swinging loss).
     ``told_skipped``: ``[S]`` whether the writer says the optimizer skipped the step (1), applied it (0) or does
     not know (NaN). A step the optimizer skipped is no evidence of any status: every layer's record there is left
-    out of the episodes (its NaN/Inf stays in the notes)."""
+    out of the episodes (its NaN/Inf stays in the notes). ``dead_fraction``: ``[S, L]`` the fraction of each
+    variable's layer's units dead for every input of the batch where its output is recorded after a rectifier
+    (NaN elsewhere; None: no output recorded)."""
     v = live_stats(records)
     groups = layer_groups(layers)
     lv = _levels(records, len(layers), v, groups, t)
@@ -521,7 +537,10 @@ def evaluate(records: np.ndarray, layers: Sequence[str], t: th.Thresholds, loss:
     flags = {"present": v["present"] & ~skip_step[:, None], "nonfinite": v["nonfinite"],
              "skipped": v["nonfinite"] & skip_step[:, None], "skip_step": skip_step, "recorded": v["present"],
              "inert": inert, "learns": g.learns, "calm": g.calm, "small": g.small, "converged": g.converged,
+             "zero_grad": v["dead"], "units_dead": _units_dead(dead_fraction, v["live"], t),
              **exp, **_vanishing(lv, v["rms"], g, t)}
+    if dead_fraction is not None:
+        flags["dead_fraction"] = dead_fraction
     exploding = np.logical_or.reduce([flags[k] for k in EXPLODING_RULES])
     flags["clipped"] = lv.clipped
     flags["loss_rise"] = np.full(v["live"].shape[0], np.nan) if loss is None else loss.rise

@@ -115,6 +115,15 @@ class Thresholds:
     sustain_steps: int = _meta(
         5, 1, 100000, 1, "Vanishing, dead and optimizer-skipped NaN/Inf steps must hold for this many consecutive "
         "logged steps (not when they follow another flag): one quiet step is not a disease.")
+    dead_units: float = _meta(
+        0.5, 0.01, 1.0, 0.05, "Dead units, where the layers' outputs are recorded: a rectifier (ReLU) layer is dead "
+        "when at least this fraction of its units output exactly 0 for every input of the batch for sustain_steps "
+        "logged steps, even though the units left still pass a gradient (half its width gone: the layer computes "
+        "with the rest).")
+    forward_growth: float = _meta(
+        100.0, 2.0, 1e38, 10.0, "Forward blow-up, where the layers' outputs are recorded: the RMS of a layer's "
+        "output at least this multiple of the first layer's, climbing through depth; named as the cause in the "
+        "reasons of the exploding layers after it (each layer of a 4-layer climb multiplying by about 3).", log=True)
     update_ratio_above: float = _note_above(
         1e-1, 1e-3, "||update||/||weight||", " (rule of thumb ~1e-3, Karpathy): the learning rate is likely too high "
         "for the layer")
