@@ -1,6 +1,6 @@
 /**
  * One run's section of the page: header (steps, notices), summary line (and the loss trend where it was recorded),
- * depth profile and the ranked table.
+ * depth profile, the forward depth profile where the layers' outputs were recorded, and the ranked table.
  * Several panels stack when several runs are selected, sharing the table's sort and filter.
  */
 
@@ -9,6 +9,7 @@ import { count } from '../format.js';
 import { afterPaint, timing } from '../model.js';
 import { downsampledNotice, problemsNotice } from './empty.js';
 import { lossLine } from './evidence.js';
+import { forwardProfile } from './forward.js';
 import { originBox } from './origin.js';
 import { profileView } from './profile.js';
 import { summaryLine } from './summary.js';
@@ -29,8 +30,9 @@ export function runPanel(model, run, openDetail) {
   const profile = profileView(model, run, onSelect);
   const table = layerTable(model, onSelect);
   const profileBox = el('details', { class: 'profile-box', open: true }, el('summary', { text: 'Depth profile' }), profile.root);
+  const forwardBox = el('div', { class: 'forward-holder' });
   const root = el('section', { class: 'panel run-panel', attrs: { 'data-run': run } },
-    el('div', { class: 'run-head' }, title, meta), notices, origin.root, summary, profileBox, table.root);
+    el('div', { class: 'run-head' }, title, meta), notices, origin.root, summary, profileBox, forwardBox, table.root);
 
   function drawHead() {
     const info = model.runInfo(run);
@@ -54,6 +56,7 @@ export function runPanel(model, run, openDetail) {
       return;
     }
     replace(summary, summaryLine(health), lossLine(health));
+    replace(forwardBox, forwardProfile(health));
     table.update(health);
     const arrived = health.__arrived;
     afterPaint().then(() => {
