@@ -224,3 +224,33 @@ def test_batches_of_a_size_known_only_when_the_step_runs(tmp_path):
         assert act.records[k, 0, record.ACT_INDEX["size"]] == outs[0].size == (16 * 8 if step == 4 else 16 * 4)
         for j, bounds in enumerate((None, TANH, None)):
             check_close(act.records[k, j], outs[j], bounds=bounds)
+
+
+@pytest.mark.parametrize("dead", [40, 0])
+def test_the_diagnosis_reads_dead_units_of_a_relu_layer_after_a_linear_dense(tmp_path, dead):
+    """A ``ReLU`` layer speaks for the ``Dense`` before it (whose own metadata says "linear"): 40 of its 64 biases at
+    -50 make its units dead for every input, measured on the model's own outputs; its variables are then dead with
+    relu wording while their gradient flows, and the twin without the shift stays healthy."""
+    from tb_gradhealth import _payloads, health
+
+    keras.utils.set_random_seed(0)
+    init = keras.initializers.Constant(np.r_[np.full(dead, -50.0), np.zeros(64 - dead)])
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(64, activation="relu"),
+                              keras.layers.Dense(64, bias_initializer=init, name="hidden"), keras.layers.ReLU(),
+                              keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    x = np.random.default_rng(0).standard_normal((256, 8)).astype("float32")
+    model.fit(x, x[:, :1], batch_size=32, epochs=1, verbose=0,
+              callbacks=[GradientHealthCallback(str(tmp_path), update_freq=1, activations=True)])
+    probe = keras.Model(model.inputs, model.layers[2].output)
+    measured = float(np.mean(~np.any(np.asarray(probe(x[-32:])) != 0, axis=0)))  # the last batch's units
+    (series,) = reader.read_logdir(str(tmp_path)).runs
+    by = {lj["layer"]: lj for lj in _payloads.health_payload(series, health.Thresholds(), None)["layers"]}
+    kernel = next(n for n in by if n.endswith("hidden/kernel"))
+    if dead:
+        assert measured >= 0.5
+        assert by[kernel]["status"] == "dead"
+        assert f"{measured:.0%} of its relu units output 0 for every input of the batch" in by[kernel]["reasons"][0]
+        assert by[kernel]["forward"]["activation"] == "relu" and "LeakyReLU" in by[kernel]["fixes"][0]
+    else:
+        assert measured < 0.5 and all(lj["status"] == "healthy" for lj in by.values())

@@ -212,15 +212,15 @@ def layer_fields(fw: Forward, a: int, r: int) -> dict[str, Any]:
 
 def with_activations(info: Mapping[str, tuple[str, str]], units: Units | None, variables: Sequence[str]
                      ) -> Mapping[str, tuple[str, str]]:
-    """``info`` with the activation the forward records name for a variable whose writer did not (its fixes are
-    then worded for it: a dead ReLU layer reads the rectifier advice)."""
+    """``info`` with the activation the forward records name for a variable's units where they name one: the
+    activation its layer's output goes through (a Keras ``Dense`` without activation, "linear" in its gradient's
+    metadata, followed by a ``ReLU`` layer has relu units), so its reasons and fixes are worded for it."""
     if units is None:
         return info
     out = dict(info)
     for i, name in enumerate(variables):
-        kind, act = out.get(name, ("", ""))
-        if not act and units.activation[i]:
-            out[name] = (kind, units.activation[i])
+        if units.activation[i]:
+            out[name] = (out.get(name, ("", ""))[0], units.activation[i])
     return out
 
 
