@@ -5,6 +5,7 @@ module returns, never taken from the diagnosis."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -28,10 +29,11 @@ class Run(NamedTuple):
 
 def train(logdir: str | None, *, widths: list[int], act: str, scale: float = 1.0, steps: int = 12,
           lr: float = 0.01, batch: int = 64, shift: dict[int, tuple[int, float]] | None = None,
-          seed: int = 0, record_outputs: bool = True) -> Run:
+          seed: int = 0, record_outputs: bool = True, watch: Callable[[Writer], None] | None = None) -> Run:
     """Train ``Dense(widths[i] -> widths[i+1], act)`` layers and a linear head on a fixed linear teacher. Weights
     start at ``scale`` times He (ReLU) or Glorot (tanh) scale; ``shift``: ``{layer: (units, value)}`` adds ``value``
-    to the bias of that layer's first ``units`` units at the start. Layers are named ``dense_1``... and ``head``."""
+    to the bias of that layer's first ``units`` units at the start. Layers are named ``dense_1``... and ``head``.
+    ``watch``: called with the writer before the first step (a live run that reads its events)."""
     rng = np.random.default_rng(seed)
     f, df = ACTS[act]
     sizes = [*widths, 1]
@@ -46,6 +48,8 @@ def train(logdir: str | None, *, widths: list[int], act: str, scale: float = 1.0
     teacher = rng.standard_normal((widths[0], 1))
     run = Run([], [])
     writer = Writer(logdir) if logdir else None
+    if watch is not None and writer is not None:
+        watch(writer)
     for step in range(steps):
         x = rng.standard_normal((batch, widths[0]))
         y = x @ teacher

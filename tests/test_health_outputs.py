@@ -16,7 +16,7 @@ import re
 import numpy as np
 import pytest
 
-from tb_gradhealth import _payloads, cli, health, reader, record
+from tb_gradhealth import _payloads, cli, health, progress, reader, record
 from tb_gradhealth.health.forward import Forward, blowup_at
 from tb_gradhealth.health.thresholds import Thresholds
 from tests.mlp_numpy import train
@@ -211,3 +211,18 @@ def test_diagnose_run_takes_the_outputs_as_a_tuple(runs):
     with pytest.raises(ValueError, match="activations"):
         health.diagnose_run(series.layers, series.steps, series.records,
                             activations=(a.layers, a.steps, a.records[:, :1]))
+
+
+def test_a_live_run_reads_the_outputs_as_the_report_does(tmp_path):
+    """``stop_on``'s live diagnosis, fed the writer's events as they are written, answers as the report does."""
+    from tb_gradhealth.live import LiveRun
+
+    live = LiveRun()
+    train(str(tmp_path / "dead"), steps=STEPS, watch=live.watch, **DEAD)
+    logdir = str(tmp_path / "dead")
+    (series,) = reader.read_logdir(logdir).runs
+    loss = progress.read_progress(progress.run_paths(reader.find_runs(logdir), series.run))
+    written = _payloads.diagnose(series, Thresholds(), None, loss)
+    assert written.loss_trend is not None
+    assert live.diagnose(Thresholds()).to_json() == written.to_json()
+    assert written.by_layer()["dense_2/kernel"].status == "dead"
