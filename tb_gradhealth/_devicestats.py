@@ -4,17 +4,20 @@ two device paths compute the same numbers the same way. No data-dependent Python
 backend's ``cond`` (``torch.cond`` / ``lax.cond`` when traced), so they trace under ``torch.compile`` and
 ``jax.jit``. Imports numpy only.
 
-A tensor whose values are all finite with max|x| in ``[SAFE_LO, SAFE_HI]`` (a healthy gradient) costs one pass
-for its extremes, then one each for the count of normal values, the plain sum of squares and the sum; any other
-takes the scaled passes (NaN/Inf counted apart, sums of ``x / max|x|``). The histogram bins a sample, or every
-value when the sample would not describe the tensor (:func:`grad_stats`). :func:`one_pass_ok` states which
-tensors take the one pass, so that :mod:`tb_gradhealth._devicebatch` (every layer at once, traced) and the eager
-PyTorch passes (one host read of the extremes) choose by the same rule and reuse :func:`one_pass`, :func:`scaled`
-and :func:`kept_hist`.
+A tensor whose values are all finite with max|x| in ``[SAFE_LO, SAFE_HI]`` (a healthy gradient) takes the one-pass
+statistics: its extremes, the count of normal values, the plain sum and sum of squares, reductions a compiler can
+fuse into one loop (a backend with ``holds`` computes them before the conditional, beside the extremes); any
+other takes the scaled passes (NaN/Inf counted apart, sums of ``x / max|x|``). :func:`wide_grad_stats` is one pass
+with no conditional at all, for a backend with float64 sums. The histogram bins a sample, or every value when the
+sample would not describe the tensor (:func:`grad_stats`). :func:`one_pass_ok` states which tensors take the one
+pass, so that the batched PyTorch passes (``tb_gradhealth._torcheager``: one host read of every tensor's
+statistics; ``tb_gradhealth._torchfused``: one compiled function) choose by the same rule and reuse
+:func:`one_pass`, :func:`scaled` and :func:`kept_hist`.
 
 A backend is a :class:`Backend`: the namespace ``xp`` (``torch`` or ``jax.numpy``), a float32 cast, the histogram
-of float32 magnitudes (``torch.bucketize`` + ``index_add`` / ``jnp.searchsorted`` + ``.at[].add``), the division,
-the conditional, and optional one-pass reductions where the namespace has faster ones than the generic forms.
+of float32 magnitudes (``torch.bucketize`` + ``index_add`` / :func:`tb_gradhealth._core.exponent_bins` +
+``.at[].add``), the division, the conditional, and optional reductions where the namespace has faster forms than
+the generic ones.
 """
 
 from __future__ import annotations
