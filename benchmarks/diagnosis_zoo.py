@@ -4,6 +4,8 @@ Each case of ``benchmarks/zoo_cases.py`` trains a small TF/Keras network on CPU,
 with the project's writers and its raw per-step training loss (scalar ``loss``) into one run directory, and saves
 ``labels.json`` there: per-layer ground truth derived from what each layer *does* (weight change over the run,
 structure, injected faults, the raw loss), never from the diagnosis. The rule of each case is written next to it.
+The PyTorch, Lightning, Hugging Face and JAX cases (``benchmarks/zoo_child.py``) train in a child process without
+TensorFlow and leave the same run directory and labels.
 
 The scorer reads every run back with :func:`tb_gradhealth.reader.read_logdir`, diagnoses it with
 :func:`tb_gradhealth.health.diagnose_run` at every logged step (public API only) and prints:
@@ -16,7 +18,12 @@ The scorer reads every run back with :func:`tb_gradhealth.reader.read_logdir`, d
 (d) onset errors in logged steps, and for a global cause the detection lead over the loss;
 (e) a ``stop_on=("nonfinite", "exploding")`` simulation: false halts on healthy runs, and for divergences the lead
     (logged steps between the halt and the first NaN);
-(f) the goals, PASS/FAIL with the measured figure.
+(f) the goals, PASS/FAIL with the measured figure; among them, runs labelled ``"recovered": false`` that read ok
+    (no layer flagged) at their last step, flagged episodes that begin inside a clean twin's identical prefix
+    (``identical_until``), and variables labelled ``frozen`` that the diagnosis does not read frozen.
+
+A diagnosed ``missing`` counts as a flag (a parameter that should learn got no gradient); ``frozen`` (no gradient
+by the user's choice) and ``inert`` do not.
 
     flock /tmp/gradhealth-heavy.lock python benchmarks/diagnosis_zoo.py            # train what is not cached, score
     python benchmarks/diagnosis_zoo.py --list
@@ -44,12 +51,15 @@ Label format (``labels.json``)::
                                                    "latest_onset": step (optional: a global cause),
                                                    "doubtful": bool (optional)}},
      "culprits": [layers acceptable as rank #1 / first_bad], "onset": step | null, "first_nan": step | null,
-     "diverges": bool, "rule": "one line"}
+     "diverges": bool, "rule": "one line",
+     "recovered": bool (optional: after its episode the loss came back to its level before it, measured),
+     "identical_until": step (optional: the run is bitwise its clean twin up to and including this step)}
 
 A sick layer has its status from ``onset`` to the end (healthy before). ``episodes`` (when given) replace that with
 a chain, e.g. exploding from the onset then nonfinite from the first NaN: the expected status at a step is that
 of the last episode begun at or before it. A ``doubtful`` layer sits within half a decade of its case's threshold:
-it is left out of the pair counts and the goals (and counted apart).
+it is left out of the pair counts and the goals (and counted apart). A ``frozen`` layer (a parameter frozen by the
+user: no gradient, or a gradient that is never applied) is expected to read ``frozen``, never a flag.
 """
 
 from __future__ import annotations
@@ -71,8 +81,12 @@ if __package__ in (None, ""):  # ``python benchmarks/diagnosis_zoo.py`` from a c
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 SICK_STATUSES = ("vanishing", "exploding", "dead", "nonfinite")
-#: Diagnosed statuses that do not count as a flag (``inert`` is informational: round-off only).
-NOT_FLAGGED = frozenset({"healthy", "inert", "missing"})
+#: Diagnosed statuses that do not count as a flag (``inert`` is informational: round-off only; ``frozen``: no gradient
+#: by the user's choice). ``missing`` is a flag: a parameter that should learn got no gradient.
+NOT_FLAGGED = frozenset({"healthy", "inert", "frozen"})
+#: Statuses counted over (layer, logged step) pairs: the labelled diseases, and ``missing`` (never labelled: every
+#: pair diagnosed missing is a false flag).
+PAIR_STATUSES = (*SICK_STATUSES, "missing")
 STOP_ON = ("nonfinite", "exploding")
 #: The lead (logged steps between the halt and the first NaN) the stop_on goal asks for.
 LEAD = 3
@@ -98,6 +112,8 @@ class Diagnosed:
     first_bad_status: str | None
     #: layers with a flagged episode (any status but healthy/inert) in the diagnosis at any logged step
     episode_layers: list[str] = field(default_factory=list)
+    #: per layer, the first step of every flagged episode in the diagnosis at any logged step
+    episode_starts: dict[str, list[int]] = field(default_factory=dict)
 
 
 def diagnose_steps(layers: Sequence[str], steps: np.ndarray, records: np.ndarray,
@@ -109,13 +125,15 @@ def diagnose_steps(layers: Sequence[str], steps: np.ndarray, records: np.ndarray
 
     diagnose = diagnose or health.diagnose_run
     thresholds = thresholds if thresholds is not None else health.Thresholds()
-    per_step, last, with_episode = [], None, set()
+    per_step, last, starts = [], None, {}
     for s in steps:
         extra = {"progress": progress} if progress is not None else {}
         last = diagnose(list(layers), steps, records, thresholds, at_step=int(s), **extra)
         per_step.append({lh.layer: lh.status for lh in last.layers})
-        with_episode |= {lh.layer for lh in last.layers
-                         if any(is_flag(e["status"]) for e in getattr(lh, "episodes", None) or ())}
+        for lh in last.layers:
+            for e in getattr(lh, "episodes", None) or ():
+                if is_flag(e["status"]):
+                    starts.setdefault(lh.layer, set()).add(int(e["from"]))
     if last is None or not last.layers:
         return Diagnosed(list(layers), [int(s) for s in steps], per_step, {}, None, None, None, None)
     fb = last.first_bad or {}
@@ -124,7 +142,8 @@ def diagnose_steps(layers: Sequence[str], steps: np.ndarray, records: np.ndarray
         first_step={lh.layer: lh.first_step for lh in last.layers},
         rank1=last.layers[0].layer, rank1_status=last.layers[0].status,
         first_bad=fb.get("layer"), first_bad_status=fb.get("status"),
-        episode_layers=[n for n in layers if n in with_episode],
+        episode_layers=[n for n in layers if n in starts],
+        episode_starts={n: sorted(starts[n]) for n in layers if n in starts},
     )
 
 
@@ -201,6 +220,17 @@ class RunScore:
     flagged_any: list[str] = field(default_factory=list)
     #: layers with a flagged episode in the diagnosis at any logged step (a healthy run must have none)
     episode_layers: list[str] = field(default_factory=list)
+    #: the label ``recovered`` (false: the loss never came back after its episode; None: not labelled) and whether
+    #: the diagnosis at the last step flags any layer
+    recovered: bool | None = None
+    flagged_at_end: bool = False
+    #: the label ``identical_until`` (the last step of a clean twin's bitwise identical prefix) and the flagged
+    #: episodes, ``layer@step``, whose first step lies inside it
+    identical_until: int | None = None
+    prefix_episodes: list[str] = field(default_factory=list)
+    #: variables labelled frozen, and those the diagnosis reads frozen at the last step
+    frozen: list[str] = field(default_factory=list)
+    frozen_read: list[str] = field(default_factory=list)
     rank1: str | None = None
     rank1_status: str | None = None
     first_bad: str | None = None
@@ -237,8 +267,10 @@ class RunScore:
 
 
 def layer_of(variable: str) -> str:
-    """The layer a variable belongs to: its name without the last component (``dense_1/kernel`` -> ``dense_1``)."""
-    return variable.rsplit("/", 1)[0] if "/" in variable else variable
+    """The layer a variable belongs to: its name without the last ``/`` or ``.`` component (``dense_1/kernel`` ->
+    ``dense_1``, PyTorch's ``fc1.weight`` -> ``fc1``)."""
+    cut = max(variable.rfind("/"), variable.rfind("."))
+    return variable[:cut] if cut > 0 else variable
 
 
 def score_run(labels: Mapping[str, Any], d: Diagnosed) -> RunScore:
@@ -247,7 +279,7 @@ def score_run(labels: Mapping[str, Any], d: Diagnosed) -> RunScore:
     steps = d.steps
     r = RunScore(case=labels["case"], sick=bool(labels["sick"]), diverges=bool(labels.get("diverges")),
                  n_layers=len(d.layers), n_steps=len(steps))
-    r.pairs = {s: {"tp": 0, "fp": 0, "fn": 0} for s in SICK_STATUSES}
+    r.pairs = {s: {"tp": 0, "fp": 0, "fn": 0} for s in PAIR_STATUSES}
     r.unlabelled = [n for n in d.layers if n not in lab_layers]
     any_flag: dict[str, bool] = dict.fromkeys(d.layers, False)
     for i, step in enumerate(steps):
@@ -259,7 +291,7 @@ def score_run(labels: Mapping[str, Any], d: Diagnosed) -> RunScore:
                 continue
             any_flag[name] = any_flag[name] or is_flag(diag)
             lab = expected_status(entry, step)
-            for st in SICK_STATUSES:
+            for st in PAIR_STATUSES:
                 c = r.pairs[st]
                 c["tp"] += lab == st and diag == st
                 c["fp"] += diag == st and lab != st
@@ -269,6 +301,14 @@ def score_run(labels: Mapping[str, Any], d: Diagnosed) -> RunScore:
                           and not lab_layers.get(n, {}).get("doubtful")]
     r.flagged_any = [n for n in d.layers if any_flag[n]]
     r.episode_layers = [n for n in d.episode_layers if not lab_layers.get(n, {}).get("doubtful")]
+    r.recovered = labels.get("recovered")
+    r.flagged_at_end = bool(steps) and any(is_flag(d.status[-1].get(n)) for n in d.layers)
+    r.identical_until = labels.get("identical_until")
+    if r.identical_until is not None:
+        r.prefix_episodes = [f"{n}@{s}" for n, starts in d.episode_starts.items() for s in starts
+                             if s <= r.identical_until]
+    r.frozen = [n for n in d.layers if lab_layers.get(n, {}).get("status") == "frozen"]
+    r.frozen_read = [n for n in r.frozen if steps and d.status[-1].get(n) == "frozen"]
     culprits = set(labels.get("culprits") or [])
     r.culprits = sorted(culprits)
     r.rank1, r.rank1_status = d.rank1, d.rank1_status
@@ -394,7 +434,7 @@ def pooled(runs: Iterable[RunScore]) -> dict[str, dict[str, Any]]:
     """Per status: TP/FP/FN summed over runs, precision and recall (None where undefined)."""
     out = {}
     runs = list(runs)
-    for st in SICK_STATUSES:
+    for st in PAIR_STATUSES:
         tp = sum(r.pairs[st]["tp"] for r in runs)
         fp = sum(r.pairs[st]["fp"] for r in runs)
         fn = sum(r.pairs[st]["fn"] for r in runs)
@@ -468,6 +508,21 @@ def goals(runs: Sequence[RunScore]) -> list[dict[str, Any]]:
     add("rank #1 is the culprit where the label names one layer", len(ok) == len(single),
         f"{len(ok)} of {len(single)} single-culprit runs ({len(exact)} naming a labelled culprit variable itself)"
         + (f" (missed: {', '.join(r.case for r in single if not r.rank1_ok)})" if len(ok) < len(single) else ""))
+    unrecovered = [r for r in runs if r.recovered is False]
+    read_ok = [r for r in unrecovered if not r.flagged_at_end]
+    add("runs that never recovered read ok at their last step (no layer flagged): 0", not read_ok,
+        f"{len(read_ok)} of {len(unrecovered)} unrecovered runs read ok"
+        + (f" ({', '.join(r.case for r in read_ok)})" if read_ok else ""))
+    twinned = [r for r in runs if r.identical_until is not None]
+    inside = [r for r in twinned if r.prefix_episodes]
+    add("episodes beginning inside a clean twin's identical prefix: 0", not inside,
+        f"{sum(len(r.prefix_episodes) for r in twinned)} episodes in {len(inside)} of {len(twinned)} runs with an "
+        "identical prefix" + (f" ({', '.join(f'{r.case}: {_short(r.prefix_episodes, 2)}' for r in inside)})"
+                              if inside else ""))
+    frozen = sum(len(r.frozen) for r in runs)
+    read = sum(len(r.frozen_read) for r in runs)
+    add("every variable labelled frozen reads frozen at the last step", read == frozen,
+        f"{read} of {frozen} frozen variables in {sum(bool(r.frozen) for r in runs)} runs")
     swept = [r for r in runs if r.scale_changes]
     changed = [r for r in swept if any(r.scale_changes.values())]
     add("identical verdicts across the gradient-scale sweep (x1e-3 ... x1e3)", not changed,
@@ -682,7 +737,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def _registries(half: str) -> list[tuple[str, dict[str, Any], Callable[[str, Path], Any]]]:
-    from benchmarks import zoo_cases, zoo_heldout  # noqa: PLC0415 - TensorFlow only when training
+    # TensorFlow only when training; the story cases register in both halves on import
+    from benchmarks import zoo_cases, zoo_child, zoo_heldout, zoo_story_cases  # noqa: F401, PLC0415
+
+    zoo_child.load_cases()  # the PyTorch, Lightning, Hugging Face and JAX cases join both halves
 
     out = []
     if half in ("heldout", "both"):

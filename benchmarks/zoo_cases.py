@@ -66,6 +66,9 @@ class Case:
     fn: Callable[[str], dict[str, Any]]
     #: a keras.applications model: minutes of CPU each (tracing, and the callback's first-call compilation)
     heavy: bool = False
+    #: trains the case in place of :func:`train`'s Keras set-up, ``(name, case_dir) -> labels``: a framework that
+    #: cannot share this process with TensorFlow trains in a child process (``benchmarks/zoo_child.py``)
+    runner: Callable[[str, Path], dict[str, Any]] | None = None
 
 
 CASES: dict[str, Case] = {}
@@ -80,20 +83,31 @@ def case(name: str, rule: str, heavy: bool = False) -> Callable:
 
 
 def train(name: str, case_dir: Path) -> dict[str, Any]:
-    """Train one case into ``case_dir`` (emptied first) and save its ``labels.json``; returns the labels."""
+    """Train one case into ``case_dir`` (emptied first) and save its ``labels.json``; returns the labels. A case with
+    a ``runner`` trains through it; the others here, seeded by their name."""
+    if CASES[name].runner is not None:
+        return CASES[name].runner(name, case_dir)
     import keras
 
+    keras.utils.set_random_seed(sum(map(ord, name)))
+    return record_case(CASES[name], case_dir)
+
+
+def record_case(c: Case, case_dir: Path) -> dict[str, Any]:
+    """Run ``c``'s training into ``case_dir`` (emptied first) and save its ``labels.json`` with what every case
+    records beside its labels: wall and CPU seconds, a label for every recorded layer (healthy unless given), the
+    logged steps. Imports no framework: a child process without TensorFlow calls it too."""
     from tb_gradhealth import reader
 
+    name = c.name
     shutil.rmtree(case_dir, ignore_errors=True)
     case_dir.mkdir(parents=True)
-    keras.utils.set_random_seed(sum(map(ord, name)))
     t0, c0 = time.perf_counter(), _cpu_s()
-    labels = CASES[name].fn(str(case_dir))
+    labels = c.fn(str(case_dir))
     labels["train_s"] = round(time.perf_counter() - t0, 2)
     labels["train_cpu_s"] = round(_cpu_s() - c0, 2)
     labels["case"] = name
-    labels.setdefault("rule", CASES[name].rule)
+    labels.setdefault("rule", c.rule)
     runs = [r for r in reader.read_logdir(str(case_dir)).runs if r.num_steps]
     if len(runs) != 1:
         raise RuntimeError(f"{name}: expected one gradient-health run, got {[r.run for r in runs]}")
@@ -226,13 +240,14 @@ def _trace_callback() -> Any:
 
 
 def fit_logged(model: Any, x: Any, y: Any, log_dir: str, *, batch: int, update_freq: int = 1,
-               stop_after_nan: int | None = None, epochs: int = 1) -> Any:
-    """``model.fit`` with the gradient-health callback and the loss/weight trace; returns the trace."""
+               stop_after_nan: int | None = None, epochs: int = 1, callbacks: Sequence[Any] = ()) -> Any:
+    """``model.fit`` with the gradient-health callback and the loss/weight trace (then ``callbacks``, the user's own,
+    e.g. ``TerminateOnNaN``); returns the trace."""
     from tb_gradhealth.keras import GradientHealthCallback
 
     trace = _trace_callback()(log_dir, stop_after_nan)
     model.fit(x, y, batch_size=batch, epochs=epochs, verbose=0, shuffle=False,
-              callbacks=[GradientHealthCallback(log_dir, update_freq=update_freq), trace])
+              callbacks=[GradientHealthCallback(log_dir, update_freq=update_freq), trace, *callbacks])
     return trace
 
 

@@ -21,6 +21,7 @@ __version__ = "0.1.0"
 #: that use it and never exposed here (as optax keeps ``_src``).
 _ENTRY_POINTS = (
     "summary", "keras", "tpu", "distribute", "accumulate", "torch", "jax", "writer", "health", "reader", "testing",
+    "live",
     "plugin", "cli", "origin", "tf_origin", "torch_origin", "jax_origin", "lightning", "transformers",
     "record", "metadata", "problems", "progress", "layerinfo",
 )

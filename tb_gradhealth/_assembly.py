@@ -52,6 +52,8 @@ class RunSeries:
     window_last: np.ndarray | None = None
     #: ``{layer: (kind, activation)}`` where the writer knew the model (:mod:`tb_gradhealth.layerinfo`), else empty.
     layer_info: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    #: What the writer knew of the training loop (:attr:`tb_gradhealth.metadata.Content.source`), else empty.
+    source: Mapping[str, str] = field(default_factory=dict)
     _index: dict[str, int] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -245,16 +247,36 @@ class _Tag(NamedTuple):
     layers: tuple[str, ...]
 
 
+def _block_base(tag: str) -> str:
+    """The tag of every step that a step-block tag (:func:`metadata.tag_for`) is a block of; any other tag itself."""
+    return tag if metadata.tag_block(tag) is None else tag.rpartition(".")[0]
+
+
+def _joined(tag_layers: Iterable[tuple[str, tuple[str, ...]]]) -> dict[tuple[str, tuple[str, ...]], list[str]]:
+    """``{(base tag, layers): [tags]}``: the step-block tags of one layer list, grouped."""
+    joined: dict[tuple[str, tuple[str, ...]], list[str]] = {}
+    for tag, lay in tag_layers:
+        joined.setdefault((_block_base(tag), lay), []).append(tag)
+    return joined
+
+
+def layer_order(tag_layers: Mapping[str, Sequence[str]]) -> list[str]:
+    """A run's layers in network order from its tags' layer lists ``{tag: layers}``, as :func:`assemble` orders
+    them: the step-block tags of one layer list count as one tag, the tag with the most layers is the backbone of
+    the order and the others' new layers go in around it (:func:`_merge_order`)."""
+    named = [(tags[0] if len(tags) == 1 else base, lay)
+             for (base, lay), tags in _joined((t, tuple(lay)) for t, lay in tag_layers.items()).items()]
+    return _merge_order([lay for _, lay in sorted(named, key=lambda t: (-len(t[1]), t[0]))])
+
+
 def _join_blocks(good: list[_Tag]) -> list[_Tag]:
     """The step-block tags of one layer list (:func:`metadata.tag_for`) as one tag, their points in write order
     (wall time), so that the restart rule (:func:`supersede`) applies across blocks as to a tag of every step: a
     job restarted at step 50 replaces the earlier records from step 50 on, in whichever block they are."""
-    joined: dict[tuple[str, tuple[str, ...]], list[TagData]] = {}
-    for td, lay in good:
-        base = td.tag if metadata.tag_block(td.tag) is None else td.tag.rpartition(".")[0]
-        joined.setdefault((base, lay), []).append(td)
+    by_tag = {t.data.tag: t.data for t in good}
     out = []
-    for (base, lay), tds in joined.items():
+    for (base, lay), names in _joined((t.data.tag, t.layers) for t in good).items():
+        tds = [by_tag[n] for n in names]
         if len(tds) == 1:
             out.append(_Tag(tds[0], lay))
             continue
@@ -295,11 +317,10 @@ def assemble(
     """
     problems = list(problems)
     notes: list[str] = []
-    good, info = _readable_tags(tags, problems)
+    good, info, source = _readable_tags(tags, problems)
     tag_names = tuple(t.data.tag for t in good)
+    layers = layer_order({t.data.tag: t.layers for t in good})
     good = _join_blocks(good)
-    # The tag with the most layers is the backbone of the order; the others' new layers go in around it.
-    layers = _merge_order([t.layers for t in sorted(good, key=lambda t: (-len(t.layers), t.data.tag))])
     valid, downsampled = _checked_points(good, layers, problems, notes, sample_limit)
     if consume:  # from here on only ``valid`` holds the tensors
         for td in [*tags, *(t.data for t in good)]:
@@ -318,14 +339,16 @@ def assemble(
         maybe_downsampled=downsampled,
         resident_bytes=(record.HIST_START + max(0, bins[1] - bins[0])) * steps.size * len(layers) * 8,
         layer_info=info,
+        source=source,
     )
 
 
 def _readable_tags(tags: Sequence[TagData], problems: list[str]
-                   ) -> tuple[list[_Tag], dict[str, tuple[str, str]]]:
-    """The :class:`_Tag` of each tag whose metadata decodes, by name (the others are problems), and the layers'
-    kinds and activations where a tag's metadata has them."""
-    good, info = [], {}
+                   ) -> tuple[list[_Tag], dict[str, tuple[str, str]], dict[str, str]]:
+    """The :class:`_Tag` of each tag whose metadata decodes, by name (the others are problems), the layers'
+    kinds and activations where a tag's metadata has them, and what the writers said of the training loop (the
+    last tag by name that says it wins, key by key)."""
+    good, info, source = [], {}, {}
     for td in sorted(tags, key=lambda t: t.tag):
         try:
             content = metadata.decode_content(td.content)
@@ -334,7 +357,8 @@ def _readable_tags(tags: Sequence[TagData], problems: list[str]
             continue
         good.append(_Tag(td, content.layers))
         info.update(zip(content.layers, content.layer_info, strict=False))  # () without info
-    return good, info
+        source.update(content.source)
+    return good, info, source
 
 
 class _Point(NamedTuple):

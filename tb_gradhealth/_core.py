@@ -144,6 +144,26 @@ def unstack(stacked: Any) -> tuple[Any, Any]:
     return stacked[:, : record.NUM_COUNTS], stacked[:, record.NUM_COUNTS :]
 
 
+def frozen_stacked(sizes: Sequence[int]) -> np.ndarray:
+    """The stacked rows (float32 ``[len(sizes), NUM_FIELDS]``) of frozen layers of these sizes
+    (:func:`record.frozen`), built on the host: what a device path puts where it reads no gradient by the user's
+    choice, so that a shard merge adds their sizes and keeps them frozen."""
+    rows = np.stack([record.frozen(int(s)) for s in sizes]) if len(sizes) else np.zeros((0, record.NUM_FIELDS))
+    counts = np.ascontiguousarray(rows[:, : record.NUM_COUNTS]).astype(np.int32).view(np.float32)
+    return np.concatenate([counts, rows[:, record.NUM_COUNTS :].astype(np.float32)], axis=1)
+
+
+def with_frozen(live: np.ndarray, frozen: Sequence[bool], sizes: Sequence[int]) -> np.ndarray:
+    """Memory-form rows of every layer: ``live``'s rows, in order, where ``frozen`` is False, and
+    :func:`record.frozen` of the layer's size where it is True (filled on the host: no device work)."""
+    frozen = np.asarray(frozen, bool).reshape(-1)
+    out = np.empty((frozen.size, record.NUM_FIELDS), np.float64)
+    out[~frozen] = live
+    for i in np.flatnonzero(frozen):
+        out[i] = record.frozen(int(sizes[i]))
+    return out
+
+
 def decode_stacked(stacked: Any) -> np.ndarray:
     """Stacked records on the host (float32 ``[L, NUM_FIELDS]``) -> memory-form rows float64 (the one decode of
     the PyTorch and JAX records)."""

@@ -317,7 +317,7 @@ def assemble_table(be: Backend, grad: Any, weight: Any, update: Any, missing: An
 
 
 #: The per-layer sums :func:`merge` adds over the shards, after the counts and before the histogram, in order.
-_SUMMED = (*record.GRAD_SUM_NAMES, "weight_ssq_rel", "update_ssq_rel", "missing", "hist_sample", "ranks")
+_SUMMED = (*record.GRAD_SUM_NAMES, "weight_ssq_rel", "update_ssq_rel", "hist_sample", "ranks")
 
 
 def merge(
@@ -331,14 +331,16 @@ def merge(
     """Records of shards ``(counts [L, 5] int, values [L, 89])`` -> the full tensors' records, on every shard.
 
     ``all_max`` / ``all_sum`` are the collectives (``all_reduce`` MAX / SUM, ``lax.pmax`` / ``lax.psum``): first
-    the max of ``[max, -min, max|g|, max|w|, max|u|]``, then (each relative sum of squares rescaled to the global
-    max|.|) the sum of the counts, histogram, ``hist_sample``, finite-weighted mean and sums of squares. The same
-    result as :func:`record.merge_all` over the shards. The counts join the float sum (exact when ``values`` are
-    float64) unless ``all_sum_counts`` sums them on their own (integers: exact in float32 backends too).
+    the max of ``[max, -min, max|g|, max|w|, max|u|, -missing]`` (``missing`` merges to its least value, as in
+    :func:`record.merge`: frozen on every shard stays frozen, a gradient on any shard is a gradient), then (each
+    relative sum of squares rescaled to the global max|.|) the sum of the counts, histogram, ``hist_sample``,
+    finite-weighted mean and sums of squares. The same result as :func:`record.merge_all` over the shards. The
+    counts join the float sum (exact when ``values`` are float64) unless ``all_sum_counts`` sums them on their own
+    (integers: exact in float32 backends too).
     """
     scales = _scales(be, values)
-    maxes = all_max(be.xp.stack([scales["max"], scales["-min"], scales["grad"], scales["weight"], scales["update"]],
-                                1))
+    maxes = all_max(be.xp.stack([scales["max"], scales["-min"], scales["grad"], scales["weight"], scales["update"],
+                                 -values[:, COL["missing"]]], 1))
     k = 0 if all_sum_counts is not None else record.NUM_COUNTS
     sums = all_sum(_summands(be, counts, values, scales, maxes, with_counts=k > 0))
     out_c = sums[:, :k] if k else all_sum_counts(counts)
@@ -379,7 +381,6 @@ def _summands(be: Backend, counts: Any, values: Any, scales: dict[str, Any], max
     summed |= {
         "weight_ssq_rel": rescaled(values[:, COL["weight_ssq_rel"]], scales["weight"], maxes[:, 3]),
         "update_ssq_rel": rescaled(values[:, COL["update_ssq_rel"]], scales["update"], maxes[:, 4]),
-        "missing": values[:, COL["missing"]],
         "hist_sample": values[:, COL["hist_sample"]],
         "ranks": nf * 0 + 1,
     }
@@ -407,7 +408,7 @@ def _merged_values(be: Backend, counts: Any, sums: Any, maxes: Any) -> Any:
         "update_ssq_rel": xp.where(maxes[:, 4] >= 0, s["update_ssq_rel"], nan),
         "micro_batches": nan,
         "noise_ssq_rel": nan,
-        "missing": be.f32(s["missing"] == s["ranks"]),
+        "missing": -maxes[:, 5],
         "hist_sample": s["hist_sample"],
     }
     head = xp.stack([be.f32(cols[name]) for name in record.VALUE_FIELDS], 1)

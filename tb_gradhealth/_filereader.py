@@ -142,7 +142,8 @@ class _Store:
         self.buf, self.steps, self.last, self.weights = buf, steps, last, weights
         self.n, self.old, self.width = len(groups), old, width
 
-    def series(self, name: str, tags: tuple[str, ...], layer_info: Mapping[str, tuple[str, str]]) -> RunSeries:
+    def series(self, name: str, tags: tuple[str, ...], layer_info: Mapping[str, tuple[str, str]],
+               source: Mapping[str, str]) -> RunSeries:
         merged = self.old > 0
         notes = (f"steps {int(self.steps[0])}-{int(self.last[self.old - 1])} are kept as {self.old} merged windows of "
                  f"up to {self.width} steps (a run of more than {self.budget} logged steps of "
@@ -153,7 +154,7 @@ class _Store:
                          window_steps=self.weights[: self.n] if merged else None,
                          window_last=self.last[: self.n] if merged else None,
                          resident_bytes=int(self.touched.sum()) * self.n * len(self.layers) * 8,
-                         layer_info=layer_info)
+                         layer_info=layer_info, source=source)
 
 
 def _grown(a: np.ndarray, n: int, capacity: int) -> np.ndarray:
@@ -369,7 +370,9 @@ class FileReader:
             raise NotAnAppend("damaged records or a restart")
         store.append(part, math.ceil(points * chunks_left))
         info = {layer: kind for c in contents for layer, kind in zip(c.layers, c.layer_info, strict=False)}
-        state.series = {run_dir: store.series(run_dir, tuple(sorted(state.known)), info)}
+        source = {k: v for _, c in sorted(zip(state.known, contents, strict=True), key=lambda tc: tc[0])
+                  for k, v in c.source.items()}  # as assemble reads it: the tags by name
+        state.series = {run_dir: store.series(run_dir, tuple(sorted(state.known)), info, source)}
 
     def _evict(self) -> None:
         """Drop the least recently used runs beyond ``cache_bytes`` (always keeping the last one read)."""

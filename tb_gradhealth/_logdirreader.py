@@ -46,8 +46,14 @@ def add_event(payload: bytes, tags: dict[str, TagData], orphans: dict[str, int])
         event = event_pb2.Event.FromString(payload)
     except DecodeError:
         return False
+    add_summary(event, tags, orphans)
+    return True
+
+
+def add_summary(event: event_pb2.Event, tags: dict[str, TagData], orphans: dict[str, int]) -> None:
+    """Add the gradient-health values of one parsed event to ``tags`` (:func:`add_event`, whose rules it holds)."""
     if not event.HasField("summary"):
-        return True
+        return
     for value in event.summary.value:
         td = tags.get(value.tag)
         if td is None:
@@ -63,7 +69,6 @@ def add_event(payload: bytes, tags: dict[str, TagData], orphans: dict[str, int])
         except (ValueError, TypeError) as e:
             arr = f"undecodable tensor proto: {e}"  # reported by assemble's validation
         td.points.append(TagPoint(event.step, event.wall_time, arr))
-    return True
 
 
 def orphan_problems(orphans: Mapping[str, int]) -> list[str]:

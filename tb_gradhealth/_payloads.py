@@ -15,6 +15,7 @@ import numpy as np
 from tensorboard import errors as tb_errors
 
 from tb_gradhealth import _tiers, health, record
+from tb_gradhealth.progress import Progress
 from tb_gradhealth.reader import RunSeries
 
 #: Points a ``series`` / ``histograms`` answer holds at most (the last step always included).
@@ -106,20 +107,24 @@ def runs_payload(runs: list[RunSeries], problems: list[str]) -> dict[str, Any]:
 
 
 def diagnose(series: RunSeries, thresholds: health.Thresholds, step: int | None,
-             progress: tuple[np.ndarray, np.ndarray] | None = None) -> health.RunHealth:
-    """The run's diagnosis at the latest logged step <= ``step``, with the training loss (``progress``) and the
-    layers' kinds (``series.layer_info``) as evidence where they are recorded."""
+             progress: Progress | None = None) -> health.RunHealth:
+    """The run's diagnosis at the latest logged step <= ``step``: the one call behind ``tb-gradhealth report``, the
+    tab and a live run's ``stop_on`` (:mod:`tb_gradhealth.live`), so all three say the same at a step. Evidence
+    beside the records where they are recorded: the training loss and the optimizer's skipped steps
+    (``progress``), the layers' kinds (``series.layer_info``) and the training loop (``series.source``)."""
     k = at_index(series, step)
+    progress = progress or Progress()
     return health.diagnose_run(series.layers, series.steps, series.records, thresholds,
-                               at_step=int(series.steps[k]), progress=progress, layer_info=series.layer_info)
+                               at_step=int(series.steps[k]), progress=progress.loss, layer_info=series.layer_info,
+                               skipped=progress.skipped, source=dict(series.source) or None)
 
 
-def loss_payload(progress: tuple[np.ndarray, np.ndarray] | None, at_step: int) -> dict[str, Any] | None:
+def loss_payload(loss: tuple[np.ndarray, np.ndarray] | None, at_step: int) -> dict[str, Any] | None:
     """``{"steps", "values"}``: the training loss at or before ``at_step`` for the tab's trend line, at most
     :data:`MAX_POINTS` of its steps evenly spread (the last one kept); None when no loss is recorded."""
-    if progress is None:
+    if loss is None:
         return None
-    steps, values = progress
+    steps, values = loss
     end = int(np.searchsorted(steps, at_step, side="right"))
     if end == 0:
         return None
@@ -128,17 +133,16 @@ def loss_payload(progress: tuple[np.ndarray, np.ndarray] | None, at_step: int) -
 
 
 def health_payload(series: RunSeries, thresholds: health.Thresholds, step: int | None,
-                   diagnosis: health.RunHealth | None = None,
-                   progress: tuple[np.ndarray, np.ndarray] | None = None) -> dict[str, Any]:
+                   diagnosis: health.RunHealth | None = None, progress: Progress | None = None) -> dict[str, Any]:
     """``{"run", **RunHealth.to_json(), "history_steps", "loss"}``, each layer with ``rms_history`` (sparklines)
     and, where the writer recorded it, its ``kind`` and ``activation``; ``loss``: :func:`loss_payload` of
-    ``progress``."""
+    ``progress.loss``."""
     k = at_index(series, step)
     h = diagnosis if diagnosis is not None else diagnose(series, thresholds, step, progress)
     idx = pick_indices(k + 1, HISTORY_POINTS)
     rms = record.derived(series.records[idx])["rms"]  # [H, L]
     body = {"run": series.run, **h.to_json(), "history_steps": [int(s) for s in series.steps[idx]],
-            "loss": loss_payload(progress, int(series.steps[k]))}
+            "loss": loss_payload(progress.loss if progress is not None else None, int(series.steps[k]))}
     for layer in body["layers"]:
         layer["rms_history"] = _floats(rms[:, layer["index"]])
         kind, activation = series.layer_info.get(layer["layer"], ("", ""))

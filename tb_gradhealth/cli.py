@@ -148,8 +148,9 @@ def _diagnose(data: reader.LogdirData, thresholds: health.Thresholds, step: int 
               event_files: Mapping[str, Sequence[str]] | None = None
               ) -> tuple[list[tuple[reader.RunSeries, dict[str, Any]]], list[str], list[str]]:
     """``(bodies, unreadable runs, problems)``: the health JSON of each readable run; read problems on ``err``.
-    ``event_files`` (:func:`reader.find_runs`): where each run's training loss is read, evidence beside the
-    gradients (:mod:`tb_gradhealth.progress`) as the layers' kinds are (read with the records)."""
+    ``event_files`` (:func:`reader.find_runs`): where each run's training loss and skipped steps are read, evidence
+    beside the gradients (:mod:`tb_gradhealth.progress`) as the layers' kinds and the loop are (read with the
+    records)."""
     unreadable = [s.run for s in data.runs if not s.num_steps]
     problems = list(data.problems)
     for series in data.runs:
@@ -161,8 +162,8 @@ def _diagnose(data: reader.LogdirData, thresholds: health.Thresholds, step: int 
     bodies = []
     for series in (s for s in data.runs if s.num_steps):
         try:
-            loss = progress.read_loss(progress.run_paths(event_files, series.run)) if event_files else None
-            body = health_payload(series, thresholds, step, progress=loss)
+            found = progress.read_progress(progress.run_paths(event_files, series.run)) if event_files else None
+            body = health_payload(series, thresholds, step, progress=found)
         except RequestError as e:
             raise UsageError(f"--step: run {series.run!r}: {e.message}") from e
         except Exception as e:  # a bug must not hide the other runs: this one is reported as unreadable

@@ -11,7 +11,11 @@
 * :func:`recording` wraps an optax-style ``GradientTransformation`` (``init``/``update``; optax itself is not
   imported): its state carries the record of the gradient and of the transformed update (the update the optimizer
   applies), computed every ``every`` steps. :func:`add_records` / :func:`write_state` copy the record to the host
-  and write it with :class:`tb_gradhealth.Writer`.
+  and write it with :class:`tb_gradhealth.Writer`; :class:`StepWatch` writes each new one with the step's loss and
+  says whether ``stop_on`` asks the loop to stop.
+* Frozen parameters: ``compute(..., frozen=mask)`` gives the leaves ``mask`` names the frozen record (no
+  statistics computed); :func:`recording` finds the leaves its optimizer never updates from the optimizer's
+  structure (``set_to_zero``, ``transforms.freeze``, a ``multi_transform`` partition: :mod:`tb_gradhealth._jaxfrozen`).
 
 The statistics are :mod:`tb_gradhealth._devicestats`, shared with the PyTorch path; the numbers match
 :func:`record.compute` as documented in docs/TORCH_JAX.md.
@@ -19,7 +23,8 @@ The statistics are :mod:`tb_gradhealth._devicestats`, shared with the PyTorch pa
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -27,13 +32,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from tb_gradhealth import _core, _devicestats, record
+from tb_gradhealth import _core, _devicestats, _jaxfrozen, metadata, record
 from tb_gradhealth._core import LayerInputs
 from tb_gradhealth._failsafe import Failsafe
+from tb_gradhealth.live import StopCheck, StopEvent, Stoppable
 from tb_gradhealth.writer import Writer
 
-__all__ = ["RecordingState", "add_records", "compute", "keras_callback", "layer_names", "merge", "recording",
-           "to_memory", "write_state"]
+__all__ = ["RecordingState", "StepWatch", "StopEvent", "add_records", "compute", "frozen_rows", "keras_callback",
+           "layer_names", "merge", "recording", "to_memory", "write_state"]
+
+_log = logging.getLogger("tb_gradhealth")
+#: What the records' metadata says of the loop when the caller names nothing more.
+JAX_LOOP = {"loop": "jax"}
 
 
 def _histogram(av: jax.Array, w: jax.Array) -> jax.Array:
@@ -166,21 +176,61 @@ def _aligned(tree: Any, names: list[str]) -> list[Any]:
     return [got.get(n) for n in names]
 
 
+def frozen_rows(frozen: Any, names: list[str]) -> list[bool]:
+    """Which of the rows ``names`` are frozen: ``frozen`` is ``None`` (none), a predicate on the row name
+    (``lambda name: name.startswith("params/backbone/")``), or a pytree of bools (an optax-style mask: a leaf
+    freezes the row at its path and every row under it, ``{"params": {"backbone": True}}``). The mask is static:
+    Python or numpy bools, known when a step is traced."""
+    if frozen is None:
+        return [False] * len(names)
+    if callable(frozen):
+        flags = [frozen(n) for n in names]
+        bad = next((n for n, f in zip(names, flags, strict=True) if not isinstance(f, (bool, np.bool_))), None)
+        if bad is not None:
+            raise TypeError(f"frozen: the predicate must return a bool for a row name; it returned "
+                            f"{type(flags[names.index(bad)]).__name__} for {bad!r}")
+        return [bool(f) for f in flags]
+    marks = {}
+    for n, leaf in zip(*_leaves(frozen), strict=True):
+        if leaf is None:
+            continue
+        if isinstance(leaf, jax.core.Tracer):
+            raise TypeError(f"frozen: the mask's leaf {n!r} is traced; give Python or numpy bools")
+        marks[n] = bool(np.asarray(leaf))
+
+    def flag(name: str) -> bool:
+        parts = name.split("/")
+        return next((marks[p] for p in ("/".join(parts[:k]) for k in range(len(parts), 0, -1)) if p in marks),
+                    False)
+
+    return [flag(n) for n in names]
+
+
+def _frozen_record(size: int) -> tuple[jax.Array, jax.Array]:
+    """``(counts, values)`` of a frozen layer of ``size`` elements (:func:`record.frozen`): constants."""
+    row = record.frozen(size)
+    return (jnp.asarray(row[: record.NUM_COUNTS], jnp.int32),
+            jnp.asarray(row[record.NUM_COUNTS:], jnp.float32))
+
+
 def compute(grads: Any, weights: Any = None, updates: Any = None, *, hist_sample: int = record.DEFAULT_HIST_SAMPLE,
-            seed: Any = None, axis_name: Any = None) -> jax.Array:
+            seed: Any = None, axis_name: Any = None, frozen: Any = None) -> jax.Array:
     """Packed records ``[L, NUM_FIELDS]`` float32 of the gradient pytree ``grads`` (pure; jit-able).
 
     ``weights`` / ``updates``: pytrees with the same paths (e.g. the params and the optimizer's updates) for the
     optional norms. A ``None`` leaf is a missing gradient (its size from ``weights``). ``seed`` (an int or a traced
     scalar, e.g. the step) seeds histogram sampling; by default it comes from the data. ``axis_name``: inside
     ``shard_map``, the mesh axis over which ``grads`` are sharded: the shards' records are merged (:func:`merge`).
+    ``frozen`` (:func:`frozen_rows`: a mask or a predicate on the row name): those leaves get the frozen record
+    (:func:`record.frozen`, their size and nothing else), their gradient unread.
     """
     names, glist = _leaves(grads)
     wlist = _aligned(weights, names)
     inputs = LayerInputs(grads=glist, weights=wlist, updates=_aligned(updates, names),
                          sizes=[_size(g, w) for g, w in zip(glist, wlist, strict=True)],
                          hist_sample=hist_sample, seed=seed)
-    rows = [_layer_record(inputs, i) for i in range(len(names))]
+    rows = [_frozen_record(inputs.sizes[i]) if f else _layer_record(inputs, i)
+            for i, f in enumerate(frozen_rows(frozen, names))]
     if not rows:
         return jnp.zeros((0, record.NUM_FIELDS), jnp.float32)
     c, v = jnp.stack([c for c, _ in rows]), jnp.stack([v for _, v in rows])
@@ -229,9 +279,17 @@ def to_memory(stacked: Any) -> np.ndarray:
     return _core.decode_stacked(jax.device_get(stacked))
 
 
-def add_records(writer: Writer, step: int, names: list[str], stacked: Any, *, name: str = "gradients") -> str:
-    """Copy stacked records (e.g. returned by a jitted step) to the host and write them. Returns the tag."""
-    return writer.add_records(step, names, to_memory(stacked), name=name)
+def add_records(writer: Writer, step: int, names: list[str], stacked: Any, *, name: str = "gradients",
+                frozen: Any = None, source: Mapping[str, str] | None = None) -> str:
+    """Copy stacked records (e.g. returned by a jitted step) to the host and write them. Returns the tag.
+    ``frozen`` (:func:`frozen_rows`): those rows are written as the frozen record of their size, filled on the
+    host, whatever was computed for them. ``source``: what the tags' metadata says of the loop (default ``{"loop":
+    "jax"}``; an optimizer's name may be added, e.g. ``{"loop": "jax", "optimizer": "adamw"}``)."""
+    rows = to_memory(stacked)
+    flags = frozen_rows(frozen, list(names))
+    if any(flags):
+        rows = _core.with_frozen(rows[[not f for f in flags]], flags, rows[:, record.INDEX["size"]])
+    return writer.add_records(step, names, rows, name=name, source=source or JAX_LOOP)
 
 
 # --- optax-style wrapper --------------------------------------------------------------------------------------
@@ -265,7 +323,19 @@ def recording(
     Use it as the last (outermost) transformation so the recorded update is the applied one, e.g.
     ``recording(optax.adamw(1e-3))``. Between logged steps ``lax.cond`` skips the statistics. Write with
     :func:`write_state` outside the jitted step (layer names: :func:`layer_names` of the gradients).
+
+    A leaf whose update ``inner`` makes zero by construction (``optax.set_to_zero``, ``optax.transforms.freeze``,
+    a ``multi_transform`` / ``partition`` label mapped to ``set_to_zero``: how optax and flax freeze a subtree) is
+    recorded frozen: read once from the jaxpr of ``inner.update`` (:mod:`tb_gradhealth._jaxfrozen`), when the step
+    is traced, never from the values.
     """
+    never: dict[Any, Any] = {}  # the frozen mask of each structure of (grads, state, params)
+
+    def frozen_mask(grads: Any, inner_state: Any, params: Any, extra: dict[str, Any]) -> Any:
+        key = jax.tree_util.tree_structure((grads, inner_state, params, extra))
+        if key not in never:
+            never[key] = _jaxfrozen.never_updated(inner.update, grads, inner_state, params, extra)
+        return never[key]
 
     def init(params: Any) -> RecordingState:
         n = len(layer_names(params))
@@ -275,9 +345,12 @@ def recording(
     def update(grads: Any, state: RecordingState, params: Any = None, **extra: Any) -> tuple[Any, RecordingState]:
         new_updates, new_inner = inner.update(grads, state.inner, params, **extra)
 
+        frozen = frozen_mask(grads, state.inner, params, extra)
+
         def rec() -> tuple[jax.Array, jax.Array]:
             w = params if weights else None
-            return compute(grads, w, new_updates, hist_sample=hist_sample, seed=state.count), state.count
+            return compute(grads, w, new_updates, hist_sample=hist_sample, seed=state.count, frozen=frozen), \
+                state.count
 
         logged = (state.count % every == 0) | (state.count < first)
         r, at = lax.cond(logged, rec, lambda: (state.record, state.recorded_at))
@@ -294,6 +367,51 @@ def write_state(writer: Writer, state: RecordingState, names: list[str], *, name
         return None
     add_records(writer, at, names, state.record, name=name)
     return at
+
+
+class StepWatch(Stoppable):
+    """A JAX/optax loop's logged steps written with their loss, and ``stop_on``: call :meth:`step` after each
+    training step; it says whether to stop.
+
+    ``names``: the rows (:func:`layer_names` of the gradients); ``stop_on``: statuses of
+    :data:`tb_gradhealth.health.FLAGS` (e.g. ``("nonfinite", "exploding")``; empty: never stop) checked with
+    ``thresholds`` by the diagnosis ``tb-gradhealth report --step S`` gives on the logdir at each logged step ``S``
+    (:class:`tb_gradhealth.live.StopCheck`); ``optimizer``: its name, kept in the tags' metadata for the diagnosis
+    (e.g. ``"sgd"``; ``momentum``: its momentum, where it has one).
+    """
+
+    def __init__(self, writer: Writer, names: Sequence[str], *, stop_on: Sequence[str] = (), thresholds: Any = None,
+                 name: str = "gradients", optimizer: str | None = None, momentum: float | None = None) -> None:
+        self.writer, self.names, self.name = writer, list(names), name
+        self.source = {**JAX_LOOP, **({"optimizer": optimizer} if optimizer else {}),
+                       **({"momentum": f"{momentum:g}"} if momentum else {})}
+        self._stop = StopCheck(stop_on, thresholds=thresholds, name=name) if stop_on else None
+        if self._stop is not None:
+            self._stop.watch(writer)
+        #: the step of the last record written (-1: none yet)
+        self.last_step = -1
+
+    def step(self, record_or_state: Any, *, loss: Any = None, step: int | None = None) -> bool:
+        """After a training step: the :func:`recording` state (its record is written once, at the step it was
+        computed: the first call that sees it; the other calls read one int) or a stacked record of ``step``
+        (:func:`compute`'s, returned by the step), written with the step's ``loss``; then ``stop_on``'s check of
+        that step. Returns :attr:`should_stop`."""
+        if isinstance(record_or_state, RecordingState):
+            at = int(jax.device_get(record_or_state.recorded_at))
+            stacked = record_or_state.record
+        elif step is None:
+            raise TypeError("step: a stacked record needs the step it was computed at")
+        else:
+            at, stacked = int(step), record_or_state
+        if at < 0 or at == self.last_step:
+            return self.should_stop
+        self.last_step = at
+        if loss is not None:
+            self.writer.add_loss(at, loss)
+        add_records(self.writer, at, self.names, stacked, name=self.name, source=self.source)
+        if self._stop is not None and self._stop.event is None and (event := self._stop.check(at)) is not None:
+            _log.warning("%s; the loop should stop (StepWatch.should_stop)", event.message())
+        return self.should_stop
 
 
 def keras_callback(writer: Writer, key: str = "gradhealth", *, every: int = 1, name: str = "gradients") -> Any:
@@ -328,6 +446,7 @@ def keras_callback(writer: Writer, key: str = "gradhealth", *, every: int = 1, n
         def write(self, stacked: Any) -> None:
             variables = self.model.trainable_variables
             info = self.failsafe.run("reading the layers' kinds", model_layer_info, self.model, variables) or ()
-            writer.add_records(self.step, [v.path for v in variables], to_memory(stacked), name=name, layer_info=info)
+            writer.add_records(self.step, [v.path for v in variables], to_memory(stacked), name=name, layer_info=info,
+                               source=metadata.loop_source("keras.fit", self.model.optimizer))
 
     return GradHealthLogs()

@@ -15,8 +15,9 @@ The callback's state is one object per concern: the cadence (:class:`tb_gradheal
 calls hold a logged step, and :class:`tb_gradhealth._stepbook.LossBook`, the batch loss beside them), the capture
 path (a :class:`tb_gradhealth._tf.capture.Capture`, chosen once per ``fit`` by :func:`_choose_capture`, which a step
 that turns out to update inside a conditional calls once more), where the records go (:class:`_RecordSink`), the
-NaN-origin search (:class:`tb_gradhealth._tf.fit_origin.FitOrigin`), ``stop_on`` (:class:`_StopWatch`) and the
-probe batch (:class:`_Probe`).
+NaN-origin search (:class:`tb_gradhealth._tf.fit_origin.FitOrigin`), ``stop_on`` (a
+:class:`tb_gradhealth.live.StopCheck`: the diagnosis ``tb-gradhealth report --step S`` gives, at each logged step
+``S`` as it is written) and the probe batch (:class:`_Probe`).
 
 Steps are counted like ``keras.callbacks.TensorBoard``'s batch summaries: the record of the optimizer's ``s``-th
 step (``s`` = the raw step count after it, 1-based; with ``gradient_accumulation_steps`` the count of batches) is
@@ -29,26 +30,26 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from tb_gradhealth import _storage, layerinfo, record, summary
+from tb_gradhealth import _storage, layerinfo, metadata, record, summary
 from tb_gradhealth._failsafe import Failsafe
 from tb_gradhealth._stepbook import LossBook, StepBook, ring_plan
 from tb_gradhealth._tf import capture, compat
 from tb_gradhealth._tf.capture import CUSTOM_LOOP_ADVICE, Capture, CaptureError, CaptureKit, Ring
 from tb_gradhealth._tf.fit_origin import FitOrigin
+from tb_gradhealth.live import StopCheck, StopEvent, Stoppable, check_stop_on
+from tb_gradhealth.progress import SKIPPED_TAG
 from tb_gradhealth.writer import Writer
 
 __all__ = ["GradientHealthCallback", "CaptureError", "StopEvent"]
 
 _log = logging.getLogger("tb_gradhealth")
 
-_STOP_CHOICES = ("nonfinite", "exploding")
 #: Logging more often than every this many steps compiles the statistics with XLA (a compile of seconds and its
 #: memory, for the cheapest logged step); sparser logging computes them as plain TensorFlow ops (nothing to compile;
 #: a logged step costs more, paid once per ``update_freq`` steps). docs/PERFORMANCE.md has both.
@@ -60,27 +61,6 @@ def _compiled_statistics(update_freq: Any, compile_statistics: bool | None) -> b
     if compile_statistics is not None:
         return bool(compile_statistics)
     return isinstance(update_freq, int) and update_freq < _COMPILED_BELOW
-
-@dataclass(frozen=True)
-class StopEvent:
-    """Why ``stop_on`` stopped training: the first logged step at which a watched status appeared.
-
-    ``layer`` is the first bad layer in backpropagation order (the deepest one, where the backward pass meets
-    it first, so usually where the problem starts); ``layers`` lists every bad layer at that step in network order.
-    """
-
-    step: int
-    layer: str
-    status: str
-    layers: tuple[str, ...]
-    #: Where the first NaN/Inf was made (a :class:`tb_gradhealth.origin.NanOrigin`), when it was looked for.
-    origin: Any = None
-
-    def message(self) -> str:
-        others = f" (bad layers at that step: {', '.join(self.layers)})" if len(self.layers) > 1 else ""
-        made = f"; {self.origin.message()}" if self.origin is not None else ""
-        return f"tb_gradhealth: {self.status} gradient in layer {self.layer!r} at step {self.step}{others}{made}"
-
 
 def _records_after_step(model: Any, spe: int, period: int, conditional_update: bool = False) -> bool:
     """Whether the record is computed after the step from the gradients it returns: when some calls log and
@@ -123,62 +103,12 @@ def _check_options(update_freq: Any, probe_data: Any, stop_on: Any) -> tuple[Any
             raise ValueError(f"update_freq must be a positive integer, 'batch', 'epoch' or None, got {update_freq!r}")
     if update_freq is None and probe_data is None:
         raise ValueError("update_freq=None records no training gradients: give probe_data, or an update_freq")
-    stop_on = (stop_on,) if isinstance(stop_on, str) else tuple(stop_on)
-    unknown = [s for s in stop_on if s not in _STOP_CHOICES]
-    if unknown:
-        raise ValueError(f"stop_on accepts {_STOP_CHOICES}, got {unknown}")
+    stop_on = check_stop_on(stop_on)
     if stop_on and update_freq is None:
         raise ValueError("stop_on needs recorded training gradients: set update_freq")
     if probe_data is not None and not (isinstance(probe_data, (tuple, list)) and len(probe_data) in (2, 3)):
         raise ValueError("probe_data must be (x, y) or (x, y, sample_weight)")
     return update_freq, stop_on
-
-
-class _StopWatch:
-    """``stop_on``: checks each written record for the watched statuses (the dashboard's rule for exploding)."""
-
-    def __init__(self, stop_on: tuple[str, ...], thresholds: Any) -> None:
-        self.stop_on = stop_on
-        self.thresholds = self._make_thresholds(thresholds) if "exploding" in stop_on else None
-        self.history: list[tuple[int, np.ndarray]] = []
-        #: The first stop event (``None`` until a record shows a watched status).
-        self.event: StopEvent | None = None
-
-    @staticmethod
-    def _make_thresholds(thresholds: Any) -> Any:
-        from tb_gradhealth import health
-
-        if thresholds is None:
-            return health.Thresholds()
-        if isinstance(thresholds, Mapping):
-            return health.Thresholds.from_mapping({str(k): str(v) for k, v in thresholds.items()})
-        return thresholds
-
-    def check(self, layers: Sequence[str], step: int, rows: np.ndarray, origin: Any = None) -> StopEvent | None:
-        """The stop event of this step's record (kept in :attr:`event`, with ``origin``: where the first NaN/Inf
-        was made, if known), or ``None`` when no watched status shows."""
-        bad: dict[str, str] = {}
-        if "nonfinite" in self.stop_on:
-            for i in np.flatnonzero(record.nonfinite_count(rows) > 0):
-                bad[layers[i]] = "nonfinite"
-        if "exploding" in self.stop_on:
-            bad.update({k: v for k, v in self._exploding(layers, step, rows).items() if k not in bad})
-        if not bad:
-            return None
-        ordered = tuple(n for n in layers if n in bad)
-        first = ordered[-1]  # deepest: the backward pass reaches it first
-        self.event = StopEvent(step=step, layer=first, status=bad[first], layers=ordered, origin=origin)
-        return self.event
-
-    def _exploding(self, layers: Sequence[str], step: int, rows: np.ndarray) -> dict[str, str]:
-        from tb_gradhealth import health
-
-        self.history.append((step, rows))
-        del self.history[:-256]
-        steps = np.array([s for s, _ in self.history], dtype=np.int64)
-        records = np.stack([r for _, r in self.history])
-        run = health.diagnose_run(list(layers), steps, records, self.thresholds)
-        return {lh.layer: lh.status for lh in run.layers if lh.code == health.EXPLODING and lh.step == step}
 
 
 class _Probe:
@@ -238,10 +168,11 @@ class _RecordSink:
         writer = self.writer.dropped_records if self.writer is not None else 0
         return self.closed_dropped + writer + self.failsafe.dropped_records
 
-    def open(self) -> None:
-        """A fresh writer, and the ring buffer of a new fit read from its start."""
+    def open(self, source: Mapping[str, str]) -> None:
+        """A fresh writer (stating ``source``, the training loop, in the tags' metadata), and the ring buffer of a
+        new fit read from its start."""
         self.writer = Writer(self.train_dir, hist_sample=self.hist_sample, seed=self.seed,
-                             filename_suffix=".gradhealth", strict=self.strict)
+                             filename_suffix=".gradhealth", strict=self.strict, source=source)
         self.read_upto = 0
         self.layers, self.layer_info = (), ()
 
@@ -267,6 +198,12 @@ class _RecordSink:
         self.failsafe.run("writing a gradient-health record", self.writer.add_records, step, self.layers, rows,
                           name=self.name, kind="gradients", layer_info=self.layer_info, records=1)
 
+    def write_applied(self, step: int) -> None:
+        """Under ``LossScaleOptimizer``: that the optimizer applied the logged step (``amp/step_skipped`` 0). A step
+        it skips runs no update, so it has no record and no step of its own (the optimizer's step count, which
+        numbers the records, does not advance): a recorded step is an applied one."""
+        self.failsafe.run("writing the skip flag", self.writer.add_scalars, step, {SKIPPED_TAG: 0.0})
+
     def flush(self) -> None:
         if self.writer is not None:
             self.writer.flush()
@@ -278,7 +215,7 @@ class _RecordSink:
             self.writer = None
 
 
-class GradientHealthCallback(keras.callbacks.Callback):
+class GradientHealthCallback(keras.callbacks.Callback, Stoppable):
     """Record per-layer gradient health of the gradients ``model.fit`` applies, for TensorBoard's Gradient Health tab.
 
     Args:
@@ -302,10 +239,12 @@ class GradientHealthCallback(keras.callbacks.Callback):
             the loss on this fixed batch (inference-mode forward, so no batch-norm statistics change) is recorded
             under ``name="probe_gradients"``: gradients on a constant reference batch. Off by default:
             it costs an extra forward/backward pass and is not the gradient training applied.
-        stop_on: statuses that stop training at the first logged step showing them: ``"nonfinite"`` (a NaN or
-            Inf in a gradient) and/or ``"exploding"`` (as diagnosed by :mod:`tb_gradhealth.health` with
-            ``thresholds``, the dashboard's rule). The layer and step are logged and kept in :attr:`stop_event`.
-        thresholds: a :class:`tb_gradhealth.health.Thresholds` or a mapping of its fields (for ``"exploding"``).
+        stop_on: statuses that stop training (``model.stop_training``) at the first logged step whose diagnosis
+            shows a layer with one of them now: ``"nonfinite"``, ``"exploding"``, or any other flag of
+            :data:`tb_gradhealth.health.FLAGS`. The diagnosis is the one ``tb-gradhealth report --step S`` gives on
+            the logdir at that step (:class:`tb_gradhealth.live.StopCheck`: with the loss and the layers' kinds,
+            from the records as written). The :class:`StopEvent` is logged and kept in :attr:`stop_event`.
+        thresholds: a :class:`tb_gradhealth.health.Thresholds` or a mapping of its fields, for ``stop_on``.
         nan_origin: at the first recorded step whose gradient holds a NaN/Inf, put the weights of that step back,
             replay it op by op and store where the first NaN/Inf was made (op, layer, forward or backward, line of
             user code) in :attr:`origin`, the log and the run (docs/NAN_ORIGIN.md). Free until then.
@@ -355,7 +294,6 @@ class GradientHealthCallback(keras.callbacks.Callback):
         self.seed = seed
         self.probe_data = tuple(probe_data) if probe_data is not None else None
         self.stop_on = stop_on
-        self._thresholds = thresholds
         self.nan_origin = bool(nan_origin)
         self.compile_statistics = compile_statistics
         self._failsafe = Failsafe()
@@ -366,7 +304,8 @@ class GradientHealthCallback(keras.callbacks.Callback):
         self._loss = LossBook()
         self._capture: Capture | None = None
         self._origin: FitOrigin | None = None
-        self._stop_watch = _StopWatch(self.stop_on, thresholds) if self.stop_on else None
+        #: ``stop_on``: the live diagnosis of the records this callback writes, kept across fits as the logdir is
+        self._stop = StopCheck(self.stop_on, thresholds=thresholds, name=name) if self.stop_on else None
         self._probe: _Probe | None = None
 
     @property
@@ -381,11 +320,6 @@ class GradientHealthCallback(keras.callbacks.Callback):
         return os.path.join(self.log_dir, "train")
 
     @property
-    def stop_event(self) -> StopEvent | None:
-        """Set when ``stop_on`` stopped training (else ``None``)."""
-        return self._stop_watch.event if self._stop_watch is not None else None
-
-    @property
     def origin(self) -> Any:
         """Where the first NaN/Inf was made (:class:`tb_gradhealth.origin.NanOrigin`), once one was recorded."""
         return self._origin.origin if self._origin is not None else None
@@ -396,10 +330,11 @@ class GradientHealthCallback(keras.callbacks.Callback):
         model = self.model
         if getattr(model, "optimizer", None) is None:
             raise CaptureError("GradientHealthCallback needs a compiled model with an optimizer (call compile()).")
-        if self._stop_watch is not None:
-            self._stop_watch = _StopWatch(self.stop_on, self._thresholds)
         self._capture, self._book, self._origin = None, None, None
-        self._sink.open()
+        self._sink.open(metadata.loop_source("keras.fit", _innermost_optimizer(model.optimizer)))
+        if self._stop is not None:
+            self._stop.rearm()  # a new fit may stop again
+            self._stop.watch(self._sink.writer)
         if self.update_freq is not None:
             self._start_capture(model)
 
@@ -537,22 +472,30 @@ class GradientHealthCallback(keras.callbacks.Callback):
             return 0
         self._book.take_pending()
         read, new = self._sink.read(self._capture.kit.ring)
+        scaled = isinstance(self.model.optimizer, keras.optimizers.LossScaleOptimizer)
         for step, rows in new[-1:] if latest_only else new:
             self._sink.write(step, rows)
+            if scaled:
+                self._sink.write_applied(step)
             self._check_record(step, rows)
         return read
 
     def _check_record(self, step: int, rows: np.ndarray) -> None:
         """A written record, looked at by the NaN-origin search (the first non-finite one is replayed) and by
-        ``stop_on`` (the first watched status stops training)."""
+        ``stop_on`` (the first watched status stops training). The step's loss is written before its record is
+        read, so the check sees what the logdir will hold at that step."""
+        replayed = None
         if self._origin is not None and self._origin.origin is None:
-            self._failsafe.run("finding where the NaN/Inf was made", self._origin.check, step, rows)
-        watch = self._stop_watch
-        if watch is not None and watch.event is None:
-            event = self._failsafe.run("checking stop_on", watch.check, self._sink.layers, step, rows, self.origin)
+            replayed = self._failsafe.run("finding where the NaN/Inf was made", self._origin.check, step, rows)
+        stop = self._stop
+        event = None
+        if stop is not None and stop.event is None:
+            event = self._failsafe.run("checking stop_on", stop.check, step, self.origin)
             if event is not None:
                 _log.warning("%s; stopping training", event.message())
                 self.model.stop_training = True
+        if replayed is not None and event is None and self._origin.stop_after:
+            self._origin.release()  # the diagnosis did not stop there: training and its updates go on
 
     def _write_probe(self) -> None:
         if self._probe is None:

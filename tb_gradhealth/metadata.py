@@ -11,7 +11,9 @@ from __future__ import annotations
 import hashlib
 import json
 import zlib
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from tensorboard.compat.proto import summary_pb2
 
@@ -33,11 +35,24 @@ class Content:
     #: Per row, what the writer knows of the variable's layer: ``(layer kind, activation)`` (``""``: not known),
     #: e.g. ``("Dense", "sigmoid")``; empty when the writer does not know the model (and in logs written before it).
     layer_info: tuple[tuple[str, str], ...] = ()
+    #: What the writer knows of the training loop (:data:`SOURCE_KEYS`), e.g. ``{"loop": "keras.fit", "optimizer":
+    #: "SGD", "momentum": "0.9"}``; empty where the writer said nothing (and in logs written before it).
+    source: Mapping[str, str] = field(default_factory=dict)
 
 
 #: Version of the optional ``info`` entry of the content (the layer kind and activation per row). Additive: a reader
 #: that does not know it ignores it, and content without it reads as ``layer_info=()``.
 LAYER_INFO_VERSION = 1
+#: Version of the optional ``source`` entry of the content (what the writer knows of the training loop). Additive as
+#: ``info``: content without it, or with a newer version of it, reads as ``source={}``.
+SOURCE_VERSION = 1
+#: The keys of ``source``: the loop that wrote the records (one of :data:`LOOPS`), the optimizer's class name, and
+#: its momentum where it has one (as text, e.g. ``"0.9"``).
+SOURCE_KEYS = ("loop", "optimizer", "momentum")
+#: The loops the package's writers name: ``model.fit`` through the Keras callback, a custom TensorFlow loop (the
+#: ``summary`` op, TPU and ``tf.distribute`` helpers), PyTorch's ``StepRecorder``, Lightning, Hugging Face
+#: ``Trainer``, JAX/optax, and the numpy ``Writer`` called by the user's own code.
+LOOPS = ("keras.fit", "tf", "torch", "lightning", "transformers", "jax", "numpy")
 
 
 class UnsupportedVersion(ValueError):
@@ -85,6 +100,8 @@ def encode_content(content: Content) -> bytes:
     }
     if content.layer_info:
         payload["info"] = {"v": LAYER_INFO_VERSION, "rows": [list(x) for x in content.layer_info]}
+    if content.source:
+        payload["source"] = {"v": SOURCE_VERSION, **check_source(content.source)}
     return zlib.compress(json.dumps(payload, separators=(",", ":")).encode("utf-8"), 9)
 
 
@@ -108,6 +125,7 @@ def decode_content(data: bytes) -> Content:
         kind=str(payload.get("kind", "gradients")),
         hist_sample=int(payload.get("hist_sample", record.DEFAULT_HIST_SAMPLE)),
         layer_info=_layer_info(payload.get("info"), len(layers)),
+        source=_source(payload.get("source")),
     )
 
 
@@ -124,6 +142,44 @@ def _layer_info(info: object, n: int) -> tuple[tuple[str, str], ...]:
     return tuple((r[0], r[1]) for r in rows)
 
 
+def check_source(source: Mapping[str, object]) -> dict[str, str]:
+    """``source`` as the content stores it: the keys of :data:`SOURCE_KEYS` that are given, each value a non-empty
+    string; ValueError naming a key that is none of them (a typo would be lost silently)."""
+    unknown = sorted(str(k) for k in source if k not in SOURCE_KEYS)
+    if unknown:
+        raise ValueError(f"source: unknown key(s) {', '.join(unknown)} (known: {', '.join(SOURCE_KEYS)})")
+    return {k: str(source[k]) for k in SOURCE_KEYS if k in source and source[k] is not None and str(source[k])}
+
+
+def loop_source(loop: str, optimizer: Any = None) -> dict[str, str]:
+    """The ``source`` a writer of ``loop`` (one of :data:`LOOPS`) states: the class name of ``optimizer`` (the one
+    that applies the updates; ``None``: not known) and its momentum where it has one other than zero (an attribute
+    ``momentum``, as Keras' ``SGD`` and ``RMSprop``, or the first parameter group's, as PyTorch's ``SGD``)."""
+    if loop not in LOOPS:
+        raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
+    if optimizer is None:
+        return {"loop": loop}
+    momentum = getattr(optimizer, "momentum", None)
+    groups = getattr(optimizer, "param_groups", None)
+    if momentum is None and isinstance(groups, list) and groups and isinstance(groups[0], dict):
+        momentum = groups[0].get("momentum")
+    try:
+        momentum = float(momentum) if momentum is not None else None
+    except (TypeError, ValueError):  # a schedule or a tensor: not a number the loop states
+        momentum = None
+    source = {"loop": loop, "optimizer": type(optimizer).__name__}
+    if momentum:
+        source["momentum"] = f"{momentum:g}"
+    return source
+
+
+def _source(entry: object) -> dict[str, str]:
+    """The ``source`` entry, or ``{}`` when absent, of a newer version, or malformed (as :func:`_layer_info`)."""
+    if not isinstance(entry, dict) or entry.get("v") != SOURCE_VERSION:
+        return {}
+    return {k: entry[k] for k in SOURCE_KEYS if isinstance(entry.get(k), str) and entry[k]}
+
+
 def create_summary_metadata(
     layers: tuple[str, ...] | list[str],
     *,
@@ -131,10 +187,13 @@ def create_summary_metadata(
     hist_sample: int = record.DEFAULT_HIST_SAMPLE,
     description: str = "",
     layer_info: tuple[tuple[str, str], ...] = (),
+    source: Mapping[str, str] | None = None,
 ) -> summary_pb2.SummaryMetadata:
     """The ``SummaryMetadata`` for a record tensor; ``DATA_CLASS_TENSOR`` so the data provider serves it.
-    ``layer_info``: per row, ``(layer kind, activation)`` where the writer knows the model."""
-    content = Content(record.FORMAT_VERSION, tuple(layers), kind, hist_sample, tuple(layer_info))
+    ``layer_info``: per row, ``(layer kind, activation)`` where the writer knows the model; ``source``: what the
+    writer knows of the training loop (:attr:`Content.source`)."""
+    content = Content(record.FORMAT_VERSION, tuple(layers), kind, hist_sample, tuple(layer_info),
+                      check_source(source or {}))
     return summary_pb2.SummaryMetadata(
         summary_description=description,
         plugin_data=summary_pb2.SummaryMetadata.PluginData(

@@ -22,7 +22,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 from tensorboard import context as tb_context
 from tensorboard import errors as tb_errors
 from tensorboard import plugin_util
@@ -173,7 +172,8 @@ class GradHealthPlugin(base_plugin.TBPlugin):
         self._health_lock = threading.Lock()
         self._flights: dict[tuple, _Flight] = {}
         self._slots = threading.BoundedSemaphore(DIAGNOSES_AT_ONCE)
-        self._losses = progress.ProviderLosses(context.data_provider) if context.data_provider is not None else None
+        self._progress = (progress.ProviderProgress(context.data_provider) if context.data_provider is not None
+                          else None)
 
     # TBPlugin API
     def get_plugin_apps(self) -> dict[str, Callable]:
@@ -220,8 +220,8 @@ class GradHealthPlugin(base_plugin.TBPlugin):
         for its result), and at most :data:`DIAGNOSES_AT_ONCE` different keys are computed at a time, so memory
         stays bounded however many tabs ask at once."""
         k = at_index(series, step)
-        loss = self._loss(request, series.run)
-        seen = None if loss is None else (loss[0].size, int(loss[0][-1]), float(loss[1][-1]))  # the loss moved on
+        found = self._run_progress(request, series.run)
+        seen = found.seen()  # the loss or the skipped steps moved on
         key = (plugin_util.experiment_id(request.environ), series.run, series.generation, t, k, seen)
         with self._health_lock:
             hit = self._health_cache.get(key)
@@ -236,8 +236,8 @@ class GradHealthPlugin(base_plugin.TBPlugin):
             return flight.wait()
         try:
             with self._slots:
-                h = diagnose(series, t, int(series.steps[k]), loss)
-                answer = Answer.of(health_payload(series, t, int(series.steps[k]), h, loss))
+                h = diagnose(series, t, int(series.steps[k]), found)
+                answer = Answer.of(health_payload(series, t, int(series.steps[k]), h, found))
             flight.result = (h, answer)
             with self._health_lock:
                 self._health_cache[key] = flight.result
@@ -252,17 +252,17 @@ class GradHealthPlugin(base_plugin.TBPlugin):
                 self._flights.pop(key, None)
             flight.done.set()
 
-    def _loss(self, request: Any, run: str) -> tuple[np.ndarray, np.ndarray] | None:
-        """The run's training loss where a writer recorded it (:mod:`tb_gradhealth.progress`), else None; a data
-        provider that cannot answer costs the evidence, not the diagnosis."""
-        if self._losses is None:
-            return None
+    def _run_progress(self, request: Any, run: str) -> progress.Progress:
+        """The run's training loss and skipped steps where a writer recorded them (:mod:`tb_gradhealth.progress`);
+        a data provider that cannot answer costs the evidence, not the diagnosis."""
+        if self._progress is None:
+            return progress.Progress()
         try:
-            return self._losses.get(plugin_util.context(request.environ), plugin_util.experiment_id(request.environ),
-                                    run_of(run))
+            return self._progress.get(plugin_util.context(request.environ),
+                                      plugin_util.experiment_id(request.environ), run_of(run))
         except Exception:  # noqa: BLE001 - the data provider's own failure: the gradients alone speak
-            _log.warning("gradhealth: reading the loss of run %r failed", run, exc_info=True)
-            return None
+            _log.warning("gradhealth: reading the progress of run %r failed", run, exc_info=True)
+            return progress.Progress()
 
     # routes
     @_json_route

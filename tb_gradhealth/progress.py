@@ -1,4 +1,5 @@
-"""The training loss of a run, read from its event files without TensorFlow: evidence beside the gradient records.
+"""The training loop's progress beside the gradient records, read from a run's event files (or TensorBoard's data
+provider) without TensorFlow: the loss, and which logged steps the optimizer skipped.
 
 Every writer of this package records the loss with :meth:`tb_gradhealth.writer.Writer.add_loss` (the Keras
 callback, ``torch.StepRecorder``, the Lightning, Hugging Face and Keras-on-JAX callbacks): the scalar
@@ -7,6 +8,10 @@ version is part of the tag, so a later format gets a new tag and this reader kee
 same evidence with a plain ``loss`` (or Keras TensorBoard's ``batch_loss``) scalar, e.g. ``tf.summary.scalar("loss",
 x)``. A log without any of them (written before the loss was recorded) has no
 progress, and the diagnosis uses the gradients alone.
+
+Writers that know whether the optimizer applied a logged step (a loss scaler skips a step whose scaled gradient
+overflowed) write the scalar :data:`SKIPPED_TAG` on it: 1 skipped, 0 applied. It is the diagnosis' evidence of a
+skip; a log without it has none.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from tensorboard.util import tensor_util
@@ -26,13 +31,31 @@ from tb_gradhealth._streams import run_of
 LOSS_TAG = "gradhealth_progress_v1/loss"
 #: Tags read as the training loss, the first one present wins.
 LOSS_TAGS = (LOSS_TAG, "loss", "batch_loss")
+#: Whether the optimizer skipped a logged step (1) or applied it (0), where a writer knows (a loss scaler's steps).
+SKIPPED_TAG = "amp/step_skipped"
+#: Every scalar tag this module reads.
+TAGS = (*LOSS_TAGS, SKIPPED_TAG)
 #: The plugin that holds them in TensorBoard (the writers give them its metadata).
 SCALARS_PLUGIN = "scalars"
-#: Steps of the loss the plugin asks the data provider for at most (its trend reads quartile medians).
+#: Steps of each scalar the plugin asks the data provider for at most (its trend reads quartile medians).
 PROVIDER_POINTS = 1000
 
 
-def _value(value: Any) -> float | None:
+class Progress(NamedTuple):
+    """What a run recorded of its progress, each ``(steps int64 [n], values float64 [n])`` ascending, or None where
+    the run has none: ``loss`` (the first of :data:`LOSS_TAGS` present) and ``skipped`` (:data:`SKIPPED_TAG`)."""
+
+    loss: tuple[np.ndarray, np.ndarray] | None = None
+    skipped: tuple[np.ndarray, np.ndarray] | None = None
+
+    def seen(self) -> tuple:
+        """What changes when the run records more of either: ``(points, last step, last value)`` of each."""
+        return tuple(None if x is None else (x[0].size, int(x[0][-1]), float(x[1][-1])) for x in self)
+
+
+def scalar_value(value: Any) -> float | None:
+    """A summary value of one of :data:`TAGS` as this module reads it (a scalar written as a float32 tensor comes
+    back as that float32), or None when it is not a number."""
     if value.HasField("simple_value"):
         return float(value.simple_value)
     if value.HasField("tensor"):
@@ -44,74 +67,88 @@ def _value(value: Any) -> float | None:
     return None
 
 
+def _series(by_step: Mapping[int, float]) -> tuple[np.ndarray, np.ndarray] | None:
+    if not by_step:
+        return None
+    steps = np.array(sorted(by_step), dtype=np.int64)
+    return steps, np.array([by_step[int(s)] for s in steps], dtype=np.float64)
+
+
+def progress_of(found: Mapping[str, Mapping[int, float]]) -> Progress:
+    """The :class:`Progress` of ``{tag: {step: value}}`` (a step written twice holds its last value): the loss of
+    the first of :data:`LOSS_TAGS` that has a value, and the skip flags."""
+    loss = next((s for tag in LOSS_TAGS if (s := _series(found.get(tag, {}))) is not None), None)
+    return Progress(loss, _series(found.get(SKIPPED_TAG, {})))
+
+
+def read_progress(paths: Sequence[str], storage_options: Mapping[str, Any] | None = None) -> Progress:
+    """The :class:`Progress` of a run's event files. Damage is skipped silently: the gradient reader reports it."""
+    found: dict[str, dict[int, float]] = {tag: {} for tag in TAGS}
+    for event, value in iter_summary_values(paths, storage_options):
+        series = found.get(value.tag)
+        if series is not None and (x := scalar_value(value)) is not None:
+            series[int(event.step)] = x
+    return progress_of(found)
+
+
 def read_loss(paths: Sequence[str], storage_options: Mapping[str, Any] | None = None
               ) -> tuple[np.ndarray, np.ndarray] | None:
     """``(steps int64 [n], loss float64 [n])`` of the first of :data:`LOSS_TAGS` in a run's event files, ascending
-    (a step written twice keeps its last value), or None when the run has none. Damage is skipped silently: the
-    gradient reader reports it."""
-    found: dict[str, dict[int, float]] = {tag: {} for tag in LOSS_TAGS}
-    for event, value in iter_summary_values(paths, storage_options):
-        series = found.get(value.tag)
-        if series is not None and (x := _value(value)) is not None:
-            series[int(event.step)] = x
-    for tag in LOSS_TAGS:
-        if found[tag]:
-            steps = np.array(sorted(found[tag]), dtype=np.int64)
-            return steps, np.array([found[tag][int(s)] for s in steps], dtype=np.float64)
-    return None
+    (a step written twice keeps its last value), or None when the run has none (:func:`read_progress`)."""
+    return read_progress(paths, storage_options).loss
 
 
-def read_provider(data_provider: Any, ctx: Any, experiment_id: str, run: str, downsample: int = PROVIDER_POINTS
-                  ) -> tuple[np.ndarray, np.ndarray] | None:
-    """:func:`read_loss` through TensorBoard's data provider (the plugin's reading): the first of :data:`LOSS_TAGS`
-    that ``run`` (a run directory) has as a scalar, at most ``downsample`` of its steps (TensorBoard keeps a
-    sample of every scalar tag), or None when it has none."""
+def read_provider_progress(data_provider: Any, ctx: Any, experiment_id: str, run: str,
+                           downsample: int = PROVIDER_POINTS) -> Progress:
+    """:func:`read_progress` through TensorBoard's data provider (the plugin's reading) for ``run`` (a run
+    directory): at most ``downsample`` steps of each scalar (TensorBoard keeps a sample of every scalar tag)."""
     from tensorboard.data import provider
 
     data = data_provider.read_scalars(ctx, experiment_id=experiment_id, plugin_name=SCALARS_PLUGIN,
                                       downsample=downsample,
-                                      run_tag_filter=provider.RunTagFilter(runs=[run], tags=list(LOSS_TAGS)))
+                                      run_tag_filter=provider.RunTagFilter(runs=[run], tags=list(TAGS)))
     found = (data or {}).get(run, {})
-    for tag in LOSS_TAGS:
-        by_step = {int(p.step): float(p.value) for p in found.get(tag, ())}  # a step written twice: its last value
-        if by_step:
-            steps = np.array(sorted(by_step), dtype=np.int64)
-            return steps, np.array([by_step[int(s)] for s in steps], dtype=np.float64)
-    return None
+    return progress_of({tag: {int(p.step): float(p.value) for p in found.get(tag, ())} for tag in TAGS})
 
 
-class ProviderLosses:
-    """:func:`read_provider` for the plugin, read again only when the data provider lists new loss data for the run:
-    listing a run's loss tags (their last step and wall time) is much cheaper than reading their values, and the tab
+def read_provider(data_provider: Any, ctx: Any, experiment_id: str, run: str, downsample: int = PROVIDER_POINTS
+                  ) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`read_loss` through TensorBoard's data provider: the loss of :func:`read_provider_progress`."""
+    return read_provider_progress(data_provider, ctx, experiment_id, run, downsample).loss
+
+
+class ProviderProgress:
+    """:func:`read_provider_progress` for the plugin, read again only when the data provider lists new data for the
+    run's tags: listing them (their last step and wall time) is much cheaper than reading their values, and the tab
     asks for a run's diagnosis on every view. Thread-safe; keeps the last ``entries`` runs."""
 
     def __init__(self, data_provider: Any, entries: int = 64) -> None:
         self._provider, self._entries = data_provider, entries
-        self._cache: OrderedDict[tuple[str, str], tuple[tuple, tuple[np.ndarray, np.ndarray] | None]] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], tuple[tuple, Progress]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, ctx: Any, experiment_id: str, run: str) -> tuple[np.ndarray, np.ndarray] | None:
-        """The loss of ``run`` (a run directory) as :func:`read_provider` gives it."""
+    def get(self, ctx: Any, experiment_id: str, run: str) -> Progress:
+        """The progress of ``run`` (a run directory) as :func:`read_provider_progress` gives it."""
         from tensorboard.data import provider
 
         listing = self._provider.list_scalars(ctx, experiment_id=experiment_id, plugin_name=SCALARS_PLUGIN,
-                                              run_tag_filter=provider.RunTagFilter(runs=[run], tags=list(LOSS_TAGS)))
+                                              run_tag_filter=provider.RunTagFilter(runs=[run], tags=list(TAGS)))
         tags = (listing or {}).get(run, {})
         if not tags:
-            return None
+            return Progress()
         key, seen = (experiment_id, run), tuple(sorted((t, ts.max_step, ts.max_wall_time) for t, ts in tags.items()))
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None and hit[0] == seen:
                 self._cache.move_to_end(key)
                 return hit[1]
-        loss = read_provider(self._provider, ctx, experiment_id, run)
+        found = read_provider_progress(self._provider, ctx, experiment_id, run)
         with self._lock:
-            self._cache[key] = (seen, loss)
+            self._cache[key] = (seen, found)
             self._cache.move_to_end(key)
             while len(self._cache) > self._entries:
                 self._cache.popitem(last=False)
-        return loss
+        return found
 
 
 def run_paths(runs: Mapping[str, Sequence[str]], run: str) -> Sequence[str]:

@@ -86,6 +86,7 @@ def write(
     kind: str = "gradients",
     hist_sample: int = record.DEFAULT_HIST_SAMPLE,
     layer_info: Sequence[tuple[str, str]] = (),
+    source: Mapping[str, str] | None = None,
 ) -> tf.Tensor | bool:
     """Write a device record (or a callable making one, evaluated only when recording) as one summary event.
 
@@ -93,7 +94,9 @@ def write(
     what ``tf.summary.write`` returns (whether a summary was written). Not usable inside ``jit_compile=True``.
     The tag carries the step's block (:func:`metadata.tag_for`), as the numpy ``Writer``'s, so that a run of any
     length is read in bounded answers. ``layer_info``: per row, ``(layer kind, activation)`` of the model
-    (:func:`tb_gradhealth.layerinfo.model_layer_info`), which the diagnosis uses to word its fixes.
+    (:func:`tb_gradhealth.layerinfo.model_layer_info`), which the diagnosis uses to word its fixes; ``source``: what
+    the tag's metadata says of the training loop (default ``{"loop": "tf"}``, a custom TensorFlow loop; name the
+    optimizer with :func:`tb_gradhealth.metadata.loop_source`).
     """
     if compat.in_xla_context():
         raise RuntimeError(
@@ -102,7 +105,8 @@ def write(
         )
     layers = [str(n) for n in layers]
     md = metadata.create_summary_metadata(layers, kind=kind, hist_sample=hist_sample,
-                                          layer_info=tuple(tuple(x) for x in layer_info))
+                                          layer_info=tuple(tuple(x) for x in layer_info),
+                                          source=source or metadata.loop_source("tf"))
 
     def tensor() -> tf.Tensor:
         rec = device_record() if callable(device_record) else device_record

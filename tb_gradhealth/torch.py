@@ -20,6 +20,9 @@ without TensorFlow.
 * :func:`add_gradients` = compute (+ merge) + one host copy + :meth:`Writer.add_records`; under
   ``torch.distributed`` rank 0 writes. :class:`StepRecorder` wraps ``optimizer.step()`` (and ``GradScaler``):
   it records the gradient the optimizer applies, after AMP unscaling, the applied update, and skipped steps.
+* A parameter frozen by the user (``requires_grad=False``, or outside the optimizer given) gets the frozen record,
+  built on the host without reading its ``.grad``; under :class:`StepRecorder` a ``.grad`` that is not this
+  step's (not produced since the last optimizer step) is recorded missing (:mod:`tb_gradhealth._torchparams`).
 
 Numbers agree with :func:`tb_gradhealth.record.compute` (float64 reference): counts, min/max and the exact
 histogram are equal; ``ssq_rel``/``mean`` (float32 accumulation) to about 1e-6 relative. Values are taken as float32
@@ -33,23 +36,29 @@ of them in the sample).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from tb_gradhealth import _core, _devicestats, _torcheager, _torchfused, record
+from tb_gradhealth import _core, _devicestats, _torcheager, _torchfused, _torchparams, metadata, record
 from tb_gradhealth import _torchstats as ts
 from tb_gradhealth._core import LayerInputs
 from tb_gradhealth._failsafe import Failsafe
+from tb_gradhealth._torchparams import Selection, local
+from tb_gradhealth.live import StopCheck, StopEvent, Stoppable, StopTraining
 from tb_gradhealth.record import Delta
 from tb_gradhealth.torch_kinds import layer_info_for
 from tb_gradhealth.writer import Writer
 
 __all__ = [
     "Delta",
+    "Pending",
     "StepRecorder",
+    "StopEvent",
+    "StopTraining",
     "add_gradients",
     "after_step",
     "before_step",
@@ -59,6 +68,8 @@ __all__ = [
     "named_gradients",
     "to_memory",
 ]
+
+_log = logging.getLogger("tb_gradhealth")
 
 #: The stacked columns of the applied update's norms (:func:`after_step` fills them in).
 _UPDATE_COLUMNS = [_core.stacked_column("update_max_abs"), _core.stacked_column("update_ssq_rel")]
@@ -89,12 +100,6 @@ def named_gradients(
 def layer_names(source: Any) -> list[str]:
     """The row names :func:`compute` gives ``source`` (parameter names or dict keys)."""
     return named_gradients(source, weights=False)[0]
-
-
-def _local(t: Any) -> Any:
-    """A DTensor's local shard (what this rank holds); any other tensor as it is."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
 
 
 def _stack(counts: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -134,6 +139,7 @@ def compute(
     hist_sample: int | None = record.DEFAULT_HIST_SAMPLE,
     seed: int | None = None,
     compile: bool = False,
+    optimizer: Any = None,
 ) -> torch.Tensor:
     """The stacked records ``[L, NUM_FIELDS]`` float32, on the gradients' device, rows in :func:`layer_names` order.
 
@@ -142,24 +148,53 @@ def compute(
     ``updates``: ``{name: tensor or Delta(before, after)}``. ``seed`` (e.g. the step) seeds histogram sampling; by
     default it comes from the data. ``compile=True`` runs the statistics through ``torch.compile`` (dense inputs:
     each tensor read once; one host read of a flag per layer: the layers with a NaN/Inf, extreme magnitudes or a
-    histogram sample that missed a sparse tensor's nonzeros are computed again eagerly).
+    histogram sample that missed a sparse tensor's nonzeros are computed again eagerly). A module's or the pairs'
+    parameter with ``requires_grad=False``, or in none of ``optimizer``'s ``param_groups``, gets the frozen record
+    (:func:`record.frozen`), its ``.grad`` unread.
     """
-    inputs = _inputs(grads, weights, updates, hist_sample, seed)
+    source = _source(grads)
+    selection = _selection(source, optimizer)
+    return _with_frozen_rows(_records(source, weights, updates, selection, hist_sample=hist_sample, seed=seed,
+                                      compile=compile), selection)
+
+
+def _source(grads: Any) -> Any:
+    """A module's ``named_parameters()`` or the pairs given as a list (read more than once), or the dict."""
+    if isinstance(grads, torch.nn.Module):
+        return list(grads.named_parameters())
+    return grads if isinstance(grads, Mapping) else list(grads)
+
+
+def _selection(source: Any, optimizer: Any = None, watch: Any = None) -> Selection:
+    """The frozen and stale rows of ``source`` (a ``{name: grad}`` dict has neither)."""
+    if isinstance(source, Mapping):
+        n = len(source)
+        return Selection(frozen=(False,) * n, stale=(False,) * n, sizes=(0,) * n)
+    return _torchparams.select(source, optimizer, watch)
+
+
+def _records(source: Any, weights: Any, updates: Any, selection: Selection, *, hist_sample: int | None,
+             seed: int | None, compile: bool = False) -> torch.Tensor:
+    """The stacked records of the rows ``selection`` reads (not the frozen ones), in order; a stale row's gradient
+    is missing. ``compile=True``: the flagged layers computed again before it returns (one host read)."""
+    inputs = _inputs(source, weights, updates, selection, hist_sample=hist_sample, seed=seed)
     stacked, due = _device_record(inputs, compile)
     return stacked if due is None else _with_exact(stacked, due.cpu().numpy(), inputs)
 
 
-def _inputs(grads: Any, weights: Any, updates: Any, hist_sample: int | None, seed: int | None) -> LayerInputs:
-    """The :class:`LayerInputs` of :func:`compute`'s arguments."""
-    names, glist, wlist = named_gradients(grads, weights is True)
+def _inputs(source: Any, weights: Any, updates: Any, selection: Selection, *, hist_sample: int | None,
+            seed: int | None) -> LayerInputs:
+    """The :class:`LayerInputs` of the rows ``selection`` reads (a stale row's gradient ``None``)."""
+    names, glist, wlist = named_gradients(source, weights is True)
     if isinstance(weights, Mapping):
         wlist = [weights.get(n) for n in names]
     ulist = [updates.get(n) for n in names] if isinstance(updates, Mapping) else [None] * len(names)
-    glist = tuple(_local(g) for g in glist)
-    wlist = tuple(_local(w) for w in wlist)
-    sizes = tuple(_size(g, w) for g, w in zip(glist, wlist, strict=True))
-    offsets = None if seed is None else [ts.seed_offset(int(seed), i) for i in range(len(names))]
-    return LayerInputs(grads=glist, weights=wlist, updates=tuple(ulist), sizes=sizes,
+    live = selection.live
+    glist = tuple(None if selection.stale[i] else local(glist[i]) for i in live)
+    wlist = tuple(local(wlist[i]) for i in live)
+    sizes = tuple(_size(g, w) or selection.sizes[i] for i, g, w in zip(live, glist, wlist, strict=True))
+    offsets = None if seed is None else [ts.seed_offset(int(seed), i) for i in live]
+    return LayerInputs(grads=glist, weights=wlist, updates=tuple(ulist[i] for i in live), sizes=sizes,
                        hist_sample=int(hist_sample or 0), seed=None, offsets=offsets)
 
 
@@ -198,6 +233,19 @@ def _size(g: Any, w: Any) -> int:
     if g is not None:
         return g.numel()
     return w.numel() if w is not None else 0
+
+
+def _with_frozen_rows(stacked: torch.Tensor, selection: Selection) -> torch.Tensor:
+    """Every row's stacked record: ``stacked`` (the rows read) with the frozen rows, built on the host, put in
+    their places (one small copy to the device, only when some row is frozen)."""
+    frozen = [i for i, f in enumerate(selection.frozen) if f]
+    if not frozen:
+        return stacked
+    out = torch.empty((len(selection.frozen), record.NUM_FIELDS), dtype=torch.float32, device=stacked.device)
+    out[frozen] = torch.from_numpy(_core.frozen_stacked([selection.sizes[i] for i in frozen])).to(stacked.device)
+    if selection.live:
+        out[selection.live] = stacked
+    return out
 
 
 # --- merging shards and copying to the host -----------------------------------------------------------------
@@ -259,6 +307,7 @@ def add_gradients(
     hist_sample: int | None = None,
     seed: int | None = None,
     compile: bool = False,
+    optimizer: Any = None,
 ) -> np.ndarray | None:
     """Compute the records on the device, copy only them to the host and write them with ``writer``.
 
@@ -268,64 +317,96 @@ def add_gradients(
     combines them (every rank must call, with the same ``hist_sample``: ``None`` takes the writer's, or the
     default where a rank has no writer), rank 0 writes. Returns the memory-form rows on the writing rank. Given a
     module, each parameter's layer kind and activation (:mod:`tb_gradhealth.torch_kinds`) go in the tag's metadata.
+    A parameter with ``requires_grad=False``, or in none of ``optimizer``'s ``param_groups``, is recorded frozen
+    (:func:`record.frozen`): its row is built on the host, its ``.grad`` unread.
     """
     if not sharded and _rank(group) != 0:
         return None
     hs = (writer.hist_sample if writer is not None else record.DEFAULT_HIST_SAMPLE) if hist_sample is None \
         else hist_sample
-    inputs = _inputs(grads, weights, updates, hs, step if seed is None else seed)
+    source = _source(grads)
+    selection = _selection(source, optimizer)
+    inputs = _inputs(source, weights, updates, selection, hist_sample=hs, seed=step if seed is None else seed)
     stacked, due = _device_record(inputs, compile)
-    if sharded:
-        stacked = merge(stacked if due is None else _with_exact(stacked, due.cpu().numpy(), inputs), group)
-        if _rank(group) != 0:
-            return None
-    rows = _host_rows(stacked, due, inputs)
+    rows = _rows(stacked, selection, sharded, group, due=due, inputs=inputs)
+    if rows is None:
+        return None
     if writer is not None:
-        names = layer_names(grads)
+        names = layer_names(source)
         info = layer_info_for(grads, names) if isinstance(grads, torch.nn.Module) else ()
-        writer.add_records(step, names, rows, name=name, layer_info=info)
+        writer.add_records(step, names, rows, name=name, layer_info=info, source=metadata.loop_source("torch"))
     return rows
 
 
+def _rows(stacked: torch.Tensor, selection: Selection, sharded: bool, group: Any, *,
+          due: torch.Tensor | None = None, inputs: LayerInputs | None = None) -> np.ndarray | None:
+    """Every row's memory form from the stacked records of the rows read: with the frozen rows filled on the host;
+    ``sharded``: the shards' records merged first, frozen rows included (their sizes add up), and ``None`` on
+    the ranks other than 0. ``due`` (``compile=True``'s flags, for ``inputs``): copied with the records, the
+    flagged layers computed again."""
+    if sharded:
+        if due is not None:
+            stacked = _with_exact(stacked, due.cpu().numpy(), inputs)
+        stacked = merge(_with_frozen_rows(stacked, selection), group)
+    if _rank(group) != 0:
+        return None
+    if sharded:
+        return to_memory(stacked)
+    return _core.with_frozen(_host_rows(stacked, due, inputs), selection.frozen, selection.sizes)
+
+
+class Pending(NamedTuple):
+    """What :func:`before_step` hands :func:`after_step`."""
+
+    #: the stacked records of the rows read (every row but the frozen ones)
+    stacked: torch.Tensor
+    #: the weights of those rows before the step, by name (``None``: updates not recorded)
+    before: dict[str, torch.Tensor] | None
+    selection: Selection
+
+
 def before_step(params: Sequence[tuple[str, torch.nn.Parameter]], step: int, hist_sample: int,
-                updates: bool = True, buffers: Sequence[torch.Tensor] | None = None,
-                ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+                updates: bool = True, buffers: Sequence[torch.Tensor] | None = None, *,
+                selection: Selection | None = None) -> Pending:
     """Just before an optimizer step: the gradients' and weights' stacked records and (``updates``) a snapshot of
-    the weights, for :func:`after_step`: copied into ``buffers`` (tensors like the parameters, reused from one
-    logged step to the next: no new memory to fault in) or else into new tensors. Shared by :class:`StepRecorder`
-    and the Lightning / Hugging Face callbacks."""
-    stacked = compute(params, True, hist_sample=hist_sample, seed=step)
+    the weights, for :func:`after_step`: copied into ``buffers`` (tensors like the parameters read, reused from
+    one logged step to the next: no new memory to fault in) or else into new tensors. ``selection``
+    (:func:`tb_gradhealth._torchparams.select`: by default ``requires_grad`` alone): the frozen rows, neither read
+    nor copied, and the stale ones, read as missing. Shared by :class:`StepRecorder` and the Lightning / Hugging
+    Face callbacks."""
+    selection = _torchparams.select(params) if selection is None else selection
+    stacked = _records(params, True, None, selection, hist_sample=hist_sample, seed=step)
     if not updates:
-        return stacked, None
-    weights = [p.detach() for _, p in params]
+        return Pending(stacked, None, selection)
+    live = [params[i] for i in selection.live]
+    weights = [p.detach() for _, p in live]
     if buffers is None:
-        return stacked, {n: w.clone() for (n, _), w in zip(params, weights, strict=True)}
+        return Pending(stacked, {n: w.clone() for (n, _), w in zip(live, weights, strict=True)}, selection)
     torch._foreach_copy_(list(buffers), weights)
-    return stacked, {n: b for (n, _), b in zip(params, buffers, strict=True)}
+    return Pending(stacked, {n: b for (n, _), b in zip(live, buffers, strict=True)}, selection)
 
 
-def after_step(pending: tuple[torch.Tensor, dict[str, torch.Tensor] | None],
-               params: Sequence[tuple[str, torch.nn.Parameter]], sharded: bool = False,
+def after_step(pending: Pending, params: Sequence[tuple[str, torch.nn.Parameter]], sharded: bool = False,
                group: Any = None, in_place: bool = False) -> np.ndarray | None:
     """Just after the step: the applied update ``before - after`` joins the records, shards are merged
-    (``sharded``), and the memory-form rows are returned on rank 0 (``None`` on the others). ``in_place``: the
-    snapshot (float32) becomes the update, computed in it; otherwise it is kept and the update is a new tensor."""
-    stacked, before = pending
-    if before is not None:
-        after = [p.detach() for _, p in params]
+    (``sharded``), and the memory-form rows of every parameter (the frozen ones filled on the host) are returned
+    on rank 0 (``None`` on the others). ``in_place``: the snapshot (float32) becomes the update, computed in it;
+    otherwise it is kept and the update is a new tensor."""
+    stacked, before, selection = pending
+    if before is not None and selection.live:
+        live = [params[i] for i in selection.live]
+        after = [p.detach() for _, p in live]
         if in_place:
-            snapshot = [before[n] for n, _ in params]
+            snapshot = [before[n] for n, _ in live]
             torch._foreach_sub_(snapshot, after)
             update = [ts.flat(u) for u in snapshot]
         else:
-            update = [ts.norm_input(Delta(before[n], a)) for (n, _), a in zip(params, after, strict=True)]
+            update = [ts.norm_input(Delta(before[n], a)) for (n, _), a in zip(live, after, strict=True)]
         stacked[:, _UPDATE_COLUMNS] = _torcheager.norms(update)
-    if sharded:
-        stacked = merge(stacked, group)
-    return to_memory(stacked) if _rank(group) == 0 else None
+    return _rows(stacked, selection, sharded, group)
 
 
-class StepRecorder:
+class StepRecorder(Stoppable):
     """Records the gradient the optimizer applies (after ``GradScaler`` unscaling) and the update it makes.
 
     Replace ``opt.step()`` (or ``scaler.step(opt); scaler.update()``) with ``recorder.step(step)``. On a logged
@@ -342,7 +423,21 @@ class StepRecorder:
     made (docs/NAN_ORIGIN.md); it needs every step, so with ``origin`` ``every`` defaults to 1.
 
     Given a module, each parameter's layer kind and activation (:mod:`tb_gradhealth.torch_kinds`) are kept in the
-    tags' metadata; ``step(step, loss=loss)`` records the training loss on logged steps. The diagnosis uses both.
+    tags' metadata; ``step(step, loss=loss)`` records the training loss on logged steps. The diagnosis uses both,
+    and the optimizer's class and momentum, kept there too.
+
+    A parameter with ``requires_grad=False`` or in none of ``optimizer``'s ``param_groups`` is recorded frozen (its
+    ``.grad`` unread, its weights not copied), read again at each logged step (gradual unfreezing); one whose
+    ``.grad`` was not produced since the last step (a branch not taken, ``zero_grad(set_to_none=False)``) is
+    recorded missing: :class:`tb_gradhealth._torchparams.GradWatch`, armed around logged steps only.
+
+    ``stop_on`` (statuses of :data:`tb_gradhealth.health.FLAGS`, e.g. ``("nonfinite", "exploding")``): at each
+    logged step, the diagnosis ``tb-gradhealth report --step S`` gives on the logdir at that step
+    (:class:`tb_gradhealth.live.StopCheck`, with ``thresholds``); at the first step where a layer's current status
+    is watched, :attr:`should_stop` turns True and :attr:`stop_event` says why (a :class:`StopEvent`, also logged):
+    the loop reads the flag and ends. ``raise_on_stop=True`` raises :class:`StopTraining` (holding the event) from
+    that :meth:`step` instead, after its optimizer step. It needs a ``writer`` (the check reads what it writes);
+    under ``torch.distributed`` the writing rank decides: broadcast the flag if every rank must stop.
     """
 
     def __init__(
@@ -359,6 +454,9 @@ class StepRecorder:
         group: Any = None,
         name: str = "gradients",
         origin: Any = None,
+        stop_on: Sequence[str] = (),
+        thresholds: Any = None,
+        raise_on_stop: bool = False,
     ) -> None:
         self.writer, self.optimizer, self.scaler = writer, optimizer, scaler
         self.origin = origin
@@ -372,7 +470,16 @@ class StepRecorder:
         self._failsafe = Failsafe()
         self._reusable = updates and all(type(p.detach()) is torch.Tensor and p.dtype == torch.float32
                                          for _, p in self.params)
-        self._snapshot: list[torch.Tensor] | None = None
+        #: the snapshot tensors of the weights read, and which rows they are
+        self._snapshot: tuple[list[int], list[torch.Tensor]] | None = None
+        #: whether each ``.grad`` is the step's own (host bookkeeping armed around logged steps)
+        self._watch = _torchparams.GradWatch(self.params)
+        #: what the records' metadata says of the loop: PyTorch, the optimizer's class and momentum
+        self.source = metadata.loop_source("torch", optimizer)
+        self._stop = StopCheck(stop_on, thresholds=thresholds, name=name) if stop_on else None
+        if self._stop is not None and writer is not None:
+            self._stop.watch(writer)
+        self.raise_on_stop = bool(raise_on_stop)
 
     @property
     def dropped_records(self) -> int:
@@ -380,6 +487,19 @@ class StepRecorder:
         writer's queue holds, or the recording failed: each failure is logged once; training went on)."""
         writer = self.writer.dropped_records if self.writer is not None else 0
         return writer + self._failsafe.dropped_records
+
+    def _check_stop(self, step: int) -> None:
+        """``stop_on`` at a logged step whose records, loss and skip flag are written."""
+        stop = self._stop
+        if stop is None or stop.event is not None:
+            return
+        found = getattr(self.origin, "origin", None)
+        event = self._failsafe.run("checking stop_on", stop.check, step, found)
+        if event is None:
+            return
+        _log.warning("%s; training should stop (StepRecorder.should_stop)", event.message())
+        if self.raise_on_stop:
+            raise StopTraining(event)
 
     def _optimizer_step(self) -> bool:
         if self.scaler is None:
@@ -390,15 +510,16 @@ class StepRecorder:
         self.scaler.update()
         return not self.scaler.get_scale() < before  # the scaler backs off exactly when it skips a step
 
-    def _buffers(self, step: int) -> list[torch.Tensor] | None:
-        """The weights' snapshot tensors, kept while the next step is logged too (then its copy writes memory
-        already in use) and given back otherwise; ``None`` where the snapshot cannot be reused (weights not plain
-        float32 tensors, or no updates recorded)."""
+    def _buffers(self, step: int, selection: Selection) -> list[torch.Tensor] | None:
+        """The snapshot tensors of the weights read (every parameter but the frozen ones), kept while the next step
+        is logged too (then its copy writes memory already in use) and given back otherwise; ``None`` where the
+        snapshot cannot be reused (weights not plain float32 tensors, or no updates recorded)."""
         if not self._reusable:
             return None
-        if self._snapshot is None:
-            self._snapshot = [torch.empty_like(p.detach()) for _, p in self.params]
-        buffers = self._snapshot
+        live = selection.live
+        if self._snapshot is None or self._snapshot[0] != live:  # a parameter was frozen or unfrozen
+            self._snapshot = (live, [torch.empty_like(self.params[i][1].detach()) for i in live])
+        buffers = self._snapshot[1]
         if not self.logs(step + 1):
             self._snapshot = None
         return buffers
@@ -410,6 +531,12 @@ class StepRecorder:
     def step(self, step: int, batch: Sequence[Any] | None = None, *, loss: Any = None) -> bool:
         """Run the optimizer step, recording it when ``step`` is logged. ``loss``: this step's training loss (a
         tensor or a float), written with :meth:`Writer.add_loss` on logged steps only (the one host read of it)."""
+        try:
+            return self._step(step, batch, loss)
+        finally:  # from here on a .grad that backward does not reach is not the next step's
+            self._failsafe.run("watching which gradients a step produces", self._watch.stepped, self.logs(step + 1))
+
+    def _step(self, step: int, batch: Sequence[Any] | None, loss: Any) -> bool:
         if not self.logs(step):
             return self._optimizer_step()
         if self.scaler is not None:
@@ -425,9 +552,12 @@ class StepRecorder:
         if loss is not None and self.writer is not None:
             safe.run("recording the loss", self.writer.add_loss, step,
                      loss.detach() if isinstance(loss, torch.Tensor) else loss)
-        buffers = self._buffers(step)
-        pending = safe.run("computing the gradient-health record", before_step, self.params, step, hs, self.updates,
-                           buffers, records=1)
+        selection = safe.run("selecting the parameters to read", _torchparams.select, self.params, self.optimizer,
+                             self._watch, records=1)
+        buffers = None if selection is None else self._buffers(step, selection)
+        pending = None if selection is None else safe.run(
+            "computing the gradient-health record", before_step, self.params, step, hs, self.updates, buffers,
+            selection=selection, records=1)
         applied = self._optimizer_step()
         if pending is None:
             return applied
@@ -436,15 +566,17 @@ class StepRecorder:
                          self.group, in_place, records=1)
         if grads is None:
             return applied
-        before = pending[1]
+        before = pending.before
         if self.origin is not None and self.scaler is None:  # where the first NaN/Inf was made (torch_origin)
             found = safe.run("finding where the NaN/Inf was made", self.origin.after_step, step, grads, self.params,
                              before, batch, self.writer.logdir if self.writer is not None else None)
             applied = applied and (found is None or before is None)  # the update was undone
         if self.writer is not None:
             safe.run("writing a gradient-health record", self.writer.add_records, step,
-                     [n for n, _ in self.params], grads, name=self.name, layer_info=self.layer_info, records=1)
+                     [n for n, _ in self.params], grads, name=self.name, layer_info=self.layer_info,
+                     source=self.source, records=1)
             if scale is not None:
                 safe.run("writing the loss scale", self.writer.add_scalars, step,
                          {"amp/loss_scale": scale, "amp/step_skipped": float(not applied)})
+            self._check_stop(step)
         return applied

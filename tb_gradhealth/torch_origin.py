@@ -237,7 +237,8 @@ class OriginFinder(origin.OriginSearch):
                              "(updates=False keeps no copy of the weights to put back)")
         with torch.no_grad():
             for n, p in params:
-                p.copy_(before[n])
+                if n in before:  # a frozen parameter was neither copied nor updated
+                    p.copy_(before[n])
         if batch is None:
             return NanOrigin(step=step, found=False, framework="torch",
                              reason="no batch was given to recorder.step(step, batch=...)")

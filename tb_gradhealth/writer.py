@@ -30,7 +30,7 @@ import logging
 import numbers
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -124,6 +124,10 @@ class Writer:
     writing resumes by itself when the fault clears. A local ``logdir`` that can never be written (a parent that
     is a file, permission denied) raises ``NotADirectoryError``/``PermissionError`` naming it, here, before any
     training; ``strict=True`` makes every failed write raise :class:`tb_gradhealth._storage.StrictWriteError`.
+
+    ``source``: what the writer knows of the training loop, kept in the tags' metadata for the diagnosis
+    (:attr:`tb_gradhealth.metadata.Content.source`: ``loop``, ``optimizer``, ``momentum``); by default
+    ``{"loop": "numpy"}``, the user's own loop calling this writer. The package's writers name theirs.
     """
 
     def __init__(
@@ -137,7 +141,10 @@ class Writer:
         filename_suffix: str = "",
         storage_options: Mapping[str, Any] | None = None,
         strict: bool = False,
+        source: Mapping[str, str] | None = None,
     ) -> None:
+        self.source = metadata.check_source({"loop": "numpy", **(source or {})})
+        self._observers: list[Callable[[event_pb2.Event], None]] = []
         self._writer = EventFile(
             os.fspath(logdir), max_queue=max_queue, flush_secs=flush_secs, filename_suffix=filename_suffix,
             storage_options=storage_options, strict=strict,
@@ -162,6 +169,18 @@ class Writer:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("tb_gradhealth.Writer is closed")
+
+    def observe(self, observer: Callable[[event_pb2.Event], None]) -> None:
+        """Hand ``observer`` every event this writer writes from now on, as it goes to the event file (metadata on a
+        tag's first event only, values in their disk form): what a reader of the file will read, known at once (a
+        live run's diagnosis, :mod:`tb_gradhealth.live`). It must not change the event; what it raises reaches the
+        caller of the write, after the event was queued."""
+        self._observers.append(observer)
+
+    def _emit(self, event: event_pb2.Event) -> None:
+        self._writer.add_event(event)
+        for observer in self._observers:
+            observer(event)
 
     def add_gradients(
         self,
@@ -215,9 +234,11 @@ class Writer:
         kind: str = "gradients",
         wall_time: float | None = None,
         layer_info: Sequence[tuple[str, str]] = (),
+        source: Mapping[str, str] | None = None,
     ) -> str:
         """Write already-computed records (memory form ``[L, NUM_FIELDS]``, rows = ``layers``). Returns the tag.
-        ``layer_info``: per row, ``(layer kind, activation)`` where known, kept in the tag's metadata."""
+        ``layer_info``: per row, ``(layer kind, activation)`` where known, kept in the tag's metadata; ``source``:
+        what the caller knows of the training loop, kept there too (default: the writer's :attr:`source`)."""
         self._check_open()
         layers = _names(layers, "layers")
         if not isinstance(name, str) or not name:
@@ -228,6 +249,7 @@ class Writer:
         if len(set(layers)) != len(layers):
             raise ValueError("layer names must be unique")
         _check_counts(layers, rows)
+        about = self.source if source is None else metadata.check_source(source)
         base = metadata.tag_for(layers, name)
         self._last_step[base] = step = check_step(step, self._last_step.get(base))
         disk = record.to_disk(rows)
@@ -237,9 +259,9 @@ class Writer:
         if tag not in self._tags_with_metadata:
             info = tuple((str(k), str(a)) for k, a in layer_info) if len(layer_info) == len(layers) else ()
             md = metadata.create_summary_metadata(layers, kind=kind, hist_sample=self.hist_sample or 0,
-                                                  layer_info=info)
+                                                  layer_info=info, source=about)
             self._tags_with_metadata.add(tag)
-        self._writer.add_event(make_event(step, tag, disk, md, wall_time))
+        self._emit(make_event(step, tag, disk, md, wall_time))
         return tag
 
     def _warn_inconsistent(self, base: str, layers: Sequence[str], step: int, disk: np.ndarray) -> None:
@@ -271,7 +293,7 @@ class Writer:
                 md.data_class = summary_pb2.DATA_CLASS_SCALAR
                 value.metadata.CopyFrom(md)
                 self._tags_with_metadata.add(str(tag))
-        self._writer.add_event(event)
+        self._emit(event)
 
     def add_loss(self, step: int, loss: Any, *, wall_time: float | None = None) -> None:
         """The training loss at ``step`` (a float, or anything ``float()`` reads: a numpy or one-element framework

@@ -223,3 +223,66 @@ def test_a_culprit_is_matched_by_its_layer_and_the_exact_variable_is_counted_apa
         goal = next(g for g in zoo.goals([r]) if g["goal"].startswith("rank #1 is the culprit"))
         assert goal["pass"] is layer_ok
         assert goal["figure"].startswith(f"{int(layer_ok)} of 1 single-culprit runs ({int(exact)} naming")
+
+
+def _quiet(d):
+    """The per-step diagnosis with every layer healthy and no episode (the fake's records are sick)."""
+    d.status = [dict.fromkeys(LAYERS, "healthy") for _ in STEPS]
+    d.episode_layers, d.episode_starts = [], {}
+    return d
+
+
+@pytest.mark.parametrize(("word", "flagged", "read"), [("missing", True, 0), ("frozen", False, 1)])
+def test_missing_is_a_flag_and_frozen_is_not(word, flagged, read):
+    """A parameter labelled frozen: diagnosed missing it flags a healthy run (a pair counted as a false missing),
+    diagnosed frozen it does not, and counts as read frozen."""
+    labels = _labels(sick=False)
+    labels["layers"]["a/kernel"] = {"status": "frozen", "onset": None}
+    d = _quiet(zoo.diagnose_steps(LAYERS, STEPS, _records(), diagnose=_fake_diagnose, thresholds=object()))
+    for row in d.status:
+        row["a/kernel"] = word
+    r = zoo.score_run(labels, d)
+    assert r.flagged_any == (["a/kernel"] if flagged else [])
+    assert r.pairs["missing"] == {"tp": 0, "fp": len(STEPS) if flagged else 0, "fn": 0}
+    assert (r.frozen, r.frozen_read) == (["a/kernel"], ["a/kernel"][:read])
+    goals = {g["goal"]: g for g in zoo.goals([r])}
+    assert goals["0 flagged layers on every healthy run (any logged step)"]["pass"] is not flagged
+    frozen = goals["every variable labelled frozen reads frozen at the last step"]
+    assert frozen["pass"] is bool(read) and frozen["figure"] == f"{read} of 1 frozen variables in 1 runs"
+
+
+def test_a_run_that_never_recovered_must_read_flagged_at_its_last_step():
+    labels = _labels(sick=True)
+    labels["recovered"] = False
+    d = zoo.diagnose_steps(LAYERS, STEPS, _records(), diagnose=_fake_diagnose, thresholds=object())
+    goal = "runs that never recovered read ok at their last step (no layer flagged): 0"
+    r = zoo.score_run(labels, d)
+    assert r.recovered is False and r.flagged_at_end
+    assert next(g for g in zoo.goals([r]) if g["goal"] == goal)["figure"] == "0 of 1 unrecovered runs read ok"
+    d.status[-1] = dict.fromkeys(LAYERS, "healthy")  # the episode is over by the diagnosis' reading
+    r = zoo.score_run(labels, d)
+    g = next(g for g in zoo.goals([r]) if g["goal"] == goal)
+    assert not g["pass"] and g["figure"] == "1 of 1 unrecovered runs read ok (tiny)"
+    labels["recovered"] = True  # a run that came back may read ok
+    assert next(g for g in zoo.goals([zoo.score_run(labels, d)]) if g["goal"] == goal)["pass"]
+
+
+@pytest.mark.parametrize(("prefix", "inside"), [(20, []), (30, ["a/kernel@30"]), (50, ["a/kernel@30", "b/kernel@50"])])
+def test_episodes_inside_a_clean_twins_identical_prefix_are_counted(prefix, inside):
+    """The fake's episodes begin at 30 (a), 50 (b) and 60 (c): those at or before the prefix's last step count."""
+    labels = _labels(sick=True)
+    labels["identical_until"] = prefix
+    d = zoo.diagnose_steps(LAYERS, STEPS, _records(), diagnose=_fake_diagnose, thresholds=object())
+    assert d.episode_starts == {"a/kernel": [30], "b/kernel": [50], "c/kernel": [60]}
+    r = zoo.score_run(labels, d)
+    assert r.prefix_episodes == inside
+    g = next(g for g in zoo.goals([r]) if g["goal"] == "episodes beginning inside a clean twin's identical prefix: 0")
+    assert g["pass"] is not inside
+    assert g["figure"].startswith(f"{len(inside)} episodes in {int(bool(inside))} of 1 runs with an identical prefix")
+
+
+@pytest.mark.parametrize(("name", "layer"), [("dense_1/kernel", "dense_1"), ("fc1.weight", "fc1"),
+                                             ("transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_attn"),
+                                             ("params/head/kernel", "params/head"), ("bias", "bias")])
+def test_a_variables_layer_is_its_name_up_to_the_last_slash_or_dot(name, layer):
+    assert zoo.layer_of(name) == layer

@@ -21,7 +21,15 @@ def _net() -> torch.nn.Module:
 
 
 def _reference(seen: dict) -> np.ndarray:
-    return np.stack([record.compute(g, w, u, hist_sample=None) for g, w, u in seen.values()])
+    """The float64 reference of what a probe saw; a parameter it saw frozen (no gradient by ``requires_grad``)
+    is the frozen record."""
+    return np.stack([record.frozen(w.size) if g is None else record.compute(g, w, u, hist_sample=None)
+                     for g, w, u in seen.values()])
+
+
+def _grad(p: torch.Tensor) -> np.ndarray | None:
+    """What a probe reads of a parameter's gradient: ``None`` where it is frozen."""
+    return p.grad.numpy().copy() if p.requires_grad else None
 
 
 def _kinds_and_loss(logdir: str) -> tuple[dict[str, tuple[str, str]], tuple[np.ndarray, np.ndarray] | None]:
@@ -77,7 +85,57 @@ def test_lightning_callback_records_the_applied_gradient_and_update(tmp_path):
     np.testing.assert_allclose(loss, [losses[s] for s in (0, 1, 4, 8)], rtol=1e-6)
 
 
-def test_trainer_callback_records_the_gradient_after_clipping(tmp_path):
+def test_lightning_callback_records_a_frozen_layer_frozen_until_it_is_unfrozen(tmp_path):
+    pl = pytest.importorskip("lightning.pytorch")
+    from tb_gradhealth.lightning import GradHealth
+
+    seen: dict[int, dict] = {}
+
+    class Probe(pl.Callback):
+        def on_before_optimizer_step(self, trainer, module, optimizer):
+            self.before = {n: (_grad(p), p.detach().numpy().copy()) for n, p in module.named_parameters()}
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            after = [p.detach().numpy() for p in module.parameters()]
+            seen[trainer.global_step - 1] = {n: (g, w, w - a) for (n, (g, w)), a in zip(self.before.items(), after,
+                                                                                          strict=True)}
+
+    class Unfreeze(pl.Callback):  # gradual unfreezing: the first layer joins the optimizer at step 3
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if trainer.global_step == 3:
+                module.net[0].requires_grad_(True)
+                trainer.optimizers[0].add_param_group({"params": list(module.net[0].parameters())})
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = _net()
+            self.net[0].requires_grad_(False)
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
+
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+    trainer = pl.Trainer(max_steps=6, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False,
+                         callbacks=[GradHealth(str(tmp_path), every=1), Unfreeze(), Probe()])
+    module = Module()
+    first = module.net[0].weight.detach().clone()
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
+    run = reader.read_logdir(str(tmp_path)).runs[0]
+    assert list(run.steps) == list(range(6)) and not run.problems
+    for step, rows in zip(run.steps, run.records, strict=True):
+        assert_records_close(_reference(seen[int(step)]), rows, list(run.layers))
+    rows = [list(run.layers).index(n) for n in ("net.0.weight", "net.0.bias")]
+    assert run.records[:, rows, record.INDEX["missing"]].tolist() == [[record.FROZEN] * 2] * 3 + [[0, 0]] * 3
+    assert not torch.equal(module.net[0].weight.detach(), first)  # it trained once unfrozen
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["all_trained", "first_layer_frozen"])
+def test_trainer_callback_records_the_gradient_after_clipping(tmp_path, frozen):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     from tb_gradhealth.transformers import GradHealthCallback
@@ -87,7 +145,7 @@ def test_trainer_callback_records_the_gradient_after_clipping(tmp_path):
 
     class Probe(transformers.TrainerCallback):
         def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
-            self.before = {n: (p.grad.numpy().copy(), p.detach().numpy().copy()) for n, p in model.named_parameters()}
+            self.before = {n: (_grad(p), p.detach().numpy().copy()) for n, p in model.named_parameters()}
 
         def on_optimizer_step(self, args, state, control, model=None, **kw):
             seen[state.global_step] = {n: (g, w, w - p.detach().numpy())
@@ -97,6 +155,7 @@ def test_trainer_callback_records_the_gradient_after_clipping(tmp_path):
         def __init__(self):
             super().__init__()
             self.net = _net()
+            self.net[0].requires_grad_(not frozen)
 
         def forward(self, x, labels=None):
             out = self.net(x)
@@ -114,7 +173,8 @@ def test_trainer_callback_records_the_gradient_after_clipping(tmp_path):
     assert list(run.steps) == [0, 1, 5] and not run.problems
     for step, rows in zip(run.steps, run.records, strict=True):
         assert_records_close(_reference(seen[int(step)]), rows, list(run.layers))
-        norm = np.sqrt(np.sum(record.derived(rows)["norm"] ** 2))
+        assert (rows[:, record.INDEX["missing"]] == record.FROZEN).sum() == 2 * frozen
+        norm = np.sqrt(np.nansum(record.derived(rows)["norm"] ** 2))
         assert norm <= 0.01 * (1 + 1e-5), norm  # clipped: the loss' gradient is far larger than 0.01
     info, (loss_steps, loss) = _kinds_and_loss(str(tmp_path / "logs"))
     assert info == {n: NET_KINDS[n.split(".")[1]] for n in run.layers}

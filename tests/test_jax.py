@@ -163,6 +163,14 @@ for hist_sample in (0, 256):
         np.testing.assert_allclose(got[:, record.HIST_START:].sum(1), ref[:, record.HIST_START:].sum(1), rtol=1e-5)
         big = names.index("big_sampled")
         assert 0 < got[big, hs] <= 4 * 256, got[big, hs]
+
+# frozen rows merge to the frozen record of the full size (missing merges to its least value, FROZEN everywhere)
+f = jax.jit(jax.shard_map(lambda g, w: jgh.compute(g, w, hist_sample=0, axis_name="data", frozen={"normal": True}),
+                          mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P(), check_vma=False))
+got = jgh.to_memory(f(sharded, wsharded))
+frozen_ref = ref.copy()
+frozen_ref[names.index("normal")] = record.frozen(64 * 33)
+assert_records_close(frozen_ref, got, names)
 print("OK", names)
 """
 
@@ -189,8 +197,8 @@ def test_recording_default_cadence_logs_the_first_steps_then_every_hundredth():
     assert seen[15] == 9 and seen[150] == 100
 
 
-def test_recording_wraps_real_optax_on_a_flax_model():
-    optax = pytest.importorskip("optax")
+def flax_mlp() -> tuple[Any, Any, Any, Any]:
+    """``(model, params, x, y)``: a flax.linen MLP (Dense 16, tanh, Dense 1) and a regression batch."""
     nn = pytest.importorskip("flax.linen")
 
     class Mlp(nn.Module):
@@ -202,7 +210,12 @@ def test_recording_wraps_real_optax_on_a_flax_model():
     x = jnp.asarray(rng.normal(size=(32, 8)), jnp.float32)
     y = jnp.asarray(rng.normal(size=(32, 1)), jnp.float32)
     model = Mlp()
-    params = model.init(jax.random.PRNGKey(0), x)
+    return model, model.init(jax.random.PRNGKey(0), x), x, y
+
+
+def test_recording_wraps_real_optax_on_a_flax_model():
+    optax = pytest.importorskip("optax")
+    model, params, x, y = flax_mlp()
     opt = jgh.recording(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)), every=3, first=1,
                         hist_sample=0)
 

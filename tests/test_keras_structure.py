@@ -16,7 +16,7 @@ from tests.attributes import ROOT, born_outside_init, classes_of
 pytestmark = pytest.mark.unit
 
 #: The callback and the objects it holds for a fit (the NaN-origin search's base class is in origin.py).
-PARTS = ("keras.py", "_tf/capture.py", "_stepbook.py", "_tf/fit_origin.py", "origin.py")
+PARTS = ("keras.py", "_tf/capture.py", "_stepbook.py", "_tf/fit_origin.py", "origin.py", "live.py")
 
 
 def _classes() -> dict:
@@ -29,7 +29,7 @@ def _classes() -> dict:
 def test_every_attribute_of_the_callback_s_parts_is_born_in_init():
     classes = _classes()
     assert {"GradientHealthCallback", "Capture", "InStep", "AfterStep", "Ring", "Statistics", "StepBook", "LossBook",
-            "_RecordSink", "_StopWatch", "_Probe", "FitOrigin"} <= set(classes)
+            "_RecordSink", "StopCheck", "LiveRun", "_Probe", "FitOrigin"} <= set(classes)
     assert born_outside_init(classes) == {}
 
 

@@ -1,7 +1,8 @@
 """The evidence beside the gradients reaches the tab: the ``health`` route of a run whose writer recorded its loss and
 its layers' kinds carries each layer's kind and activation, the loss up to the diagnosed step and its trend, and the
-fixes for that kind; through TensorBoard's data server, through the plugin's own file reading, and in the CLI's
-JSON alike. The labels are what the run was written with (:func:`tb_gradhealth.testing.make_sigmoid_stack`)."""
+fixes for that kind; the skipped steps and the training loop a writer recorded reach the diagnosis; through
+TensorBoard's data server, through the plugin's own file reading, and in the CLI's JSON alike. The labels are what
+the runs were written with (:func:`tb_gradhealth.testing.make_sigmoid_stack`, :func:`_write_skips`)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,28 @@ import pytest
 from tensorboard.plugins import base_plugin
 from werkzeug.test import Client
 
-from tb_gradhealth import cli, plugin
+from tb_gradhealth import cli, plugin, progress, record
 from tb_gradhealth import testing as gl
+from tb_gradhealth.writer import Writer
+from tests.live_replay import spy_diagnose_run
 from tests.test_plugin import PluginApp, get_json
 
 pytestmark = pytest.mark.e2e
 RUN = "sigmoid_stack"
+SKIPS = "skips"
+#: The run ``SKIPS``: its loop, and the steps its optimizer skipped.
+SOURCE = {"loop": "torch", "optimizer": "SGD", "momentum": "0.9"}
+SKIPPED = [0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+
+
+def _write_skips(run_dir: str) -> None:
+    rng = np.random.default_rng(0)
+    names = ["dense/kernel", "dense/bias"]
+    with Writer(run_dir, source=SOURCE) as w:
+        for s, skipped in enumerate(SKIPPED):
+            w.add_scalars(s, {progress.SKIPPED_TAG: skipped})  # before the record: loaded when it is
+            w.add_records(s, names, np.stack([record.compute(rng.standard_normal(32), rng.standard_normal(32))
+                                              for _ in names]))
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +43,9 @@ def written(tmp_path_factory):
     logdir = tmp_path_factory.mktemp("evidence")
     facts, loss = gl.make_sigmoid_stack(str(logdir), RUN)
     gl.make_vanishing(str(logdir))  # the same gradients, written without loss or kinds
-    ingester = gl.data_server(str(logdir), {"gradhealth": 0}, last_steps={RUN: facts.steps[-1]})
+    _write_skips(str(logdir / SKIPS))
+    ingester = gl.data_server(str(logdir), {"gradhealth": 0},
+                              last_steps={RUN: facts.steps[-1], SKIPS: len(SKIPPED) - 1})
     return logdir, facts, loss, ingester.data_provider
 
 
@@ -70,3 +89,14 @@ def test_the_cli_json_is_the_same_answer(written, capsys):
     for key in ("problems", "notes", "nan_origin"):
         body.pop(key)
     assert body == served
+
+
+@pytest.mark.parametrize("reading", ["data server", "event files"])
+def test_the_skipped_steps_and_the_loop_reach_the_diagnosis(written, reading, monkeypatch):
+    logdir, _, _, provider = written
+    calls = spy_diagnose_run(monkeypatch)
+    get_json(_client(provider, logdir if reading == "event files" else None), f"/health?run={SKIPS}&step=5")
+    (kw,) = calls
+    assert kw["source"] == SOURCE and kw["at_step"] == 5
+    steps, flags = kw["skipped"]
+    assert steps.tolist() == list(range(len(SKIPPED))) and flags.tolist() == SKIPPED

@@ -107,19 +107,19 @@ class FakeProvider:
         from tensorboard.data import provider
 
         self.reads += 1
-        assert plugin_name == "scalars" and set(run_tag_filter.tags) == set(progress.LOSS_TAGS)
+        assert plugin_name == "scalars" and set(run_tag_filter.tags) == set(progress.TAGS)
         return {"train": {progress.LOSS_TAG: [provider.ScalarDatum(step=s, wall_time=float(s), value=v)
                                               for s, v in self.points]}}
 
 
 def test_the_plugins_loss_is_read_again_only_when_the_provider_lists_new_data():
     fake = FakeProvider([(0, 2.0), (1, 1.5)])
-    losses = progress.ProviderLosses(fake)
+    losses = progress.ProviderProgress(fake)
     for _ in range(3):
-        steps, loss = losses.get(None, "", "train")
+        steps, loss = losses.get(None, "", "train").loss
         assert steps.tolist() == [0, 1] and loss.tolist() == [2.0, 1.5]
     assert fake.reads == 1
     fake.points.append((2, 1.0))  # the run wrote another loss value
-    steps, loss = losses.get(None, "", "train")
+    steps, loss = losses.get(None, "", "train").loss
     assert steps.tolist() == [0, 1, 2] and loss.tolist() == [2.0, 1.5, 1.0] and fake.reads == 2
-    assert losses.get(None, "", "other") is None and fake.reads == 2  # no loss listed: nothing read
+    assert losses.get(None, "", "other") == progress.Progress() and fake.reads == 2  # nothing listed: nothing read

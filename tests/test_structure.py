@@ -22,7 +22,7 @@ FRAMEWORKS = {"tensorflow": "tensorflow", "keras": "keras", "torch": "torch", "j
 #: The side that must run without any framework: the plugin and CLI, their readers and the diagnosis, the record
 #: and the TF-free writer.
 FRAMEWORK_FREE = ("plugin", "cli", "_payloads", "reader", "health", "record", "metadata", "writer", "_eventfile",
-                  "_storage", "testing", "_failsafe", "_filereader", "_tiers", "numbers")
+                  "_storage", "testing", "_failsafe", "_filereader", "_tiers", "numbers", "live")
 
 #: The writers' shared core and the statistics written once for PyTorch and JAX: numpy only.
 FRAMEWORK_FREE += ("_core", "_devicestats")

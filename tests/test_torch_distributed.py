@@ -121,3 +121,50 @@ def test_ddp_rank_zero_writes_the_identical_gradients(tmp_path):
     assert r1["rows"].size == 0
     assert reader.read_logdir(str(tmp_path / "rank0")).runs
     assert not reader.read_logdir(str(tmp_path / "rank1")).runs
+
+
+#: Full weights and gradients the ranks shard: a live parameter, one frozen by ``requires_grad=False`` (holding a
+#: leftover gradient never to be read) and one outside the optimizer.
+FROZEN_SIZES = {"live": 41, "frozen": 30, "outside": 17}
+
+
+def _frozen_full() -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(5)
+    return {n: (rng.normal(size=k).astype(np.float32), (rng.normal(size=k) * 1e-2).astype(np.float32))
+            for n, k in FROZEN_SIZES.items()}
+
+
+def _frozen_sharded_worker(rank: int, world: int, port: int, outdir: str) -> None:
+    _init(rank, world, port)
+    params = [(n, torch.nn.Parameter(torch.from_numpy(np.array_split(w, world)[rank].copy()),
+                                     requires_grad=n != "frozen")) for n, (w, _) in _frozen_full().items()]
+    opt = torch.optim.SGD([p for n, p in params if n == "live"], lr=0.5)
+    writers = [Writer(os.path.join(outdir, k), hist_sample=0) if rank == 0 else None for k in ("add", "rec")]
+    rec = tgh.StepRecorder(writers[1], params, opt, sharded=True, every=1)
+    for n, p in params:  # this step's gradient shards (the frozen one's: a leftover)
+        p.grad = torch.from_numpy(np.array_split(_frozen_full()[n][1], world)[rank].copy())
+    tgh.add_gradients(writers[0], STEP, params, sharded=True, optimizer=opt, hist_sample=0)
+    rec.step(STEP)
+    after = [None] * world
+    dist.all_gather_object(after, {n: p.detach().numpy() for n, p in params})
+    if rank == 0:
+        for w in writers:
+            w.close()
+        np.savez(os.path.join(outdir, "after.npz"), **{n: np.concatenate([a[n] for a in after]) for n in after[0]})
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_sharded_merge_keeps_frozen_rows_frozen_with_the_full_size(tmp_path):
+    torch.multiprocessing.spawn(_frozen_sharded_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2)
+    full, after = _frozen_full(), np.load(tmp_path / "after.npz")
+    w, g = full["live"]
+    for n in ("frozen", "outside"):  # measured: never moved
+        np.testing.assert_array_equal(after[n], full[n][0])
+    names = list(FROZEN_SIZES)
+    frozen = [record.frozen(FROZEN_SIZES[n]) for n in names[1:]]
+    for logdir, update in (("add", None), ("rec", w - after["live"])):
+        run = reader.read_logdir(str(tmp_path / logdir)).runs[0]
+        assert list(run.layers) == names and list(run.steps) == [STEP]
+        ref = np.stack([record.compute(g, w, update, hist_sample=None), *frozen])
+        assert_records_close(ref, run.records[0], names)

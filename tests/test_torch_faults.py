@@ -64,7 +64,9 @@ def test_a_full_disk_mid_run_costs_a_warning_and_nothing_else(tmpfs, caplog, pla
 
 def test_statistics_that_raise_leave_the_optimizer_step_applied(tmp_path, caplog, monkeypatch, plain_weights):
     caplog.set_level(logging.WARNING, logger="tb_gradhealth")
-    real = tgh.compute
+    from tb_gradhealth import _torcheager
+
+    real = _torcheager.compute
     calls = {"n": 0}
 
     def broken_every_third(*args, **kwargs):
@@ -73,7 +75,7 @@ def test_statistics_that_raise_leave_the_optimizer_step_applied(tmp_path, caplog
             raise RuntimeError("injected failure in the statistics")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(tgh, "compute", broken_every_third)
+    monkeypatch.setattr(_torcheager, "compute", broken_every_third)
     weights, rec = _train(str(tmp_path))
     _same(weights, plain_weights)
     assert rec.dropped_records > 0

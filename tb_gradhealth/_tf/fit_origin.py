@@ -92,6 +92,11 @@ class FitOrigin(origin.OriginSearch):
         """A finite record of ``step``: the batches of it and of earlier steps are no longer needed."""
         self.batches = {s: b for s, b in self.batches.items() if s > step}
 
+    def release(self) -> None:
+        """Training goes on after a replay that expected it to stop (``stop_after``: ``stop_on`` did not stop at
+        that step): the updates apply again."""
+        self.frozen.assign(0)
+
     def replay(self, step: int) -> NanOrigin:
         """The kept batch of ``step`` replayed from the weights put back (or why it cannot be); the weights are
         unfrozen after it unless training stops."""

@@ -171,7 +171,8 @@ def write(
     """Summary ops writing one disk-form record tensor and plain scalars at ``step``; works eagerly and in graphs."""
     writer, in_v1_graph = _writers().get(log_dir)
     tag = metadata.tag_for(list(layers), name)
-    md = metadata.create_summary_metadata(list(layers), kind=kind, hist_sample=hist_sample or 0)
+    md = metadata.create_summary_metadata(list(layers), kind=kind, hist_sample=hist_sample or 0,
+                                          source=metadata.loop_source("tf"))
     deps = [writer.init()] if in_v1_graph else []  # idempotent (lookup-or-create): safe to run every step
     with tf.control_dependencies(deps), writer.as_default(), tf.summary.record_if(True):
         ops = [tf.summary.write(tag, disk, step=step, metadata=md.SerializeToString())]
