@@ -1,19 +1,21 @@
-"""The eager PyTorch record: each dense tensor's statistics in a few cheap passes, one tensor at a time, and one
-host read for the whole model.
+"""The eager PyTorch record: a few device passes over each dense tensor, one host copy for the whole model, the
+rest on the host.
 
-A tensor is read :data:`CHUNK` values at a time, every statistic of a piece before the next piece (what a pass
-writes then stays in cache): its extremes (``aminmax``), its sum, its sum of squares (the squares written into a
-scratch buffer kept from call to call, then summed) and its count of normal values (the exponent bits masked into
-the same buffer, their signs summed). Tensors of at most :data:`_SMALL` values are concatenated and reduced by
-segment. The pieces' results and every layer's histogram bins (all samples binned at once) come to the host in one
-copy; there a tensor whose extremes are not finite or leave :mod:`tb_gradhealth._devicestats`' safe range is
-computed again by the scaled per-layer passes of ``tb_gradhealth._torchstats``, a sample that does not describe its
-tensor gives way to the exact histogram, and the record is assembled. The numbers are those of
-:func:`_devicestats.grad_stats` and :func:`_devicestats.norm_stats`.
+On the device each tensor of more than :data:`_SMALL` values is read :data:`CHUNK` values at a time, every pass of
+a piece before the next piece: its extremes (``aminmax``), its count of normal values (the exponent bits masked
+into a scratch buffer kept from call to call, clamped at the smallest normal number and summed: exact), its sum
+and the norms of its rows of :data:`_ROW` values (a weight or an update: its extremes and row norms); its
+histogram sample is gathered and every sample binned at once. The small tensors are concatenated. One copy brings
+the pieces' numbers, the row norms, the bins and the small tensors' values to the host, where numpy adds up the
+sums of squares in float64, reduces the small tensors, and assembles the records: a tensor whose extremes are not
+finite or leave :mod:`tb_gradhealth._devicestats`' safe range is computed again by the scaled per-layer passes of
+``tb_gradhealth._torchstats``, and a sample that does not describe its tensor gives way to the exact histogram.
+The numbers are those of :func:`_devicestats.grad_stats` and :func:`_devicestats.norm_stats`.
 
 Why so (docs/DEVELOPMENT.md, *Why the writers' statistics are built as they are*): on a CPU each such pass costs
 about what ``torch._foreach_norm`` costs, a fresh temporary the size of a tensor costs more than the pass that
-writes it (its pages are faulted in every time), and a comparison that writes booleans costs several passes.
+writes it, a comparison that writes booleans costs several passes, and every device op has a fixed cost that
+small tensors and device-side bookkeeping would pay many times over.
 """
 
 from __future__ import annotations
@@ -30,13 +32,21 @@ from tb_gradhealth import _core, _devicestats, record
 from tb_gradhealth import _torchstats as ts
 from tb_gradhealth._core import LayerInputs
 
-#: Values a pass reads at a time: its scratch (4 MB of float32) stays in cache, and its float32 count of normal
-#: values stays exact (below 2**24).
+#: Values a pass reads at a time: its scratch (4 MB of float32) is reused from piece to piece, and the float32 sum
+#: of a piece's normal-value flags stays exact (below 2**24).
 CHUNK = 1 << 20
-#: Tensors of at most this many values are reduced together, concatenated (one op for all, not one each).
+#: Tensors of at most this many values are reduced on the host (their values come with the one copy).
 _SMALL = 1 << 13
-#: The exponent bits of a float32: zero exactly for zeros and subnormals (what the record counts as zero).
+#: Values a sum of squares adds in float32 before the host adds the rows in float64 (the norm of a row of them:
+#: one norm of millions of values drifts by 1e-4).
+_ROW = 1024
+#: The exponent bits of a float32 (zero exactly for zeros and subnormals, what the record counts as zero), and of
+#: two of them in an int64 word (one op masks two values).
 _EXPONENT = 0x7F800000
+_EXPONENTS = 0x7F8000007F800000
+#: Each normal value's flag once clamped: the smallest normal float32 (2**-126); their float32 sum is exact.
+_FLAG = record.FLUSH_BELOW
+_UNFLAG = 2.0**126
 
 _local = threading.local()
 
@@ -50,169 +60,195 @@ def _scratch(n: int, device: torch.device) -> torch.Tensor:
     return buf[:n]
 
 
-def _normal_signs(c: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
-    """``buf`` filled with 1 where ``c``'s value is normal (or Inf/NaN), 0 where it is zero or subnormal: its
-    exponent bits, masked in as an int32 and read back as a float32 (0, or a power of two), then their sign. Their
-    float32 sum is exact (a piece holds fewer than 2**24 values)."""
-    torch.bitwise_and(c.view(torch.int32), _EXPONENT, out=buf.view(torch.int32))
-    return torch.sign(buf, out=buf)
+def _normal_flags(c: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    """The float32 sum of ``_FLAG`` for each normal value (or Inf/NaN) of the piece ``c``, 0 for each zero or
+    subnormal: its exponent bits masked into ``buf`` (as int64 words, two values an op, where ``c`` allows),
+    read as float32 (0 or a power of two at least ``_FLAG``) and clamped at ``_FLAG``."""
+    if c.numel() and c.numel() % 2 == 0 and c.storage_offset() % 2 == 0:
+        torch.bitwise_and(c.view(torch.int64), _EXPONENTS, out=buf.view(torch.int64))
+    else:
+        torch.bitwise_and(c.view(torch.int32), _EXPONENT, out=buf.view(torch.int32))
+    return torch.clamp_max_(buf, _FLAG).sum()
 
 
 def count_normal(x: torch.Tensor) -> torch.Tensor:
     """The number of normal values (neither zero nor subnormal) of a flat float32 ``x``, as int64."""
     total = torch.zeros((), dtype=torch.int64, device=x.device)
     for c in x.split(CHUNK):
-        total += _normal_signs(c, _scratch(c.numel(), c.device)).sum().long()
+        total += (_normal_flags(c, _scratch(c.numel(), c.device)) * _UNFLAG).long()
     return total
 
 
-#: Values a sum of squares adds in float32 before the next level of its sum (the norm of a row of them: one
-#: norm of millions of values drifts by 1e-4).
-_ROW = 1024
-
-
-def _term_sum(term: Any, c: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
-    """``sum(term(c))``: squares as the norms of rows of :data:`_ROW` values (one pass, nothing written but a norm
-    a row), the plain sum as it is, another term written into ``buf``."""
-    if term is record.square:
-        k = c.numel() - c.numel() % _ROW
-        q = torch.linalg.vector_norm(c[:k].view(-1, _ROW), dim=1).square().sum() if k else c.sum() * 0
-        return q + torch.mul(c[k:], c[k:], out=buf[: c.numel() - k]).sum() if k < c.numel() else q
-    if term is record.identity:
-        return c.sum()
-    return torch.sum(term(torch, c))
-
-
 class _Kind(NamedTuple):
-    """What is reduced of a tensor beside its extremes: the columns' names, each piece's values
-    (``piece(c, buf)``) and each small tensor's (``segment(values, as float64)``: per value, summed by segment)."""
+    """What the device reduces of each piece beside its extremes: ``scalars`` names the 0-d results of
+    ``piece(c, buf)`` (in its order), ``rows`` whether the row norms of the piece follow (a sum of squares)."""
 
-    columns: tuple[str, ...]
+    scalars: tuple[str, ...]
     piece: Any
-    segment: Any
+    rows: bool
 
 
 def _grad_piece(c: torch.Tensor, buf: torch.Tensor) -> list[torch.Tensor]:
-    sums = [_term_sum(s.term, c, buf) for s in record.GRAD_SUMS]
-    return [_normal_signs(c, buf).sum(), *sums]
+    out = [_normal_flags(c, buf)]
+    for s in record.GRAD_SUMS:
+        if s.term is record.identity:
+            out.append(c.sum())
+        elif s.term is not record.square:  # squares: the row norms
+            out.append(torch.sum(s.term(torch, c)))
+    return out
 
 
-def _grad_segment(v: torch.Tensor, v64: torch.Tensor) -> list[torch.Tensor]:
-    normal = torch.sign((v.view(torch.int32) & _EXPONENT).view(torch.float32))
-    return [normal, *(s.term(torch, v64) for s in record.GRAD_SUMS)]
+#: A gradient: its count of normal values and each :data:`record.GRAD_SUMS` term's sum but the squares'; a weight
+#: or an update: its extremes and row norms only.
+GRAD = _Kind(("normal", *(s.name for s in record.GRAD_SUMS if s.term is not record.square)), _grad_piece, True)
+NORM = _Kind((), lambda c, buf: [], True)
+#: The record's name of the sum of squares (:data:`record.GRAD_SUMS`), filled from the row norms.
+_SQUARES = next(s.name for s in record.GRAD_SUMS if s.term is record.square)
 
 
-#: A gradient: its count of normal values, then each :data:`record.GRAD_SUMS` term's sum; a weight or an update:
-#: its sum of squares.
-GRAD = _Kind(("normal", *record.GRAD_SUM_NAMES), _grad_piece, _grad_segment)
-NORM = _Kind(("sumsq",), lambda c, buf: [_term_sum(record.square, c, buf)], lambda v, v64: [v64 * v64])
+class _Plan(NamedTuple):
+    """Where each tensor's numbers lie in the host copy: the pieces' scalars ``[pieces, 3 + len(kind.scalars)]``
+    (min, max, the tail's norm, the kind's scalars), the row norms (``piece_rows`` of each piece, in piece order),
+    the gathered samples (of ``sampled``, in order), then the small tensors' values (of ``small``)."""
+
+    piece_owner: np.ndarray  # the tensor of each piece
+    piece_rows: np.ndarray  # rows of each piece
+    sampled: list[int]  # the large tensors whose sample was gathered on the device
+    whole: list[int]  # the large tensors binned whole on the device (no sample: every value)
+    small: list[int]  # the tensors reduced on the host
 
 
-def _piece_rows(x: torch.Tensor, kind: _Kind, positions: np.ndarray | None,
-                samples: list[torch.Tensor] | None) -> list[torch.Tensor]:
-    """``[min, max, *kind's columns]`` float32 of each :data:`CHUNK` of ``x``, every statistic of a piece before
-    the next piece; with ``samples``, the values at ``positions`` (sorted; ``None``: every value) are appended to
-    it piece by piece, while the piece is in cache."""
-    rows = []
-    for lo, c in zip(range(0, x.numel(), CHUNK), x.split(CHUNK), strict=True):
-        mn, mx = torch.aminmax(c)
-        rows.append(torch.stack([mn, mx, *kind.piece(c, _scratch(c.numel(), c.device))]))
-        if samples is None:
-            continue
-        if positions is None:
-            samples.append(c)
-        elif c.numel() == x.numel():
-            samples.append(c.index_select(0, torch.from_numpy(positions).to(c.device)))
-        else:
-            a, b = np.searchsorted(positions, [lo, lo + c.numel()])
-            samples.append(c.index_select(0, torch.from_numpy(positions[a:b] - lo).to(c.device)))
-    return rows
+class _Device(NamedTuple):
+    """What the device computed, in :class:`_Plan`'s order."""
+
+    scalars: list[torch.Tensor]
+    rows: list[torch.Tensor]
+    samples: list[torch.Tensor]
 
 
-def _small_rows(xs: Sequence[torch.Tensor], kind: _Kind, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows of :func:`_piece_rows` of small tensors, concatenated and reduced by segment (sums in float64),
-    and their values laid end to end."""
-    v = torch.cat(list(xs))
-    ids = _segments(tuple(x.numel() for x in xs), device)
-    k = len(xs)
-
-    def extreme(how: str) -> torch.Tensor:
-        return torch.zeros(k, device=device).scatter_reduce(0, ids, v, how, include_self=False)
-
-    def seg_sum(t: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(k, dtype=t.dtype, device=device).index_add_(0, ids, t).float()
-
-    return torch.stack([extreme("amin"), extreme("amax"), *map(seg_sum, kind.segment(v, v.double()))], 1), v
-
-
-_SEGMENTS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
-
-
-def _segments(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """The segment index of every value of tensors of ``lengths`` laid end to end (kept: the same model's shapes
-    come back at every logged step)."""
-    key = (lengths, device)
-    ids = _SEGMENTS.get(key)
-    if ids is None:
-        if len(_SEGMENTS) > 64:
-            _SEGMENTS.clear()
-        ids = _SEGMENTS[key] = torch.from_numpy(np.repeat(np.arange(len(lengths)), lengths)).to(device)
-    return ids
+def _device_pass(xs: Sequence[torch.Tensor], kind: _Kind, device: torch.device,
+                 positions: Sequence[np.ndarray | None] | None) -> tuple[_Plan, _Device]:
+    """Every piece's device numbers of the nonempty flat float32 ``xs`` of more than :data:`_SMALL` values, and
+    (``positions`` given) their samples, each gathered right after its tensor's pieces (in cache)."""
+    big = [i for i, x in enumerate(xs) if x.numel() > _SMALL]
+    sampled = [i for i in big if positions is not None and positions[i] is not None]
+    index = dict(zip(sampled, _indices([positions[i] for i in sampled], device), strict=True)) if sampled else {}
+    out = _Device([], [], [])
+    owner, nrows = [], []
+    zero = _zero(device)
+    for i in big:
+        for c in xs[i].split(CHUNK):
+            n = c.numel()
+            k = n - n % _ROW
+            mn, mx = torch.aminmax(c)
+            tail = torch.linalg.vector_norm(c[k:]) if k < n else zero
+            out.scalars.extend([mn, mx, tail, *kind.piece(c, _scratch(n, c.device))])
+            if k:
+                out.rows.append(torch.linalg.vector_norm(c[:k].view(-1, _ROW), dim=1))
+            owner.append(i)
+            nrows.append(k // _ROW)
+        if i in index:
+            out.samples.append(xs[i].index_select(0, index[i]))
+    plan = _Plan(np.asarray(owner, np.int64), np.asarray(nrows, np.int64), sampled,
+                 [i for i in big if positions is not None and positions[i] is None],
+                 [i for i, x in enumerate(xs) if x.numel() <= _SMALL])
+    return plan, out
 
 
-class _Reduced(NamedTuple):
-    """What the device computed for a list of tensors, read on the host: each tensor's ``min``, ``max`` and its
-    kind's columns (pieces combined, float64), and the decade bins of each one's histogram sample."""
+def _indices(positions: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """The position arrays as index tensors on ``device`` (one copy for all)."""
+    index = torch.from_numpy(np.concatenate(positions)).to(device)
+    return list(index.split([p.size for p in positions]))
+
+
+@functools.lru_cache(maxsize=8)
+def _zero(device: torch.device) -> torch.Tensor:
+    return torch.zeros((), device=device)
+
+
+class _Host(NamedTuple):
+    """The one host copy, read: each tensor's ``min``, ``max``, sum of squares and the kind's scalars (pieces
+    combined, float64), and the bins of each tensor's histogram sample (``None`` when none was asked for)."""
 
     stats: dict[str, np.ndarray]
-    bins: np.ndarray | None  # float64 [len(xs), HIST_BINS] (gradients only)
+    bins: np.ndarray | None
 
 
 def _reduce(xs: Sequence[torch.Tensor], kind: _Kind, device: torch.device,
-            positions: Sequence[np.ndarray | None] | None = None) -> _Reduced:
-    """Every statistic of the nonempty flat float32 tensors ``xs`` and (``positions`` given: each tensor's sorted
-    sample positions, ``None`` for all its values) the bins of their samples, in one copy to the host."""
-    small = [i for i, x in enumerate(xs) if x.numel() <= _SMALL]
-    owner, rows, samples, sample_owner = [], [], [], []
-    for i, x in enumerate(xs):
-        if x.numel() > _SMALL:
-            got = len(samples)
-            pieces = _piece_rows(x, kind, None if positions is None else positions[i],
-                                 None if positions is None else samples)
-            rows += pieces
-            owner += [i] * len(pieces)
-            if positions is not None:
-                sample_owner.append(np.full(sum(t.numel() for t in samples[got:]), i))
-    width = 2 + len(kind.columns)
-    table = torch.stack(rows) if rows else torch.zeros((0, width), device=device)
-    if small:
-        small_table, values = _small_rows([xs[i] for i in small], kind, device)
-        table = torch.cat([table, small_table])
-        owner += small
-        if positions is not None and all(positions[i] is None for i in small):  # every value binned
-            samples.append(values)
-            sample_owner.append(np.repeat(small, [xs[i].numel() for i in small]))
-        elif positions is not None:
-            for i in small:
-                pos = positions[i]
-                samples.append(xs[i] if pos is None else xs[i].index_select(0, torch.from_numpy(pos).to(device)))
-                sample_owner.append(np.full(samples[-1].numel(), i))
-    flat = [table.reshape(-1)]
-    if positions is not None:
-        owners = np.concatenate(sample_owner) if sample_owner else np.zeros(0, np.int64)
-        flat.append(_binned(samples, owners.astype(np.int64), len(xs), device).float().reshape(-1))
-    host = torch.cat(flat).cpu().numpy().astype(np.float64)
-    pieces = host[: table.numel()].reshape(-1, width)
-    at = np.asarray(owner, np.int64)
-    stats = {"min": np.full(len(xs), np.inf), "max": np.full(len(xs), -np.inf)}
+            positions: Sequence[np.ndarray | None] | None = None) -> _Host:
+    """Every statistic of the nonempty flat float32 tensors ``xs`` and (``positions`` given: each tensor's sample
+    positions, ``None`` for all its values) the bins of their samples, through one copy to the host."""
+    plan, dev = _device_pass(xs, kind, device, positions)
+    small_values = [xs[i] for i in plan.small]
+    parts = []
+    if plan.whole:  # first: the int64 bit patterns (exact at any count) stay 8-byte aligned
+        whole = _binned([xs[i] for i in plan.whole], device)
+        parts.append(whole.reshape(-1).view(torch.float32))
+    if dev.scalars:
+        parts.append(torch.stack(dev.scalars))
+    host = torch.cat(parts + dev.rows + dev.samples + small_values).cpu().numpy()
+    at = 2 * len(plan.whole) * record.HIST_BINS
+    whole_bins = host[:at].view(np.int64).reshape(len(plan.whole), record.HIST_BINS)
+    piece = host[at: at + len(dev.scalars)].astype(np.float64).reshape(-1, 3 + len(kind.scalars))
+    at += len(dev.scalars)
+    row_norms = host[at: at + int(plan.piece_rows.sum())].astype(np.float64)
+    at += row_norms.size
+    samples = _split(host[at:], [t.numel() for t in dev.samples])
+    small = _split(host[at + sum(t.numel() for t in dev.samples):], [x.numel() for x in small_values])
+    stats = _combine(len(xs), plan, piece, row_norms, kind)
+    _small_stats(stats, plan.small, small, kind)
+    if positions is None:
+        return _Host(stats, None)
+    binned = dict(zip(plan.sampled, samples, strict=True))
+    binned |= {i: v if positions[i] is None else v[positions[i]] for i, v in zip(plan.small, small, strict=True)}
+    bins = _host_bins(binned, len(xs))
+    bins[plan.whole] = whole_bins
+    return _Host(stats, bins)
+
+
+def _split(a: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
+    """The first ``sum(sizes)`` values of ``a`` as consecutive arrays of ``sizes``."""
+    ends = np.cumsum(sizes)
+    return [a[e - k: e] for e, k in zip(ends, sizes, strict=True)]
+
+
+def _combine(n: int, plan: _Plan, piece: np.ndarray, row_norms: np.ndarray, kind: _Kind) -> dict[str, np.ndarray]:
+    """Each large tensor's statistics from its pieces' (float64; the small ones' are filled by
+    :func:`_small_stats`)."""
+    stats = {"min": np.full(n, np.inf), "max": np.full(n, -np.inf), _SQUARES: np.zeros(n)}
+    stats |= {name: np.zeros(n) for name in kind.scalars}
+    if not len(plan.piece_owner):
+        return stats
+    owner = plan.piece_owner
     with np.errstate(invalid="ignore", over="ignore"):
-        np.minimum.at(stats["min"], at, pieces[:, 0])  # a NaN wins, as in aminmax
-        np.maximum.at(stats["max"], at, pieces[:, 1])
-        for j, name in enumerate(kind.columns):
-            stats[name] = np.zeros(len(xs))
-            np.add.at(stats[name], at, pieces[:, 2 + j])
-    bins = host[table.numel():].reshape(len(xs), record.HIST_BINS) if positions is not None else None
-    return _Reduced(stats, bins)
+        np.minimum.at(stats["min"], owner, piece[:, 0])  # a NaN wins, as in aminmax
+        np.maximum.at(stats["max"], owner, piece[:, 1])
+        row_owner = np.repeat(owner, plan.piece_rows)
+        stats[_SQUARES] = (np.bincount(row_owner, row_norms * row_norms, minlength=n)
+                           + np.bincount(owner, piece[:, 2] * piece[:, 2], minlength=n))
+        for j, name in enumerate(kind.scalars):
+            stats[name] = np.bincount(owner, piece[:, 3 + j], minlength=n)
+    if "normal" in stats:
+        stats["normal"] = stats["normal"] * _UNFLAG
+    return stats
+
+
+def _small_stats(stats: dict[str, np.ndarray], small: list[int], values: list[np.ndarray], kind: _Kind) -> None:
+    """The small tensors' statistics (float64 sums of their float32 values), into ``stats``."""
+    if not small:
+        return
+    starts = np.cumsum([0, *(v.size for v in values[:-1])])
+    f32 = np.concatenate(values)
+    v = f32.astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        stats["min"][small] = np.minimum.reduceat(v, starts)
+        stats["max"][small] = np.maximum.reduceat(v, starts)
+        stats[_SQUARES][small] = np.add.reduceat(v * v, starts)
+        if "normal" in stats:
+            stats["normal"][small] = np.add.reduceat(np.abs(f32) >= record.FLUSH_BELOW, starts)
+        for s in record.GRAD_SUMS:
+            if s.name in kind.scalars:
+                stats[s.name][small] = np.add.reduceat(s.term(np, v), starts)
 
 
 # --- the histogram -------------------------------------------------------------------------------------------
@@ -220,9 +256,9 @@ def _reduce(xs: Sequence[torch.Tensor], kind: _Kind, device: torch.device,
 
 def _positions(xs: Sequence[torch.Tensor], layers: np.ndarray, offsets: Sequence[int] | None,
                hist_sample: int) -> list[np.ndarray | None]:
-    """Each tensor's histogram sample positions by the sampling rule (sorted where the tensor is read in pieces):
-    ``None`` where every value is binned. The offsets from ``offsets`` (the seed's), else from each tensor's four
-    probes (:func:`_torchstats.data_offset`'s rule, on the host: one small copy for all)."""
+    """Each tensor's histogram sample positions by the sampling rule: ``None`` where every value is binned. The
+    offsets from ``offsets`` (the seed's), else from each tensor's four probes (:func:`_torchstats.data_offset`'s
+    rule, on the host: one small copy for all)."""
     out: list[np.ndarray | None] = [None] * len(xs)
     big = [j for j, x in enumerate(xs) if hist_sample and x.numel() > hist_sample]
     if not big:
@@ -240,7 +276,7 @@ def _positions(xs: Sequence[torch.Tensor], layers: np.ndarray, offsets: Sequence
     pos = _reduced_steps(ns, hist_sample) + offs[:, None] % n  # (offset + i * stride) % n: both terms below n
     pos -= n * (pos >= n)
     for row, j in zip(pos, big, strict=True):
-        out[j] = np.sort(row) if xs[j].numel() > CHUNK else row  # in order where the tensor is read in pieces
+        out[j] = row
     return out
 
 
@@ -265,17 +301,27 @@ def _take(table: np.ndarray, e: torch.Tensor) -> torch.Tensor:
     return (tables[0] if table is _core.EXPONENT_BASE else tables[1]).index_select(0, e)
 
 
-def _binned(samples: Sequence[torch.Tensor], owner: np.ndarray, n: int, device: torch.device) -> torch.Tensor:
-    """``[n, HIST_BINS]`` int64: the finite nonzero values of the samples laid end to end, each counted in the
-    decade bin of its owner's row (``owner``: one int a value), all at once (:func:`_core.exponent_bins`; zeros,
-    subnormals and NaN/Inf are left out)."""
+def _binned(xs: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``[len(xs), HIST_BINS]`` int64: every finite nonzero value of each tensor counted in its decade bin, on the
+    device (:func:`_core.exponent_bins`; zeros, subnormals and NaN/Inf are left out)."""
     width = record.HIST_BINS + 2
-    if not samples:
-        return torch.zeros((n, record.HIST_BINS), dtype=torch.int64, device=device)
-    v = torch.cat(list(samples))
-    bins = _core.exponent_bins(v.view(torch.int32) & 0x7FFFFFFF, _take, lambda t, k: t >> k)
-    counts = torch.bincount(torch.from_numpy(owner).to(device) * width + bins, minlength=n * width)
-    return counts.view(n, width)[:, : record.HIST_BINS]
+    rows = []
+    for x in xs:
+        bins = _core.exponent_bins(x.view(torch.int32) & 0x7FFFFFFF, _take, lambda t, k: t >> k)
+        rows.append(torch.bincount(bins, minlength=width)[: record.HIST_BINS])
+    return torch.stack(rows)
+
+
+def _host_bins(values: dict[int, np.ndarray], n: int) -> np.ndarray:
+    """``[n, HIST_BINS]`` int64: the finite nonzero float32 ``values[i]`` counted in the decade bins of row ``i``,
+    all at once on the host (:func:`_core.exponent_bins`)."""
+    width = record.HIST_BINS + 2
+    if not values:
+        return np.zeros((n, record.HIST_BINS), np.int64)
+    v = np.concatenate(list(values.values()))
+    owner = np.repeat(np.fromiter(values, np.int64, len(values)), [a.size for a in values.values()])
+    bins = _core.exponent_bins(v.view(np.int32) & 0x7FFFFFFF, lambda t, e: t[e], lambda t, k: t >> k)
+    return np.bincount(owner * width + bins, minlength=n * width).reshape(n, width)[:, : record.HIST_BINS]
 
 
 def _hist_rows(sampled: np.ndarray, bins: np.ndarray, nonzero: np.ndarray,
@@ -358,7 +404,7 @@ def _norm_rows(xs: Sequence[torch.Tensor | None], device: torch.device) -> np.nd
         st = _reduce([xs[i] for i in present], NORM, device).stats
         m = np.maximum(st["max"], -st["min"])
         with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-            out[present] = np.stack([m, st["sumsq"] / (m * m)], 1)
+            out[present] = np.stack([m, st[_SQUARES] / (m * m)], 1)
         redo += list(present[~_devicestats.norm_one_pass_ok(m)])
     for i in redo:  # NaN/Inf or extreme magnitudes; empty tensors
         out[i] = _devicestats.norm_stats(ts.BE, xs[i]).double().cpu().numpy()
