@@ -220,9 +220,10 @@ def _combine(n: int, plan: _Plan, piece: np.ndarray, row_norms: np.ndarray, kind
     if not len(plan.piece_owner):
         return stats
     owner = plan.piece_owner
+    first = np.flatnonzero(np.diff(owner, prepend=-1))  # each large tensor's pieces lie together
     with np.errstate(invalid="ignore", over="ignore"):
-        np.minimum.at(stats["min"], owner, piece[:, 0])  # a NaN wins, as in aminmax
-        np.maximum.at(stats["max"], owner, piece[:, 1])
+        stats["min"][owner[first]] = np.minimum.reduceat(piece[:, 0], first)  # a NaN wins, as in aminmax
+        stats["max"][owner[first]] = np.maximum.reduceat(piece[:, 1], first)
         row_owner = np.repeat(owner, plan.piece_rows)
         stats[_SQUARES] = (np.bincount(row_owner, row_norms * row_norms, minlength=n)
                            + np.bincount(owner, piece[:, 2] * piece[:, 2], minlength=n))
@@ -272,9 +273,10 @@ def _positions(xs: Sequence[torch.Tensor], layers: np.ndarray, offsets: Sequence
     else:
         offs = np.array([offsets[i] for i in ids], np.int64)
     ns = tuple(xs[j].numel() for j in big)
-    n = np.array(ns, np.int64)[:, None]
-    pos = _reduced_steps(ns, hist_sample) + offs[:, None] % n  # (offset + i * stride) % n: both terms below n
-    pos -= n * (pos >= n)
+    steps = _reduced_steps(ns, hist_sample)
+    n = np.array(ns, steps.dtype)[:, None]
+    pos = steps + (offs[:, None] % n).astype(steps.dtype)  # (offset + i * stride) % n: both terms below n
+    np.subtract(pos, n, out=pos, where=pos >= n)
     for row, j in zip(pos, big, strict=True):
         out[j] = row
     return out
@@ -283,8 +285,9 @@ def _positions(xs: Sequence[torch.Tensor], layers: np.ndarray, offsets: Sequence
 @functools.lru_cache(maxsize=64)
 def _reduced_steps(ns: tuple[int, ...], k: int) -> np.ndarray:
     """:func:`_core.sample_steps` of each size modulo it, ``[len(ns), k]`` (kept: a model's sizes come back at
-    every logged step; read-only)."""
+    every logged step; read-only), int32 where a sum of two positions stays below 2**31."""
     out = _core.sample_steps(np.array(ns, np.int64), k) % np.array(ns, np.int64)[:, None]
+    out = out.astype(np.int32) if max(ns) < 2**30 else out
     out.flags.writeable = False
     return out
 
@@ -319,9 +322,18 @@ def _host_bins(values: dict[int, np.ndarray], n: int) -> np.ndarray:
     if not values:
         return np.zeros((n, record.HIST_BINS), np.int64)
     v = np.concatenate(list(values.values()))
-    owner = np.repeat(np.fromiter(values, np.int64, len(values)), [a.size for a in values.values()])
-    bins = _core.exponent_bins(v.view(np.int32) & 0x7FFFFFFF, lambda t, e: t[e], lambda t, k: t >> k)
-    return np.bincount(owner * width + bins, minlength=n * width).reshape(n, width)[:, : record.HIST_BINS]
+    bins = _core.exponent_bins(v.view(np.int32) & 0x7FFFFFFF, np.take, lambda t, k: t >> k)
+    rows = _row_starts(tuple(values), tuple(a.size for a in values.values()), width)
+    return np.bincount(rows + bins, minlength=n * width).reshape(n, width)[:, : record.HIST_BINS]
+
+
+@functools.lru_cache(maxsize=64)
+def _row_starts(owners: tuple[int, ...], sizes: tuple[int, ...], width: int) -> np.ndarray:
+    """``owner * width`` of each value of arrays of ``sizes`` laid end to end (kept: the same layout comes back at
+    every logged step; read-only)."""
+    out = np.repeat(np.array(owners, np.int64) * width, sizes)
+    out.flags.writeable = False
+    return out
 
 
 def _hist_rows(sampled: np.ndarray, bins: np.ndarray, nonzero: np.ndarray,
