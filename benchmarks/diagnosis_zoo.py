@@ -7,8 +7,11 @@ structure, injected faults, the raw loss), never from the diagnosis. The rule of
 The PyTorch, Lightning, Hugging Face and JAX cases (``benchmarks/zoo_child.py``) train in a child process without
 TensorFlow and leave the same run directory and labels.
 
-The scorer reads every run back with :func:`tb_gradhealth.reader.read_logdir`, diagnoses it with
-:func:`tb_gradhealth.health.diagnose_run` at every logged step (public API only) and prints:
+The scorer reads every run back as ``tb-gradhealth report`` reads it: its records with
+:func:`tb_gradhealth.reader.read_logdir`, the layers' kinds and the training loop with them, the loss and the
+optimizer's skipped steps (:func:`tb_gradhealth.progress.read_progress`) and where a writer's replay found the first
+NaN/Inf made (:func:`tb_gradhealth.origin.read_logdir`). It diagnoses the run at every logged step with the one
+function behind the report, the tab and ``stop_on`` (``report --step S`` at each logged step ``S``) and prints:
 
 (a) per status, precision and recall over (layer, logged step) pairs, pooled over all runs;
 (b) per healthy run, the layers flagged at the last step and at any step, and those with a flagged episode in the
@@ -18,9 +21,14 @@ The scorer reads every run back with :func:`tb_gradhealth.reader.read_logdir`, d
 (d) onset errors in logged steps, and for a global cause the detection lead over the loss;
 (e) a ``stop_on=("nonfinite", "exploding")`` simulation: false halts on healthy runs, and for divergences the lead
     (logged steps between the halt and the first NaN);
+(i) live = replay: the run's events fed into :class:`tb_gradhealth.live.LiveRun` in the order they were written, and
+    at each logged step ``S``, once every event of a step <= ``S`` is in, the live diagnosis against the replay's at
+    ``S`` (the answer, every layer's status and episodes): the first mismatch of each run;
+(j) a stable cause: logged steps whose answer replaces the previous step's cause by a weaker one (see
+    :func:`cause_violations`);
 (f) the goals, PASS/FAIL with the measured figure; among them, runs labelled ``"recovered": false`` that read ok
     (no layer flagged) at their last step, flagged episodes that begin inside a clean twin's identical prefix
-    (``identical_until``), and variables labelled ``frozen`` that the diagnosis does not read frozen.
+    (``identical_until``), variables labelled ``frozen`` that the diagnosis does not read frozen, (i) and (j).
 
 A diagnosed ``missing`` counts as a flag (a parameter that should learn got no gradient); ``frozen`` (no gradient
 by the user's choice) and ``inert`` do not.
@@ -30,9 +38,11 @@ by the user's choice) and ``inert`` do not.
     python benchmarks/diagnosis_zoo.py --only sigmoid_mlp_10,nan_injection --refresh
     python benchmarks/diagnosis_zoo.py --light                 # without the keras.applications cases
     python benchmarks/diagnosis_zoo.py --score-only --markdown --json /tmp/zoo.json
+    python benchmarks/diagnosis_zoo.py --score-only --gradients-only   # as a log without the loss reads
 
 The cache (``--cache``, or ``$GRADHEALTH_ZOO_CACHE``, default ``benchmarks/.zoo-cache``) keeps each case's logdir:
-scoring a cached zoo takes seconds, so thresholds and rules can be tuned against it without retraining.
+scoring a cached zoo takes minutes where training takes hours, so thresholds and rules can be tuned against it without
+retraining; half of it is the live feed, which ``--no-live`` leaves out.
 A divergence halted more than one logged step before its labelled onset counts as a premature halt (it stopped
 a training that was still sound), not as a lead.
 
@@ -73,7 +83,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -98,7 +108,7 @@ DEFAULT_CACHE = Path(__file__).resolve().parent / ".zoo-cache"
 
 @dataclass
 class Diagnosed:
-    """The diagnosis of one run at each of its logged steps (what the scorer needs, via the public API only)."""
+    """The diagnosis of one run at each of its logged steps (what the scorer needs of it)."""
 
     layers: list[str]
     steps: list[int]
@@ -114,36 +124,44 @@ class Diagnosed:
     episode_layers: list[str] = field(default_factory=list)
     #: per layer, the first step of every flagged episode in the diagnosis at any logged step
     episode_starts: dict[str, list[int]] = field(default_factory=dict)
+    #: the run's answer (``RunHealth.answer``: None when nothing is flagged) at each logged step
+    answers: list[dict[str, Any] | None] = field(default_factory=list)
 
 
-def diagnose_steps(layers: Sequence[str], steps: np.ndarray, records: np.ndarray,
-                   diagnose: Callable[..., Any] | None = None, thresholds: Any = None,
-                   progress: tuple[np.ndarray, np.ndarray] | None = None) -> Diagnosed:
-    """Run ``diagnose`` (default :func:`tb_gradhealth.health.diagnose_run`) at every logged step; ``progress``: the
-    run's ``(steps, loss)``, given to it as evidence when recorded."""
-    from tb_gradhealth import health
+def diagnose_steps(series: Any, *, progress: Any = None, diagnose: Callable[..., Any] | None = None,
+                   thresholds: Any = None, each: Callable[[int, Any], None] | None = None) -> Diagnosed:
+    """``diagnose(series, thresholds, step, progress)`` at every logged step of ``series`` (a
+    :class:`tb_gradhealth.reader.RunSeries`); by default the function behind ``tb-gradhealth report --step S``,
+    ``progress`` the :class:`tb_gradhealth.progress.Progress` the report gives it (:func:`evidence`). ``each(step,
+    diagnosis)`` sees every step's diagnosis as it is made (the live comparison reuses it)."""
+    from tb_gradhealth import _payloads, health
 
-    diagnose = diagnose or health.diagnose_run
+    diagnose = diagnose or _payloads.diagnose
     thresholds = thresholds if thresholds is not None else health.Thresholds()
-    per_step, last, starts = [], None, {}
+    layers = list(series.layers)
+    steps = [int(s) for s in series.steps]
+    per_step, answers, last, starts = [], [], None, {}
     for s in steps:
-        extra = {"progress": progress} if progress is not None else {}
-        last = diagnose(list(layers), steps, records, thresholds, at_step=int(s), **extra)
+        last = diagnose(series, thresholds, s, progress)
+        if each is not None:
+            each(s, last)
         per_step.append({lh.layer: lh.status for lh in last.layers})
+        answers.append(last.answer)
         for lh in last.layers:
             for e in getattr(lh, "episodes", None) or ():
                 if is_flag(e["status"]):
                     starts.setdefault(lh.layer, set()).add(int(e["from"]))
     if last is None or not last.layers:
-        return Diagnosed(list(layers), [int(s) for s in steps], per_step, {}, None, None, None, None)
+        return Diagnosed(layers, steps, per_step, {}, None, None, None, None, answers=answers)
     fb = last.first_bad or {}
     return Diagnosed(
-        layers=list(layers), steps=[int(s) for s in steps], status=per_step,
+        layers=layers, steps=steps, status=per_step,
         first_step={lh.layer: lh.first_step for lh in last.layers},
         rank1=last.layers[0].layer, rank1_status=last.layers[0].status,
         first_bad=fb.get("layer"), first_bad_status=fb.get("status"),
         episode_layers=[n for n in layers if n in starts],
         episode_starts={n: sorted(starts[n]) for n in layers if n in starts},
+        answers=answers,
     )
 
 
@@ -186,6 +204,146 @@ def _index_at_or_after(steps: Sequence[int], step: int | None) -> int | None:
 def _sick_entries(labels: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
     return {name: e for name, e in labels["layers"].items()
             if not e.get("doubtful") and any(st in SICK_STATUSES for st, _ in episodes(e))}
+
+
+# --- the live answer against the replay; a stable cause -------------------------------------------------------
+
+
+def written_order(paths: Sequence[str], *, drop: Iterable[str] = ()) -> list[Any]:
+    """A run's events in the order they were written: by wall time across its event files, ties by file (in
+    ``paths`` order) then position; damaged records are skipped as the readers skip them. Summary values whose tag
+    is in ``drop`` are left out (a log written before the loss was recorded)."""
+    from google.protobuf.message import DecodeError
+    from tensorboard.compat.proto import event_pb2
+
+    from tb_gradhealth._eventfile import iter_framed
+
+    drop = frozenset(drop)
+    keyed = []
+    for i, path in enumerate(paths):
+        for j, (_, payload) in enumerate(iter_framed(path, [])):
+            try:
+                event = event_pb2.Event.FromString(payload)
+            except DecodeError:
+                continue
+            if drop and any(v.tag in drop for v in event.summary.value):
+                kept = event_pb2.Event()
+                kept.CopyFrom(event)
+                del kept.summary.value[:]
+                kept.summary.value.extend(v for v in event.summary.value if v.tag not in drop)
+                event = kept
+            keyed.append((event.wall_time, i, j, event))
+    keyed.sort(key=lambda k: k[:3])
+    return [k[3] for k in keyed]
+
+
+def check_points(events: Sequence[Any], steps: Sequence[int]) -> np.ndarray:
+    """For each logged step ``S``: how many of ``events`` (in written order) are fed before ``S`` is checked: every
+    event of a step <= ``S`` that carries a summary value, and no more. An event without one (a file's header,
+    whose wall time is when its file was opened) is no part of any step. Where a writer wrote a block of steps at
+    once (the Keras callback's records after their losses), a step is checked after the last of its events, with
+    later steps' events already in, as the writer checks it."""
+    at = np.array([e.step if len(e.summary.value) else np.inf for e in events], dtype=np.float64)
+    # the smallest step of each event and every later one: ascending, so S is complete once it exceeds S
+    later = np.minimum.accumulate(at[::-1])[::-1] if at.size else at
+    return np.searchsorted(later, np.asarray(steps, dtype=np.float64), side="right")
+
+
+def _canonical(x: Any) -> str:
+    """A diagnosis' value as text that compares equal exactly when the values do (NaN equal to NaN)."""
+    return json.dumps(x, sort_keys=True, default=str)
+
+
+def difference(replay: Any, live: Any) -> str | None:
+    """What differs between two diagnoses of one step (``RunHealth``-like): the answer, else the first layer (in
+    the replay's ranking) whose status or episodes differ, or that only one of them has; None when they agree."""
+    a, b = replay.answer, live.answer
+    if _canonical(a) != _canonical(b):
+        if a is None or b is None or a.get("headline") != b.get("headline"):
+            return (f"answer: replay {a['headline'] if a else None!r}, live {b['headline'] if b else None!r}")
+        keys = sorted(k for k in a.keys() | b.keys() if _canonical(a.get(k)) != _canonical(b.get(k)))
+        return f"answer {a['headline']!r}: {', '.join(keys)} differ"
+    theirs = {lh.layer: lh for lh in live.layers}
+    for lh in replay.layers:
+        other = theirs.pop(lh.layer, None)
+        if other is None:
+            return f"{lh.layer}: not in the live diagnosis"
+        if lh.status != other.status:
+            return f"{lh.layer}: replay {lh.status}, live {other.status}"
+        if _canonical(lh.episodes) != _canonical(other.episodes):
+            return f"{lh.layer}: episodes replay {_story(lh.episodes)}, live {_story(other.episodes)}"
+    if theirs:
+        return f"{next(iter(theirs))}: only in the live diagnosis"
+    return None
+
+
+def _story(episodes: Sequence[Mapping[str, Any]]) -> str:
+    return " -> ".join(f"{e['status']} {e['from']}..{e['to']}" for e in episodes) or "none"
+
+
+class LiveReplay:
+    """The live answer of one run against the replay at each logged step: the run's events (:func:`written_order`)
+    fed into a :class:`tb_gradhealth.live.LiveRun` of the series' record stream, and at each logged step ``S``, at
+    its :func:`check_points`, ``LiveRun.diagnose(thresholds, S, origin)`` (the origin once the writer had found
+    it: at its step and after) compared with the replay's diagnosis at ``S`` (:func:`difference`). Called with each
+    step's replay diagnosis (``diagnose_steps(each=...)``), so the replay is not diagnosed twice."""
+
+    def __init__(self, events: Sequence[Any], steps: Sequence[int], *, thresholds: Any, origin: Any = None,
+                 stream: str | None = None, make_live: Callable[[], Any] | None = None) -> None:
+        from tb_gradhealth import live
+
+        self.live = make_live() if make_live is not None else live.LiveRun(**({"name": stream} if stream else {}))
+        self.events, self.thresholds, self.origin = list(events), thresholds, origin
+        self.index = {int(s): k for k, s in enumerate(steps)}
+        self.until = check_points(self.events, steps)
+        self.fed = 0
+        at = [-np.inf] + [e.step if len(e.summary.value) else -np.inf for e in self.events]
+        latest = np.maximum.accumulate(np.array(at, dtype=np.float64))  # [n]: the latest step of the first n events
+        #: logged steps whose check comes with a later step's events already in (a block written at once)
+        self.ahead = int(np.sum(latest[self.until] > np.asarray(steps, dtype=np.float64)))
+        #: logged steps checked, and ``(step, what)`` of each whose live diagnosis differs from the replay's
+        self.checked = 0
+        self.mismatches: list[tuple[int, str]] = []
+
+    def __call__(self, step: int, replay: Any) -> None:
+        end = int(self.until[self.index[step]])
+        while self.fed < end:
+            self.live.add_event(self.events[self.fed])
+            self.fed += 1
+        known = self.origin if self.origin is not None and self.origin.step <= step else None
+        self.checked += 1
+        try:
+            got = self.live.diagnose(self.thresholds, step, known)
+        except Exception as e:  # noqa: BLE001 - a live run that cannot answer is a mismatch, not the end of scoring
+            self.mismatches.append((step, f"live: {type(e).__name__}: {e}"))
+            return
+        what = difference(replay, got)
+        if what is not None:
+            self.mismatches.append((step, what))
+
+
+def worst_status(answer: Mapping[str, Any]) -> int:
+    """The most severe status of an answer's chain, as its index in ``health.STATUSES`` (lower is worse)."""
+    from tb_gradhealth import health
+
+    return min(health.STATUSES.index(e["status"]) for e in answer["chain"])
+
+
+def cause_violations(steps: Sequence[int], answers: Sequence[Mapping[str, Any] | None]) -> list[tuple[int, str]]:
+    """``(step, what)`` of each logged step whose answer weakens the previous step's. After an answer that names a
+    cause, the next one may be the same chain (same layer, named by any of its variables, and start; its status may
+    move along the chain), a chain that began earlier, one whose most severe status is more severe, or none (the run
+    recovered; what follows is a new story). Anything else - a chain whose worst status is less severe, or of the
+    same worst status begun later (or at the same step in another layer) - is a violation."""
+    out = []
+    for step, before, now in zip(steps[1:], answers, answers[1:], strict=False):
+        if before is None or now is None:
+            continue
+        same = layer_of(now["layer"]) == layer_of(before["layer"]) and now["step"] == before["step"]
+        if same or now["step"] < before["step"] or worst_status(now) < worst_status(before):
+            continue
+        out.append((int(step), f"{before['headline']} -> {now['headline']}"))
+    return out
 
 
 # --- scoring ---------------------------------------------------------------------------------------------------
@@ -261,6 +419,13 @@ class RunScore:
     deepdiagnosis: str | None = None
     #: per gradient scale factor: (layer, logged step) pairs whose status differs from the unscaled records'
     scale_changes: dict[str, int] = field(default_factory=dict)
+    #: the live feed (:class:`LiveReplay`): logged steps checked (None: not fed), those checked with a later
+    #: step's events in, and ``(step, what)`` where the live diagnosis differs from the replay's
+    live_checked: int | None = None
+    live_ahead: int = 0
+    live_mismatches: list[tuple[int, str]] = field(default_factory=list)
+    #: ``(step, what)`` of each logged step whose answer weakens the previous step's (:func:`cause_violations`)
+    cause_violations: list[tuple[int, str]] = field(default_factory=list)
     labelled_kinds: list[str] = field(default_factory=list)
     n_layers: int = 0
     n_steps: int = 0
@@ -320,6 +485,7 @@ def score_run(labels: Mapping[str, Any], d: Diagnosed) -> RunScore:
         r.rank1_exact = d.rank1 in culprits and is_flag(d.rank1_status)
         r.same = d.first_bad is not None and d.rank1 == d.first_bad
     r.layer_onsets = _layer_onsets(labels, d)
+    r.cause_violations = cause_violations(steps, d.answers)
     r.run_onset_label = labels.get("onset")
     flagged_steps = [i for i in range(len(steps)) if any(is_flag(v) for v in d.status[i].values())]
     if flagged_steps:
@@ -413,16 +579,22 @@ def scaled_gradients(records: np.ndarray, factor: float) -> np.ndarray:
     return out
 
 
-def scale_sweep(layers: Sequence[str], steps: np.ndarray, records: np.ndarray, base: Diagnosed,
-                progress: tuple[np.ndarray, np.ndarray] | None = None) -> dict[str, int]:
-    """Per factor of ``SCALES``: the (layer, logged step) pairs whose status changes from ``base`` (the loss, where
-    recorded, times the same factor)."""
+def scale_sweep(series: Any, base: Diagnosed, progress: Any = None) -> dict[str, int]:
+    """Per factor of ``SCALES``: the (layer, logged step) pairs whose status changes from ``base`` when the records
+    of ``series`` are those of gradients that many times larger (the loss in ``progress``, where recorded, times
+    the same factor; the other evidence kept)."""
+    from tb_gradhealth import reader
+
     out = {}
     for factor in SCALES:
-        scaled = None if progress is None else (progress[0], progress[1] * factor)
-        d = diagnose_steps(layers, steps, scaled_gradients(records, factor), progress=scaled)
+        scaled = reader.RunSeries(run=series.run, layers=series.layers, steps=series.steps,
+                                  records=scaled_gradients(series.records, factor), tags=series.tags,
+                                  layer_info=series.layer_info, source=series.source)
+        loss = None if progress is None else progress.loss
+        evidence = progress if loss is None else progress._replace(loss=(loss[0], loss[1] * factor))
+        d = diagnose_steps(scaled, progress=evidence)
         out[f"{factor:g}"] = sum(d.status[i].get(n) != base.status[i].get(n)
-                                 for i in range(len(steps)) for n in layers)
+                                 for i in range(len(d.steps)) for n in d.layers)
     return out
 
 
@@ -523,6 +695,19 @@ def goals(runs: Sequence[RunScore]) -> list[dict[str, Any]]:
     read = sum(len(r.frozen_read) for r in runs)
     add("every variable labelled frozen reads frozen at the last step", read == frozen,
         f"{read} of {frozen} frozen variables in {sum(bool(r.frozen) for r in runs)} runs")
+    fed = [r for r in runs if r.live_checked is not None]
+    differ = [r for r in fed if r.live_mismatches]
+    if fed:  # not measured without the live feed (--no-live)
+        add("live answer = replay at every logged step (LiveRun fed the events as written: the answer, every layer's "
+            "status and episodes)", not differ,
+            f"{sum(len(r.live_mismatches) for r in fed)} of {sum(r.live_checked for r in fed)} (run, logged step) "
+            f"pairs differ, in {len(differ)} of {len(fed)} runs"
+            + (f" ({', '.join(f'{r.case}: {len(r.live_mismatches)}' for r in differ)})" if differ else ""))
+    weakened = [r for r in runs if r.cause_violations]
+    add("a stable cause at every logged step (the same chain, one begun earlier, a more severe one, or none)",
+        not weakened, f"{sum(len(r.cause_violations) for r in runs)} violating (run, logged step) pairs in "
+        f"{len(weakened)} of {len(runs)} runs"
+        + (f" ({', '.join(f'{r.case}: {len(r.cause_violations)}' for r in weakened)})" if weakened else ""))
     swept = [r for r in runs if r.scale_changes]
     changed = [r for r in swept if any(r.scale_changes.values())]
     add("identical verdicts across the gradient-scale sweep (x1e-3 ... x1e3)", not changed,
@@ -636,6 +821,18 @@ def report(runs: Sequence[RunScore], markdown: bool = False) -> str:
         out.append(h("(h) gradient-scale sweep: (layer, logged step) pairs whose status changes (goal 0)"))
         out.append(table(["run"] + [f"x{f:g}" for f in SCALES],
                          [[r.case] + [r.scale_changes.get(f"{f:g}", "-") for f in SCALES] for r in runs], markdown))
+    fed = [r for r in runs if r.live_checked is not None]
+    if fed:
+        out.append(h("(i) live = replay: the first mismatch of each run whose live diagnosis differs (goal: none)"))
+        rows = [[r.case, r.live_checked, r.live_ahead, len(r.live_mismatches),
+                 f"step {r.live_mismatches[0][0]}: {r.live_mismatches[0][1]}"] for r in fed if r.live_mismatches]
+        out.append(table(["run", "logged steps", "checked with later steps' events in", "differ", "first mismatch"],
+                         rows, markdown) if rows else "none")
+        out.append(f"{sum(r.live_ahead for r in fed)} of {sum(r.live_checked for r in fed)} logged steps were "
+                   f"checked with a later step's events already written (records written in blocks)")
+    out.append(h("(j) a stable cause: steps whose answer weakens the previous step's (goal: none)"))
+    rows = [[r.case, step, what] for r in runs for step, what in r.cause_violations]
+    out.append(table(["run", "step", "previous answer -> answer"], rows, markdown) if rows else "none")
     out.append(h("(f) GOALS"))
     out.append(table(["goal", "result", "measured"],
                      [[g["goal"], "PASS" if g["pass"] else "FAIL", g["figure"]] for g in goals(runs)], markdown))
@@ -682,25 +879,57 @@ def load_case(case_dir: Path) -> tuple[dict[str, Any], Any]:
     return labels, runs[0]
 
 
-def score_cases(case_dirs: Sequence[Path], times: Mapping[str, float] | None = None, sweep: bool = False,
-                loss_evidence: bool = True) -> list[RunScore]:
-    from benchmarks import autotrainer_rule, deepdiagnosis_rules, sagemaker_rules  # noqa: PLC0415
-    from tb_gradhealth import progress, reader
+class Evidence(NamedTuple):
+    """What ``tb-gradhealth report`` reads beside a run's records: ``progress`` (the loss, the skipped steps and
+    the NaN origin, as the diagnosis takes them), ``origin`` (the :class:`tb_gradhealth.origin.NanOrigin`, or
+    None) and ``paths``, the run's event files."""
 
+    progress: Any
+    origin: Any
+    paths: Sequence[str]
+
+
+def evidence(case_dir: Path, series: Any, *, loss: bool = True) -> Evidence:
+    """The evidence the report gives the diagnosis of ``series`` in the logdir ``case_dir`` (as ``cli.report``
+    reads it: the run's event files, and its earliest stored NaN origin); without the loss when ``loss`` is False
+    (a log written before the loss was recorded)."""
+    from tb_gradhealth import origin, progress, reader
+
+    paths = list(progress.run_paths(reader.find_runs(str(case_dir)), series.run))
+    found = origin.read_logdir(str(case_dir), [series.run]).get(series.run)
+    recorded = progress.read_progress(paths).with_origin(found)
+    return Evidence(recorded if loss else recorded._replace(loss=None), found, paths)
+
+
+def score_cases(case_dirs: Sequence[Path], times: Mapping[str, float] | None = None, sweep: bool = False,
+                loss_evidence: bool = True, live: bool = True) -> list[RunScore]:
+    """Every cached case diagnosed at each logged step with the report's evidence (the loss left out when
+    ``loss_evidence`` is False) and scored; ``live``: the live feed compared with it at each step too."""
+    from benchmarks import autotrainer_rule, deepdiagnosis_rules, sagemaker_rules  # noqa: PLC0415
+    from tb_gradhealth import health, progress
+    from tb_gradhealth._streams import stream_of
+
+    thresholds = health.Thresholds()
     out = []
     for case_dir in case_dirs:
         labels, run = load_case(case_dir)
-        recorded = progress.read_loss(progress.run_paths(reader.find_runs(str(case_dir)), run.run)
-                                      ) if loss_evidence else None
-        d = diagnose_steps(run.layers, run.steps, run.records, progress=recorded)
+        found = evidence(case_dir, run, loss=loss_evidence)
+        feed = None
+        if live:
+            events = written_order(found.paths, drop=() if loss_evidence else progress.LOSS_TAGS)
+            feed = LiveReplay(events, run.steps, thresholds=thresholds, origin=found.origin,
+                              stream=stream_of(run.tags[0]) if run.tags else None)
+        d = diagnose_steps(run, progress=found.progress, thresholds=thresholds, each=feed)
         r = score_run(labels, d)
+        if feed is not None:
+            r.live_checked, r.live_ahead, r.live_mismatches = feed.checked, feed.ahead, feed.mismatches
         loss = autotrainer_rule.losses(str(case_dir / run.run))
         r.autotrainer, r.autotrainer_ungated = autotrainer_rule.verdict(run.layers, run.records, loss)
         r.autotrainer_fair = autotrainer_rule.verdict_every_check(run.layers, run.records, loss)
         r.sagemaker = sagemaker_rules.verdict(run.records)
         r.deepdiagnosis = deepdiagnosis_rules.verdict(run.records)
         if sweep:
-            r.scale_changes = scale_sweep(run.layers, run.steps, run.records, d, recorded)
+            r.scale_changes = scale_sweep(run, d, found.progress)
         r.labelled_kinds = sorted({e["status"] for e in labels["layers"].values() if e["status"] in SICK_STATUSES}
                                   | {st for e in labels["layers"].values() for st, _ in episodes(e)
                                      if st in SICK_STATUSES})
@@ -729,7 +958,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="leave out the keras.applications cases (minutes of CPU each), for quick iterations")
     ap.add_argument("--list", action="store_true", help="list the cases and their labelling rules, then exit")
     ap.add_argument("--gradients-only", action="store_true",
-                    help="diagnose without the recorded loss (as a log written before the loss was recorded)")
+                    help="diagnose without the recorded loss (as a log written before the loss was recorded; the "
+                         "live feed leaves the loss out too)")
+    ap.add_argument("--no-live", action="store_true",
+                    help="leave out the live feed (goal row 'live answer = replay'): about half the scoring time")
     ap.add_argument("--score-only", action="store_true", help="score the cached cases, train nothing")
     ap.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     ap.add_argument("--json", type=Path, default=None, help="write every figure to this JSON file")
@@ -798,7 +1030,7 @@ def _train_and_score(args: argparse.Namespace, names: Sequence[str], train: Call
             print(f"[zoo] trained {len(times)} case(s) in {time.perf_counter() - start:.1f} s wall "
                   f"(import and set-up included; load average {os.getloadavg()[0]:.1f})", flush=True)
     dirs = [args.cache / n for n in names if (args.cache / n / "labels.json").exists()]
-    return score_cases(dirs, times, sweep=args.sweep, loss_evidence=not args.gradients_only)
+    return score_cases(dirs, times, sweep=args.sweep, loss_evidence=not args.gradients_only, live=not args.no_live)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -4,7 +4,9 @@
  *
  * - counts (NaN/Inf elements, sizes, layers): the exact integer with thousands separators, `1,024`;
  * - severity: rounded to an integer (half to even, as Python's `round`), with thousands separators, `6,052`;
- * - magnitudes (RMS, max |g|, norm, ratios): 3 significant figures in Python's `%.3g` form, `1.23e-05`, `0.0118`.
+ * - magnitudes (RMS, max |g|, norm, ratios): 3 significant figures in Python's `%.3g` form, `1.23e-05`, `0.0118`;
+ * - a relative change (the loss's trend): a signed percentage up to 10x either way, `+38%`, `-62%`, beyond it the
+ *   factor, `x7.1e19`, `x0.0012`.
  *
  * Unknown values (null, undefined, NaN) print as `—`, never as 0.
  */
@@ -63,4 +65,28 @@ export function magnitude(x, digits = 3) {
 /** A step number as text (steps are exact: never abbreviated), `—` when unknown. */
 export function step(x) {
   return unknown(x) ? UNKNOWN : String(x);
+}
+
+/** Beyond this factor either way a change prints as a factor, not a percentage. */
+const FACTOR_BEYOND = 10;
+
+/**
+ * A ratio of a quantity to its earlier level: "x1.03", "x2.41", "x0.51" (3 significant figures below 10), "x12",
+ * "x340", and in powers of ten from 10,000 (and below 0.001): "x7.1e19", "x1.2e-5".
+ */
+export function ratio(x) {
+  if (unknown(x) || !Number.isFinite(x)) return UNKNOWN;
+  if (Math.abs(x) >= 1e-3 && Math.abs(x) < 1e4) return `x${Number(x.toPrecision(Math.abs(x) < 10 ? 3 : 2))}`;
+  const [mantissa, exp] = x.toExponential(1).split('e');
+  return `x${mantissa.replace(/\.0$/, '')}e${Number(exp)}`;
+}
+
+/** A relative change `new / old - 1`: "+38%", "-62%", "0%"; beyond 10x either way "x12", "x7.1e19", "x0.0012". */
+export function change(x) {
+  if (unknown(x) || !Number.isFinite(x)) return UNKNOWN;
+  const r = 1 + x;
+  if (r > FACTOR_BEYOND || (r > 0 && r < 1 / FACTOR_BEYOND)) return ratio(r);
+  const pct = Math.round(100 * x);
+  if (pct === 0) return '0%';
+  return `${pct > 0 ? '+' : '-'}${grouped(Math.abs(pct))}%`;
 }

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tb_gradhealth import health
-from tb_gradhealth.numbers import format_count, format_magnitude, format_severity
+from tb_gradhealth.numbers import format_change, format_count, format_magnitude, format_ratio, format_severity
 
 #: Statuses that count as "flagged" (the others: a layer that is fine, a parameter that only gets round-off, one
 #: frozen by the user).
@@ -46,18 +46,32 @@ def loss_text(summary: dict[str, Any]) -> str | None:
     at step 53, 1.23e+03x its early level)`` from ``summary.loss_nonfinite``; None when the writer recorded no loss."""
     blowup = summary.get("loss_nonfinite")
     if blowup:
-        return f"loss NaN/Inf from step {blowup['step']}" + _last_finite_loss(blowup)
+        return f"loss NaN/Inf from step {blowup['step']}" + _last_finite_loss(blowup) + _gradients_later(blowup)
     trend = summary.get("loss_trend")
     if not trend or trend.get("change") is None:
         return None
-    pct = f"{100.0 * float(trend['change']):+,.0f}%"
-    return f"loss {'0%' if pct in ('+0%', '-0%') else pct} (steps {trend['first_step']}-{trend['last_step']})"
+    episode = trend.get("episode")
+    if episode:
+        return (f"loss {format_ratio(episode['ratio'])} its level before step {episode['step']} "
+                f"(for {format_count(episode['since'])} logged steps since)")
+    return f"loss {format_change(trend['change'])} (steps {trend['first_step']}-{trend['last_step']})"
+
+
+def _gradients_later(blowup: dict[str, Any]) -> str:
+    """Why the loss's first NaN/Inf step and the gradients' differ, in one clause; empty when they agree."""
+    grads = blowup.get("gradients_step")
+    if grads is None or grads == blowup["step"]:
+        return ""
+    if grads > blowup["step"]:
+        return (f", before the gradients (NaN/Inf from step {grads}): the forward pass overflowed first, and a loss "
+                f"of Inf can still have finite gradients")
+    return f", after the gradients (NaN/Inf from step {grads})"
 
 
 def _last_finite_loss(blowup: dict[str, Any]) -> str:
     if blowup.get("last_finite") is None:
         return ""
-    ratio = f", {format_magnitude(blowup['ratio'])}x its early level" if blowup.get("ratio") else ""
+    ratio = f", {format_ratio(blowup['ratio'])} its early level" if blowup.get("ratio") else ""
     return f" (last finite {format_magnitude(blowup['last_finite'])} at step {blowup['last_finite_step']}{ratio})"
 
 

@@ -110,13 +110,15 @@ def diagnose(series: RunSeries, thresholds: health.Thresholds, step: int | None,
              progress: Progress | None = None) -> health.RunHealth:
     """The run's diagnosis at the latest logged step <= ``step``: the one call behind ``tb-gradhealth report``, the
     tab and a live run's ``stop_on`` (:mod:`tb_gradhealth.live`), so all three say the same at a step. Evidence
-    beside the records where they are recorded: the training loss and the optimizer's skipped steps
-    (``progress``), the layers' kinds (``series.layer_info``) and the training loop (``series.source``)."""
+    beside the records where they are recorded: the training loss, the optimizer's skipped steps and where a
+    writer's replay found the first NaN/Inf made (``progress``), the layers' kinds (``series.layer_info``) and the
+    training loop (``series.source``)."""
     k = at_index(series, step)
     progress = progress or Progress()
     return health.diagnose_run(series.layers, series.steps, series.records, thresholds,
                                at_step=int(series.steps[k]), progress=progress.loss, layer_info=series.layer_info,
-                               skipped=progress.skipped, source=dict(series.source) or None)
+                               skipped=progress.skipped, source=dict(series.source) or None,
+                               nan_origin=progress.origin)
 
 
 def loss_payload(loss: tuple[np.ndarray, np.ndarray] | None, at_step: int) -> dict[str, Any] | None:

@@ -145,12 +145,13 @@ def _no_records(logdir: str) -> str:
 
 
 def _diagnose(data: reader.LogdirData, thresholds: health.Thresholds, step: int | None, err: TextIO,
-              event_files: Mapping[str, Sequence[str]] | None = None
+              event_files: Mapping[str, Sequence[str]] | None = None,
+              origins: Mapping[str, origin.NanOrigin] | None = None
               ) -> tuple[list[tuple[reader.RunSeries, dict[str, Any]]], list[str], list[str]]:
     """``(bodies, unreadable runs, problems)``: the health JSON of each readable run; read problems on ``err``.
     ``event_files`` (:func:`reader.find_runs`): where each run's training loss and skipped steps are read, evidence
     beside the gradients (:mod:`tb_gradhealth.progress`) as the layers' kinds and the loop are (read with the
-    records)."""
+    records), and ``origins`` where a writer's replay found each run's first NaN/Inf made."""
     unreadable = [s.run for s in data.runs if not s.num_steps]
     problems = list(data.problems)
     for series in data.runs:
@@ -163,6 +164,7 @@ def _diagnose(data: reader.LogdirData, thresholds: health.Thresholds, step: int 
     for series in (s for s in data.runs if s.num_steps):
         try:
             found = progress.read_progress(progress.run_paths(event_files, series.run)) if event_files else None
+            found = (found or progress.Progress()).with_origin((origins or {}).get(series.run))
             body = health_payload(series, thresholds, step, progress=found)
         except RequestError as e:
             raise UsageError(f"--step: run {series.run!r}: {e.message}") from e
@@ -223,9 +225,9 @@ def report(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     step = _step(args.step)
     thresholds = _thresholds(args)
     fmt = _format(args)
-    bodies, unreadable, problems = _diagnose(_read(args, err), thresholds, step, err,
-                                              reader.find_runs(args.logdir))
-    origins = origin.read_logdir(args.logdir, [s.run for s, _ in bodies])  # where the first NaN/Inf was made
+    data = _read(args, err)
+    origins = origin.read_logdir(args.logdir, [s.run for s in data.runs])  # where the first NaN/Inf was made
+    bodies, unreadable, problems = _diagnose(data, thresholds, step, err, reader.find_runs(args.logdir), origins)
     for series, body in bodies:
         body["nan_origin"] = origins[series.run].to_json() if series.run in origins else None
     judged = [(s, b, verdict(b, fail_on)) for s, b in bodies]

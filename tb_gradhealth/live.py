@@ -244,10 +244,12 @@ class LiveRun:
         """The loss and skipped steps as :func:`tb_gradhealth.progress.read_progress` reads them."""
         return progress.progress_of(self._scalars)
 
-    def diagnose(self, thresholds: health.Thresholds, step: int | None = None) -> health.RunHealth:
+    def diagnose(self, thresholds: health.Thresholds, step: int | None = None, origin: Any = None
+                 ) -> health.RunHealth:
         """The diagnosis at the latest logged step at or before ``step`` (default: the last), by the CLI's and the
-        tab's function."""
-        return diagnose(self.series(), thresholds, step, self.progress())
+        tab's function; ``origin``: where the writer's replay found the first NaN/Inf made, which it stores beside
+        the records."""
+        return diagnose(self.series(), thresholds, step, self.progress().with_origin(origin))
 
 
 class StopCheck:
@@ -299,7 +301,7 @@ class StopCheck:
         self.next_check = k + 1 if self.dense is None else k + max(1, k // self.dense)
         start = time.process_time()
         try:
-            self.last = self.live.diagnose(self.thresholds, step)
+            self.last = self.live.diagnose(self.thresholds, step, origin)
         finally:
             self.checks += 1
             self.seconds += time.process_time() - start

@@ -253,16 +253,23 @@ class GradHealthPlugin(base_plugin.TBPlugin):
             flight.done.set()
 
     def _run_progress(self, request: Any, run: str) -> progress.Progress:
-        """The run's training loss and skipped steps where a writer recorded them (:mod:`tb_gradhealth.progress`);
-        a data provider that cannot answer costs the evidence, not the diagnosis."""
+        """The run's training loss, skipped steps and replayed NaN origin where a writer recorded them
+        (:mod:`tb_gradhealth.progress`); a data provider that cannot answer costs the evidence, not the diagnosis."""
         if self._progress is None:
             return progress.Progress()
         try:
-            return self._progress.get(plugin_util.context(request.environ),
-                                      plugin_util.experiment_id(request.environ), run_of(run))
+            found = self._progress.get(plugin_util.context(request.environ),
+                                       plugin_util.experiment_id(request.environ), run_of(run))
+            return found.with_origin(self._first_origin(request, run, []))
         except Exception:  # noqa: BLE001 - the data provider's own failure: the gradients alone speak
             _log.warning("gradhealth: reading the progress of run %r failed", run, exc_info=True)
             return progress.Progress()
+
+    def _first_origin(self, request: Any, run: str, problems: list[str]) -> origin.NanOrigin | None:
+        """Where a writer's replay found the run's first NaN/Inf made (:mod:`tb_gradhealth.origin`), or None; the
+        data provider's failure raises."""
+        return origin.first(origin.read_provider(self._context.data_provider, plugin_util.context(request.environ),
+                                                 plugin_util.experiment_id(request.environ), run_of(run), problems))
 
     # routes
     @_json_route
@@ -310,12 +317,10 @@ class GradHealthPlugin(base_plugin.TBPlugin):
         """Where the run's first NaN/Inf was made (:mod:`tb_gradhealth.origin`): ``{"run", "origin", "problems"}``,
         ``origin`` null when none was stored."""
         _no_extra(request.args, ("run",))
-        run = _required(request.args, "run")
-        directory = run_of(run)  # a run's other streams ("run [probe_gradients]") share its directory
+        run = _required(request.args, "run")  # a run's other streams ("run [probe_gradients]") share its directory
         problems: list[str] = []
         try:
-            found = origin.first(origin.read_provider(self._context.data_provider, plugin_util.context(request.environ),
-                                                      plugin_util.experiment_id(request.environ), directory, problems))
+            found = self._first_origin(request, run, problems)
         except Exception as e:  # noqa: BLE001 - the data provider's own failure: the tab shows no origin
             return {"run": run, "origin": None, "problems": [f"origin unreadable: {e}"]}
         return {"run": run, "origin": found.to_json() if found else None, "problems": problems}

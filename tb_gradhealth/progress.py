@@ -43,14 +43,24 @@ PROVIDER_POINTS = 1000
 
 class Progress(NamedTuple):
     """What a run recorded of its progress, each ``(steps int64 [n], values float64 [n])`` ascending, or None where
-    the run has none: ``loss`` (the first of :data:`LOSS_TAGS` present) and ``skipped`` (:data:`SKIPPED_TAG`)."""
+    the run has none: ``loss`` (the first of :data:`LOSS_TAGS` present) and ``skipped`` (:data:`SKIPPED_TAG`); and
+    ``origin``, ``(step, layer)`` where a writer replayed the run's first NaN/Inf step and found the layer that
+    made it (``layer`` None: outside any layer; :mod:`tb_gradhealth.origin`)."""
 
     loss: tuple[np.ndarray, np.ndarray] | None = None
     skipped: tuple[np.ndarray, np.ndarray] | None = None
+    origin: tuple[int, str | None] | None = None
 
     def seen(self) -> tuple:
-        """What changes when the run records more of either: ``(points, last step, last value)`` of each."""
-        return tuple(None if x is None else (x[0].size, int(x[0][-1]), float(x[1][-1])) for x in self)
+        """What changes when the run records more of any: ``(points, last step, last value)`` of each series, and
+        the origin."""
+        return (*(None if x is None else (x[0].size, int(x[0][-1]), float(x[1][-1])) for x in (self.loss,
+                                                                                                self.skipped)),
+                self.origin)
+
+    def with_origin(self, found: Any) -> Progress:
+        """This progress with a :class:`tb_gradhealth.origin.NanOrigin` (or None) as its ``origin``."""
+        return self._replace(origin=None if found is None else (int(found.step), found.layer or None))
 
 
 def scalar_value(value: Any) -> float | None:

@@ -273,6 +273,14 @@ def test_numbers_print_as_the_report_prints_them(tensorboard: str, gh: Page) -> 
     assert printed[1] == [f"{n:,}" for n in counts] == [numbers.format_count(n) for n in counts]
     assert printed[2] == [f"{round(x):,}" for x in severities] == [numbers.format_severity(x) for x in severities]
     assert printed[3] == ["—", "—", "—"]
+    changes = [0.38, -0.62, 0.0001, -0.0001, 9.0, 11.0, 7.0535602186242e19, -0.9988, -0.999999, 0.0]
+    ratios = [1.03, 2.414, 0.51, 12.3, 341.0, 9999.0, 7.0535602186242e19, 1.2e-5, 0.0012]
+    shown = page.evaluate("""async ([c, r]) => {
+        const f = await import('/data/plugin/gradhealth/format.js');
+        return [c.map((x) => f.change(x)), r.map((x) => f.ratio(x))];
+    }""", [changes, ratios])
+    assert shown[0] == [numbers.format_change(x) for x in changes]
+    assert shown[1] == [numbers.format_ratio(x) for x in ratios]
     gh.assert_clean()
 
 

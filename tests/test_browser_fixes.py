@@ -50,7 +50,7 @@ def test_a_flagged_layer_shows_its_kind_and_fixes_and_the_run_its_loss_trend(
     assert healthy.locator(".layer-kind-tag").count() == 0  # the tag marks flagged layers only
     trend = p.locator("[data-testid=loss-trend]")
     text = trend.inner_text()
-    assert text.startswith("Loss −") and "falling" in text and f"steps 0–{facts[RUN].steps[-1]}" in text
+    assert text.startswith("Loss -") and "falling" in text and f"steps 0–{facts[RUN].steps[-1]}" in text
     assert painted_pixels(trend.locator("canvas")) > 20
     row.click()
     drawer = page.locator("[data-testid=detail]")

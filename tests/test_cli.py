@@ -454,4 +454,4 @@ def test_a_loss_that_went_nan_is_printed_with_its_step_and_last_finite_value(cap
             w.add_loss(step, 2.0 ** step if step < 10 else float("nan"))
     rc, out, _ = run(capsys, tmp_path)
     head = out.splitlines()[0]
-    assert head.endswith("; loss NaN/Inf from step 10 (last finite 512 at step 9, 341x its early level)"), head
+    assert head.endswith("; loss NaN/Inf from step 10 (last finite 512 at step 9, x340 its early level)"), head

@@ -178,11 +178,11 @@ def test_dead_is_distinct_from_vanishing():
 
 @pytest.mark.unit
 def test_missing_flag_and_absent_layers():
-    recs = _records(_healthy_grid(steps=4, layers=4))
+    recs = _records(_healthy_grid(steps=6, layers=4))
     recs[:, 1] = record.compute(None, np.ones(8))
     recs[:, 2] = np.nan  # never logged
     recs[2:, 3] = np.nan  # logged only at the first two steps
-    h = diagnose_run(_names(4), np.array([1, 2, 3, 4]), recs)
+    h = diagnose_run(_names(4), np.arange(1, 7), recs)
     by = h.by_layer()
     assert by["layer_1/kernel"].status == "missing" and "None gradient" in by["layer_1/kernel"].reasons[0]
     assert by["layer_1/kernel"].first_step == 1
@@ -191,6 +191,9 @@ def test_missing_flag_and_absent_layers():
     assert by["layer_3/kernel"].status == "healthy" and by["layer_3/kernel"].step == 2  # its last record
     assert by["layer_0/kernel"].status == "healthy"
     json.dumps(h.to_json(), allow_nan=False)
+    # No gradient at the first four logged steps is not yet "missing": an expert or a branch can go unused as long.
+    early = diagnose_run(_names(4), np.arange(1, 7), recs, at_step=4).by_layer()["layer_1/kernel"]
+    assert early.status == "healthy" and any("flagged as missing once it lasts 5" in r for r in early.reasons)
 
 
 @pytest.mark.unit
@@ -296,9 +299,12 @@ def test_single_step_single_layer_and_empty():
     lone = diagnose_run(["w"], np.array([7]), tiny).layers[0]
     assert lone.status == "vanishing" and "short run (1 logged step(s))" in lone.reasons[-1]
     assert diagnose_run(["w"], np.array([7]), tiny, Thresholds(sustain_steps=1)).statuses() == ["vanishing"]
-    # Two records of it, then a healthy one: the lone pair is confirmed (half of 3 rounds up to 2) ...
+    # Two records of it, then a healthy one: the lone pair is confirmed (half of 3 rounds up to 2) when they cover
+    # sustain_steps training steps (logged 10 steps apart) ...
     three = _records(np.array([[1e-12], [1e-12], [1e-3]]))
-    assert diagnose_run(["w"], np.array([1, 2, 3]), three, at_step=2).statuses() == ["vanishing"]
+    assert diagnose_run(["w"], np.array([10, 20, 30]), three, at_step=20).statuses() == ["vanishing"]
+    # ... not as the first two steps of a run logged at every step, which may go on to many more records
+    assert diagnose_run(["w"], np.array([1, 2, 3]), three, at_step=2).statuses() == ["healthy"]
     # ... and a single quiet step inside 10 healthy ones is not (confirmation: sustain_steps).
     quiet = _records(np.r_[np.full(5, 1e-3), [1e-12], np.full(4, 1e-3)][:, None])
     assert diagnose_run(["w"], np.arange(10), quiet, at_step=5).statuses() == ["healthy"]
@@ -338,7 +344,7 @@ def test_json_shape_matches_the_contract():
         "layer", "index", "status", "severity", "reasons", "fixes", "first_step", "status_since", "episodes", "step",
         "norm", "rms", "max_abs", "mean",
         "nan", "inf", "zero_fraction", "grad_to_weight", "update_to_weight", "noise", "weight_norm", "size", "rank",
-        "rank_reason", "last_finite"}
+        "rank_reason", "last_finite", "idle_steps", "logged_steps"}
     assert set(h["summary"]["answer"]) == {"layer", "index", "status", "step", "now", "now_since", "chain", "story",
                                            "fixes", "flagged", "headline"}
     assert [x["rank"] for x in h["layers"]] == list(range(1, 7)) and h["layers"][0]["rank_reason"] == "cause"

@@ -163,41 +163,76 @@ def test_update_larger_than_the_weight_is_exploding_before_the_gradient_grows():
 
 
 def test_overflow_steps_skipped_by_loss_scaling_are_not_a_disease():
+    """A NaN/Inf step with no update is skipped on evidence only: the writer's word (``amp/step_skipped``), or a
+    finite record after it. A live check at the skipped step itself has the writer's word or nothing."""
     names = _layers(3)
     steps = 12
     rms, weight, update = _steady(steps, 6)
     rms[0:3] = np.inf  # the first steps overflow float16 at the initial loss scale ...
     update[0:3] = 0.0  # ... and the optimizer skips them: nothing is applied
     recs = _run(rms, names, weight_rms=weight, update_rms=update)
-    for at in range(steps):  # stop_on would read every step: never a halt
+    told = (np.arange(steps), (np.arange(steps) < 3).astype(float))
+    for at in range(steps):  # stop_on reads every step: never a halt with the writer's word
+        assert _flagged(diagnose_run(names, np.arange(steps), recs, at_step=at, skipped=told)) == {}, at
+    for at in range(3, steps):  # without it, once a finite record shows the run went on
         assert _flagged(diagnose_run(names, np.arange(steps), recs, at_step=at)) == {}, at
+    assert set(_flagged(diagnose_run(names, np.arange(steps), recs, at_step=2)).values()) == {"nonfinite"}
     note = diagnose_run(names, np.arange(steps), recs).layers[0].reasons[-1]
     assert "skipped" in note and "first at step 0, last at step 2" in note
+    # The writer says the step was applied: a NaN update, whatever follows.
+    applied = (np.arange(steps), np.zeros(steps))
+    assert set(_flagged(diagnose_run(names, np.arange(steps), recs, at_step=2, skipped=applied)).values()) \
+        == {"nonfinite"}
     # Skipped for as long as sustain_steps: training is stuck, that is nonfinite.
     rms[3:8], update[3:8] = np.inf, 0.0
-    h = diagnose_run(names, np.arange(steps), _run(rms, names, weight_rms=weight, update_rms=update), at_step=7)
+    h = diagnose_run(names, np.arange(steps), _run(rms, names, weight_rms=weight, update_rms=update), at_step=7,
+                     skipped=(np.arange(steps), (np.arange(steps) < 8).astype(float)))
     assert set(h.statuses()) == {"nonfinite"} and h.layers[0].first_step == 0
 
 
 def test_a_run_that_ends_on_its_first_nan_is_not_healthy():
-    """What stop_on="nonfinite" (or a crash) leaves: healthy steps, then one last step whose gradient is NaN and
-    whose update has no finite value (a NaN update, or one undone to keep the weights): the run stopped on it."""
+    """What stop_on="nonfinite", TerminateOnNaN or a crash leaves: healthy steps (or none), then one last step whose
+    gradient is NaN and whose update has no finite value (a NaN update, or one undone to keep the weights): the run
+    stopped on it, and nothing says the optimizer skipped it."""
     names = _layers(3)
     steps = 12
     rms, weight, update = _steady(steps, 6)
     rms[-1], update[-1] = np.nan, 0.0
     h = diagnose_run(names, np.arange(steps), _run(rms, names, weight_rms=weight, update_rms=update))
     assert set(_flagged(h).values()) == {"nonfinite"} and h.layers[0].status_since == steps - 1
+    # NaN at the very first step and the run ends there (TerminateOnNaN): nonfinite, not "skipped".
+    h = diagnose_run(names, np.arange(1), _run(rms[-1:], names, weight_rms=weight[:1], update_rms=update[-1:]))
+    assert set(_flagged(h).values()) == {"nonfinite"}
     # The same NaN step at step 8, after which the optimizer went on (loss scaling): healthy.
     rms, weight, update = _steady(steps, 6)
     rms[8], update[8] = np.nan, 0.0
     assert _flagged(diagnose_run(names, np.arange(steps), _run(rms, names, weight_rms=weight, update_rms=update))) \
         == {}
-    # A run with loss scaling (it skipped its first steps and went on) whose latest step is one more skip: healthy.
+    # A run with loss scaling (it skipped its first steps and went on) whose latest step is one more skip: healthy
+    # when the writer says it skipped it, nonfinite when nothing does (the run may have stopped on a NaN update).
     rms, weight, update = _steady(steps, 6)
     rms[[0, 1, 11]], update[[0, 1, 11]] = np.inf, 0.0
-    assert _flagged(diagnose_run(names, np.arange(steps), _run(rms, names, weight_rms=weight, update_rms=update))) \
-        == {}
+    recs = _run(rms, names, weight_rms=weight, update_rms=update)
+    told = (np.arange(steps), np.isin(np.arange(steps), [0, 1, 11]).astype(float))
+    assert _flagged(diagnose_run(names, np.arange(steps), recs, skipped=told)) == {}
+    assert set(_flagged(diagnose_run(names, np.arange(steps), recs)).values()) == {"nonfinite"}
+
+
+def test_clipping_an_overflowed_norm_leaves_no_dead_episode():
+    """AMP with ``unscale_`` and a global clip: on a step whose gradients overflowed, the infinite total norm makes
+    the clip multiply every finite gradient by 0, and the scaler skips the step. Those zeros are no dead units."""
+    names = _layers(3)
+    steps = 16
+    rms, weight, update = _steady(steps, 6)
+    overflow = [2, 3, 4, 9]
+    rms[overflow, 0:2] = np.inf  # the layers that overflowed
+    rms[overflow, 2:] = 0.0  # every other gradient clipped to zero
+    update[overflow] = 0.0
+    recs = _run(rms, names, weight_rms=weight, update_rms=update)
+    told = (np.arange(steps), np.isin(np.arange(steps), overflow).astype(float))
+    for at in range(steps):
+        h = diagnose_run(names, np.arange(steps), recs, at_step=at, skipped=told)
+        assert _flagged(h) == {} and not any(lh.episodes for lh in h.layers), at
 
 
 def test_the_story_of_a_divergence_exploding_then_dead_then_nonfinite():

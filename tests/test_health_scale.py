@@ -141,10 +141,12 @@ def _lr_kills_relus():
 
 
 def test_cause_comes_first_exploding_then_dead():
-    # The first row and the cause: the explosion that began it, on the deepest layer, then dead.
+    # The first row and the cause: the explosion that began it, on the deepest layer, then dead. Every layer rises
+    # together, so the chain starts where a rule first fires (the whole network's gradients rising by a decade is
+    # also what a healthy run's first steps can look like: no onset on its own).
     h = _lr_kills_relus()
     assert set(h.statuses()) == {"dead"}
-    assert h.cause["status"] == "exploding" and h.cause["now"] == "dead" and h.cause["step"] <= 3
+    assert h.cause["status"] == "exploding" and h.cause["now"] == "dead" and h.cause["step"] <= 4
     assert h.layers[0].layer == h.cause["layer"] == h.first_bad["layer"] == NAMES[-1]
     assert h.cause["story"].startswith(f"exploding from step {h.cause['step']} -> dead from step")
 

@@ -467,8 +467,10 @@ def test_stop_on_nonfinite_stops_at_the_injected_step(tmp_path):
     layers, recs = read_records(str(tmp_path))
     assert sorted(recs) == list(range(1, 7))
     assert cb.stop_event is not None and cb.stop_event.step == 6 and cb.stop_event.status == "nonfinite"
-    # the deepest bad layer (the backward pass meets it first), named by its largest variable as the answer names it
-    assert cb.stop_event.layer == layers[-2] and layers[-2].endswith("/kernel")
+    # where the replay found the NaN made (the first layer's MatMul of the NaN input), named by its largest
+    # variable as the answer names it (without a replay: the deepest bad layer, which backprop meets first)
+    assert cb.origin is not None and cb.origin.layer and cb.origin.direction == "forward"
+    assert cb.stop_event.layer == layers[0] and layers[0].endswith(f"{cb.origin.layer}/kernel")
     assert record.derived(recs[6])["nan"].sum() > 0 and record.derived(recs[5])["nan"].sum() == 0
 
 

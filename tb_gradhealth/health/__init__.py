@@ -37,7 +37,6 @@ from tb_gradhealth.health.thresholds import (
     INERT,
     MISSING,
     NONFINITE,
-    SKIPPED,
     STATUSES,
     VANISHING,
     Status,
@@ -48,6 +47,6 @@ from tb_gradhealth.health.thresholds import (
 __all__ = [
     "BLOWN_UP", "CHAIN_GAP", "DEAD", "EXPLODING", "FLAGS", "FLAG_CODES", "FROZEN", "HEALTHY", "INERT", "MISSING",
     "NONFINITE",
-    "REFERENCE_FRACTION", "REFERENCE_MIN", "SKIPPED", "STATUSES", "TREND_MIN_SIZE", "VANISHING", "LayerHealth",
+    "REFERENCE_FRACTION", "REFERENCE_MIN", "STATUSES", "TREND_MIN_SIZE", "VANISHING", "LayerHealth",
     "RunHealth", "Status", "ThresholdError", "Thresholds", "diagnose_run", "layer_groups", "profile",
 ]

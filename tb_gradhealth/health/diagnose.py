@@ -11,9 +11,11 @@ from tb_gradhealth import record
 from tb_gradhealth.health.answer import assign_ranks, deepest_first, group_depth, legacy_fields, run_answer
 from tb_gradhealth.health.episodes import follow_siblings, onset, run_timeline, track
 from tb_gradhealth.health.kinds import explain_kinds
+from tb_gradhealth.health.levels import in_named_layer
 from tb_gradhealth.health.optimizer import global_clip_note
 from tb_gradhealth.health.progress import (
     LossTrend,
+    against_episode,
     loss_blowup,
     loss_trend,
     loss_windows,
@@ -22,9 +24,10 @@ from tb_gradhealth.health.progress import (
     weigh_progress,
 )
 from tb_gradhealth.health.reasons import cause_first, layer_health
+from tb_gradhealth.health.recovery import Losses
 from tb_gradhealth.health.result import BASE, LayerHealth, RunHealth
 from tb_gradhealth.health.rules import Steps, evaluate
-from tb_gradhealth.health.thresholds import EXPLODING, HEALTHY, MISSING, VANISHING, Thresholds
+from tb_gradhealth.health.thresholds import EXPLODING, HEALTHY, MISSING, NONFINITE, VANISHING, Thresholds
 
 
 def _check_inputs(layers: Sequence[str], steps: np.ndarray, records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -51,6 +54,7 @@ def diagnose_run(
     layer_info: Mapping[str, tuple[str, str]] | None = None,
     skipped: tuple[np.ndarray, np.ndarray] | None = None,
     source: Mapping[str, str] | None = None,
+    nan_origin: tuple[int, str | None] | None = None,
 ) -> RunHealth:
     """Diagnose every layer of a run from its records, using the logged steps at or before ``at_step``.
 
@@ -64,7 +68,10 @@ def diagnose_run(
     the optimizer applied the step (``amp/step_skipped``: 1 skipped, e.g. by a loss scaler after an overflow; 0
     applied), the only evidence of a skip besides the records that follow it. ``source``: what the writer knew of
     the training loop (:data:`tb_gradhealth.metadata.Content.source`: ``{"loop": "keras.fit", "optimizer": "SGD",
-    ...}``), used to word the fixes for the loop the user runs.
+    ...}``), used to word the fixes for the loop the user runs. ``nan_origin``: ``(step, layer)`` where the writer
+    replayed its first NaN/Inf step and found the layer that made it (:mod:`tb_gradhealth.origin`; ``layer`` None
+    when it was made outside any layer): the answer then names that layer, which every gradient record of that step
+    (NaN in every layer when it was made on the way forward) cannot tell.
     """
     steps, records = _up_to(*_check_inputs(layers, steps, records), at_step)
     t = thresholds
@@ -75,21 +82,41 @@ def diagnose_run(
         return RunHealth(step=None, thresholds=t, layers=out)
     depth = group_depth(layers)
     windows = loss_windows(steps, progress, t) if progress is not None else None
-    out, borrowed, forward = _layer_healths(evaluate(records, layers, t, windows), steps, records, layers, t, depth,
-                                            layer_info or {})
+    ev = evaluate(records, layers, t, windows, _told(steps, skipped))
+    out, borrowed, forward, started = _layer_healths(ev, steps, records, layers, t, depth, layer_info or {},
+                                            Losses.of(progress), _made_in(nan_origin, steps))
     trend = loss_trend(progress[0], progress[1], int(steps[-1])) if progress is not None else None
-    out = _add_evidence(out, records, t, trend, layer_info)
-    out = weigh_growth(out, trend, update_growth(steps, records) if trend is not None else None, int(steps[-1]))
+    out, stalled = _add_evidence(out, ev, records, t, trend, layer_info)
+    out = weigh_growth(out, trend, update_growth(steps, records) if trend is not None else None, int(steps[-1]),
+                       source)
     out = _last_finite(out, steps, records)
-    ranked, is_cause = cause_first(sorted(out, key=lambda lh: (-lh.severity, lh.index)), borrowed, depth, forward)
+    ranked, is_cause = cause_first(sorted(out, key=lambda lh: (-lh.severity, lh.index)), borrowed, depth, forward,
+                                   started, stalled)
     answer = run_answer(ranked, is_cause, (int(steps[0]), int(steps[-1])))
+    if trend is not None and answer is not None and answer["status"] in (EXPLODING.word, NONFINITE.word):
+        trend = against_episode(trend, progress, steps, int(answer["step"]), t)
     ranked = assign_ranks(ranked, answer)
     first_bad, cause = legacy_fields(answer)
     timeline, earlier = run_timeline(out, answer, depth)
     blowup = loss_blowup(progress[0], progress[1], int(steps[-1])) if progress is not None else None
+    if blowup is not None:
+        bad = np.flatnonzero((ev.nonfinite & ~ev.skipped).any(axis=1))
+        blowup["gradients_step"] = int(steps[bad[0]]) if bad.size else None
     return RunHealth(step=int(steps[-1]), thresholds=t, layers=ranked, first_bad=first_bad, onset=onset(out),
                      timeline=timeline, cause=cause, loss_trend=trend.to_json() if trend is not None else None,
                      answer=answer, earlier=earlier, loss_nonfinite=blowup)
+
+
+def _told(steps: np.ndarray, skipped: tuple[np.ndarray, np.ndarray] | None) -> np.ndarray | None:
+    """``[S]`` the writer's word on each logged step: 1 the optimizer skipped it, 0 applied it, NaN not said."""
+    if skipped is None:
+        return None
+    at, flags = np.asarray(skipped[0], dtype=np.int64), np.asarray(skipped[1], dtype=np.float64)
+    out = np.full(steps.shape, np.nan)
+    k = np.searchsorted(at, steps)
+    hit = (k < at.size) & (at[np.minimum(k, at.size - 1)] == steps) if at.size else np.zeros(steps.shape, bool)
+    out[hit] = np.where(flags[k[hit]] > 0.5, 1.0, 0.0)
+    return out
 
 
 def _up_to(steps: np.ndarray, records: np.ndarray, at_step: int | None) -> tuple[np.ndarray, np.ndarray]:
@@ -102,39 +129,63 @@ def _up_to(steps: np.ndarray, records: np.ndarray, at_step: int | None) -> tuple
     return steps[:end], records[:end]
 
 
+def _made_in(nan_origin: tuple[int, str | None] | None, steps: np.ndarray) -> tuple[int, str] | None:
+    """``(step, layer)`` of a replayed NaN/Inf made in a layer, at a step the records have; else None."""
+    if nan_origin is None or not nan_origin[1] or int(nan_origin[0]) not in set(steps.tolist()):
+        return None
+    return int(nan_origin[0]), str(nan_origin[1])
+
+
 def _layer_healths(ev: Steps, steps: np.ndarray, records: np.ndarray, layers: Sequence[str], t: Thresholds,
-                   depth: np.ndarray, info: Mapping[str, tuple[str, str]]
-                   ) -> tuple[list[LayerHealth], frozenset[str], frozenset[str]]:
+                   depth: np.ndarray, info: Mapping[str, tuple[str, str]], losses: Losses | None,
+                   made_in: tuple[int, str] | None = None
+                   ) -> tuple[list[LayerHealth], frozenset[str], frozenset[str], frozenset[str]]:
     """Each layer's episodes, status, reasons, severity and fixes (for its kind, ``info``), in network order; the
     layers whose onset is that of a larger variable of their layer; those whose current chain the huge-inputs rule
-    flagged (the activations blew up on their way forward)."""
-    # A skipped NaN/Inf step counts when NaN/Inf follows it at the next step (the update was NaN, not skipped).
-    follows = np.zeros_like(ev.nonfinite)
-    follows[:-1] = ev.nonfinite[1:]
-    present = ev.present
-    last_rows = np.where(present.any(axis=0), present.shape[0] - 1 - np.argmax(present[::-1], axis=0), 0)
-    d = record.derived(records[last_rows, np.arange(len(layers))])
-    tracks = [track(ev, i, t) if ev.columns("present")[i].any() else None for i in range(len(layers))]
+    flagged (the activations blew up on their way forward); the one where the first NaN/Inf started."""
+    d = record.derived(records[_last_rows(ev.present), np.arange(len(layers))])
+    tracks = [track(ev, i, t, steps, losses) if ev.columns("present")[i].any() else None
+              for i in range(len(layers))]
     began = np.array([tr.rows[tr.chain_start()] if tr is not None and tr.runs else np.inf for tr in tracks])
-    origin = _first_nonfinite(ev.nonfinite & ~(ev.skipped & ~follows), depth, ev.size.max(axis=0), began)
+    origin = _first_nonfinite(ev.nonfinite & ~ev.skipped, depth, ev.size.max(axis=0), began,
+                              _replayed(made_in, steps, layers))
     borrowed = follow_siblings(tracks, ev, layers)
     forward = frozenset(layers[i] for i, tr in enumerate(tracks)
                         if tr is not None and tr.runs and ev.exp_inputs[tr.rows[tr.chain_start():], i].any())
+    started = frozenset({layers[origin[1]]}) if origin is not None else frozenset()
     return [layer_health(ev, steps, layers, i, d, origin, t, tracks[i], info.get(layers[i], ("", "")))
-            for i in range(len(layers))], borrowed, forward
+            for i in range(len(layers))], borrowed, forward, started
 
 
-def _first_nonfinite(nonfinite: np.ndarray, depth: np.ndarray, size: np.ndarray, began: np.ndarray
-                     ) -> tuple[int, int, int] | None:
+def _last_rows(present: np.ndarray) -> np.ndarray:
+    """``[L]`` each layer's last row with a record (0 where it has none)."""
+    return np.where(present.any(axis=0), present.shape[0] - 1 - np.argmax(present[::-1], axis=0), 0)
+
+
+def _replayed(made_in: tuple[int, str] | None, steps: np.ndarray, layers: Sequence[str]) -> tuple[int, set[int]]:
+    """``(row, variables)`` of the layer a writer's replay found making the first NaN/Inf; ``(-1, set())`` none."""
+    if made_in is None:
+        return -1, set()
+    return int(np.searchsorted(steps, made_in[0])), {i for i, n in enumerate(layers) if in_named_layer(n, made_in[1])}
+
+
+def _first_nonfinite(nonfinite: np.ndarray, depth: np.ndarray, size: np.ndarray, began: np.ndarray,
+                     replayed: tuple[int, set[int]] = (-1, set())) -> tuple[int, int, int] | None:
     """(first step row with NaN/Inf, the layer where it started, how many layers were nonfinite there) or None.
     Backprop computes the deepest layer first, so the deepest nonfinite layer is where it started; of that layer's
     variables (a bias and its kernel receive one upstream gradient), the one whose chain of flags began first
-    (``began``: its row), as the run's answer and timeline name it, then the largest (:func:`deepest_first`)."""
+    (``began``: its row), as the run's answer and timeline name it, then the largest (:func:`deepest_first`).
+    Where a writer replayed that step (``replayed``: its row and the variables of the layer that made the NaN/Inf),
+    that layer, whatever backprop's order says."""
     rows = np.flatnonzero(nonfinite.any(axis=1))
     if rows.size == 0:
         return None
     r = int(rows[0])
     bad = np.flatnonzero(nonfinite[r])
+    made = [int(i) for i in bad if int(i) in replayed[1]] if replayed[0] == r else []
+    if made:  # the replay saw where it was made: that layer, named by its largest variable
+        return r, max(made, key=lambda i: deepest_first(depth, size, i)), int(bad.size)
+
     def first_in_deepest(i: int) -> tuple[float, ...]:
         layer_depth, *rest = deepest_first(depth, size, int(i))
         return (layer_depth, -began[i], *rest)
@@ -162,16 +213,20 @@ def _last_finite(out: list[LayerHealth], steps: np.ndarray, records: np.ndarray)
     return healed
 
 
-def _add_evidence(out: list[LayerHealth], records: np.ndarray, t: Thresholds, trend: LossTrend | None,
-                  layer_info: Mapping[str, tuple[str, str]] | None) -> list[LayerHealth]:
+def _add_evidence(out: list[LayerHealth], ev: Steps, records: np.ndarray, t: Thresholds, trend: LossTrend | None,
+                  layer_info: Mapping[str, tuple[str, str]] | None) -> tuple[list[LayerHealth], frozenset[str]]:
     """The layers with what the records alone do not hold: the training loss, the layers' kinds, the optimizer's
-    global clip."""
+    global clip; and those the loss found exploding under a learning rate far too small for their gradients."""
+    stalled: frozenset[str] = frozenset()
     if trend is not None:
-        out = weigh_progress(out, trend, t)
+        rows = _last_rows(ev.present)
+        cols = np.arange(ev.present.shape[1])
+        out, stalled = weigh_progress(out, trend, t, proportional=ev.proportional,
+                                      scaled=(10.0 ** ev.log_grad[rows, cols], 10.0 ** ev.log_upd[rows, cols]))
     if layer_info:
         out = explain_kinds(out, layer_info)
     clip = global_clip_note(records)
     if not clip:
-        return list(out)
+        return list(out), stalled
     return [dataclasses.replace(lh, reasons=[*lh.reasons, clip]) if lh.code in (EXPLODING, VANISHING, HEALTHY)
-            else lh for lh in out]
+            else lh for lh in out], stalled

@@ -4,7 +4,7 @@ explosions back-dated to where they left their floor), and the run-wide onset an
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -12,6 +12,7 @@ import numpy as np
 from tb_gradhealth.health import thresholds as th
 from tb_gradhealth.health.answer import deepest_first
 from tb_gradhealth.health.levels import condemned_since, layer_groups
+from tb_gradhealth.health.recovery import Lasting, Losses, Recovery
 from tb_gradhealth.health.result import LayerHealth
 from tb_gradhealth.health.rules import TREND_MIN_SIZE, Steps
 
@@ -29,6 +30,8 @@ class Track:
     unconfirmed: tuple[int, int] | None  # (code, length) of a trailing slow run not yet confirmed
     chain_from: int | None = None  # a position where the chain starts instead (a small tensor follows its layer)
     need: int = 1  # logged steps a slow status had to last to be confirmed (shorter on a short run)
+    #: runs carried on past their rules because the layer has not recovered, by first position: the loss's figures
+    lasting: dict[int, Lasting] = field(default_factory=dict)
 
     @property
     def code(self) -> int:
@@ -68,64 +71,76 @@ def _merge_equal(runs: list[list[int]]) -> list[list[int]]:
 CHAIN_GAP = 2
 
 
-def _confirm(runs: list[list[int]], need: int, skip_need: int, dead_need: int) -> tuple[int, int] | None:
+def _confirm(runs: list[list[int]], steps: np.ndarray, need: int, sustain: int) -> tuple[int, int] | None:
     """Relabel in place the runs that need confirmation; returns the trailing unconfirmed slow run, if any.
 
-    A vanishing (dead) run shorter than ``need`` (``dead_need``) logged steps is healthy, unless it directly follows
-    a flagged run: a layer that is already sick needs no confirmation (a saturating layer collapsing to zero inside a
-    divergence). ``dead_need`` is at least two logged steps even on a short run, since a zero-initialised
-    multiplier (ReZero, a zero-initialised residual branch) cuts its branch's gradient at the first step by design.
-    Skipped NaN/Inf steps are nonfinite when they last ``skip_need`` steps (``sustain_steps`` whatever
-    the run's length: dynamic loss scaling skips the first steps of every run), when NaN follows them, or when a
-    run that never skipped a step before ends on them after its first ``skip_need`` steps (it stopped there: a NaN
-    update has no finite value, so it looks skipped; a live run's latest step may show this until the next record
-    shows the optimizer went on). A healthy
-    stretch of at most ``CHAIN_GAP`` steps between two flagged runs continues the first.
+    A vanishing, dead or missing run is confirmed when it lasts ``sustain`` logged steps (``sustain_steps``). A
+    vanishing one on a run with too few logged steps for that is confirmed over ``need`` of them (half the layer's
+    logged steps) when those cover ``sustain`` training steps or more (``steps``: the rows' steps; counted from the
+    logged step before the run, or from step 0): four logged steps 100 steps apart are a sustained stretch, the first
+    three steps of a run logged at every step are not. Dead and missing need ``sustain`` logged steps whatever the
+    run's length: a parameter used at some steps only (an expert that got no token, a branch not taken, embedding
+    rows) has no gradient, or an all-zero one, at one step or another, and a zero-initialised multiplier (ReZero, a
+    zero-initialised residual branch) cuts its branch's gradient at the first step by design. A run that directly
+    follows a flagged one needs no confirmation: a layer that is already sick (a saturating layer collapsing to zero
+    inside a divergence). A healthy stretch of at most ``CHAIN_GAP`` steps between two exploding or nonfinite runs
+    continues the first (one quiet minibatch in a divergence is not a recovery); a record with a gradient never
+    becomes missing or dead.
     """
     unconfirmed = None
-    scaled = False  # the run skipped a NaN/Inf step before and went on: it uses dynamic loss scaling
     for k, r in enumerate(runs):
-        short = r[2] - r[1] + 1 < (dead_need if r[0] == th.DEAD else need)
+        length = r[2] - r[1] + 1
+        span = int(steps[r[2]]) - (int(steps[r[1] - 1]) if r[1] > 0 else -1)
+        confirmed = length >= sustain or (r[0] == th.VANISHING and length >= need and span >= sustain)
         after_flag = k > 0 and runs[k - 1][0] in th.FLAG_CODES
-        if r[0] == th.SKIPPED:
-            leads_to_nan = k + 1 < len(runs) and runs[k + 1][0] == th.NONFINITE
-            # A run without loss scaling that ends on it stopped there (stop_on, a crash): nothing shows the
-            # optimizer went on, and a NaN update leaves no finite update either.
-            ends_on_it = k == len(runs) - 1 and r[1] >= skip_need and not scaled
-            scaled = scaled or k + 1 < len(runs)
-            r[0] = th.NONFINITE if leads_to_nan or ends_on_it or r[2] - r[1] + 1 >= skip_need else th.HEALTHY
-
-        elif r[0] in (th.VANISHING, th.DEAD) and short and not after_flag:
+        if r[0] in (th.VANISHING, th.DEAD, th.MISSING) and not confirmed and not after_flag:
             if k == len(runs) - 1:
-                unconfirmed = (r[0], r[2] - r[1] + 1)
+                unconfirmed = (r[0], length)
             r[0] = th.HEALTHY
     for k in range(1, len(runs) - 1):
         r = runs[k]
-        if r[0] == th.HEALTHY and r[2] - r[1] + 1 <= CHAIN_GAP and runs[k - 1][0] in th.FLAG_CODES \
-                and runs[k + 1][0] in th.FLAG_CODES:
+        if r[0] == th.HEALTHY and r[2] - r[1] + 1 <= CHAIN_GAP and runs[k - 1][0] in _BRIDGED \
+                and runs[k + 1][0] in _BRIDGED:
             r[0] = runs[k - 1][0]
     return unconfirmed
 
 
-def _backdate(runs: list[list[int]], col: np.ndarray, t: th.Thresholds) -> None:
-    """An exploding run after a healthy one starts where the layer's RMS left its floor: the step after the last
-    one within twice the trend's own per-step slope (``2 * growth_decades / growth_window``, 0.4 decades) of the
-    lowest RMS of the ``growth_window`` steps before the run. A quiet minibatch in the middle of the rise does not
-    move the onset; minibatch noise (a few tenths of a decade) does not start it."""
-    rise = 2.0 * t.growth_decades / t.growth_window
-    w = t.growth_window
+#: The statuses a short healthy stretch between two flagged runs does not interrupt: a divergence's quiet minibatch.
+_BRIDGED = frozenset({th.EXPLODING, th.NONFINITE})
+
+
+def _backdate(runs: list[list[int]], col: np.ndarray, t: th.Thresholds, own: np.ndarray | None = None,
+              late: np.ndarray | None = None) -> None:
+    """An exploding run after a healthy one starts where the layer's RMS left its own range against the rest of the
+    network (``col``: its log RMS minus the median of the other variables'): over the logged steps just before the
+    run (at most ``growth_window`` of them), the first of the trailing stretch at which it stood more than minibatch
+    noise (twice the trend's per-step slope, 0.4 decades) above where it typically stood before them, no more than
+    ``CHAIN_GAP`` steps in a row falling back (a quiet minibatch in the middle of the rise does not move the onset).
+    A rise of the whole network together (gradients growing as training gets going) or back to where the layer
+    already stood is no onset: a run whose records up to a step are those of a clean run (a clipped twin's, until
+    the first step its clip bites) has no episode there, and a cause acting on every layer at once is dated where
+    its first rule fires. A run flagged by a loss that swings by decades (``late``) is no clean run's: there the
+    layer's own RMS (``own``) is read, for a blow-up alike in every layer."""
+    noise = 2.0 * t.growth_decades / t.growth_window
     for k in range(1, len(runs)):
-        code, first, _ = runs[k]
+        code, first, last = runs[k]
         prev = runs[k - 1]
         if code != th.EXPLODING or prev[0] != th.HEALTHY:
             continue
-        lo = max(prev[1], first - w)
-        window = col[lo:first]
-        if not np.isfinite(window).any():
+        lo = max(prev[1], first - t.growth_window, 1)
+        read = own if own is not None and late is not None and late[first:last + 1].any() else col
+        before = read[prev[1]:lo]  # where it stood over the healthy stretch, before the steps searched
+        if not np.isfinite(before).any():
             continue
-        floor = np.nanmin(window)
-        at_floor = np.flatnonzero(window <= floor + rise)
-        j = lo + int(at_floor[-1]) + 1
+        line = np.nanmedian(before) + noise
+        j, gap = first, 0
+        for r in range(first - 1, lo - 1, -1):
+            if read[r] > line:
+                j, gap = r, 0
+            else:
+                gap += 1
+                if gap > CHAIN_GAP:
+                    break
         runs[k][1], prev[2] = j, min(prev[2], j - 1)
 
 
@@ -143,25 +158,36 @@ def _confirmed_late(runs: list[list[int]], late: np.ndarray, level: np.ndarray) 
         runs[k][1], prev[2] = j, min(prev[2], j - 1)
 
 
-def _blown_up(runs: list[list[int]], weight: np.ndarray, small: np.ndarray) -> None:
-    """An exploding run goes on over the healthy steps after it while the weight norm stays ``BLOWN_UP`` times its
-    norm before the run (or at its first step): the blow-up was not undone. Not while the weights are small by
-    design (``small``: a parameter that started near zero and is still below its layer's scale, a LayerScale or a
-    zero-initialised bias or beta is meant to grow by any factor); one that grew past its layer's scale (a beta
-    blown above its gamma) is judged like any other."""
+def _lasting(runs: list[list[int]], weight: np.ndarray, small: np.ndarray, recovery: Recovery
+             ) -> dict[int, Lasting]:
+    """An exploding or nonfinite run goes on over the healthy steps after it until it has recovered
+    (:class:`Recovery`: the loss back to its level before the run, or without a loss the layer's gradient and
+    update back in their earlier range) and its weights are no longer ``BLOWN_UP`` times their norm before the run
+    (a blow-up of the weights that is not undone leaves the layer damaged even when its gradient looks ordinary).
+    Not while the weights are small by design (``small``: a parameter that started near zero and is still below its
+    layer's scale is meant to grow by any factor). Returns, per run carried on (keyed by its first position), the
+    figures that carried it."""
+    carried: dict[int, Lasting] = {}
     for k in range(len(runs) - 1):
         code, first, last = runs[k]
         nxt = runs[k + 1]
-        if code != th.EXPLODING or nxt[0] != th.HEALTHY:
+        if code not in (th.EXPLODING, th.NONFINITE) or nxt[0] != th.HEALTHY:
             continue
         before = weight[first - 1] if first > 0 else weight[first]
-        if not before > 0:
-            continue
         j = last
-        while j + 1 <= nxt[2] and weight[j + 1] >= BLOWN_UP * before and not small[j + 1]:
+        why = None
+        while j + 1 <= nxt[2]:
+            well, figures = recovery.recovered(first, last, j + 1)
+            blown = before > 0 and weight[j + 1] >= BLOWN_UP * before and not small[j + 1]
+            if well and not blown:
+                break
             j += 1
+            why = figures if not well else why
         if j > last:
             runs[k][2], nxt[1] = j, j + 1
+            if why is not None:
+                carried[first] = why
+    return carried
 
 
 def sustain_needed(logged: int, sustain_steps: int) -> int:
@@ -170,18 +196,22 @@ def sustain_needed(logged: int, sustain_steps: int) -> int:
     return max(1, min(sustain_steps, (logged + 1) // 2))
 
 
-def track(ev: Steps, i: int, t: th.Thresholds) -> Track:
-    """The layer's confirmed runs over the steps where it has a record."""
+def track(ev: Steps, i: int, t: th.Thresholds, steps: np.ndarray, losses: Losses | None = None) -> Track:
+    """The layer's confirmed runs over the steps where it has a record (``steps``: every logged step of the run,
+    ``losses``: the recorded loss, for recovery)."""
     rows = np.flatnonzero(ev.columns("present")[i])
     runs = _runs(ev.columns("raw")[i, rows].astype(np.int64))
     need = sustain_needed(len(rows), t.sustain_steps)
-    unconfirmed = _confirm(runs, need, t.sustain_steps, min(t.sustain_steps, max(2, need)))
+    unconfirmed = _confirm(runs, steps[rows], need, t.sustain_steps)
     runs = _merge_equal(runs)
     _confirmed_late(runs, ev.columns("exp_late")[i, rows], ev.columns("exp_level")[i, rows])
-    _backdate(runs, ev.columns("log_rms")[i, rows], t)
-    _blown_up(runs, ev.columns("weight_norm")[i, rows], ev.columns("small")[i, rows])
+    log_rms = ev.columns("log_rms")[i, rows]
+    _backdate(runs, log_rms - ev.columns("others")[i, rows], t, log_rms, ev.columns("exp_late")[i, rows])
+    recovery = Recovery(steps[rows], losses, log_rms, ev.columns("log_upd")[i, rows], t)
+    carried = _lasting(runs, ev.columns("weight_norm")[i, rows], ev.columns("small")[i, rows], recovery)
     runs = _merge_equal([r for r in runs if r[2] >= r[1]])
-    return Track(rows, [tuple(r) for r in runs], unconfirmed, need=need)
+    lasting = {a: carried[a] for _, a, _ in runs if a in carried}
+    return Track(rows, [tuple(r) for r in runs], unconfirmed, need=need, lasting=lasting)
 
 
 def flagged_episodes(track: Track, steps: np.ndarray) -> list[dict[str, Any]]:
@@ -222,11 +252,21 @@ def follow_siblings(tracks: list[Track | None], ev: Steps, layers: Sequence[str]
 
 
 def _overlapping_start(track: Track, others: Sequence[Track]) -> int | None:
-    """The earliest row at which a flagged chain of ``others`` overlapping ``track``'s current chain starts."""
+    """The earliest row at which a flagged chain of ``others`` overlapping ``track``'s current chain starts: any
+    such chain that starts earlier, and one that starts later only when it begins with the same status (a bias
+    that blew up before its kernel's units died keeps its own onset)."""
     a, z = track.rows[track.chain_start()], track.rows[track.runs[-1][2]]
+    first = chain_code(track)
     starts = [int(o.rows[o.chain_start()]) for o in others
-              if o.code in th.FLAG_CODES and o.rows[o.chain_start()] <= z and a <= o.rows[o.runs[-1][2]]]
+              if o.code in th.FLAG_CODES and o.rows[o.chain_start()] <= z and a <= o.rows[o.runs[-1][2]]
+              and (o.rows[o.chain_start()] < a or chain_code(o) == first)]
     return min(starts) if starts else None
+
+
+def chain_code(track: Track) -> int:
+    """The status the track's current chain begins with (its current status when that is not flagged)."""
+    start = track.chain_start()
+    return next((code for code, a, b in track.runs if a <= start <= b), track.code)
 
 
 def onset(layers: list[LayerHealth]) -> dict[str, Any] | None:

@@ -70,6 +70,24 @@ def median_where(values: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return _sorted_quantile(rows, 0.5)
 
 
+def median_of_others(values: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """``[S, L]``: for each element with ``mask``, the median of the *other* selected elements of its row (NaN where
+    it is not selected or is alone): how the rest of the network stands, without the variable itself. In sorted
+    order, the others' median is at the middle positions of the row with the element's own position removed."""
+    rows = np.where(mask, values, np.nan)
+    order = np.argsort(rows, axis=-1, kind="stable")  # NaN sort last
+    ranked = np.take_along_axis(rows, order, axis=-1)
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.broadcast_to(np.arange(order.shape[1]), order.shape).copy(), axis=-1)
+    n = np.sum(mask, axis=-1, keepdims=True)
+    lo = np.maximum((n - 2) // 2, 0)
+    hi = np.maximum((n - 1) // 2, 0)
+    cap = ranked.shape[1] - 1
+    first = np.take_along_axis(ranked, np.minimum(lo + (lo >= rank), cap), axis=-1)
+    second = np.take_along_axis(ranked, np.minimum(hi + (hi >= rank), cap), axis=-1)
+    return np.where(mask & (n > 1), (first + second) / 2.0, np.nan)
+
+
 def history(records: np.ndarray) -> tuple[np.ndarray, ...]:
     """size, missing, NaN+Inf count, zero count, RMS and max|g| over ``[S, L]``: the few fields the rules need.
 
@@ -159,6 +177,13 @@ def layer_of(name: str) -> str | None:
     None for a name without one."""
     cut = max(name.rfind("/"), name.rfind("."))
     return name[:cut] if cut > 0 else None
+
+
+def in_named_layer(name: str, layer: str) -> bool:
+    """Whether the variable ``name`` belongs to the layer a framework calls ``layer`` (``exp_2`` for
+    ``model/exp_2/kernel``, ``net.2`` for ``net.2.weight``): its layer path is that name or ends with it."""
+    own = layer_of(name)
+    return own is not None and (own == layer or own.endswith(("/" + layer, "." + layer)))
 
 
 def layer_groups(layers: Sequence[str]) -> list[np.ndarray]:

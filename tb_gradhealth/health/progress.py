@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from tb_gradhealth.health.levels import condemned_since, median_where, update_stats
+from tb_gradhealth.health.levels import condemned_since, live_stats, median_where, update_stats
 from tb_gradhealth.health.result import BASE, LayerHealth
 from tb_gradhealth.health.thresholds import DEAD, EXPLODING, HEALTHY, VANISHING, Thresholds
+from tb_gradhealth.numbers import format_change
 
 #: Fewer finite loss values than this say nothing about progress.
 MIN_POINTS = 8
@@ -38,6 +40,19 @@ ACCUMULATE_FIX = ("gradients accumulate: call optimizer.zero_grad() (or set the 
                   "number of micro-batches)")
 GROWING_LR_FIX = ("or a learning rate that grows step after step (a warm-up or schedule gone wrong): cap it, or lower "
                   "its peak")
+#: The same finding where the loop zeroes its gradients itself (Keras ``fit()``): the fix is what that loop can do.
+FIT_GROWTH_FIX = ("Keras fit() zeroes the gradients itself, so they grow because something adds to them: a custom "
+                  "train_step that sums gradients over calls, a loss that grows with the step (a regulariser or "
+                  "weight that ramps up), or a learning rate that grows step after step: cap it, or lower its peak")
+#: Loops that compute a fresh gradient at every step: nothing the user writes can forget to zero it.
+ZEROING_LOOPS = frozenset({"keras.fit"})
+
+
+def growth_fixes(source: Mapping[str, str] | None) -> list[str]:
+    """The fixes for gradients that grow with the updates, for the loop the writer recorded (``source``)."""
+    if source and source.get("loop") in ZEROING_LOOPS:
+        return [FIT_GROWTH_FIX]
+    return [ACCUMULATE_FIX, GROWING_LR_FIX]
 
 
 @dataclass(frozen=True)
@@ -49,6 +64,9 @@ class LossTrend:
     points: int
     change: float
     converged: bool
+    #: where the run's answer is an episode that exploded (or went NaN/Inf) and has not recovered: the loss read
+    #: against its level before that episode, not against a first quarter that may hold it (:func:`against_episode`)
+    episode: dict[str, Any] | None = None
 
     @property
     def flat(self) -> bool:
@@ -60,7 +78,33 @@ class LossTrend:
 
     def to_json(self) -> dict[str, Any]:
         return {"first_step": self.first_step, "last_step": self.last_step, "points": self.points,
-                "change": self.change, "flat": self.flat, "falls": self.falls, "converged": self.converged}
+                "change": self.change, "flat": self.flat, "falls": self.falls, "converged": self.converged,
+                "episode": dict(self.episode) if self.episode is not None else None}
+
+
+def against_episode(trend: LossTrend, progress: tuple[np.ndarray, np.ndarray], steps: np.ndarray, start: int,
+                    t: Thresholds) -> LossTrend:
+    """``trend`` with the loss read against its level before the episode that began at logged step ``start``
+    (``steps``: the run's logged steps): ``{"step": start, "before"`` (median of the loss over the
+    ``growth_window`` logged steps before it), ``"now"`` (median of the last ``growth_window`` values), ``"ratio"``,
+    ``"since"`` (logged steps since it began)``}``; ``trend`` as it is when the loss has no such values (an episode
+    that began the run has no level before it) or is back below it. A run that never recovered from a blow-up reads
+    as that, not as a change from a first quarter that holds the spike."""
+    ls, lv = np.asarray(progress[0], dtype=np.int64), np.asarray(progress[1], dtype=np.float64)
+    keep = np.isfinite(lv) & (lv > 0) & (ls <= trend.last_step)
+    ls, lv = ls[keep], lv[keep]
+    k = int(np.searchsorted(steps, start))
+    lo = int(steps[max(0, k - t.growth_window)])
+    pre = lv[(ls >= lo) & (ls < start)]
+    now = lv[-t.growth_window:]
+    if not pre.size or not now.size:
+        return trend
+    before, after = float(np.median(pre)), float(np.median(now))
+    if not after > before:
+        return trend  # back below its level before: the quarters tell how it moved
+    since = int(np.count_nonzero((steps >= start) & (steps <= trend.last_step)))
+    return dataclasses.replace(trend, episode={"step": int(start), "before": before, "now": after,
+                                               "ratio": after / before, "since": since})
 
 
 def _up_to(steps: np.ndarray, loss: np.ndarray, at_step: int | None) -> tuple[np.ndarray, np.ndarray]:
@@ -118,13 +162,40 @@ class LossWindows(NamedTuple):
     #: fewer than ``MIN_POINTS`` values (two minibatch losses against two move by more than ``FLAT`` by chance)
     rises: np.ndarray
     falls: np.ndarray
+    #: decades the latest loss value at or before the step sits above the median of the values over the previous
+    #: ``growth_window`` logged steps (NaN where there are none), and whether it is also above the loss's early level
+    #: (the median of its first ``MIN_POINTS`` values, of those recorded by the step before then): a loss back above
+    #: where training started has lost its progress, which a noisy loss near its floor (a spike from 0.004 to 0.25
+    #: beside a start at 0.65) has not
+    jump: np.ndarray | None = None
+    above_start: np.ndarray | None = None
+    #: the largest loss value over the swing's window (the last ``2 * growth_window`` logged steps) is above the
+    #: loss's early level: a swing that reaches above where training started
+    peak_above_start: np.ndarray | None = None
+
+    def runs_away(self, t: Thresholds) -> np.ndarray:
+        """``[S]``: the loss jumped by an order of magnitude or more (half the trend's growth line,
+        ``growth_decades / 2``) above its level over the previous window, to above where training started, at this
+        logged step and the one before: a divergence whatever the optimizer and whatever the gradients show (units
+        that died in the blow-up pass no gradient at all). One batch far above the rest is a hard batch, not a
+        blow-up: the median of the window is not moved by it, and the next value is back down."""
+        out = np.zeros(self.rise.shape, dtype=bool)
+        if self.jump is None or self.above_start is None:
+            return out
+        with np.errstate(invalid="ignore"):
+            high = (self.jump >= t.growth_decades / 2) & self.above_start
+        out[1:] = high[1:] & high[:-1]
+        return out
 
     def swings(self, t: Thresholds) -> np.ndarray:
         """``[S]``: the per-batch loss swings by an order of magnitude or more (a rise of at least half the trend's
-        growth line, ``growth_decades / 2``, within the window): a minibatch loss of a healthy run moves by a few
-        tenths of a decade; one that jumps by decades follows gradients out of control."""
+        growth line, ``growth_decades / 2``, within the window) up to above where training started: a minibatch loss
+        of a healthy run moves by a few tenths of a decade; one that jumps by decades follows gradients out of
+        control. Near its floor a loss's ratios are noise (a converged classifier's per-batch loss between 0.004
+        and 0.25, beside a start at 0.65): a swing that stays below the loss's early level is no blow-up."""
         with np.errstate(invalid="ignore"):
-            return self.rise >= t.growth_decades / 2
+            peak = self.peak_above_start if self.peak_above_start is not None else True
+            return (self.rise >= t.growth_decades / 2) & peak
 
 
 def loss_windows(steps: np.ndarray, progress: tuple[np.ndarray, np.ndarray], t: Thresholds) -> LossWindows:
@@ -139,21 +210,33 @@ def loss_windows(steps: np.ndarray, progress: tuple[np.ndarray, np.ndarray], t: 
     steps = np.asarray(steps, dtype=np.int64)
     n = steps.size
     rise, rises, falls = np.full(n, np.nan), np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
+    jump, above_start, peak_above = np.full(n, np.nan), np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
     end = np.searchsorted(ls, steps, side="right")
     for k in range(n):
+        # where training started, from the values at or before the step only (no later loss is read)
+        start = float(np.median(log[:min(MIN_POINTS, end[k])])) if end[k] else math.nan
+        before = log[np.searchsorted(ls, steps[max(0, k - t.growth_window)], side="left"):
+                     np.searchsorted(ls, steps[k], side="left")]
+        if end[k] and before.size:
+            jump[k] = float(log[end[k] - 1] - np.median(before))
+            above_start[k] = bool(log[end[k] - 1] > start)
         swing = log[np.searchsorted(ls, steps[max(0, k - 2 * t.growth_window)], side="left"):end[k]]
         if swing.size >= 2:
             rise[k] = float(np.max(swing - np.minimum.accumulate(swing)))
+            peak_above[k] = bool(swing.max() > start)
         trend = log[np.searchsorted(ls, steps[max(0, k - t.growth_window)], side="left"):end[k]]
         if trend.size >= MIN_POINTS:
             half = trend.size // 2
             moved = 10.0 ** (float(np.median(trend[-half:])) - float(np.median(trend[:half]))) - 1.0
             rises[k], falls[k] = moved > FLAT, moved < -FLAT
-    return LossWindows(rise, rises, falls)
+    return LossWindows(rise, rises, falls, jump, above_start, peak_above)
 
 
-def _barely_learns(lh: LayerHealth, t: Thresholds) -> str | None:
-    if math.isfinite(lh.update_to_weight) and t.update_ratio_below > 0:
+def _barely_learns(lh: LayerHealth, t: Thresholds, by_update: bool = True) -> str | None:
+    """Why the layer barely learns: its update (where recorded and ``by_update``), or else its gradient, tiny beside
+    its weights; None when it does not. A network stalled by its learning rate (every update tiny) says nothing
+    about one layer's update: there only a gradient tiny beside its weights does."""
+    if by_update and math.isfinite(lh.update_to_weight) and t.update_ratio_below > 0:
         if lh.update_to_weight < t.update_ratio_below:
             return f"its update is {lh.update_to_weight:.2g} of its weights"
         return None
@@ -162,18 +245,75 @@ def _barely_learns(lh: LayerHealth, t: Thresholds) -> str | None:
     return None
 
 
-def weigh_progress(out: list[LayerHealth], trend: LossTrend | None, t: Thresholds) -> list[LayerHealth]:
-    """The layers with the loss's trend used: the healthy layers that barely learn while the loss is flat are
-    vanishing (from the first step the loss was recorded), and a falling loss is stated beside vanishing and dead
-    layers."""
+STALLED_FIX = ("the gradients are huge for their weights and only a tiny learning rate keeps them from blowing the "
+               "weights up: fix their scale (initialise at He/Glorot scale, normalise, check the loss's and the "
+               "targets' scale) instead of hiding them behind the learning rate")
+
+
+def weigh_progress(out: list[LayerHealth], trend: LossTrend | None, t: Thresholds,
+                   proportional: bool = False, scaled: tuple[np.ndarray, np.ndarray] | None = None
+                   ) -> tuple[list[LayerHealth], frozenset[str]]:
+    """The layers with the loss's trend used: a healthy layer that barely learns while the loss is flat is
+    vanishing (from the first step the loss was recorded), unless its gradient is large beside its weights
+    (:func:`_large`: a vanishing gradient is never one that a usual learning rate would turn into steps that replace
+    a tenth of the weights). Under an optimizer whose update follows the gradient (``proportional``: plain SGD),
+    when the whole network barely learns while the loss does not fall, every layer whose gradient is that large is
+    exploding, held back only by a learning rate far too small for it. ``scaled``: ``([L]`` gradient RMS, ``[L]``
+    update RMS``)`` over the weight RMS of each variable's layer at its last record: a bias that starts at zero is
+    measured against its kernel's weights, not its own. A falling loss is stated beside vanishing and dead layers.
+    Returns the layers and those found exploding that way (their gradients' size, not their depth, names the
+    cause)."""
     if trend is None:
-        return list(out)
-    return [_weigh_one(lh, trend, t) for lh in out]
+        return list(out), frozenset()
+    grad, upd = scaled if scaled is not None else (np.full(len(out), np.nan), np.full(len(out), np.nan))
+    stalled = proportional and _network_stalled(upd, trend, t)
+    # Where the learning rate holds back gradients too large for it, every update is tiny because of it: that is
+    # the finding, and no other layer's tiny update makes it "not learning" on its own.
+    held_back = stalled and any(_large(float(grad[lh.index]), t) for lh in out if lh.code == HEALTHY)
+    weighed = [_weigh_one(lh, trend, t, stalled, float(grad[lh.index]), by_update=not held_back) for lh in out]
+    return weighed, frozenset(b.layer for a, b in zip(out, weighed, strict=True)
+                              if a.code == HEALTHY and b.code == EXPLODING)
 
 
-def _weigh_one(lh: LayerHealth, trend: LossTrend, t: Thresholds) -> LayerHealth:
-    moved = f"{trend.change:+.1%} from the first to the last quarter of steps {trend.first_step}-{trend.last_step}"
-    if lh.code == HEALTHY and trend.flat and (why := _barely_learns(lh, t)) is not None:
+#: The learning rate plain SGD is usually given (Keras' default): the yardstick of a gradient "large beside its
+#: weights" when the run's own learning rate is far below any usual one.
+USUAL_SGD_LR = 1e-2
+
+
+def _large(grad: float, t: Thresholds) -> bool:
+    """A gradient large beside its layer's weights (``grad``: gradient RMS over their RMS): at a usual SGD learning
+    rate (:data:`USUAL_SGD_LR`) each step would move them by more than ``update_ratio_above`` of their size (the
+    line past which a learning rate is too high for a layer). Never a vanishing gradient, whatever the learning
+    rate the run used."""
+    return math.isfinite(grad) and grad * USUAL_SGD_LR >= t.update_ratio_above
+
+
+def _network_stalled(upd: np.ndarray, trend: LossTrend, t: Thresholds) -> bool:
+    """The network barely learns (the median variable's update is below ``update_ratio_below`` of its layer's
+    weights: ``upd``) while the loss does not fall: a learning rate that keeps every step tiny."""
+    if trend.falls or trend.converged:
+        return False
+    known = upd[np.isfinite(upd)]
+    return bool(known.size) and float(np.median(known)) < t.update_ratio_below
+
+
+def _weigh_one(lh: LayerHealth, trend: LossTrend, t: Thresholds, stalled: bool, grad: float,
+               by_update: bool = True) -> LayerHealth:
+    moved = f"{format_change(trend.change)} from the first to the last quarter of steps {trend.first_step}-" \
+            f"{trend.last_step}"
+    if lh.code == HEALTHY and stalled and _large(grad, t):
+        lr = lh.update_to_weight / lh.grad_to_weight
+        excess = math.log10(grad * USUAL_SGD_LR / t.update_ratio_above)
+        return dataclasses.replace(
+            lh, status=EXPLODING.word, severity=BASE[EXPLODING] + min(998.0, 1.0 + excess), first_step=trend.first_step,
+            status_since=trend.first_step, fixes=[STALLED_FIX],
+            reasons=[f"its gradient RMS is {grad:.2g}x its layer's weight RMS while the loss does not move "
+                     f"({moved}) and each update is {lh.update_to_weight:.2g} of them: the learning rate (update "
+                     f"over gradient: {lr:.2g}) is far too small for gradients this large, which would blow the "
+                     f"weights up at any usual one (at lr {USUAL_SGD_LR:g} each step would move them "
+                     f"{grad * USUAL_SGD_LR:.2g}x their size)", *lh.reasons])
+    if (lh.code == HEALTHY and trend.flat and (why := _barely_learns(lh, t, by_update=by_update)) is not None
+            and not _large(grad, t)):
         return dataclasses.replace(
             lh, status=VANISHING.word, severity=BASE[VANISHING] + 1.0, first_step=trend.first_step,
             status_since=trend.first_step, fixes=[NOT_LEARNING_FIX],
@@ -202,6 +342,9 @@ class UpdateGrowth:
     onset: int | None
     since: np.ndarray  # [L] int step (``onset`` where the layer's own update never rose above its first)
     steady: bool = False
+    #: decades the median variable's gradient RMS grew over the same quarters: a gradient that accumulates grows
+    #: with its update; momentum's velocity, Adam's bias correction and a growing learning rate grow the update alone
+    gradient: float = math.nan
 
     @property
     def typical(self) -> float:
@@ -213,8 +356,10 @@ def update_growth(steps: np.ndarray, records: np.ndarray) -> UpdateGrowth | None
     """:class:`UpdateGrowth` of the records (None without recorded updates or with fewer than ``MIN_POINTS``
     logged steps)."""
     upd, _, _ = update_stats(records)
+    v = live_stats(records)
     with np.errstate(divide="ignore", invalid="ignore"):
         log = np.where((upd > 0) & np.isfinite(upd), np.log10(np.where(upd > 0, upd, 1.0)), np.nan)
+        log_grad = np.where(v["live"], np.log10(np.where(v["live"], v["rms"], 1.0)), np.nan)
     if steps.size < MIN_POINTS or not np.isfinite(log).any():
         return None
     q = max(2, steps.size // 4)
@@ -222,45 +367,54 @@ def update_growth(steps: np.ndarray, records: np.ndarray) -> UpdateGrowth | None
     with np.errstate(invalid="ignore"):
         growth = median_where(log[-q:].T, known[-q:].T) - median_where(log[:q].T, known[:q].T)
         typical = median_where(log, known)
+        ok = np.isfinite(log_grad)
+        grad_growth = median_where(log_grad[-q:].T, ok[-q:].T) - median_where(log_grad[:q].T, ok[:q].T)
+        grad_typical = float(median_where(grad_growth, np.isfinite(grad_growth)))
     above = ~(typical <= typical[0])  # NaN (no update at that step) does not break the rise
     if not above[-1]:
-        return UpdateGrowth(growth, None, np.zeros(log.shape[1], dtype=np.int64))
+        return UpdateGrowth(growth, None, np.zeros(log.shape[1], dtype=np.int64), gradient=grad_typical)
     # the state the rising loss condemns, up to the last (flagged) step: the updates above their first size
     k0 = condemned_since(above, steps.size - 1, start=1)
     with np.errstate(invalid="ignore"):
         rose = log[k0:] > log[0]
     since = np.where(rose.any(axis=0), steps[k0 + np.argmax(rose, axis=0)], steps[k0])
-    return UpdateGrowth(growth, int(steps[k0]), since.astype(np.int64), k0 == 1)
+    return UpdateGrowth(growth, int(steps[k0]), since.astype(np.int64), k0 == 1, grad_typical)
 
 
 def weigh_growth(out: list[LayerHealth], trend: LossTrend | None, growth: UpdateGrowth | None,
-                 last_step: int) -> list[LayerHealth]:
-    """A loss that rises over the run while the updates grow steadily from the first logged step, and faster than
-    the loss, is a blow-up the gradient rules need not see (gradients that accumulate because nothing zeroes them
-    grow step after step, not by decades): every healthy layer whose update grew is ``exploding`` from the step its
-    update first exceeded its first one, with the fix for accumulating gradients. A network that learns slowly
-    at first shows neither: its updates shrink before they grow, and its loss falls. Ratios only: the loss's rise
-    and the updates' growth in decades, against each other."""
+                 last_step: int, source: Mapping[str, str] | None = None) -> list[LayerHealth]:
+    """A loss that rises over the run while the updates grow steadily from the first logged step, faster than the
+    loss, and the gradients grow with them (at least half as many decades) is a blow-up the gradient rules need not
+    see (gradients that accumulate because nothing zeroes them grow step after step, not by decades): every healthy
+    layer whose update grew is ``exploding`` from the step its update first exceeded its first one, with the fix
+    for accumulating gradients. Updates that grow while the gradients do not are the optimizer's own warm-up
+    (momentum's velocity, Adam's bias correction) or a learning-rate schedule, never accumulation. A network that
+    learns slowly at first shows neither: its updates shrink before they grow, and its loss falls. Ratios only: the
+    loss's rise and the updates' and gradients' growth in decades, against each other. The fixes are those the
+    recorded loop (``source``) can apply (Keras ``fit()`` cannot forget to zero its gradients)."""
     if trend is None or growth is None or not growth.steady or not trend.change > FLAT:
         return list(out)
-    if not growth.typical > math.log10(1.0 + trend.change):
+    if not growth.typical > math.log10(1.0 + trend.change) or not growth.gradient >= growth.typical / 2:
         return list(out)
-    return [_grown(lh, trend, growth, last_step) for lh in out]
+    fixes = growth_fixes(source)
+    return [_grown(lh, trend, growth, last_step, fixes) for lh in out]
 
 
-def _grown(lh: LayerHealth, trend: LossTrend, growth: UpdateGrowth, last_step: int) -> LayerHealth:
+def _grown(lh: LayerHealth, trend: LossTrend, growth: UpdateGrowth, last_step: int, fixes: list[str]
+           ) -> LayerHealth:
     """``lh`` exploding since its update first exceeded its first one, where it is healthy and its update grew."""
     g = growth.growth[lh.index]
     if lh.code != HEALTHY or not g > 0:
         return lh
-    moved = f"{trend.change:+.1%} from the first to the last quarter of steps {trend.first_step}-{trend.last_step}"
+    moved = f"{format_change(trend.change)} from the first to the last quarter of steps {trend.first_step}-" \
+            f"{trend.last_step}"
     since = int(growth.since[lh.index])
     return dataclasses.replace(
         lh, status=EXPLODING.word, severity=BASE[EXPLODING] + 1.0, first_step=since, status_since=since,
         episodes=[*lh.episodes, {"status": EXPLODING.word, "from": since, "to": last_step}],
-        fixes=[ACCUMULATE_FIX, GROWING_LR_FIX],
+        fixes=list(fixes),
         reasons=[f"the loss rose ({moved}) while this layer's updates grew {10.0 ** g:.1f}x ({g:.2f} decades, "
-                 f"the median layer's {growth.typical:.2f}: faster than the loss) since step {since}: "
-                 f"the steps drive the loss up, as when gradients accumulate instead of being zeroed (or a "
-                 f"learning rate grows step after step)",
+                 f"the median layer's {growth.typical:.2f}: faster than the loss) and the gradients with them "
+                 f"({growth.gradient:.2f} decades) since step {since}: the steps drive the loss up, as when "
+                 f"gradients accumulate instead of being zeroed",
                  *lh.reasons])

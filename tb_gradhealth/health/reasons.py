@@ -16,6 +16,7 @@ from tb_gradhealth.health.episodes import Track, flagged_episodes
 from tb_gradhealth.health.fixes import fixes
 from tb_gradhealth.health.kinds import RECTIFIERS, SATURATING
 from tb_gradhealth.health.optimizer import optimizer_notes
+from tb_gradhealth.health.recovery import Lasting
 from tb_gradhealth.health.result import BASE, SPAN, LayerHealth
 from tb_gradhealth.health.rules import ROUNDOFF, Steps
 
@@ -26,6 +27,11 @@ def layer_health(ev: Steps, steps: np.ndarray, layers: Sequence[str], i: int, d:
     """One layer's diagnosis: status, reasons, severity, fixes (for its kind and activation ``info`` where the writer
     recorded them), chain start and the onset of its current status."""
     name = layers[i]
+    if track is None and ev.recorded[:, i].any():  # recorded only at steps the optimizer skipped
+        note = (_past_nonfinite_note(ev.nonfinite[:, i], ev.skipped[:, i], steps) if ev.skipped[:, i].any() else
+                "note: recorded only at steps the optimizer skipped so far: no evidence of any status yet")
+        return LayerHealth(layer=name, index=i, status=th.HEALTHY.word, severity=0.0, first_step=None, step=None,
+                           reasons=[note])
     if track is None:
         return LayerHealth(layer=name, index=i, status=th.MISSING.word, severity=BASE[th.MISSING] + 1.0,
                            reasons=[f"no record of this layer at or before step {int(steps[-1])}"], first_step=None,
@@ -37,15 +43,21 @@ def layer_health(ev: Steps, steps: np.ndarray, layers: Sequence[str], i: int, d:
     ctx = _Ctx(ev=ev, steps=steps, s=s, i=i, run_len=last[2] - last[1] + 1,
                run_first_step=int(steps[track.rows[last[1]]]), t=t,
                before_row=int(track.rows[last[1] - 1]) if last[1] > 0 else int(track.rows[0]),
-               status=th.STATUSES[code], activation=info[1])
+               status=th.STATUSES[code], activation=info[1], carried=track.lasting.get(last[1]))
     reasons, excess = _reasons(code, ctx, d, i)
     reasons += _confirmation_notes(code, track, ctx, t)
+    idle = _idle(ev, track, i)
+    if idle and code not in (th.MISSING, th.DEAD):
+        n = len(track.rows)
+        reasons.append(f"note: no gradient at {idle} of {n} logged steps ({idle / n:.0%}): used at some steps only "
+                       f"(expert routing, a branch not taken, embedding rows), not missing or dead")
     ever_nonfinite = ev.nonfinite[:, i]
     if code != th.NONFINITE and ever_nonfinite.any():
         reasons.append(_past_nonfinite_note(ever_nonfinite, ev.skipped[:, i], steps))
     if origin is not None and (code == th.NONFINITE or (origin[1] == i and code in th.FLAG_CODES)):
         reasons.append(_origin_note(origin, i, layers, steps))
-    if code in (th.EXPLODING, th.VANISHING, th.HEALTHY):  # a dead, NaN or missing gradient makes the ratios moot
+    # a dead, NaN or missing gradient (now, or at an unconfirmed last step) makes the ratios moot
+    if code in (th.EXPLODING, th.VANISHING, th.HEALTHY) and ev.raw[s, i] not in (th.MISSING, th.DEAD, th.NONFINITE):
         reasons.extend(_ratio_notes(d, i, t))
         reasons.extend(optimizer_notes(ev, s, i))
     flagged = code in th.FLAG_CODES
@@ -64,17 +76,28 @@ def layer_health(ev: Steps, steps: np.ndarray, layers: Sequence[str], i: int, d:
         size=int(d["size"][i]) if np.isfinite(d["size"][i]) else 0,
         **{k: float(d[k][i]) for k in ("norm", "rms", "max_abs", "mean", "zero_fraction", "grad_to_weight",
                                        "update_to_weight", "noise", "weight_norm")},
-        nan=int(d["nan"][i]), inf=int(d["inf"][i]),
+        nan=int(d["nan"][i]), inf=int(d["inf"][i]), idle_steps=idle, logged_steps=len(track.rows),
     )
+
+
+def _idle(ev: Steps, track: Track, i: int) -> int:
+    """Logged steps at which the layer had no gradient or an all-zero one (a ``None`` or zero ``.grad``) outside
+    its flagged episodes: idle at times, where no confirmed status explains it."""
+    raw = ev.columns("raw")[i, track.rows]
+    idle = (raw == th.MISSING) | (raw == th.DEAD)
+    for code, a, b in track.runs:
+        if code in th.FLAG_CODES:
+            idle[a:b + 1] = False
+    return int(np.count_nonzero(idle))
 
 
 def _confirmation_notes(code: int, track: Track, ctx: _Ctx, t: th.Thresholds) -> list[str]:
     """A trailing slow run not yet confirmed, and a slow status confirmed over fewer steps on a short run."""
     notes = []
     if track.unconfirmed is not None:
-        need = max(2, track.need) if track.unconfirmed[0] == th.DEAD else track.need
+        need = t.sustain_steps if track.unconfirmed[0] in (th.DEAD, th.MISSING) else track.need
         notes.append(_unconfirmed_note(track.unconfirmed, ctx, min(need, t.sustain_steps)))
-    if code in (th.VANISHING, th.DEAD) and track.need < t.sustain_steps:
+    if code == th.VANISHING and track.need < t.sustain_steps:
         notes.append(f"note: a short run ({len(track.rows)} logged step(s)): confirmed over {track.need} logged "
                      f"step(s) instead of {t.sustain_steps}, so less certain; more logged steps would confirm it")
     return notes
@@ -93,26 +116,50 @@ def _severity(code: int, excess: float, persistence: int, nan_started_here: bool
     return BASE[code] + min(SPAN - 2.0, (1.0 + excess) * persistence)
 
 
+def chain_worst(lh: LayerHealth) -> th.Status:
+    """The most severe status of the layer's current chain of episodes (its current status where it has none): a
+    layer that exploded and whose units then died is still the one that exploded."""
+    if lh.first_step is None:
+        return lh.code
+    return min((th.Status.of(e["status"]) for e in lh.episodes if e["to"] >= lh.first_step), default=lh.code)
+
+
 def cause_first(ranked: list[LayerHealth], borrowed: frozenset[str] = frozenset(), depth: np.ndarray | None = None,
-                forward: frozenset[str] = frozenset()) -> tuple[list[LayerHealth], bool]:
-    """The ranking with the cause first, and whether it has one: among the layers with the most severe current status,
-    the one whose chain of episodes began first (ties: see :func:`_culprit`). A learning rate that explodes every
-    layer at step 1 and kills their ReLUs by step 3 is told as "exploding from step 1 -> dead from 3", not as "dead
-    since 1". ``borrowed``: layers whose onset is a larger variable's of their layer (a small tensor follows its
-    layer); the onset is their layer's, not evidence of their own, so they are the cause only when nothing else ties.
+                forward: frozenset[str] = frozenset(), started: frozenset[str] = frozenset(),
+                stalled: frozenset[str] = frozenset()) -> tuple[list[LayerHealth], bool]:
+    """The ranking with the cause first, and whether it has one: among the flagged layers whose chain of episodes
+    reached the most severe status (:func:`chain_worst`), the one whose chain began first (ties: see
+    :func:`_culprit`). A learning rate that explodes every layer at step 1 and kills their ReLUs by step 3 is told as
+    "exploding from step 1 -> dead from 3", not as "dead since 1", and stays so while another layer explodes later:
+    the units that died are part of the chain, not its cause. ``borrowed``: layers whose onset is a larger variable's
+    of their layer (a small tensor follows its layer); the onset is their layer's, not evidence of their own, so they
+    are the cause only when nothing else ties.
     ``depth``: :func:`~tb_gradhealth.health.answer.group_depth` of the layers (default: each variable its own
-    layer). ``forward``: layers whose explosion the huge-inputs rule read (see :func:`_culprit`). The answer's words
-    are :func:`tb_gradhealth.health.answer.run_answer`'s."""
+    layer). ``forward``: layers whose explosion the huge-inputs rule read (see :func:`_culprit`). Evidence that names
+    a layer beyond its depth decides first: ``started``, the layer where the first NaN/Inf started (a writer's replay
+    saw the layer that made it, or backprop's order), the answer of a chain that reached NaN/Inf wherever another
+    began; then, among those tied, ``stalled``, layers exploding under a learning
+    rate far too small for their gradients (among the tied, the highest severity: the gradient largest beside its
+    weights). The answer's words are
+    :func:`tb_gradhealth.health.answer.run_answer`'s."""
     if not ranked or not ranked[0].code.is_flag:
         return ranked, False
     if depth is None:
         depth = np.arange(max(lh.index for lh in ranked) + 1)
-    worst = ranked[0].code
-    chains = [lh for lh in ranked if lh.code == worst and lh.first_step is not None]
+    worst = min(chain_worst(lh) for lh in ranked if lh.code.is_flag)
+    chains = [lh for lh in ranked if lh.code.is_flag and chain_worst(lh) == worst and lh.first_step is not None]
     began = min((lh.first_step for lh in chains), default=None)
     tied = [lh for lh in chains if lh.first_step == began]
     tied = [lh for lh in tied if lh.layer not in borrowed] or tied
-    top = _culprit(tied, worst, ranked, depth, forward) if chains else ranked[0]
+    # NaN/Inf: the layer where it started (a replay saw it made there, or backprop reached it first) is the answer
+    # even when another layer's chain began a step earlier: the chain that ends in NaN is told from where NaN began
+    first_nan = [lh for lh in (chains if worst == th.NONFINITE else tied) if lh.layer in started]
+    if first_nan:
+        top = first_nan[0]
+    elif any(lh.layer in stalled for lh in tied):
+        top = max(tied, key=lambda lh: (lh.severity, -lh.index))
+    else:
+        top = _culprit(tied, worst, ranked, depth, forward) if chains else ranked[0]
     return [top] + [lh for lh in ranked if lh is not top], True
 
 
@@ -152,7 +199,7 @@ def _behind_the_head(tied: list[LayerHealth], ranked: list[LayerHealth], depth: 
     if len(head) < 2:
         return []
     bias = min(head, key=lambda lh: (lh.size, -lh.index))
-    if bias.code == th.EXPLODING:
+    if chain_worst(bias) in (th.EXPLODING, th.NONFINITE):
         return []
     return [lh for lh in tied if int(depth[lh.index]) != last]
 
@@ -196,6 +243,12 @@ class _Ctx:
     before_row: int = 0  # row just before the current run (its first row when it starts the layer's history)
     status: str = ""  # the layer's current status, named where the text says since when
     activation: str = ""  # the layer's activation where the writer recorded it
+    carried: Lasting | None = None  # why the current run goes on past its rules: it has not recovered
+
+    def lasting_steps(self) -> str:
+        """``for 140 logged steps since`` the current run began (``at step N`` for one)."""
+        n = self.run_len
+        return f"at step {int(self.steps[self.s])}" if n <= 1 else f"for {n} logged steps since then"
 
     def lasting(self) -> str:
         n = self.run_len
@@ -299,10 +352,19 @@ def _inputs_why(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], float]:
              f"blew up on their way forward, whatever the optimizer does with each step"], above - t.explode_decades)
 
 
+def _runaway_why(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], float]:
+    ev, s, i, t = c.ev, c.s, c.i, c.t
+    jump, g = float(ev.loss_jump[s]), float(ev.log_rms[s, i] - ev.base[s, i])
+    return ([f"the loss jumped to {10.0 ** jump:,.3g}x its level over the previous {t.growth_window} logged steps, "
+             f"above where training started, and this layer's gradient rose {10.0 ** g:,.3g}x with it: the training "
+             f"diverges"], jump - t.growth_decades / 2)
+
+
 #: Each exploding rule's flag and its reason with its excess (decades beyond its line), in the order they are told.
 _EXPLODING_WHY = (("exp_rel", _relative_why), ("exp_rms", _rms_bound_why), ("exp_max", _max_bound_why),
                   ("exp_update", _update_why), ("exp_feedback", _feedback_why), ("exp_trend", _trend_why),
-                  ("exp_capped", _capped_why), ("exp_inputs", _inputs_why), ("exp_volatile", _volatile_why),
+                  ("exp_capped", _capped_why), ("exp_inputs", _inputs_why), ("exp_runaway", _runaway_why),
+                  ("exp_volatile", _volatile_why),
                   ("exp_swing", _swing_why))
 
 
@@ -315,6 +377,14 @@ def _exploding_reasons(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], fl
             excess = max(excess, x)
     if reasons:
         return reasons, excess
+    if c.carried is not None and c.carried.before is not None and c.carried.now is not None:
+        ratio = 10.0 ** (c.carried.now - c.carried.before)
+        return ([f"exploded at step {c.run_first_step} and has not recovered: the loss is {ratio:,.3g}x its level "
+                 f"before step {c.run_first_step} ({_e(10.0 ** c.carried.now)} against {_e(10.0 ** c.carried.before)}"
+                 f"), {c.lasting_steps()}"], math.log10(max(ratio, 1.0)))
+    if c.carried is not None:
+        return ([f"exploded at step {c.run_first_step} and has not recovered: its gradient or update is still above "
+                 f"the range it had before, {c.lasting_steps()}"], 0.0)
     # The episode goes on because the weights it blew up were not brought back.
     w, w0 = float(c.ev.weight_norm[c.s, c.i]), float(c.ev.weight_norm[c.before_row, c.i])
     return ([f"its weight norm {_e(w)} is still {w / w0:,.0f}x what it was before this episode began at step "
@@ -395,7 +465,7 @@ def _reasons(code: int, c: _Ctx, d: dict[str, np.ndarray], i: int) -> tuple[list
 
 def _unconfirmed_note(unconfirmed: tuple[int, int], c: _Ctx, need: int) -> str:
     code, length = unconfirmed
-    what = "vanishing-level RMS" if code == th.VANISHING else "all-zero gradient"
+    what = {th.VANISHING: "vanishing-level RMS", th.DEAD: "all-zero gradient"}.get(code, "no gradient")
     return (f"note: {what} at the last {length} logged step(s); flagged as {th.STATUSES[code]} once it lasts {need}")
 
 
@@ -403,8 +473,9 @@ def _past_nonfinite_note(col: np.ndarray, skipped: np.ndarray, steps: np.ndarray
     rows = np.flatnonzero(col)
     span = f"first at step {int(steps[rows[0]])}, last at step {int(steps[rows[-1]])}"
     if skipped[rows].all():
-        return (f"note: NaN/Inf at {rows.size} logged step(s) that the optimizer skipped (its update was zero, as "
-                f"dynamic loss scaling does after an overflow), {span}; not a disease")
+        return (f"note: NaN/Inf at {rows.size} logged step(s) that the optimizer skipped (no update, as dynamic "
+                f"loss scaling does after an overflow: the writer said so, or the run went on with finite "
+                f"gradients), {span}; those steps are no evidence of any status")
     return f"note: NaN/Inf earlier at {rows.size} logged step(s), {span}; finite since"
 
 

@@ -72,6 +72,10 @@ class LayerHealth:
     #: where the last record has NaN/Inf: the latest record whose values were all finite,
     #: ``{"step", "rms", "max_abs", "norm"}``; None otherwise (or when no record was finite)
     last_finite: dict[str, Any] | None = None
+    #: logged steps at which it had no gradient or an all-zero one, of the logged steps it has a record at (a
+    #: parameter used at some steps only: an expert, a branch, embedding rows)
+    idle_steps: int = 0
+    logged_steps: int = 0
 
     @property
     def code(self) -> Status:
@@ -97,6 +101,8 @@ class LayerHealth:
             "rank": int(self.rank),
             "rank_reason": self.rank_reason,
             "last_finite": dict(self.last_finite) if self.last_finite is not None else None,
+            "idle_steps": int(self.idle_steps),
+            "logged_steps": int(self.logged_steps),
             **{k: json_float(getattr(self, k)) for k in (
                 "zero_fraction", "grad_to_weight", "update_to_weight", "noise", "weight_norm")},
         }

@@ -22,6 +22,7 @@ from tb_gradhealth.health.levels import (
     live_stats,
     log10,
     loudest_sibling,
+    median_of_others,
     median_where,
     output_group,
     pinned_at_clip,
@@ -97,12 +98,14 @@ class Steps:
     log_rms: np.ndarray  # NaN where the gradient is not live (absent, missing, nonfinite, all-zero)
     ref: np.ndarray  # [S] log10 RMS of the reference layers (nearest the loss)
     log_upd: np.ndarray  # log10 learning rate: update RMS / weight RMS of its layer, NaN where not recorded
+    log_grad: np.ndarray  # log10 gradient RMS / weight RMS of its layer, NaN where either is not known
     ref_upd: np.ndarray  # [S] log10 learning rate of the reference layers
     upd_ratio: np.ndarray  # ||update|| / ||weight||, NaN where not recorded
     weight_norm: np.ndarray  # ||weight||, NaN where not recorded
     sibling: np.ndarray  # log10 RMS of the loudest other variable of the same layer
     base: np.ndarray  # log10 RMS the trend is measured from (lowest of the previous window)
     flags: dict[str, np.ndarray]
+    proportional: bool = False  # updates are recorded and follow the gradient's size (plain SGD)
 
     def __getattr__(self, name: str) -> np.ndarray:
         try:
@@ -135,6 +138,7 @@ class _Levels(NamedTuple):
     upd_ratio: np.ndarray  # ||update|| / ||weight||
     weight_norm: np.ndarray
     clipped: np.ndarray  # the gradient norm sits at its clip (per-variable clipping)
+    scale: np.ndarray  # log10 weight RMS of its layer (its largest variable's), NaN where not recorded
 
     def dec(self) -> np.ndarray:
         """``[S, L]`` decades above (+) or below (-) the reference."""
@@ -176,19 +180,33 @@ def _levels(records: np.ndarray, n_layers: int, v: dict[str, np.ndarray], groups
     inert = _round_off(quiet_sibling, low, n_layers, groups)
     signal = live & ~inert
     upd_rms, upd_ratio, weight_norm = update_stats(records)
-    log_upd = log10(upd_rms) - layer_weight_scale(weight_norm, v["size"], groups)
+    scale = layer_weight_scale(weight_norm, v["size"], groups)
+    log_upd = log10(upd_rms) - scale
     ref, ref_upd = _references(ref, log_rms, log_upd, signal, t)
     return _Levels(log_rms, sibling, inert, signal, ref, log_upd, ref_upd, upd_rms, upd_ratio, weight_norm,
-                   pinned_at_clip(v["norm"]))
+                   pinned_at_clip(v["norm"]), scale)
 
 
-def _skipped(nonfinite: np.ndarray, lv: _Levels) -> np.ndarray:
-    """``[S, L]`` NaN/Inf that the optimizer did not apply (dynamic loss scaling): no update at all, finite weights.
-    The optimizer skips a whole step, so one layer with that signature and no layer updated mark the step. (A NaN
-    update has no finite element either, but the weights it produced are NaN at the next step: see episodes.)"""
+def _skipped(nonfinite: np.ndarray, lv: _Levels, told: np.ndarray | None, t: th.Thresholds) -> np.ndarray:
+    """``[S]`` steps the optimizer skipped, on evidence. The signature: NaN/Inf in a layer whose weights are finite
+    while no layer was updated (dynamic loss scaling skips a whole step after an overflow). A NaN update has no
+    finite element either, so the signature alone is no evidence: the step counts as skipped when the writer says so
+    (``told``, ``[S]``: 1 skipped, 0 applied, NaN unknown: the ``amp/step_skipped`` scalar), or when the next
+    logged record is finite (a NaN update would have made every later gradient NaN). The last record of a run has
+    no next one: it stopped there, and nothing says a step was skipped. A stretch of ``sustain_steps`` skipped
+    steps or more is no skip but a loss scaler that cannot recover (NaN/Inf at every step)."""
     signature = nonfinite & (lv.upd_rms == 0) & (lv.weight_norm > 0) & np.isfinite(lv.weight_norm)
-    step_skipped = signature.any(axis=1) & ~(lv.upd_rms > 0).any(axis=1)
-    return nonfinite & step_skipped[:, None]
+    step = signature.any(axis=1) & ~(lv.upd_rms > 0).any(axis=1)
+    told = np.full(step.shape, np.nan) if told is None else told
+    any_nan = nonfinite.any(axis=1)
+    out = np.zeros(step.shape, dtype=bool)
+    cuts = np.flatnonzero(np.diff(np.concatenate([[0], step.astype(np.int8), [0]])))
+    for a, b in zip(cuts[::2], cuts[1::2], strict=True):  # each stretch [a, b) of consecutive signature rows
+        said = told[a:b]
+        went_on = b < step.size and not any_nan[b]
+        evidence = bool(np.all(said == 1)) or (went_on and not np.any(said == 0))
+        out[a:b] = evidence and b - a < t.sustain_steps
+    return out
 
 
 class _Guards(NamedTuple):
@@ -422,11 +440,25 @@ def _swinging(exploding: np.ndarray, live: np.ndarray, swings: np.ndarray) -> np
     return out
 
 
-#: The rules that read a layer's own gradient and update; then those that need the loss's swing: the gradients
-#: swinging with it, and a flag the swing carries on.
+def _runaway(lv: _Levels, signal: np.ndarray, g: _Guards, base: np.ndarray, loss: LossWindows | None,
+             t: th.Thresholds) -> np.ndarray:
+    """``[S, L]``: the loss runs away (:meth:`LossWindows.runs_away`: an order of magnitude above its level over the
+    previous window, and above where training started) and this variable's gradient rose with it, by half the
+    growth line or more above the lowest of the window (``base``): a divergence under any optimizer, seen by the
+    loss even where the gradients cannot show it (units that died in the blow-up pass none, the rest grow with the
+    loss)."""
+    if loss is None:
+        return np.zeros(lv.log_rms.shape, dtype=bool)
+    with np.errstate(invalid="ignore"):
+        rose = lv.log_rms - base >= t.growth_decades / 2
+    return loss.runs_away(t)[:, None] & signal & rose & g.above_roundoff
+
+
+#: The rules that read a layer's own gradient and update; then those that need the loss: a runaway loss, the
+#: gradients swinging with a swinging loss, and a flag the swing carries on.
 GRADIENT_RULES = ("exp_rel", "exp_rms", "exp_max", "exp_update", "exp_feedback", "exp_trend", "exp_capped",
                   "exp_inputs")
-EXPLODING_RULES = (*GRADIENT_RULES, "exp_volatile", "exp_swing")
+EXPLODING_RULES = (*GRADIENT_RULES, "exp_runaway", "exp_volatile", "exp_swing")
 
 
 def _vanishing(lv: _Levels, rms: np.ndarray, g: _Guards, t: th.Thresholds) -> dict[str, np.ndarray]:
@@ -448,17 +480,19 @@ def _raw(v: dict[str, np.ndarray], flags: dict[str, np.ndarray], exploding: np.n
     raw[exploding] = th.EXPLODING
     raw[v["dead"]] = th.DEAD
     raw[v["nonfinite"]] = th.NONFINITE
-    raw[flags["skipped"]] = th.SKIPPED
     raw[v["missing"]] = th.MISSING
     raw[v["frozen"]] = th.FROZEN
-    raw[~v["present"]] = th.ABSENT
+    raw[~flags["present"]] = th.ABSENT
     return raw
 
 
-def evaluate(records: np.ndarray, layers: Sequence[str], t: th.Thresholds, loss: LossWindows | None = None
-              ) -> Steps:
+def evaluate(records: np.ndarray, layers: Sequence[str], t: th.Thresholds, loss: LossWindows | None = None,
+             told_skipped: np.ndarray | None = None) -> Steps:
     """Every rule at every (logged step, layer); see docs/DIAGNOSIS.md for each rule's reason. ``loss``: the
-    recorded loss around each logged step, where it is recorded (the trend's evidence, a swinging loss)."""
+    recorded loss around each logged step, where it is recorded (the trend's evidence, a swinging loss).
+    ``told_skipped``: ``[S]`` whether the writer says the optimizer skipped the step (1), applied it (0) or does
+    not know (NaN). A step the optimizer skipped is no evidence of any status: every layer's record there is left
+    out of the episodes (its NaN/Inf stays in the notes)."""
     v = live_stats(records)
     groups = layer_groups(layers)
     lv = _levels(records, len(layers), v, groups, t)
@@ -471,6 +505,8 @@ def evaluate(records: np.ndarray, layers: Sequence[str], t: th.Thresholds, loss:
     if (inert != lv.inert).any():
         exp, base = _exploding(lv, v, v["live"] & ~inert, g, groups, t, loss)
     swings = _adaptive_swings(lv, v, loss, t)
+    # the update follows the gradient's size (plain SGD): recorded, and not rescaled per variable or over time
+    proportional = bool(np.isfinite(lv.upd_rms).any()) and not adaptive(lv.upd_rms, v["rms"], v["live"], v["size"])
     swing = window_range(lv.log_rms, 2 * t.growth_window)
     exp["exp_volatile"], volatile_level = _volatile(v["live"] & ~inert, g, groups, swing, swings, t)
     carried = np.logical_or.reduce([exp[k] for k in (*GRADIENT_RULES, "exp_volatile")])
@@ -478,13 +514,20 @@ def evaluate(records: np.ndarray, layers: Sequence[str], t: th.Thresholds, loss:
     # Flagged only because the loss swings: the episode is back-dated over the stretch where ``exp_level`` held.
     exp["exp_late"] = swings[:, None] & ((exp["exp_rel"] & g.calm) | exp["exp_swing"] | exp["exp_volatile"])
     exp["exp_level"] = exp["exp_level"] | volatile_level | (v["live"] & ~inert & _jump_peaks(lv.log_rms, t))
+    exp["exp_runaway"] = _runaway(lv, v["live"] & ~inert, g, base, loss, t)
     exp["grad_swing"] = swing
-    flags = {"present": v["present"], "nonfinite": v["nonfinite"], "skipped": _skipped(v["nonfinite"], lv),
+    exp["others"] = median_of_others(lv.log_rms, v["live"])  # the rest of the network, for where a rise began
+    skip_step = _skipped(v["nonfinite"], lv, told_skipped, t)
+    flags = {"present": v["present"] & ~skip_step[:, None], "nonfinite": v["nonfinite"],
+             "skipped": v["nonfinite"] & skip_step[:, None], "skip_step": skip_step, "recorded": v["present"],
              "inert": inert, "learns": g.learns, "calm": g.calm, "small": g.small, "converged": g.converged,
              **exp, **_vanishing(lv, v["rms"], g, t)}
     exploding = np.logical_or.reduce([flags[k] for k in EXPLODING_RULES])
     flags["clipped"] = lv.clipped
     flags["loss_rise"] = np.full(v["live"].shape[0], np.nan) if loss is None else loss.rise
+    flags["loss_jump"] = np.full(v["live"].shape[0], np.nan) if loss is None or loss.jump is None else loss.jump
     return Steps(raw=_raw(v, flags, exploding), size=v["size"], rms=v["rms"], max_abs=v["max_abs"], norm=v["norm"],
-                  log_rms=lv.log_rms, ref=lv.ref, log_upd=lv.log_upd, upd_ratio=lv.upd_ratio,
-                  weight_norm=lv.weight_norm, ref_upd=lv.ref_upd, sibling=lv.sibling, base=base, flags=flags)
+                  log_rms=lv.log_rms, ref=lv.ref, log_upd=lv.log_upd, log_grad=lv.log_rms - lv.scale,
+                  upd_ratio=lv.upd_ratio,
+                  weight_norm=lv.weight_norm, ref_upd=lv.ref_upd, sibling=lv.sibling, base=base, flags=flags,
+                  proportional=proportional)

@@ -51,9 +51,6 @@ STATUSES: tuple[str, ...] = tuple(s.word for s in Status)
 FLAGS: tuple[str, ...] = tuple(s.word for s in Status if s.is_flag)
 NONFINITE, EXPLODING, VANISHING, DEAD, MISSING, INERT, HEALTHY, FROZEN = Status
 FLAG_CODES: frozenset[Status] = frozenset(s for s in Status if s.is_flag)
-#: Raw code of a step whose NaN/Inf gradient the optimizer skipped (recorded update exactly zero): confirmed as
-#: ``nonfinite`` only when it lasts ``sustain_steps``, like the slow statuses.
-SKIPPED = len(STATUSES)
 ABSENT = -1
 
 
