@@ -3,6 +3,7 @@ norm pass, the plain training step and what PyTorch users log today, on an MLP, 
 small GPT (CPU).
 
     python benchmarks/torch_jax_overhead.py [--rounds 10] [--models mlp,resnet18,gpt] [--compile mlp] [--no-jax]
+                                            [--tree CHECKOUT]
 
 Every method runs once per round, rounds interleaved (so machine load hits all alike); medians. Rows:
 
@@ -34,7 +35,16 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's tb_gradhealth, not an installed one
+
+def _tree() -> Path:
+    """The checkout whose ``tb_gradhealth`` runs: ``--tree PATH`` (another checkout, e.g. ``git worktree add
+    /tmp/before main``: the baseline's figures from the same script), else this one (not an installed one)."""
+    if "--tree" in sys.argv[:-1]:
+        return Path(sys.argv[sys.argv.index("--tree") + 1]).resolve()
+    return Path(__file__).resolve().parent.parent
+
+
+sys.path.insert(0, str(_tree()))
 
 WIDTHS = (512, 1024, 1024, 1024, 1024, 10)
 BATCH = 64
@@ -376,6 +386,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1,
                    help="intra-op threads of torch and XLA (default 1: on a shared machine more threads measure "
                         "scheduling, not work)")
+    p.add_argument("--tree", type=Path, default=_tree(),
+                   help="the checkout whose tb_gradhealth is measured (default: this one)")
     args = p.parse_args()
     if args.threads == 1:  # before JAX starts
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
@@ -389,6 +401,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"PyTorch {torch.__version__}, CPU threads {torch.get_num_threads()}, os.cpu_count() {os.cpu_count()}; "
           f"rounds {args.rounds}")
+    print(f"tb_gradhealth of {args.tree}")
     print(f"load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     met = True
     with tempfile.TemporaryDirectory() as tmp:
