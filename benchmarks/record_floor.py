@@ -46,8 +46,8 @@ WIDTHS = (512, 1024, 1024, 1024, 1024, 10)
 HIST_SAMPLE = 4096
 #: The ratio of each record to its norm pass that the goal rows accept (times 1 + the run's noise). On a GPU, where
 #: a pass costs memory bandwidth and a kernel launch, the fused records (one loop a tensor) should cost about one
-#: read. On a CPU the eager record's goal is the task's (6x); the others guard against a regression: the figures
-#: docs/PERFORMANCE.md gives for this machine (2 shared cores, one thread), rounded up by about a fifth.
+#: read. On a CPU the eager record's goal is the one users asked for (6x); the others guard against a regression:
+#: the figures docs/PERFORMANCE.md gives for this machine (2 shared cores, one thread), rounded up by about a fifth.
 GOALS = {
     "gpu": {
         ("torch", "record (eager)"): 6.0, ("torch", "record + weights (eager)"): 6.0,
