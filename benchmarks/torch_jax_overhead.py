@@ -3,18 +3,24 @@ norm pass, the plain training step and what PyTorch users log today, on an MLP, 
 small GPT (CPU).
 
     python benchmarks/torch_jax_overhead.py [--rounds 10] [--models mlp,resnet18,gpt] [--compile mlp] [--no-jax]
+                                            [--tree CHECKOUT]
 
 Every method runs once per round, rounds interleaved (so machine load hits all alike); medians. Rows:
 
 * ``norm pass``: every gradient's L2 norm (``torch._foreach_norm`` / ``jnp.linalg.norm`` per leaf in one jit),
   stacked, copied to the host: the cheapest per-layer statistic;
 * ``record``: every layer's full record (gradient and weight) and its one host copy; eager torch, torch
-  ``compile=True`` (inductor; first compile timed), ``jax.jit``;
-* ``train step``: forward, backward, SGD step; ``StepRecorder`` rows are that step with the recorder: logging
+  ``compile=True`` (inductor; first compile timed), ``jax.jit`` (``record_floor.py`` holds their goals, against
+  one read of the same tensors);
+* ``train step``: forward, backward, SGD step; ``train step, again`` the same step timed as a second method: its
+  ratio to the first is the run's noise floor; ``StepRecorder`` rows are that step with the recorder: logging
   every step, and at the default cadence (first 10 steps, then every 100th: (99 unlogged + 1 logged) / 100);
 * peers, each on the same model and batch, added to the train step: ``wandb.watch(model, log="gradients",
   log_freq=1)`` offline, ``SummaryWriter.add_histogram`` of every gradient, Lightning's ``grad_norm`` logged as
   scalars; bytes per layer-step are what each leaves on disk, divided by the steps and layers it logged.
+
+The goals (``StepRecorder`` every step <= 1.25x the train step, at the default cadence <= 1.01x) accept the run's
+noise (a goal times 1 + noise); the script exits 1 when one is not met.
 """
 
 from __future__ import annotations
@@ -29,11 +35,21 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's tb_gradhealth, not an installed one
+
+def _tree() -> Path:
+    """The checkout whose ``tb_gradhealth`` runs: ``--tree PATH`` (another checkout, e.g. ``git worktree add
+    /tmp/before main``: the baseline's figures from the same script), else this one (not an installed one)."""
+    if "--tree" in sys.argv[:-1]:
+        return Path(sys.argv[sys.argv.index("--tree") + 1]).resolve()
+    return Path(__file__).resolve().parent.parent
+
+
+sys.path.insert(0, str(_tree()))
 
 WIDTHS = (512, 1024, 1024, 1024, 1024, 10)
 BATCH = 64
-GOALS = {"record (eager)": 6.0, "record (compile=True)": 2.0, "record (jit)": 3.0}
+#: ``StepRecorder``'s goals, in train steps (times 1 + the run's noise).
+GOALS = {"StepRecorder, every step": 1.25, "StepRecorder, default cadence": 1.01}
 
 
 def _median_times(methods: dict, rounds: int) -> dict[str, float]:
@@ -161,6 +177,7 @@ def torch_methods(name: str, compile_: bool, tmp: str, peers: bool) -> tuple[dic
         "norm pass": lambda: torch.stack(torch._foreach_norm(grads)).cpu().numpy(),
         "record (eager)": lambda: tgh.to_memory(tgh.compute(model, True, seed=1)),
         "train step": lambda: (fwd_bwd(), opt.step()),
+        "train step, again": lambda: (fwd_bwd(), opt.step()),
     }
     if compile_:
         t = time.perf_counter()
@@ -265,11 +282,14 @@ def _summary_writer_peer(label: str, log, m, trainer, log_dir: str, info: dict):
     return step
 
 
-def torch_report(name: str, med: dict[str, float], info: dict) -> None:
+def torch_report(name: str, med: dict[str, float], info: dict) -> bool:
+    """Print the model's table; whether its goals are met."""
     for k in [k for k in info if k.startswith("finish")]:
         info[k]()
     n = info["layers"]
     base, step = med["norm pass"], med["train step"]
+    noise = abs(med["train step, again"] / step - 1.0)
+    met = True
     unlogged, logged = med["StepRecorder, unlogged step"], med["StepRecorder, every step"]
     rows = dict(med)
     rows["StepRecorder, default cadence"] = (99 * unlogged + logged) / 100
@@ -278,17 +298,20 @@ def torch_report(name: str, med: dict[str, float], info: dict) -> None:
     print(f"| {'per step':<32} | {'median ms':>9} | {'x norm pass':>11} | {'x train step':>12} | "
           f"{'bytes / layer-step':>18} | {'goal':>10} |")
     print(f"|{'-' * 34}|{'-' * 10}:|{'-' * 12}:|{'-' * 13}:|{'-' * 19}:|{'-' * 11}:|")
-    goals = {**GOALS, "StepRecorder, every step": 1.25, "StepRecorder, default cadence": 1.01}
     for k, v in rows.items():
         if k == "StepRecorder, unlogged step":
             continue
         b = info["bytes"].get(k)
         vs_step = v / step if k not in ("norm pass",) and not k.startswith("record") else float("nan")
-        goal = goals.get(k)
-        ratio = v / base if k.startswith("record") else vs_step
-        mark = "" if goal is None else (f"<= {goal:g}x " + ("met" if ratio <= goal else "NOT met"))
+        goal = GOALS.get(k)
+        mark = f"noise {noise:.1%}" if k == "train step, again" else ""
+        if goal is not None:
+            ok = vs_step <= goal * (1.0 + noise)
+            met &= ok
+            mark = f"<= {goal:g}x (+{noise:.1%}) " + ("met" if ok else "NOT met")
         print(f"| {k:<32} | {v * 1e3:>9.2f} | {v / base:>11.2f} | {vs_step:>12.3f} | "
               f"{'-' if b is None else f'{b / n:,.0f}':>18} | {mark:>10} |")
+    return met
 
 
 # --- JAX -------------------------------------------------------------------------------------------------------
@@ -347,12 +370,10 @@ def jax_report(med: dict[str, float], info: dict) -> None:
     base = med["norm pass"]
     print(f"\nJAX {jax.__version__} MLP: {info['params']:,} parameters in {info['layers']} tensors, batch {BATCH}; "
           f"first jit of the record {info['first']:.1f} s")
-    print(f"| {'per step':<32} | {'median ms':>9} | {'x norm pass':>11} | {'goal':>10} |")
-    print(f"|{'-' * 34}|{'-' * 10}:|{'-' * 12}:|{'-' * 11}:|")
+    print(f"| {'per step':<32} | {'median ms':>9} | {'x norm pass':>11} |")
+    print(f"|{'-' * 34}|{'-' * 10}:|{'-' * 12}:|")
     for k, v in med.items():
-        goal = GOALS.get(k)
-        mark = "" if goal is None else (f"<= {goal:g}x " + ("met" if v / base <= goal else "NOT met"))
-        print(f"| {k:<32} | {v * 1e3:>9.2f} | {v / base:>11.2f} | {mark:>10} |")
+        print(f"| {k:<32} | {v * 1e3:>9.2f} | {v / base:>11.2f} |")
 
 
 def main() -> None:
@@ -365,6 +386,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1,
                    help="intra-op threads of torch and XLA (default 1: on a shared machine more threads measure "
                         "scheduling, not work)")
+    p.add_argument("--tree", type=Path, default=_tree(),
+                   help="the checkout whose tb_gradhealth is measured (default: this one)")
     args = p.parse_args()
     if args.threads == 1:  # before JAX starts
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
@@ -378,13 +401,18 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"PyTorch {torch.__version__}, CPU threads {torch.get_num_threads()}, os.cpu_count() {os.cpu_count()}; "
           f"rounds {args.rounds}")
+    print(f"tb_gradhealth of {args.tree}")
+    print(f"load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    met = True
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             methods, info = torch_methods(name, name in args.compile.split(","), tmp, not args.no_peers)
-            torch_report(name, _median_times(methods, args.rounds), info)
+            met &= torch_report(name, _median_times(methods, args.rounds), info)
     if not args.no_jax:
         methods, info = jax_methods()
         jax_report(_median_times(methods, args.rounds), info)
+    print(f"\nload average {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    sys.exit(0 if met else 1)
 
 
 if __name__ == "__main__":

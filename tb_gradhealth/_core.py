@@ -90,6 +90,41 @@ def probe_hash(bits: Sequence[Any], xor: Callable[[Any, Any], Any] = operator.xo
     return xor(xor(bits[0], bits[1] * 31), bits[2] * 131 + bits[3])
 
 
+# --- the histogram's bins ------------------------------------------------------------------------------------
+
+#: A column past the histogram's bins, where :func:`exponent_bins` sends zeros, subnormals, Inf and NaN (and one
+#: more past it for NaN with every mantissa bit set): a histogram row ``[HIST_BINS + 2]`` drops both.
+OUT_OF_HISTOGRAM = record.HIST_BINS
+
+
+def _exponent_tables() -> tuple[np.ndarray, np.ndarray]:
+    base = np.full(256, OUT_OF_HISTOGRAM, np.int32)
+    edge_bits = np.full(256, np.iinfo(np.int32).max, np.int32)
+    edges = record.HIST_EDGES
+    for e in range(1, 255):
+        lo = np.float32(2.0 ** (e - 127))
+        base[e] = np.searchsorted(edges, lo, side="right")
+        inside = edges[(edges > lo) & ((edges.view(np.int32) >> 23) == e)]
+        edge_bits[e] = inside[0].view(np.int32) if len(inside) else (e + 1) << 23
+    return base, edge_bits
+
+
+#: Per float32 exponent field ``e``: the histogram bin of the binade's bottom, and the magnitude bits of the one
+#: decade edge inside the binade (its top where it has none). See :func:`exponent_bins`.
+EXPONENT_BASE, EXPONENT_EDGE_BITS = _exponent_tables()
+
+
+def exponent_bins(magnitude_bits: Any, take: Callable[[np.ndarray, Any], Any], shift: Callable[[Any, int], Any]
+                  ) -> Any:
+    """The histogram bin of each float32 from its magnitude bits (int32, sign cleared), as
+    :func:`record.hist_bin` bins it: ``base[e] + 1 + ((bits - edge_bits[e]) >> 31)``, two look-ups in a table of
+    256 by the exponent field ``e`` instead of a binary search over the 76 edges (a decade edge never shares a
+    binade with another). ``take(table, e)``: the backend's gather from a host table; ``shift(x, k)``: its
+    arithmetic right shift. Zeros, subnormals, Inf and NaN get :data:`OUT_OF_HISTOGRAM` (or one more)."""
+    e = shift(magnitude_bits, 23)
+    return take(EXPONENT_BASE, e) + 1 + shift(magnitude_bits - take(EXPONENT_EDGE_BITS, e), 31)
+
+
 # --- the stacked record ---------------------------------------------------------------------------------------
 
 

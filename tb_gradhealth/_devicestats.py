@@ -4,17 +4,20 @@ two device paths compute the same numbers the same way. No data-dependent Python
 backend's ``cond`` (``torch.cond`` / ``lax.cond`` when traced), so they trace under ``torch.compile`` and
 ``jax.jit``. Imports numpy only.
 
-A tensor whose values are all finite with max|x| in ``[SAFE_LO, SAFE_HI]`` (a healthy gradient) costs one pass
-for its extremes, then one each for the count of normal values, the plain sum of squares and the sum; any other
-takes the scaled passes (NaN/Inf counted apart, sums of ``x / max|x|``). The histogram bins a sample, or every
-value when the sample would not describe the tensor (:func:`grad_stats`). :func:`one_pass_ok` states which
-tensors take the one pass, so that :mod:`tb_gradhealth._devicebatch` (every layer at once, traced) and the eager
-PyTorch passes (one host read of the extremes) choose by the same rule and reuse :func:`one_pass`, :func:`scaled`
-and :func:`kept_hist`.
+A tensor whose values are all finite with max|x| in ``[SAFE_LO, SAFE_HI]`` (a healthy gradient) takes the one-pass
+statistics: its extremes, the count of normal values, the plain sum and sum of squares, reductions a compiler can
+fuse into one loop (a backend with ``holds`` computes them before the conditional, beside the extremes); any
+other takes the scaled passes (NaN/Inf counted apart, sums of ``x / max|x|``). :func:`wide_grad_stats` is one pass
+with no conditional at all, for a backend with float64 sums. The histogram bins a sample, or every value when the
+sample would not describe the tensor (:func:`grad_stats`). :func:`one_pass_ok` states which tensors take the one
+pass, so that the batched PyTorch passes (``tb_gradhealth._torcheager``: one host read of every tensor's
+statistics; ``tb_gradhealth._torchfused``: one compiled function) choose by the same rule and reuse
+:func:`one_pass`, :func:`scaled` and :func:`kept_hist`.
 
 A backend is a :class:`Backend`: the namespace ``xp`` (``torch`` or ``jax.numpy``), a float32 cast, the histogram
-of float32 magnitudes (``torch.bucketize`` + ``index_add`` / ``jnp.searchsorted`` + ``.at[].add``), the division,
-the conditional, and optional one-pass reductions where the namespace has faster ones than the generic forms.
+of float32 magnitudes (``torch.bucketize`` + ``index_add`` / :func:`tb_gradhealth._core.exponent_bins` +
+``.at[].add``), the division, the conditional, and optional reductions where the namespace has faster forms than
+the generic ones.
 """
 
 from __future__ import annotations
@@ -52,6 +55,14 @@ class Backend(NamedTuple):
     sumsq: Callable[[Any], Any] | None = None
     #: ``x -> the number of elements with |x| >= FLUSH_BELOW`` (of an all-finite ``x``), in one pass.
     count_normal: Callable[[Any], Any] | None = None
+    #: ``x -> x`` as float64, for the one-pass statistics of :func:`wide_grad_stats` (``None``: no such type).
+    wide: Callable[[Any], Any] | None = None
+    #: ``mask -> its number of True values`` as the backend adds them fastest (``xp.count_nonzero`` by default).
+    count: Callable[[Any], Any] | None = None
+    #: ``(mn, mx, one_pass result) -> whether it holds``, for a compiler that fuses a tensor's reductions into one
+    #: loop (``jax.jit``): :func:`grad_stats` then computes the one-pass statistics beside the extremes, before its
+    #: conditional (and this decides), instead of in its branch. ``None``: :func:`one_pass_ok` first.
+    holds: Callable[[Any, Any, tuple[Any, Any]], Any] | None = None
 
     def min_max(self, x: Any) -> tuple[Any, Any]:
         return self.aminmax(x) if self.aminmax else (self.xp.min(x), self.xp.max(x))
@@ -128,8 +139,14 @@ def grad_stats(be: Backend, x: Any, extra_zeros: int, hist_sample: int, sample: 
     xp = be.xp
     mn0, mx0 = be.min_max(x)
     m0 = xp.maximum(mx0, -mn0)
-    counts, head = be.cond(one_pass_ok(xp, mn0, mx0), lambda x, mn, mx, m: one_pass(be, x, extra_zeros, mn, mx, m),
-                           lambda x, mn, mx, m: scaled(be, x, extra_zeros), (x, mn0, mx0, m0))
+    if be.holds is not None:  # the one pass beside the extremes' loop, taken where it holds
+        fast = one_pass(be, x, extra_zeros, mn0, mx0, m0)
+        counts, head = be.cond(be.holds(mn0, mx0, fast), lambda x, c, h: (c, h),
+                               lambda x, c, h: scaled(be, x, extra_zeros), (x, *fast))
+    else:
+        counts, head = be.cond(one_pass_ok(xp, mn0, mx0),
+                               lambda x, mn, mx, m: one_pass(be, x, extra_zeros, mn, mx, m),
+                               lambda x, mn, mx, m: scaled(be, x, extra_zeros), (x, mn0, mx0, m0))
     nonzero = counts[0] - counts[1] - counts[2] - counts[3] - counts[4]
     if sample is None:
         hist = kept_hist(be, x)
@@ -199,6 +216,10 @@ def norm_stats(be: Backend, x: Any) -> Any:
         return be.f32(xp.stack([xp.sum(x), xp.sum(x)]))
     mn, mx = be.min_max(x)
     m = xp.maximum(mx, -mn)
+    if be.holds is not None:  # the sum of squares beside the extremes' loop; a NaN they skipped makes it NaN
+        fast = be.f32(xp.stack([m, be.sum_squares(x) / (m * m)]))
+        return be.cond(norm_one_pass_ok(m) & xp.all(xp.isfinite(fast)), lambda x, f: f,
+                       lambda x, f: norm_scaled(be, x), (x, fast))
     return be.cond(norm_one_pass_ok(m), lambda x, m: be.f32(xp.stack([m, be.sum_squares(x) / (m * m)])),
                    lambda x, m: norm_scaled(be, x), (x, m))
 
@@ -210,6 +231,48 @@ def norm_scaled(be: Backend, x: Any) -> Any:
     m = xp.max(af)
     y = _relative(be, af, m)
     return be.f32(xp.stack([m, (be.fsum or xp.sum)(y * y)]))
+
+
+def wide_grad_stats(be: Backend, x: Any) -> tuple[Any, Any]:
+    """``(counts [5], [min, max, *GRAD_SUMS fields])`` of a nonempty flat float32 ``x`` in one pass and with no
+    conditional, for a backend with a float64 type (``be.wide``): NaN and Inf are counted apart and the sums taken
+    over the finite, unflushed values in float64, where no float32 value's square (or sum of 2**31 of them) under-
+    or overflows, so that any magnitude is right without the scaled passes. Every reduction reads ``x`` alone, in
+    compare-and-add form (no per-element branch): a compiler fuses them into one vectorised loop."""
+    xp = be.xp
+    inf = float("inf")
+    n = math.prod(x.shape)
+    a = xp.abs(x)
+    finite = a <= F32_MAX  # False for NaN and +-Inf
+    small = a < record.FLUSH_BELOW  # zero or subnormal: counted as zero (False for NaN)
+    y = xp.where(finite & ~small, x, 0.0)
+    count = be.count or xp.count_nonzero
+    nan, posinf, nfin, zero = count(x != x), count(x == inf), count(finite), count(small)
+    mn, mx = xp.min(xp.where(finite, y, inf)), xp.max(xp.where(finite, y, -inf))
+    m = xp.maximum(mx, -mn)
+    m = be.wide(xp.where(m > 0, m, 0.0))  # 0 where no value is finite (-inf)
+    w = be.wide(y)
+    fields = []
+    for s in record.GRAD_SUMS:
+        total = xp.sum(s.term(xp, w))
+        by = be.wide(nfin) if s.mean else record.power_of(m, s.power)
+        fields.append(xp.where(by > 0, total / xp.where(by > 0, by, 1.0), 0.0))
+    counts = xp.stack([nan * 0 + n, nan, posinf, n - nfin - nan - posinf, zero])
+    return counts, xp.stack([be.f32(v) for v in (mn, mx, *fields)])
+
+
+def wide_norm_stats(be: Backend, x: Any) -> Any:
+    """:func:`norm_stats` in one pass (``be.wide``: the sum of squares in float64), for a flat float32 ``x``."""
+    xp = be.xp
+    if math.prod(x.shape) == 0:
+        return be.f32(xp.stack([xp.sum(x), xp.sum(x)]))
+    a = xp.abs(x)
+    keep = (a >= record.FLUSH_BELOW) & (a <= F32_MAX)
+    m = xp.max(xp.where(keep, a, 0.0))
+    w = be.wide(xp.where(keep, x, 0.0))
+    m2 = be.wide(m) * be.wide(m)
+    ssq = xp.where(m2 > 0, xp.sum(w * w) / xp.where(m2 > 0, m2, 1.0), 0.0)
+    return xp.stack([be.f32(m), be.f32(ssq)])
 
 
 #: The fields of :func:`grad_stats`' (and :func:`empty_values`') vector before its histogram bins, in order.

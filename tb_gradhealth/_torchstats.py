@@ -1,20 +1,20 @@
 """The per-layer statistics in torch ops: :mod:`tb_gradhealth._devicestats`' backend for PyTorch (``torch.cond``
 when traced, a Python branch eagerly), the histogram sampling rule's positions, and one layer's record.
 
-:mod:`tb_gradhealth.torch` uses it traced and for what the batched eager passes (``tb_gradhealth._torcheager``)
-leave to one tensor at a time: sparse, missing and empty gradients, and NaN/Inf or extreme values.
+The batched passes (eager: ``tb_gradhealth._torcheager``; one pass for ``torch.compile``:
+``tb_gradhealth._torchfused``) use it for what they leave to one tensor at a time: sparse, missing and empty
+gradients, and (eagerly) NaN/Inf or extreme values.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-from tb_gradhealth import _core, _devicebatch, _devicestats, record
-from tb_gradhealth._core import LayerInputs
+from tb_gradhealth import _core, _devicestats, record
 from tb_gradhealth.record import Delta
 
 _EDGES: dict[torch.device, torch.Tensor] = {}
@@ -77,6 +77,8 @@ BE = _devicestats.Backend(
     aminmax=torch.aminmax,
     sumsq=lambda x: sumsq(x),
     count_normal=lambda x: torch.count_nonzero(x.view(torch.int32) & 0x7F800000),  # exponent bits: not 0/subnormal
+    wide=lambda t: t.double(),
+    count=lambda mask: torch.sum(mask, dtype=torch.int32),  # int32 lanes: vectorised where int64 ones are not
 )
 
 
@@ -130,27 +132,3 @@ def layer_record(
 
 def flat_size(g: torch.Tensor) -> int:
     return g.numel() if not g.is_sparse else g._nnz() * int(np.prod(g.shape[g.sparse_dim():], dtype=np.int64))
-
-
-def traced_records(inputs: LayerInputs, be: _devicestats.Backend = BE) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(counts [L, 5], values [L, 89])`` of every layer with one conditional for the whole model
-    (:mod:`tb_gradhealth._devicebatch`, with backend ``be``): what ``torch.compile`` traces."""
-    grads, weights, updates, offsets = inputs.grads, inputs.weights, inputs.updates, inputs.offsets
-    sizes, hist_sample = inputs.sizes, inputs.hist_sample
-    device = next((t.device for t in (*grads, *weights) if isinstance(t, torch.Tensor)), torch.device("cpu"))
-    dense = [flat(g) if g is not None and not g.is_sparse and g.numel() else None for g in grads]
-    samplers = []
-    for i, x in enumerate(dense):
-        offset = None if offsets is None else offsets[i]
-        if x is not None and offset is None and hist_sample and x.numel() > hist_sample:
-            offset = data_offset(x, i)
-        samplers.append(None if x is None else sampler(x.numel(), hist_sample, offset))
-
-    def other(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return grad_record(grads[i], sizes[i], hist_sample, i, None if offsets is None else offsets[i], device)
-
-    def norm_inputs(ts: Sequence[Any]) -> list[torch.Tensor | None]:
-        return [None if t is None else norm_input(t) for t in ts]
-
-    return _devicebatch.records(be, dense, [0] * len(dense), norm_inputs(weights), norm_inputs(updates), hist_sample,
-                               samplers, other, [g is None for g in grads])

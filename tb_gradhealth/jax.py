@@ -53,8 +53,11 @@ JAX_LOOP = {"loop": "jax"}
 
 
 def _histogram(av: jax.Array, w: jax.Array) -> jax.Array:
-    b = jnp.searchsorted(jnp.asarray(record.HIST_EDGES), av.astype(jnp.float32), side="right")
-    return jnp.zeros(record.HIST_BINS, w.dtype).at[b].add(w)
+    """The weights ``w`` added in the decade bins of the magnitudes ``av`` (:func:`_core.exponent_bins`: two
+    table look-ups a value, not a binary search; zeros, subnormals and NaN/Inf land past the bins, dropped)."""
+    bits = lax.bitcast_convert_type(av.astype(jnp.float32), jnp.int32) & 0x7FFFFFFF
+    b = _core.exponent_bins(bits, lambda table, e: jnp.asarray(table)[e], lambda t, k: t >> k)
+    return jnp.zeros(record.HIST_BINS + 2, w.dtype).at[b].add(w)[: record.HIST_BINS]
 
 
 def _divide(x: jax.Array, m: jax.Array) -> jax.Array:
@@ -65,28 +68,60 @@ def _divide(x: jax.Array, m: jax.Array) -> jax.Array:
     return (x * c) / (m * c)
 
 
+#: Values each partial result of the first level of every reduction covers (see :func:`_fsum`).
+_ROW = 32
+#: Rows reduced side by side: groups of ``_ROW`` values strided by this many, so that XLA:CPU adds a vector of
+#: them at a time (a reduction along rows of contiguous values runs a scalar loop a row).
+_LANES = 256
+
+
+def _by_rows(x: jax.Array, reduce: Callable[..., jax.Array], finish: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """``reduce`` of a flat ``x`` in groups of :data:`_ROW` values (the bulk as ``[-1, _ROW, _LANES]`` reduced over
+    its middle axis, the rest in plain rows and a tail), then ``finish`` of the partial results: every reduction
+    of a tensor has this one shape, which XLA can fuse into one loop (on GPUs: a reduction of the whole flat
+    tensor beside them would be a loop of its own)."""
+    n = x.shape[0]
+    bulk = n - n % (_ROW * _LANES)
+    rows = n - n % _ROW
+    parts = []
+    if bulk:
+        parts.append(jnp.reshape(reduce(jnp.reshape(x[:bulk], (-1, _ROW, _LANES)), axis=1), (-1,)))
+    if rows > bulk:
+        parts.append(reduce(jnp.reshape(x[bulk:rows], (-1, _ROW)), axis=1))
+    if n > rows:
+        parts.append(reduce(x[rows:], axis=0, keepdims=True))
+    return finish(parts[0] if len(parts) == 1 else jnp.concatenate(parts))
+
+
 def _fsum(y: jax.Array) -> jax.Array:
     """A flat sum as a tree of rows of 32 (XLA:CPU's single loop adds 1e-6-sized squares to a running sum near 1
     one by one and drifts by a few 1e-6; a tree keeps the error near float32's rounding of the result)."""
     while y.shape[0] > 64:
-        k = y.shape[0] - y.shape[0] % 32
-        rows = jnp.sum(jnp.reshape(y[:k], (-1, 32)), axis=1)
-        y = rows if k == y.shape[0] else jnp.concatenate([rows, jnp.sum(y[k:])[None]])
+        y = _by_rows(y, jnp.sum, lambda p: p)
     return jnp.sum(y)
 
 
 def _min_max(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(min, max)``, NaN when ``x`` holds a NaN: XLA:CPU's fast min/max (``xla_cpu_enable_fast_min_max``) may skip
-    a NaN, which would send a tensor with one to the one-pass statistics (NaN counted as zero, mean NaN). The NaN
-    test fuses into the same loop as the extremes under ``jax.jit``."""
-    bad = jnp.any(jnp.isnan(x))
-    return jnp.where(bad, jnp.nan, jnp.min(x)), jnp.where(bad, jnp.nan, jnp.max(x))
+    """``(min, max)`` over the same groups as the sums. XLA:CPU's fast min/max
+    (``xla_cpu_enable_fast_min_max``) may skip a NaN: :func:`_holds` reads a NaN from the sums instead."""
+    return _by_rows(x, jnp.min, jnp.min), _by_rows(x, jnp.max, jnp.max)
+
+
+def _holds(mn: jax.Array, mx: jax.Array, fast: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """:func:`_devicestats.one_pass_ok` of the extremes, and the one-pass sums finite: a NaN (which the extremes
+    may have skipped) makes every sum NaN."""
+    return _devicestats.one_pass_ok(jnp, mn, mx) & jnp.all(jnp.isfinite(fast[1]))
+
+
+def _count_normal(x: jax.Array) -> jax.Array:
+    """The number of values with ``|x| >= FLUSH_BELOW``, over the same rows as the other reductions."""
+    return _by_rows(jnp.abs(x) >= record.FLUSH_BELOW, lambda r, **k: jnp.sum(r, dtype=jnp.int32, **k), jnp.sum)
 
 
 _BE = _devicestats.Backend(
     jnp, lambda t: jnp.asarray(t).astype(jnp.float32), _histogram, lambda a, like: jnp.asarray(a),
     _divide, lambda pred, true_fn, false_fn, operands: lax.cond(pred, true_fn, false_fn, *operands), _fsum,
-    aminmax=_min_max,
+    aminmax=_min_max, count_normal=_count_normal, holds=_holds,
 )
 
 

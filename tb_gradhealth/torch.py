@@ -6,13 +6,14 @@ without TensorFlow.
   record: the 5 counts as int32 bit patterns, then the value fields and the histogram bins, one float32 row a
   layer).
   No gradient is copied to the host; :func:`to_memory` copies only the stacked tensor.
-* Eagerly (``tb_gradhealth._torcheager``) one host read of every tensor's extremes decides which tensors take the
-  one-pass statistics (all finite, max|g| in a safe range); those are reduced one statistic at a time and every
-  layer's histogram sample is binned at once; the others go tensor by tensor. Traced inside the caller's
-  ``torch.compile`` it has no data-dependent Python control flow: :mod:`tb_gradhealth._devicebatch` makes each
-  choice once for the whole model with a ``torch.cond``. ``compile=True`` compiles only the common branches (one
-  graph) and reads back one flag: when a tensor needs the scaled passes or the exact histogram, the eager passes
-  compute the record instead.
+* Eagerly (``tb_gradhealth._torcheager``) each tensor's statistics take a few cheap passes, a piece of the tensor
+  at a time, and one host read of them all decides which tensors take the plain sums (all finite, max|g| in a safe
+  range); the others are computed again tensor by tensor. ``compile=True`` (``tb_gradhealth._torchfused``) reads
+  each tensor once: one compiled function whose reductions of a tensor inductor fuses into one loop, and no host
+  read before the record is copied (with its flags: the layers whose plain sums do not hold, or whose histogram
+  sample missed a sparse tensor's nonzeros, are computed again eagerly, on the steps that have one). Traced inside
+  the caller's ``torch.compile`` it has no data-dependent Python control flow: float64 sums (right at any
+  magnitude) and one ``torch.cond`` for those samples.
 * :func:`merge` merges the records of gradient shards (FSDP, ZeRO, tensor parallel) with two collectives
   (``all_reduce`` MAX, then SUM), giving the record of the full gradient: counts and histograms add, min/max
   combine, relative sums of squares are rescaled to the global max|g| first.
@@ -42,7 +43,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from tb_gradhealth import _core, _devicebatch, _devicestats, _torcheager, _torchparams, metadata, record
+from tb_gradhealth import _core, _devicestats, _torcheager, _torchfused, _torchparams, metadata, record
 from tb_gradhealth import _torchstats as ts
 from tb_gradhealth._core import LayerInputs
 from tb_gradhealth._failsafe import Failsafe
@@ -122,18 +123,10 @@ def _per_layer(inputs: LayerInputs) -> torch.Tensor:
     return _stack(torch.stack([c for c, _ in rows]), torch.stack([v for _, v in rows]))
 
 
-def _traced(inputs: LayerInputs) -> torch.Tensor:
-    """Every layer at once with one conditional for the model: under ``torch.compile``."""
-    return _stack(*ts.traced_records(inputs))
-
-
-def _speculated(inputs: LayerInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(stacked records, whether they hold)``: every layer through the common branches only (one graph for
-    ``compile=True``); they hold unless some tensor needs the scaled passes or the exact histogram."""
-    taken: list[torch.Tensor] = []
-    be = _devicebatch.speculative(ts.BE, taken)
-    stacked = _stack(*ts.traced_records(inputs, be))
-    return stacked, torch.stack(taken).all() if taken else torch.ones((), dtype=torch.bool)
+def _fused(inputs: LayerInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(stacked records, flags)`` of :func:`_torchfused.records`: what ``compile=True`` compiles."""
+    counts, values, due = _torchfused.records(inputs, exact_in_graph=False)
+    return _stack(counts, values), due
 
 
 _compiled: Any = None
@@ -154,9 +147,10 @@ def compute(
     ``grads``: a module, ``named_parameters()`` pairs, or ``{name: grad}`` (``None`` = missing, sparse COO and
     DTensor shards accepted). ``weights``: ``True`` (the parameters, with a module or pairs) or ``{name: tensor}``;
     ``updates``: ``{name: tensor or Delta(before, after)}``. ``seed`` (e.g. the step) seeds histogram sampling; by
-    default it comes from the data. ``compile=True`` runs the statistics through ``torch.compile`` (dense inputs;
-    one host read of whether the common branches hold). A module's or the pairs' parameter with
-    ``requires_grad=False``, or in none of ``optimizer``'s ``param_groups``, gets the frozen record
+    default it comes from the data. ``compile=True`` runs the statistics through ``torch.compile`` (dense inputs:
+    each tensor read once; one host read of a flag per layer: the layers with a NaN/Inf, extreme magnitudes or a
+    histogram sample that missed a sparse tensor's nonzeros are computed again eagerly). A module's or the pairs'
+    parameter with ``requires_grad=False``, or in none of ``optimizer``'s ``param_groups``, gets the frozen record
     (:func:`record.frozen`), its ``.grad`` unread.
     """
     source = _source(grads)
@@ -183,7 +177,15 @@ def _selection(source: Any, optimizer: Any = None, watch: Any = None) -> Selecti
 def _records(source: Any, weights: Any, updates: Any, selection: Selection, *, hist_sample: int | None,
              seed: int | None, compile: bool = False) -> torch.Tensor:
     """The stacked records of the rows ``selection`` reads (not the frozen ones), in order; a stale row's gradient
-    is missing."""
+    is missing. ``compile=True``: the flagged layers computed again before it returns (one host read)."""
+    inputs = _inputs(source, weights, updates, selection, hist_sample=hist_sample, seed=seed)
+    stacked, due = _device_record(inputs, compile)
+    return stacked if due is None else _with_exact(stacked, due.cpu().numpy(), inputs)
+
+
+def _inputs(source: Any, weights: Any, updates: Any, selection: Selection, *, hist_sample: int | None,
+            seed: int | None) -> LayerInputs:
+    """The :class:`LayerInputs` of the rows ``selection`` reads (a stale row's gradient ``None``)."""
     names, glist, wlist = named_gradients(source, weights is True)
     if isinstance(weights, Mapping):
         wlist = [weights.get(n) for n in names]
@@ -193,32 +195,39 @@ def _records(source: Any, weights: Any, updates: Any, selection: Selection, *, h
     wlist = tuple(local(wlist[i]) for i in live)
     sizes = tuple(_size(g, w) or selection.sizes[i] for i, g, w in zip(live, glist, wlist, strict=True))
     offsets = None if seed is None else [ts.seed_offset(int(seed), i) for i in live]
-    inputs = LayerInputs(grads=glist, weights=wlist, updates=tuple(ulist[i] for i in live), sizes=sizes,
-                         hist_sample=int(hist_sample or 0), seed=None, offsets=offsets)
-    if not live:
-        return torch.zeros((0, record.NUM_FIELDS), dtype=torch.float32)
-    if compile and not any(g is not None and g.is_sparse for g in glist):
-        stacked = _compiled_common_branches(inputs)
-        if stacked is not None:
-            return stacked
+    return LayerInputs(grads=glist, weights=wlist, updates=tuple(ulist[i] for i in live), sizes=sizes,
+                       hist_sample=int(hist_sample or 0), seed=None, offsets=offsets)
+
+
+def _device_record(inputs: LayerInputs, compile: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(stacked records, flags or None)``: the flags (``compile=True``) mark the layers to compute again eagerly
+    (:func:`_with_exact`): a NaN/Inf or extreme magnitudes, or a sample that missed a sparse tensor's nonzeros."""
+    if not inputs.grads:
+        return torch.zeros((0, record.NUM_FIELDS), dtype=torch.float32), None
+    if compile and not any(g is not None and g.is_sparse for g in inputs.grads):
+        return _compiled_record(inputs)
     if torch.compiler.is_compiling():  # traced inside the caller's torch.compile
-        return _traced(inputs)
+        counts, values, _ = _torchfused.records(inputs, exact_in_graph=True)
+        return _stack(counts, values), None
     batched = _torcheager.compute(inputs)
-    return _per_layer(inputs) if batched is None else _stack(*batched)
+    return (_per_layer(inputs) if batched is None else _stack(*batched)), None
 
 
-def _compiled_common_branches(inputs: LayerInputs) -> torch.Tensor | None:
-    """The stacked records through ``torch.compile`` of the common branches, or ``None`` when some tensor needs the
-    scaled passes or the exact histogram (then the eager passes compute them)."""
+def _compiled_record(inputs: LayerInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stacked records and their flags through ``torch.compile`` of :func:`_fused` (no host read)."""
     global _compiled
     if _compiled is None:
-        _compiled = torch.compile(_speculated, dynamic=False)
+        _compiled = torch.compile(_fused, dynamic=False)
     dev = next((g.device for g in inputs.grads if g is not None), torch.device("cpu"))
     ts.edges(dev)  # filled before tracing: a cache that changes under the compiled code would recompile it
     if inputs.offsets is not None:  # a tensor, so that a new seed does not recompile
         inputs = inputs._replace(offsets=torch.tensor(inputs.offsets, dtype=torch.int64, device=dev))
-    stacked, holds = _compiled(inputs)
-    return stacked if bool(holds) else None
+    return _compiled(inputs)
+
+
+def _with_exact(stacked: torch.Tensor, redo: np.ndarray, inputs: LayerInputs) -> torch.Tensor:
+    """``stacked`` with each layer flagged ``redo`` computed again eagerly (:func:`_torchfused.redo`)."""
+    return _torchfused.redo(stacked, redo, inputs)
 
 
 def _size(g: Any, w: Any) -> int:
@@ -270,6 +279,16 @@ def to_memory(stacked: torch.Tensor | np.ndarray) -> np.ndarray:
     return _core.decode_stacked(stacked.detach().cpu().numpy() if isinstance(stacked, torch.Tensor) else stacked)
 
 
+def _host_rows(stacked: torch.Tensor, due: torch.Tensor | None, inputs: LayerInputs) -> np.ndarray:
+    """:func:`to_memory` of the records, their flags (``compile=True``) copied with them: one copy, then the
+    flagged layers computed again (a second read, on such steps only)."""
+    if due is None:
+        return to_memory(stacked)
+    host = torch.cat([stacked, due[:, None].float()], 1).cpu().numpy()
+    flags = host[:, -1] > 0
+    return to_memory(_with_exact(stacked, flags, inputs) if flags.any() else host[:, :-1])
+
+
 def _rank(group: Any = None) -> int:
     import torch.distributed as dist
 
@@ -308,9 +327,9 @@ def add_gradients(
         else hist_sample
     source = _source(grads)
     selection = _selection(source, optimizer)
-    stacked = _records(source, weights, updates, selection, hist_sample=hs, seed=step if seed is None else seed,
-                       compile=compile)
-    rows = _rows(stacked, selection, sharded, group)
+    inputs = _inputs(source, weights, updates, selection, hist_sample=hs, seed=step if seed is None else seed)
+    stacked, due = _device_record(inputs, compile)
+    rows = _rows(stacked, selection, sharded, group, due=due, inputs=inputs)
     if rows is None:
         return None
     if writer is not None:
@@ -320,16 +339,21 @@ def add_gradients(
     return rows
 
 
-def _rows(stacked: torch.Tensor, selection: Selection, sharded: bool, group: Any) -> np.ndarray | None:
+def _rows(stacked: torch.Tensor, selection: Selection, sharded: bool, group: Any, *,
+          due: torch.Tensor | None = None, inputs: LayerInputs | None = None) -> np.ndarray | None:
     """Every row's memory form from the stacked records of the rows read: with the frozen rows filled on the host;
     ``sharded``: the shards' records merged first, frozen rows included (their sizes add up), and ``None`` on
-    the ranks other than 0."""
+    the ranks other than 0. ``due`` (``compile=True``'s flags, for ``inputs``): copied with the records, the
+    flagged layers computed again."""
     if sharded:
+        if due is not None:
+            stacked = _with_exact(stacked, due.cpu().numpy(), inputs)
         stacked = merge(_with_frozen_rows(stacked, selection), group)
     if _rank(group) != 0:
         return None
-    return to_memory(stacked) if sharded else _core.with_frozen(to_memory(stacked), selection.frozen,
-                                                                 selection.sizes)
+    if sharded:
+        return to_memory(stacked)
+    return _core.with_frozen(_host_rows(stacked, due, inputs), selection.frozen, selection.sizes)
 
 
 class Pending(NamedTuple):

@@ -69,3 +69,23 @@ def test_the_stacked_record_decodes_to_the_memory_form():
 def _device(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Memory-form rows in device form: the counts as integers, the values as float32."""
     return rows[:, : record.NUM_COUNTS].astype(np.int32), rows[:, record.NUM_COUNTS :].astype(np.float32)
+
+
+def test_exponent_bins_are_the_histograms_bins():
+    """Every binade's bottom, top and a spread of values between, each decade edge and its neighbours, zeros,
+    subnormals, Inf and NaN: the table look-up gives :func:`record.hist_bin`'s bin (the finite normal values) or
+    the column past the histogram (the others)."""
+    rng = np.random.default_rng(0)
+    bits = np.concatenate([np.arange(1, 255, dtype=np.int64) << 23, (np.arange(2, 256, dtype=np.int64) << 23) - 1,
+                           rng.integers(1 << 23, 255 << 23, 20_000)]).astype(np.int32)
+    edge_bits = record.HIST_EDGES.view(np.int32).astype(np.int64)
+    near = np.concatenate([edge_bits - 1, edge_bits, edge_bits + 1]).astype(np.int32)
+    normal = np.concatenate([bits, near]).view(np.float32)
+    special = np.array([0.0, 1e-45, 1e-40, 1.1754942e-38, np.inf, np.nan], np.float32)
+    special = np.concatenate([special, np.array([0x7FFFFFFF], np.int32).view(np.float32)])
+
+    def bins(x: np.ndarray) -> np.ndarray:
+        return _core.exponent_bins(x.view(np.int32) & 0x7FFFFFFF, lambda t, e: t[e], lambda v, k: v >> k)
+
+    np.testing.assert_array_equal(bins(normal), record.hist_bin(normal))
+    assert set(bins(special).tolist()) <= {record.HIST_BINS, record.HIST_BINS + 1}

@@ -25,7 +25,7 @@ FRAMEWORK_FREE = ("plugin", "cli", "_payloads", "reader", "health", "record", "m
                   "_storage", "testing", "_failsafe", "_filereader", "_tiers", "numbers", "live")
 
 #: The writers' shared core and the statistics written once for PyTorch and JAX: numpy only.
-FRAMEWORK_FREE += ("_core", "_devicestats", "_devicebatch")
+FRAMEWORK_FREE += ("_core", "_devicestats")
 
 
 def _modules() -> dict[str, Path]:
@@ -141,8 +141,8 @@ def test_private_modules_are_imported_not_exposed():
     import tb_gradhealth
 
     private = sorted({name.split(".")[0] for name in _reach() if name.startswith("_")})
-    assert {"_eventfile", "_storage", "_payloads", "_filereader", "_failsafe", "_tiers", "_devicestats", "_devicebatch",
-            "_tf"} <= set(private)
+    assert {"_eventfile", "_storage", "_payloads", "_filereader", "_failsafe", "_tiers", "_devicestats", "_tf"} \
+        <= set(private)
     assert not [m for m in tb_gradhealth.__all__ if m.startswith("_") and m != "__version__"]
     for name in private:
         if name not in vars(tb_gradhealth):  # not imported yet in this process
