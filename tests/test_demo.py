@@ -156,7 +156,11 @@ def test_exploding_run_ends_nonfinite_and_was_exploding_before(demo, health):
     timeline = run["summary"]["timeline"]
     assert timeline[0]["status"] == "exploding" and timeline[0]["step"] < nan_step - 5
     assert timeline[-1]["status"] == "nonfinite" and timeline[-1]["step"] == nan_step
-    assert run["summary"]["onset"]["step"] == timeline[0]["step"]
+    # The run's onset is its first flagged step: the chain's start, or an earlier episode that lasted into it and
+    # is told beside the timeline ("earlier, lasted past step N"), never a step the answer does not show.
+    shown = [timeline[0]["step"]] + [e["step"] for e in run["summary"]["earlier"]
+                                     if e["label"] == f"earlier, lasted past step {timeline[0]['step']}"]
+    assert run["summary"]["onset"]["step"] == min(shown) and min(shown) < nan_step - 5
     origin = run["nan_origin"]  # where the NaN/Inf was made, replayed by the demo's loop
     assert origin is not None and origin["found"] and origin["step"] == nan_step and origin["op"] and origin["line"]
     # Before the first NaN, the growth was already flagged as exploding (the point of the trend rule).

@@ -108,7 +108,9 @@ def test_under_a_loss_scaler_every_logged_step_was_applied(tmp_path):
         y = y * 30  # gradients of ~1e2 times the loss scale (2**15) overflow float16: the first steps are skipped
         model.fit(x[:320], y[:320], batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
                   callbacks=[GradientHealthCallback(str(tmp_path), update_freq=1)])
-        applied = int(model.optimizer.iterations.numpy())
+        # The steps that applied an update: the wrapped optimizer's count (Keras 3.0's LossScaleOptimizer keeps an
+        # `iterations` of its own that never advances; newer ones forward it to the wrapped optimizer's).
+        applied = int(model.optimizer.inner_optimizer.iterations.numpy())
         assert float(model.optimizer.dynamic_scale.numpy()) < scale0 and 0 < applied < 20  # some were skipped
     finally:
         keras.mixed_precision.set_global_policy(previous)
