@@ -183,10 +183,20 @@ def test_overflow_steps_skipped_by_loss_scaling_are_not_a_disease():
     applied = (np.arange(steps), np.zeros(steps))
     assert set(_flagged(diagnose_run(names, np.arange(steps), recs, at_step=2, skipped=applied)).values()) \
         == {"nonfinite"}
-    # Skipped for as long as sustain_steps: training is stuck, that is nonfinite.
+    # Skipped for as long as sustain_steps on the signature alone: training is stuck, that is nonfinite.
     rms[3:8], update[3:8] = np.inf, 0.0
-    h = diagnose_run(names, np.arange(steps), _run(rms, names, weight_rms=weight, update_rms=update), at_step=7,
-                     skipped=(np.arange(steps), (np.arange(steps) < 8).astype(float)))
+    recs = _run(rms, names, weight_rms=weight, update_rms=update)
+    h = diagnose_run(names, np.arange(steps), recs)  # finite again from step 8: a past episode, not a skip
+    assert [(e["status"], e["from"], e["to"]) for e in h.layers[0].episodes] == [("nonfinite", 0, 7)]
+    # Where the writer said each step was skipped, a scaler finding its scale: healthy up to 15 skips in a row (the
+    # halvings from 2^16 to 2), nonfinite from the 16th (its scale would be below 1: the gradients overflow unscaled).
+    steps = 24
+    rms, weight, update = _steady(steps, 6)
+    rms[:16], update[:16] = np.inf, 0.0
+    recs = _run(rms, names, weight_rms=weight, update_rms=update)
+    told = (np.arange(steps), (np.arange(steps) < 16).astype(float))
+    assert _flagged(diagnose_run(names, np.arange(steps), recs, at_step=14, skipped=told)) == {}
+    h = diagnose_run(names, np.arange(steps), recs, at_step=15, skipped=told)
     assert set(h.statuses()) == {"nonfinite"} and h.layers[0].first_step == 0
 
 
@@ -227,6 +237,8 @@ def test_clipping_an_overflowed_norm_leaves_no_dead_episode():
     overflow = [2, 3, 4, 9]
     rms[overflow, 0:2] = np.inf  # the layers that overflowed
     rms[overflow, 2:] = 0.0  # every other gradient clipped to zero
+    rms[5] = 0.0  # ... or every gradient: the Inf was in a layer not recorded, and the writer's word is the evidence
+    overflow.append(5)
     update[overflow] = 0.0
     recs = _run(rms, names, weight_rms=weight, update_rms=update)
     told = (np.arange(steps), np.isin(np.arange(steps), overflow).astype(float))

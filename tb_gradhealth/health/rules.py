@@ -187,25 +187,34 @@ def _levels(records: np.ndarray, n_layers: int, v: dict[str, np.ndarray], groups
                    pinned_at_clip(v["norm"]), scale)
 
 
+#: Consecutive steps a dynamic loss scaler may skip while it finds its scale: halving from the default initial scale
+#: (2**16 in PyTorch's GradScaler, 2**15 in Keras' LossScaleOptimizer) to 1 takes 16 skips; past that, the
+#: gradients overflow unscaled and the scaler cannot recover.
+SCALER_HALVINGS = 16
+
+
 def _skipped(nonfinite: np.ndarray, lv: _Levels, told: np.ndarray | None, t: th.Thresholds) -> np.ndarray:
     """``[S]`` steps the optimizer skipped, on evidence. The signature: NaN/Inf in a layer whose weights are finite
     while no layer was updated (dynamic loss scaling skips a whole step after an overflow). A NaN update has no
     finite element either, so the signature alone is no evidence: the step counts as skipped when the writer says so
-    (``told``, ``[S]``: 1 skipped, 0 applied, NaN unknown: the ``amp/step_skipped`` scalar), or when the next
-    logged record is finite (a NaN update would have made every later gradient NaN). The last record of a run has
-    no next one: it stopped there, and nothing says a step was skipped. A stretch of ``sustain_steps`` skipped
-    steps or more is no skip but a loss scaler that cannot recover (NaN/Inf at every step)."""
+    (``told``, ``[S]``: 1 skipped, 0 applied, NaN unknown: the ``amp/step_skipped`` scalar; its word needs no
+    signature, e.g. the zeros that clipping an infinite total norm leaves), or when the next logged record is finite
+    (a NaN update would have made every later gradient NaN). The last record of a run has no next one: it stopped
+    there, and nothing says a step was skipped. A stretch of skipped steps that does not end is a loss scaler that
+    cannot recover (NaN/Inf at every step): ``sustain_steps`` on the signature alone, :data:`SCALER_HALVINGS` where
+    the writer said each was skipped."""
     signature = nonfinite & (lv.upd_rms == 0) & (lv.weight_norm > 0) & np.isfinite(lv.weight_norm)
-    step = signature.any(axis=1) & ~(lv.upd_rms > 0).any(axis=1)
-    told = np.full(step.shape, np.nan) if told is None else told
+    told = np.full(nonfinite.shape[0], np.nan) if told is None else told
+    step = (signature.any(axis=1) & ~(lv.upd_rms > 0).any(axis=1)) | (told == 1)
     any_nan = nonfinite.any(axis=1)
     out = np.zeros(step.shape, dtype=bool)
     cuts = np.flatnonzero(np.diff(np.concatenate([[0], step.astype(np.int8), [0]])))
-    for a, b in zip(cuts[::2], cuts[1::2], strict=True):  # each stretch [a, b) of consecutive signature rows
+    for a, b in zip(cuts[::2], cuts[1::2], strict=True):  # each stretch [a, b) of consecutive candidate rows
         said = told[a:b]
         went_on = b < step.size and not any_nan[b]
-        evidence = bool(np.all(said == 1)) or (went_on and not np.any(said == 0))
-        out[a:b] = evidence and b - a < t.sustain_steps
+        all_said = bool(np.all(said == 1))
+        evidence = all_said or (went_on and not np.any(said == 0))
+        out[a:b] = evidence and b - a < (SCALER_HALVINGS if all_said else t.sustain_steps)
     return out
 
 
