@@ -1,17 +1,18 @@
-"""PyTorch Lightning callback: the gradient-health records of the gradients each optimizer step applies.
+"""PyTorch Lightning callback: the gradient-health records of each optimizer step's gradients.
 
-:class:`GradHealth` uses Lightning's ``on_before_optimizer_step`` hook, which runs after AMP's unscaling (and after
-gradient clipping), just before ``optimizer.step()``: it records the gradients and weights there with
-:mod:`tb_gradhealth.torch`, and the applied update once the batch ends. Under DDP every rank holds the same
-all-reduced gradient and global rank 0 writes; under FSDP / ZeRO (``sharded=True``) every rank records its shards
-and :func:`tb_gradhealth.torch.merge` makes the full gradients' records. On logged steps it also records the loss
-``training_step`` returned, under AMP with a loss scaler (``precision="16-mixed"``) the scale and whether the
-scaler skipped the step (``amp/loss_scale``, ``amp/step_skipped``), and in the tags' metadata each parameter's
-layer kind and activation (:mod:`tb_gradhealth.torch_kinds`) and the optimizer: evidence the diagnosis weighs;
-with ``activations=True``, each layer's output in the logged steps' batches. A
-parameter with ``requires_grad=False`` or outside the optimizer is recorded frozen, and a ``.grad`` not produced
-since the last optimizer step missing, as under :class:`tb_gradhealth.torch.StepRecorder`. ``stop_on`` stops the
-trainer at the first logged step whose diagnosis shows a watched status (:class:`tb_gradhealth.live.StopCheck`).
+:class:`GradHealth` uses Lightning's ``on_before_optimizer_step`` hook, which runs after AMP's unscaling and before
+Lightning clips the gradients (``gradient_clip_val``): it records the gradients as backprop made them and the
+weights there with :mod:`tb_gradhealth.torch`, and the update once the batch ends (where a clip acted, the update
+shows it). Under DDP every rank holds the same all-reduced gradient and global rank 0 writes; under FSDP / ZeRO
+(``sharded=True``) every rank records its shards and :func:`tb_gradhealth.torch.merge` makes the full gradients'
+records. On logged steps it also records the loss ``training_step`` returned, under AMP with a loss scaler
+(``precision="16-mixed"``) the scale and whether the scaler skipped the step (``amp/loss_scale``,
+``amp/step_skipped``), and in the tags' metadata each parameter's layer kind and activation
+(:mod:`tb_gradhealth.torch_kinds`) and the optimizer: evidence the diagnosis weighs; with ``activations=True``, each
+layer's output in the logged steps' batches. A parameter with ``requires_grad=False`` or outside the optimizer is
+recorded frozen, and a ``.grad`` not produced since the last optimizer step missing, as under
+:class:`tb_gradhealth.torch.StepRecorder`. ``stop_on`` stops the trainer at the first logged step whose diagnosis
+shows a watched status (:class:`tb_gradhealth.live.StopCheck`).
 Lightning is imported only by this module.
 """
 
