@@ -322,11 +322,14 @@ class LiveReplay:
             self.mismatches.append((step, what))
 
 
-def worst_status(answer: Mapping[str, Any]) -> int:
-    """The most severe status of an answer's chain, as its index in ``health.STATUSES`` (lower is worse)."""
-    from tb_gradhealth import health
+#: The scorer's own severity order for a stable cause (worst first), stated here rather than read from the diagnosis
+#: under test: a NaN/Inf is worse than a blow-up, which is worse than a gradient that vanished or died.
+SEVERITY = ("nonfinite", "exploding", "vanishing", "dead", "missing", "inert", "healthy", "frozen")
 
-    return min(health.STATUSES.index(e["status"]) for e in answer["chain"])
+
+def worst_status(answer: Mapping[str, Any]) -> int:
+    """The most severe status of an answer's chain, as its index in :data:`SEVERITY` (lower is worse)."""
+    return min(SEVERITY.index(e["status"]) for e in answer["chain"])
 
 
 def cause_violations(steps: Sequence[int], answers: Sequence[Mapping[str, Any] | None]) -> list[tuple[int, str]]:
