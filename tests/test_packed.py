@@ -83,6 +83,22 @@ def test_missing_and_sparse_gradients_beside_packed_ones(jit):
     np.testing.assert_allclose(record.derived(rec[2:3])["weight_norm"], [np.sqrt(7)], rtol=1e-6)
 
 
+@pytest.mark.parametrize("jit", [True, "graph"])
+def test_embedding_gradient_too_sparse_for_the_histogram_sample_is_binned_whole(jit):
+    # A Keras embedding's gradient: a few dozen of 2,000 rows, repeated tokens (duplicate slices). The sample of
+    # 64,000 mostly-zero values holds too few nonzero ones, so the histogram is binned whole, from the same dense
+    # table the other fields were computed from.
+    rng = np.random.default_rng(6)
+    table = tf.Variable(rng.standard_normal((2000, 32)).astype(np.float32))
+    tokens = np.minimum(rng.zipf(1.6, 512), 1999).astype(np.int32)
+    slices = tf.IndexedSlices(tf.constant(rng.standard_normal((512, 32)).astype(np.float32)), tf.constant(tokens),
+                              tf.constant([2000, 32]))
+    rec = to_mem(summary.compute([(slices, table)], weights=True, jit=jit))
+    want = np.zeros((2000, 32), np.float32)
+    np.add.at(want, tokens, slices.values.numpy())
+    assert_matches_reference(rec[0], want, want.size, w=table.numpy())  # binned whole: the exact histogram
+
+
 def test_layout_rows_cover_each_piece_once():
     lay = packed.layout([10, None, 300, 2 * packed.IN_PLACE_MIN + 5, 0], [False, False, False, True, False],
                         first=[True, False, False, False, False])

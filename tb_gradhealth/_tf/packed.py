@@ -689,7 +689,8 @@ def compute_deferring(inputs: LayerInputs) -> DeviceRecord:
     rec, whole = compute_jit(inputs, deferred=True)
     if whole is None:
         return rec
+    grads = _small_slices_dense(inputs).grads  # as compute packed them: a small embedding's slices made dense
     values = tf.cond(tf.reduce_any(whole),
-                     lambda: whole_histograms_jit(inputs.grads, inputs.hist_sample, rec.values, whole),
+                     lambda: whole_histograms_jit(grads, inputs.hist_sample, rec.values, whole),
                      lambda: rec.values)
     return DeviceRecord(rec.counts, values)
