@@ -163,8 +163,8 @@ def test_huge_gradients_under_a_tiny_learning_rate_are_exploding_never_vanishing
 
 def test_a_parameter_used_at_some_steps_only_is_idle_not_missing():
     """An expert that gets no token at some logged steps (no gradient: a ``None`` .grad) is idle there, counted,
-    never missing for one step; no episode covers a step at which it had a gradient. Idle for a sustained stretch
-    it is missing."""
+    never missing for one step; no episode covers a step at which it had a gradient. Used, then idle for 20 logged
+    steps (4 x sustain_steps) and half its logged steps, it is missing: its router stopped picking it."""
     names = ["router/kernel", "expert_0/kernel", "expert_1/kernel", "head/kernel"]
     steps = 40
     grad = np.full((steps, 4), 1e-2)
@@ -180,6 +180,35 @@ def test_a_parameter_used_at_some_steps_only_is_idle_not_missing():
     h = diagnose_run(names, np.arange(steps), _records(grad, np.full((steps, 4), 0.3), 0.1 * grad, missing=idle))
     assert h.by_layer()["expert_1/kernel"].status == "missing"
     assert h.by_layer()["expert_1/kernel"].status_since == 20
+    idle[20:, 2] = False
+    idle[35:, 2] = True  # 5 logged steps without one: idle, not yet missing
+    h = diagnose_run(names, np.arange(steps), _records(grad, np.full((steps, 4), 0.3), 0.1 * grad, missing=idle))
+    assert _flagged(h) == {}
+
+
+@pytest.mark.parametrize("zeroed", [False, True])
+def test_an_expert_not_picked_for_its_first_thirty_steps_is_never_flagged(zeroed):
+    """A router that picks an expert only from step 30 on, the others at some steps only: at no step is that
+    expert missing, dead or vanishing, whether its unused gradient is ``None`` or a ``.grad`` zeroed and not
+    refilled (``zero_grad(set_to_none=False)``); the loss flat meanwhile, its zero update is no "barely learns"."""
+    names = ["router/kernel", "expert_0/kernel", "expert_1/kernel", "head/kernel"]
+    steps = 60
+    rng = np.random.default_rng(2)
+    grad = np.full((steps, 4), 1e-2) * rng.uniform(0.8, 1.2, (steps, 4))
+    idle = np.zeros((steps, 4), dtype=bool)
+    idle[:30, 2] = True
+    idle[[1, 4, 5, 11, 12, 20, 33, 47], 1] = True
+    if zeroed:
+        grad = np.where(idle, 0.0, grad)
+        recs = _records(grad, np.full((steps, 4), 0.3), 0.1 * grad)
+    else:
+        recs = _records(grad, np.full((steps, 4), 0.3), 0.1 * grad, missing=idle)
+    loss = 1.0 + 0.01 * rng.standard_normal(steps)
+    for at in range(steps):
+        h = diagnose_run(names, np.arange(steps), recs, at_step=at, progress=(np.arange(steps), loss))
+        assert _flagged(h) == {} and not any(lh.episodes for lh in h.layers), (at, _flagged(h))
+        if 5 <= at < 30:
+            assert "idle so far, not missing" in h.by_layer()["expert_1/kernel"].reasons[-1]
 
 
 def test_momentum_growing_the_updates_is_not_a_forgotten_zero_grad():

@@ -233,10 +233,14 @@ def _add_evidence(out: list[LayerHealth], ev: Steps, records: np.ndarray, t: Thr
     global clip; and those the loss found exploding under a learning rate far too small for their gradients."""
     stalled: frozenset[str] = frozenset()
     if trend is not None:
-        rows = _last_rows(ev.present)
-        cols = np.arange(ev.present.shape[1])
+        active = ev.present & ~ev.idle  # a step a layer sat out moved nothing by design
+        rows, cols = _last_rows(active), np.arange(ev.present.shape[1])
+        d = record.derived(records[rows, cols])
+        never = ~active.any(axis=0)
+        own = tuple(np.where(never, np.nan, d[k]) for k in ("update_to_weight", "grad_to_weight"))
         out, stalled = weigh_progress(out, trend, t, proportional=ev.proportional,
-                                      scaled=(10.0 ** ev.log_grad[rows, cols], 10.0 ** ev.log_upd[rows, cols]))
+                                      scaled=(10.0 ** ev.log_grad[rows, cols], 10.0 ** ev.log_upd[rows, cols]),
+                                      own=own)
     if layer_info:
         out = explain_kinds(out, layer_info)
     clip = global_clip_note(records)

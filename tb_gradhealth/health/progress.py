@@ -232,16 +232,18 @@ def loss_windows(steps: np.ndarray, progress: tuple[np.ndarray, np.ndarray], t: 
     return LossWindows(rise, rises, falls, jump, above_start, peak_above)
 
 
-def _barely_learns(lh: LayerHealth, t: Thresholds, by_update: bool = True) -> str | None:
-    """Why the layer barely learns: its update (where recorded and ``by_update``), or else its gradient, tiny beside
-    its weights; None when it does not. A network stalled by its learning rate (every update tiny) says nothing
-    about one layer's update: there only a gradient tiny beside its weights does."""
-    if by_update and math.isfinite(lh.update_to_weight) and t.update_ratio_below > 0:
-        if lh.update_to_weight < t.update_ratio_below:
-            return f"its update is {lh.update_to_weight:.2g} of its weights"
+def _barely_learns(upd: float, grad: float, t: Thresholds, by_update: bool = True) -> str | None:
+    """Why the layer barely learns: its update (``upd``: ||update|| / ||weight||, where recorded and ``by_update``),
+    or else its gradient (``grad``: ||gradient|| / ||weight||), tiny beside its weights; None when it does not. Both
+    at the layer's last record with a gradient: a step it sat out (an idle expert) moved nothing by design. A network
+    stalled by its learning rate (every update tiny) says nothing about one layer's update: there only a gradient
+    tiny beside its weights does."""
+    if by_update and math.isfinite(upd) and t.update_ratio_below > 0:
+        if upd < t.update_ratio_below:
+            return f"its update is {upd:.2g} of its weights"
         return None
-    if math.isfinite(lh.grad_to_weight) and lh.grad_to_weight < t.grad_ratio_below:
-        return f"its gradient is {lh.grad_to_weight:.2g} of its weights"
+    if math.isfinite(grad) and grad < t.grad_ratio_below:
+        return f"its gradient is {grad:.2g} of its weights"
     return None
 
 
@@ -251,16 +253,18 @@ STALLED_FIX = ("the gradients are huge for their weights and only a tiny learnin
 
 
 def weigh_progress(out: list[LayerHealth], trend: LossTrend | None, t: Thresholds,
-                   proportional: bool = False, scaled: tuple[np.ndarray, np.ndarray] | None = None
-                   ) -> tuple[list[LayerHealth], frozenset[str]]:
+                   proportional: bool = False, scaled: tuple[np.ndarray, np.ndarray] | None = None,
+                   own: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[list[LayerHealth], frozenset[str]]:
     """The layers with the loss's trend used: a healthy layer that barely learns while the loss is flat is
     vanishing (from the first step the loss was recorded), unless its gradient is large beside its weights
     (:func:`_large`: a vanishing gradient is never one that a usual learning rate would turn into steps that replace
     a tenth of the weights). Under an optimizer whose update follows the gradient (``proportional``: plain SGD),
     when the whole network barely learns while the loss does not fall, every layer whose gradient is that large is
     exploding, held back only by a learning rate far too small for it. ``scaled``: ``([L]`` gradient RMS, ``[L]``
-    update RMS``)`` over the weight RMS of each variable's layer at its last record: a bias that starts at zero is
-    measured against its kernel's weights, not its own. A falling loss is stated beside vanishing and dead layers.
+    update RMS``)`` over the weight RMS of each variable's layer at its last record with a gradient: a bias that
+    starts at zero is measured against its kernel's weights, not its own. ``own``: ``([L]`` ||update|| / ||weight||,
+    ``[L]`` ||gradient|| / ||weight||``)`` of each variable at that record (default: the layers' latest figures).
+    A falling loss is stated beside vanishing and dead layers.
     Returns the layers and those found exploding that way (their gradients' size, not their depth, names the
     cause)."""
     if trend is None:
@@ -270,7 +274,10 @@ def weigh_progress(out: list[LayerHealth], trend: LossTrend | None, t: Threshold
     # Where the learning rate holds back gradients too large for it, every update is tiny because of it: that is
     # the finding, and no other layer's tiny update makes it "not learning" on its own.
     held_back = stalled and any(_large(float(grad[lh.index]), t) for lh in out if lh.code == HEALTHY)
-    weighed = [_weigh_one(lh, trend, t, stalled, float(grad[lh.index]), by_update=not held_back) for lh in out]
+    if own is None:
+        own = (np.array([lh.update_to_weight for lh in out]), np.array([lh.grad_to_weight for lh in out]))
+    weighed = [_weigh_one(lh, trend, t, stalled, float(grad[lh.index]), (float(own[0][k]), float(own[1][k])),
+                          by_update=not held_back) for k, lh in enumerate(out)]
     return weighed, frozenset(b.layer for a, b in zip(out, weighed, strict=True)
                               if a.code == HEALTHY and b.code == EXPLODING)
 
@@ -298,21 +305,21 @@ def _network_stalled(upd: np.ndarray, trend: LossTrend, t: Thresholds) -> bool:
 
 
 def _weigh_one(lh: LayerHealth, trend: LossTrend, t: Thresholds, stalled: bool, grad: float,
-               by_update: bool = True) -> LayerHealth:
+               own: tuple[float, float], by_update: bool = True) -> LayerHealth:
     moved = f"{format_change(trend.change)} from the first to the last quarter of steps {trend.first_step}-" \
             f"{trend.last_step}"
     if lh.code == HEALTHY and stalled and _large(grad, t):
-        lr = lh.update_to_weight / lh.grad_to_weight
+        lr = own[0] / own[1]
         excess = math.log10(grad * USUAL_SGD_LR / t.update_ratio_above)
         return dataclasses.replace(
             lh, status=EXPLODING.word, severity=BASE[EXPLODING] + min(998.0, 1.0 + excess), first_step=trend.first_step,
             status_since=trend.first_step, fixes=[STALLED_FIX],
             reasons=[f"its gradient RMS is {grad:.2g}x its layer's weight RMS while the loss does not move "
-                     f"({moved}) and each update is {lh.update_to_weight:.2g} of them: the learning rate (update "
+                     f"({moved}) and each update is {own[0]:.2g} of them: the learning rate (update "
                      f"over gradient: {lr:.2g}) is far too small for gradients this large, which would blow the "
                      f"weights up at any usual one (at lr {USUAL_SGD_LR:g} each step would move them "
                      f"{grad * USUAL_SGD_LR:.2g}x their size)", *lh.reasons])
-    if (lh.code == HEALTHY and trend.flat and (why := _barely_learns(lh, t, by_update=by_update)) is not None
+    if (lh.code == HEALTHY and trend.flat and (why := _barely_learns(*own, t, by_update=by_update)) is not None
             and not _large(grad, t)):
         return dataclasses.replace(
             lh, status=VANISHING.word, severity=BASE[VANISHING] + 1.0, first_step=trend.first_step,

@@ -48,17 +48,15 @@ def layer_health(ev: Steps, steps: np.ndarray, layers: Sequence[str], i: int, d:
     reasons += _confirmation_notes(code, track, ctx, t)
     idle = _idle(ev, track, i)
     if idle and code not in (th.MISSING, th.DEAD):
-        n = len(track.rows)
-        reasons.append(f"note: no gradient at {idle} of {n} logged steps ({idle / n:.0%}): used at some steps only "
-                       f"(expert routing, a branch not taken, embedding rows), not missing or dead")
+        reasons.append(_idle_note(idle, len(track.rows), bool(ev.routed[s])))
     ever_nonfinite = ev.nonfinite[:, i]
     if code != th.NONFINITE and ever_nonfinite.any():
         reasons.append(_past_nonfinite_note(ever_nonfinite, ev.skipped[:, i], steps))
     if origin is not None and (code == th.NONFINITE or (origin[1] == i and code in th.FLAG_CODES)):
         reasons.append(_origin_note(origin, i, layers, steps))
     # a dead, NaN or missing gradient (now, or at an unconfirmed last step) makes the ratios moot
-    if code in (th.EXPLODING, th.VANISHING, th.HEALTHY) and (ev.raw[s, i] not in (th.MISSING, th.DEAD, th.NONFINITE)
-                                                           or _units_dead_at(ev, s, i)):
+    if code in (th.EXPLODING, th.VANISHING, th.HEALTHY) and not ev.idle[s, i] and (
+            ev.raw[s, i] not in (th.MISSING, th.DEAD, th.NONFINITE) or _units_dead_at(ev, s, i)):
         reasons.extend(_ratio_notes(d, i, t))
         reasons.extend(optimizer_notes(ev, s, i))
     flagged = code in th.FLAG_CODES
@@ -81,11 +79,21 @@ def layer_health(ev: Steps, steps: np.ndarray, layers: Sequence[str], i: int, d:
     )
 
 
+def _idle_note(idle: int, n: int, routed: bool) -> str:
+    """How often a parameter had no gradient, where no flagged episode explains it (``routed``: the run chooses
+    its gradient paths step by step, :func:`tb_gradhealth.health.rules.routed`)."""
+    if idle == n and routed:
+        return (f"note: no gradient at any of its {n} logged steps so far, while other parameters of this run get "
+                f"one at some steps only (routing): idle so far, not missing; one that never gets a gradient is a "
+                f"path the run never takes (an expert its router never picks: balance the routing)")
+    return (f"note: no gradient at {idle} of {n} logged steps ({idle / n:.0%}): used at some steps only (expert "
+            f"routing, a branch not taken, embedding rows), not missing or dead")
+
+
 def _idle(ev: Steps, track: Track, i: int) -> int:
     """Logged steps at which the layer had no gradient or an all-zero one (a ``None`` or zero ``.grad``) outside
     its flagged episodes: idle at times, where no confirmed status explains it."""
-    raw = ev.columns("raw")[i, track.rows]
-    idle = (raw == th.MISSING) | ((raw == th.DEAD) & ev.columns("zero_grad")[i, track.rows])
+    idle = ev.columns("idle")[i, track.rows].copy()
     for code, a, b in track.runs:
         if code in th.FLAG_CODES:
             idle[a:b + 1] = False

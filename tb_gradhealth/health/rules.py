@@ -493,9 +493,59 @@ def _raw(v: dict[str, np.ndarray], flags: dict[str, np.ndarray], exploding: np.n
     raw[v["dead"]] = th.DEAD
     raw[v["nonfinite"]] = th.NONFINITE
     raw[v["missing"]] = th.MISSING
+    raw[flags["idle"] & ~flags["stopped"] & flags["routed"][:, None]] = th.HEALTHY
     raw[v["frozen"]] = th.FROZEN
     raw[~flags["present"]] = th.ABSENT
     return raw
+
+
+def idle_records(v: dict[str, np.ndarray]) -> np.ndarray:
+    """``[S, L]`` no gradient at that step: a ``None`` one (missing) or an all-zero one (a ``.grad`` zeroed and not
+    refilled, as for an expert that got no token under ``zero_grad(set_to_none=False)``)."""
+    return v["missing"] | v["dead"]
+
+
+def routed(idle: np.ndarray, live: np.ndarray, missing: np.ndarray, kept: np.ndarray) -> bool:
+    """Whether the run chooses its gradient paths step by step (mixture-of-experts routing, a branch taken at some
+    steps, embedding rows): some variable had a gradient at a record right after one where it had none, that one
+    a ``None`` gradient (a parameter outside the graph at one step and inside it at another: nothing but a per-step
+    choice of path does that) or an all-zero one after a record with a gradient (a zero-initialised branch cuts its
+    gradient at the first steps only, by design). Then a stretch without gradient is that parameter being idle, not
+    missing or dead (:func:`stopped` says when it is more). ``kept``: the records that count (not at a step the
+    optimizer skipped, whose zeros a clip of an infinite norm made)."""
+    for c in np.flatnonzero(idle.any(axis=0) & live.any(axis=0)):
+        rows = np.flatnonzero(kept[:, c])
+        was_idle, now_live = idle[rows[:-1], c], live[rows[1:], c]
+        used_before = np.logical_or.accumulate(live[rows, c])[:-1]
+        back = was_idle & now_live & (missing[rows[:-1], c] | np.concatenate(([False], used_before[:-1])))
+        if back.any():
+            return True
+    return False
+
+
+#: In a run that routes its gradients, the logged steps (in units of ``sustain_steps``) a parameter that had a
+#: gradient must then go without one before it is missing: the stretch over which a routed expert stopped being used.
+STOPPED_SUSTAINS = 4
+
+
+def stopped(idle: np.ndarray, live: np.ndarray, kept: np.ndarray, sustain_steps: int) -> np.ndarray:
+    """``[S, L]`` the records of a stretch without gradient that, in a run that routes its gradients, is more than
+    idleness: the parameter had a gradient before it, and the stretch has lasted ``STOPPED_SUSTAINS`` x
+    ``sustain_steps`` logged steps and at least half of the parameter's logged steps so far (an expert its router
+    stopped picking). Where the stretch is still shorter, it is idle: a parameter not picked for a few dozen steps,
+    or not yet picked at all, is routing at work."""
+    out = np.zeros(idle.shape, dtype=bool)
+    need = STOPPED_SUSTAINS * sustain_steps
+    for c in np.flatnonzero(idle.any(axis=0)):
+        rows = np.flatnonzero(kept[:, c])
+        run = idle[rows, c]
+        if run.size < need or not run[-1]:
+            continue
+        start = run.size - int(np.argmin(run[::-1])) if not run.all() else 0
+        length = run.size - start
+        if start > 0 and live[rows[:start], c].any() and length >= need and 2 * length >= run.size:
+            out[rows[start:], c] = True
+    return out
 
 
 def _units_dead(dead_fraction: np.ndarray | None, live: np.ndarray, t: th.Thresholds) -> np.ndarray:
@@ -543,10 +593,15 @@ def evaluate(records: np.ndarray, layers: Sequence[str], t: th.Thresholds, loss:
     exp["grad_swing"] = swing
     exp["others"] = median_of_others(lv.log_rms, v["live"])  # the rest of the network, for where a rise began
     skip_step = _skipped(v["nonfinite"], lv, told_skipped, t)
+    kept = v["present"] & ~skip_step[:, None]
+    idle = idle_records(v) & kept
     flags = {"present": v["present"] & ~skip_step[:, None], "nonfinite": v["nonfinite"],
              "skipped": v["nonfinite"] & skip_step[:, None], "skip_step": skip_step, "recorded": v["present"],
              "inert": inert, "learns": g.learns, "calm": g.calm, "small": g.small, "converged": g.converged,
-             "zero_grad": v["dead"], "units_dead": _units_dead(dead_fraction, v["live"], t),
+             "zero_grad": v["dead"], "idle": idle,
+             "stopped": stopped(idle, v["live"], kept, t.sustain_steps),
+             "routed": np.full(idle.shape[0], routed(idle, v["live"], v["missing"], kept)),
+             "units_dead": _units_dead(dead_fraction, v["live"], t),
              **exp, **_vanishing(lv, v["rms"], g, t)}
     if dead_fraction is not None:
         flags["dead_fraction"] = dead_fraction
