@@ -231,6 +231,23 @@ def test_momentum_growing_the_updates_is_not_a_forgotten_zero_grad():
     assert "fit() zeroes the gradients itself" in h.answer["fixes"][0]
 
 
+def test_growing_updates_beside_a_blow_up_the_gradient_rules_see_are_that_blow_up():
+    """Gradients and updates growing with a rising loss (the accumulating reading) while one layer's gradient leaps
+    a thousandfold at step 25: the gradient rules see the blow-up, so the run's trend is that blow-up seen from the
+    loss, not a second cause begun at step 1; the answer is the leaping layer at every step from 25 on."""
+    names = _names(3)
+    steps = 40
+    grown = np.full((steps, 6), 1e-2) * np.arange(1, steps + 1)[:, None]
+    grown[25:, 2:4] *= 1e3
+    loss = 1.0 + 0.08 * np.linspace(0.0, 1.0, steps)
+    recs = _records(grown, np.full((steps, 6), 0.3), 1e-2 * grown, sizes=[64, 8] * 3)
+    for at in range(25, steps):
+        h = diagnose_run(names, np.arange(steps), recs, progress=(np.arange(steps), loss), at_step=at,
+                         source={"loop": "torch"})
+        assert (h.answer["layer"], h.answer["step"]) == ("dense_01/kernel", 25), (at, h.answer["headline"])
+        assert not any("as when gradients accumulate" in r for lh in h.layers for r in lh.reasons), at
+
+
 def test_a_replayed_nan_origin_names_the_layer_that_made_it():
     """NaN made on the way forward reaches every gradient at once; the writer's replay saw the layer."""
     names = _names(3)

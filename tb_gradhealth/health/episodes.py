@@ -109,18 +109,24 @@ def _confirm(runs: list[list[int]], steps: np.ndarray, need: int, sustain: int) 
 _BRIDGED = frozenset({th.EXPLODING, th.NONFINITE})
 
 
+#: Records of a healthy stretch needed for "where a layer typically stood" before an exploding run is back-dated.
+TYPICAL_POINTS = 3
+
+
 def _backdate(runs: list[list[int]], col: np.ndarray, t: th.Thresholds, own: np.ndarray | None = None,
               late: np.ndarray | None = None) -> None:
     """An exploding run after a healthy one starts where the layer's RMS left its own range against the rest of the
     network (``col``: its log RMS minus the median of the other variables'): over the logged steps just before the
     run (at most ``growth_window`` of them), the first of the trailing stretch at which it stood more than minibatch
-    noise (twice the trend's per-step slope, 0.4 decades) above where it typically stood before them, no more than
-    ``CHAIN_GAP`` steps in a row falling back (a quiet minibatch in the middle of the rise does not move the onset).
-    A rise of the whole network together (gradients growing as training gets going) or back to where the layer
-    already stood is no onset: a run whose records up to a step are those of a clean run (a clipped twin's, until
-    the first step its clip bites) has no episode there, and a cause acting on every layer at once is dated where
-    its first rule fires. A run flagged by a loss that swings by decades (``late``) is no clean run's: there the
-    layer's own RMS (``own``) is read, for a blow-up alike in every layer."""
+    noise (twice the trend's per-step slope, 0.4 decades) above the highest it stood over the healthy stretch before
+    them, no more than ``CHAIN_GAP`` steps in a row falling back (a quiet minibatch in the middle of the rise does
+    not move the onset). That range needs ``TYPICAL_POINTS`` records: the first record or two of a run (gradients at
+    initialisation) are no range to leave. A rise within the layer's own earlier swings is what a clean run's
+    gradients do too. A rise of the whole network together (gradients growing as training gets going) or back to
+    where the layer already stood is no onset: a run whose records up to a step are those of a clean run (a clipped
+    twin's, until the first step its clip bites) has no episode there, and a cause acting on every layer at once is
+    dated where its first rule fires. A run flagged by a loss that swings by decades (``late``) is no clean run's:
+    there the layer's own RMS (``own``) is read, for a blow-up alike in every layer."""
     noise = 2.0 * t.growth_decades / t.growth_window
     for k in range(1, len(runs)):
         code, first, last = runs[k]
@@ -130,9 +136,9 @@ def _backdate(runs: list[list[int]], col: np.ndarray, t: th.Thresholds, own: np.
         lo = max(prev[1], first - t.growth_window, 1)
         read = own if own is not None and late is not None and late[first:last + 1].any() else col
         before = read[prev[1]:lo]  # where it stood over the healthy stretch, before the steps searched
-        if not np.isfinite(before).any():
+        if np.count_nonzero(np.isfinite(before)) < TYPICAL_POINTS:
             continue
-        line = np.nanmedian(before) + noise
+        line = np.nanmax(before) + noise
         j, gap = first, 0
         for r in range(first - 1, lo - 1, -1):
             if read[r] > line:

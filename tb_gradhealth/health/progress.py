@@ -19,7 +19,7 @@ import numpy as np
 
 from tb_gradhealth.health.levels import condemned_since, live_stats, median_where, update_stats
 from tb_gradhealth.health.result import BASE, LayerHealth
-from tb_gradhealth.health.thresholds import DEAD, EXPLODING, HEALTHY, VANISHING, Thresholds
+from tb_gradhealth.health.thresholds import DEAD, EXPLODING, HEALTHY, NONFINITE, VANISHING, Thresholds
 from tb_gradhealth.numbers import format_change
 
 #: Fewer finite loss values than this say nothing about progress.
@@ -398,8 +398,13 @@ def weigh_growth(out: list[LayerHealth], trend: LossTrend | None, growth: Update
     (momentum's velocity, Adam's bias correction) or a learning-rate schedule, never accumulation. A network that
     learns slowly at first shows neither: its updates shrink before they grow, and its loss falls. Ratios only: the
     loss's rise and the updates' and gradients' growth in decades, against each other. The fixes are those the
-    recorded loop (``source``) can apply (Keras ``fit()`` cannot forget to zero its gradients)."""
+    recorded loop (``source``) can apply (Keras ``fit()`` cannot forget to zero its gradients). Only where the
+    gradient rules see no blow-up: where they do, a rising loss with growing updates is that blow-up seen from the
+    loss (it reads the run's trend at its last step, which a later step can turn), not a second cause begun
+    earlier."""
     if trend is None or growth is None or not growth.steady or not trend.change > FLAT:
+        return list(out)
+    if any(lh.code in (EXPLODING, NONFINITE) for lh in out):
         return list(out)
     if not growth.typical > math.log10(1.0 + trend.change) or not growth.gradient >= growth.typical / 2:
         return list(out)

@@ -169,7 +169,7 @@ def cause_first(ranked: list[LayerHealth], borrowed: frozenset[str] = frozenset(
     elif any(lh.layer in stalled for lh in tied):
         top = max(tied, key=lambda lh: (lh.severity, -lh.index))
     else:
-        top = _culprit(tied, worst, ranked, depth, forward) if chains else ranked[0]
+        top = _culprit(tied, worst, ranked, depth, forward, began) if chains else ranked[0]
     return [top] + [lh for lh in ranked if lh is not top], True
 
 
@@ -179,7 +179,7 @@ PLATEAU_DECADES = 1.0
 
 
 def _culprit(tied: list[LayerHealth], status: th.Status, ranked: list[LayerHealth], depth: np.ndarray,
-             forward: frozenset[str] = frozenset()) -> LayerHealth:
+             forward: frozenset[str] = frozenset(), began: int | None = None) -> LayerHealth:
     """Where a chain that began at one step on several layers started, named by that layer's largest tied variable
     (:func:`deepest_first`). Exploding, NaN and the rest: the deepest layer, which backprop reaches first; but an
     explosion the huge-inputs rule read (``forward``: the activations blew up on their way forward, and every later
@@ -195,21 +195,27 @@ def _culprit(tied: list[LayerHealth], status: th.Status, ranked: list[LayerHealt
         first = min(int(depth[lh.index]) for lh in ahead)
         tied = [lh for lh in ahead if int(depth[lh.index]) == first]
     elif status == th.EXPLODING:
-        tied = _behind_the_head(tied, ranked, depth) or tied
+        tied = _behind_the_head(tied, ranked, depth, began) or tied
     return max(tied, key=lambda lh: deepest_first(depth, size, lh.index))
 
 
-def _behind_the_head(tied: list[LayerHealth], ranked: list[LayerHealth], depth: np.ndarray) -> list[LayerHealth]:
-    """The tied variables outside the output layer, when its smallest variable (its bias) is not exploding: a
-    weight's gradient is its bias's times the layer's inputs, and the output bias's is the loss's own, which nothing
-    amplifies; an output weight exploding beside a calm bias is large because its inputs are, and the layer before
-    made them. Empty when the model is one layer or nothing else ties."""
+def _behind_the_head(tied: list[LayerHealth], ranked: list[LayerHealth], depth: np.ndarray,
+                     began: int | None = None) -> list[LayerHealth]:
+    """The tied variables outside the output layer, when its smallest variable (its bias) was not exploding at the
+    step the tied chains began (``began``; None: its chain at all): a weight's gradient is its bias's times the
+    layer's inputs, and the output bias's is the loss's own, which nothing amplifies; an output weight exploding
+    beside a calm bias is large because its inputs are, and the layer before made them. Read at the onset, so a
+    bias that joins the blow-up later does not move the cause to the head. Empty when the model is one layer or
+    nothing else ties."""
     last = int(depth.max())
     head = [lh for lh in ranked if int(depth[lh.index]) == last]
     if len(head) < 2:
         return []
     bias = min(head, key=lambda lh: (lh.size, -lh.index))
-    if chain_worst(bias) in (th.EXPLODING, th.NONFINITE):
+    blown = (th.EXPLODING.word, th.NONFINITE.word)
+    if began is None and chain_worst(bias) in (th.EXPLODING, th.NONFINITE):
+        return []
+    if began is not None and any(e["status"] in blown and e["from"] <= began <= e["to"] for e in bias.episodes):
         return []
     return [lh for lh in tied if int(depth[lh.index]) != last]
 
