@@ -211,6 +211,25 @@ def test_an_expert_not_picked_for_its_first_thirty_steps_is_never_flagged(zeroed
             assert "idle so far, not missing" in h.by_layer()["expert_1/kernel"].reasons[-1]
 
 
+def test_a_layer_all_zero_for_sustain_steps_and_back_is_a_recovered_dead_episode_not_routing():
+    """A kernel whose gradient is all-zero from step 2 to 9 (8 logged steps, more than ``sustain_steps``) and then
+    live again did die for a while: its dead episode is listed as earlier and recovered, not erased as a parameter
+    that a router left idle. The same kernel all-zero at 2 logged steps now and then is what routing looks like."""
+    names = _names(3)
+    steps = 30
+    grad, weight, update = _sgd(steps, len(names))
+    grad[2:10, 0] = 0.0
+    h = diagnose_run(names, np.arange(steps), _records(grad, weight, np.where(grad == 0, 0.0, update)))
+    assert _flagged(h) == {} and h.answer is None
+    assert [(e["layer"], e["status"], e["label"]) for e in h.earlier] == [("dense_00/kernel", "dead",
+                                                                         "earlier, recovered")], h.earlier
+    assert h.by_layer()["dense_00/kernel"].idle_steps == 0
+    grad, weight, update = _sgd(steps, len(names))
+    grad[[2, 3, 11, 12, 20, 21], 0] = 0.0
+    h = diagnose_run(names, np.arange(steps), _records(grad, weight, np.where(grad == 0, 0.0, update)))
+    assert _flagged(h) == {} and not h.earlier and h.by_layer()["dense_00/kernel"].idle_steps == 6
+
+
 def test_momentum_growing_the_updates_is_not_a_forgotten_zero_grad():
     """SGD with momentum 0.9: the velocity grows the updates ~10x over the first steps while the gradients stay
     the same size, and the loss wobbles up a little: no accumulation. Gradients that grow with the updates are."""

@@ -505,19 +505,26 @@ def idle_records(v: dict[str, np.ndarray]) -> np.ndarray:
     return v["missing"] | v["dead"]
 
 
-def routed(idle: np.ndarray, live: np.ndarray, missing: np.ndarray, kept: np.ndarray) -> bool:
+def routed(idle: np.ndarray, live: np.ndarray, missing: np.ndarray, kept: np.ndarray, sustain_steps: int) -> bool:
     """Whether the run chooses its gradient paths step by step (mixture-of-experts routing, a branch taken at some
     steps, embedding rows): some variable had a gradient at a record right after one where it had none, that one
     a ``None`` gradient (a parameter outside the graph at one step and inside it at another: nothing but a per-step
-    choice of path does that) or an all-zero one after a record with a gradient (a zero-initialised branch cuts its
-    gradient at the first steps only, by design). Then a stretch without gradient is that parameter being idle, not
-    missing or dead (:func:`stopped` says when it is more). ``kept``: the records that count (not at a step the
-    optimizer skipped, whose zeros a clip of an infinite norm made)."""
+    choice of path does that) or an all-zero one after a record with a gradient, ending a stretch of all-zero ones
+    shorter than ``sustain_steps`` (a zero-initialised branch cuts its gradient at the first steps only, by design;
+    a layer all-zero for ``sustain_steps`` was a dead episode when it happened, whatever follows). Then a stretch
+    without gradient is that parameter being idle, not missing or dead (:func:`stopped` says when it is more).
+    ``kept``: the records that count (not at a step the optimizer skipped, whose zeros a clip of an infinite norm
+    made)."""
     for c in np.flatnonzero(idle.any(axis=0) & live.any(axis=0)):
         rows = np.flatnonzero(kept[:, c])
-        was_idle, now_live = idle[rows[:-1], c], live[rows[1:], c]
-        used_before = np.logical_or.accumulate(live[rows, c])[:-1]
-        back = was_idle & now_live & (missing[rows[:-1], c] | np.concatenate(([False], used_before[:-1])))
+        seq = idle[rows, c]
+        length = np.zeros(seq.size, dtype=np.int64)  # idle records in a row, up to each one
+        for k in np.flatnonzero(seq):
+            length[k] = (length[k - 1] if k else 0) + 1
+        was_idle, now_live = seq[:-1], live[rows[1:], c]
+        used_before = np.concatenate(([False], np.logical_or.accumulate(live[rows, c])[:-2]))
+        zero_back = used_before & (length[:-1] < sustain_steps)
+        back = was_idle & now_live & (missing[rows[:-1], c] | zero_back)
         if back.any():
             return True
     return False
@@ -600,7 +607,7 @@ def evaluate(records: np.ndarray, layers: Sequence[str], t: th.Thresholds, loss:
              "inert": inert, "learns": g.learns, "calm": g.calm, "small": g.small, "converged": g.converged,
              "zero_grad": v["dead"], "idle": idle,
              "stopped": stopped(idle, v["live"], kept, t.sustain_steps),
-             "routed": np.full(idle.shape[0], routed(idle, v["live"], v["missing"], kept)),
+             "routed": np.full(idle.shape[0], routed(idle, v["live"], v["missing"], kept, t.sustain_steps)),
              "units_dead": _units_dead(dead_fraction, v["live"], t),
              **exp, **_vanishing(lv, v["rms"], g, t)}
     if dead_fraction is not None:
