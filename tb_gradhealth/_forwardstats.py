@@ -93,6 +93,32 @@ def output_stats(be: Backend, x: Any, *, unit_axis: int = -1, bounds: tuple[floa
     return OutputStats(counts, be.f32(xp.stack([mn, mx, *sums])), alive)
 
 
+def one_pass_output_stats(be: Backend, x: Any, unit_min: Any, unit_max: Any, *,
+                          bounds: tuple[float, float] | None = None) -> OutputStats:
+    """The statistics of an output ``x`` (float32) whose values are all finite with max|x| in ``[SAFE_LO, SAFE_HI]``
+    and neither extreme subnormal (:func:`tb_gradhealth._devicestats.one_pass_ok` of the extremes), from the
+    per-unit extremes ``unit_min``, ``unit_max`` (``[units]``; one entry for an output of fewer than two axes):
+    what :func:`output_stats` gives for such an output, in a few plain passes instead of its masked ones (the
+    extremes and the alive bits come from the per-unit extremes; the sums are plain, as the gradient's one pass)."""
+    xp = be.xp
+    flat = xp.reshape(x, (-1,))
+    n = math.prod(int(d) for d in x.shape)
+    mn, mx = xp.min(unit_min), xp.max(unit_max)
+    m = xp.maximum(mx, -mn)
+    normal = be.normal_count(flat)
+    count = be.count or xp.count_nonzero
+    saturated = normal * 0
+    if bounds is not None:
+        lo, hi = record.saturation_edges(bounds)
+        saturated = count(flat <= float(lo)) + count(flat >= float(hi)) if float(lo) < float(hi) else \
+            count((flat <= float(lo)) | (flat >= float(hi)))
+    nothing = normal * 0
+    counts = xp.stack([nothing + n, nothing, nothing, nothing, n - normal, saturated * 1 + nothing])
+    sums = grad_sums(be, flat, m, n, plain=True)
+    alive = (unit_max >= record.FLUSH_BELOW) | (unit_min <= -record.FLUSH_BELOW)
+    return OutputStats(counts, be.f32(xp.stack([mn, mx, *sums])), alive)
+
+
 def _unit_any(xp: Any, mask: Any, axis: int) -> Any:
     units = mask.shape[axis]
     return xp.any(xp.reshape(xp.moveaxis(mask, axis, -1), (-1, units)), axis=0)
