@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from tb_gradhealth import record
-from tb_gradhealth._devicestats import F32_MAX, Backend, grad_sums
+from tb_gradhealth._devicestats import F32_MAX, Backend, grad_sums, one_pass_ok
 
 #: The counts :func:`output_stats` gives, in order (``units`` and ``dead`` come from ``alive``).
 COUNTS = ("size", "nan", "posinf", "neginf", "zero", "saturated")
@@ -47,14 +47,31 @@ def unit_axis_of(ndim: int, unit_axis: int) -> int | None:
 
 
 def output_stats(be: Backend, x: Any, *, unit_axis: int = -1, bounds: tuple[float, float] | None = None,
-                 unit_any: Callable[[Any, int], Any] | None = None) -> OutputStats:
+                 unit_any: Callable[[Any, int], Any] | None = None,
+                 unit_extremes: Callable[[Any, int], tuple[Any, Any]] | None = None) -> OutputStats:
     """The statistics of one output ``x`` (any float dtype, taken as float32 holds it). ``unit_any(mask, axis)``:
     ``bool [units]``, whether each unit has a True anywhere along the other axes (default: the namespace's
-    ``moveaxis``, ``reshape`` and ``any``)."""
+    ``moveaxis``, ``reshape`` and ``any``).
+
+    ``unit_extremes(x, axis)``: ``(min, max)`` of each unit over the other axes, given with a backend whose ``cond``
+    runs one branch only: then an output of known shape whose values are all finite and of usual magnitude (every
+    healthy one) takes :func:`one_pass_output_stats`, a few plain passes, and any other the masked passes below."""
     xp = be.xp
     x = be.f32(x)
     shape = tuple(x.shape)
     static = all(d is not None for d in shape)  # a traced TensorFlow step may know its batch only when it runs
+    if unit_extremes is not None and static and math.prod(int(d) for d in shape) > 0:
+        axis = unit_axis_of(len(shape), unit_axis)
+        if axis is None:
+            lo, hi = be.min_max(xp.reshape(x, (-1,)))
+            unit_min, unit_max = xp.reshape(lo, (1,)), xp.reshape(hi, (1,))
+        else:
+            unit_min, unit_max = unit_extremes(x, axis)
+        # a compiled maximum may skip a NaN (XLA's does): the sum of the values sees every one
+        ok = one_pass_ok(xp, xp.min(unit_min), xp.max(unit_max)) & xp.isfinite(xp.sum(x))
+        return be.cond(ok, lambda x, lo, hi: one_pass_output_stats(be, x, lo, hi, bounds=bounds),
+                       lambda x, lo, hi: output_stats(be, x, unit_axis=unit_axis, bounds=bounds, unit_any=unit_any),
+                       (x, unit_min, unit_max))
     flat = xp.reshape(x, (-1,))
     a = xp.abs(flat)
     finite = a <= F32_MAX  # False for NaN and +-Inf

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tb_gradhealth import _devicestats, _forwardstats, record
+from tb_gradhealth import _forwardstats, record
 from tb_gradhealth import _torchstats as ts
 from tb_gradhealth.torch_kinds import ACTIVATIONS, KINDS
 
@@ -78,25 +78,19 @@ def _first_tensor(output: Any) -> torch.Tensor | None:
     return None
 
 
+def _unit_extremes(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
+    others = tuple(d for d in range(x.dim()) if d != axis)
+    return torch.amin(x, dim=others), torch.amax(x, dim=others)
+
+
 def output_stats(t: torch.Tensor, axis: int, bounds: tuple[float, float] | None) -> _forwardstats.OutputStats:
-    """The statistics of one output. On the host, an output whose values are all finite and of a usual magnitude
-    (every healthy one) takes :func:`_forwardstats.one_pass_output_stats`: its per-unit extremes first, then a few
-    plain passes, the choice a Python branch on those extremes. Elsewhere (an accelerator, where reading that choice
-    would stall the stream at every layer, or while ``torch.compile`` traces) and for any other output:
-    :func:`_forwardstats.output_stats`, masked passes with no branch."""
-    if t.device.type != "cpu" or torch.compiler.is_compiling() or t.numel() == 0:
-        return _forwardstats.output_stats(ts.BE, t, unit_axis=axis, bounds=bounds)
-    x = t.float()
-    unit = _forwardstats.unit_axis_of(x.dim(), axis)
-    if unit is None:
-        lo, hi = torch.aminmax(x.reshape(-1))
-        unit_min, unit_max = lo.reshape(1), hi.reshape(1)
-    else:
-        others = tuple(d for d in range(x.dim()) if d != unit)
-        unit_min, unit_max = torch.amin(x, dim=others), torch.amax(x, dim=others)  # NaN where a unit holds one
-    if bool(_devicestats.one_pass_ok(torch, unit_min.min(), unit_max.max())):  # False for NaN, Inf, huge or tiny
-        return _forwardstats.one_pass_output_stats(ts.BE, x, unit_min, unit_max, bounds=bounds)
-    return _forwardstats.output_stats(ts.BE, t, unit_axis=axis, bounds=bounds)
+    """The statistics of one output. On the host, a healthy output takes the few plain passes of
+    :func:`_forwardstats.one_pass_output_stats` (a Python branch on its per-unit extremes chooses). On an
+    accelerator, where reading that choice would stall the stream at every layer, and while ``torch.compile``
+    traces: the masked passes, with no branch."""
+    host = t.device.type == "cpu" and not torch.compiler.is_compiling()
+    return _forwardstats.output_stats(ts.BE, t, unit_axis=axis, bounds=bounds,
+                                      unit_extremes=_unit_extremes if host else None)
 
 
 class ForwardHooks:

@@ -53,3 +53,29 @@ def check_against(rec: np.ndarray, ref: dict[str, float], rtol: float = 1e-6) ->
         assert rec[record.ACT_INDEX["saturated"]] == ref["saturated"]
     else:
         assert rec[record.ACT_INDEX["saturated"]] == 0 and np.isnan(rec[record.ACT_INDEX["bound_lo"]])
+
+
+def edge_outputs() -> dict[str, tuple[np.ndarray, int, tuple[float, float] | None]]:
+    """``name -> (output, unit axis, bounds)``: outputs that take each path of the writers' statistics, healthy ones
+    (per-unit extremes and plain sums) and every kind the masked passes are for (NaN, Inf, huge, tiny, subnormal
+    values), with dead units among them."""
+    rng = np.random.default_rng(5)
+    relu = np.maximum(rng.normal(size=(6, 8, 5, 5)), 0).astype(np.float32)
+    relu[:, [1, 6]] = 0.0  # two dead channels
+    sub = relu.copy()
+    sub[0, 2, 0, 0] = 1e-41  # a subnormal inside: counted as zero
+    tiny_unit = relu.copy()
+    tiny_unit[:, 3] = 1e-41  # a unit of subnormals only: dead
+    nan = relu.copy()
+    nan[2, 4, 1, 1] = np.nan
+    inf = relu.copy()
+    inf[1, 0, 0, 0], inf[3, 5, 2, 2] = np.inf, -np.inf
+    sig = (1 / (1 + np.exp(-4 * rng.normal(size=(16, 12))))).astype(np.float32)
+    return {
+        "relu": (relu, 1, None), "subnormal_inside": (sub, 1, None), "subnormal_unit": (tiny_unit, 1, None),
+        "nan": (nan, 1, None), "inf": (inf, 1, None), "huge": (relu * np.float32(1e35), 1, None),
+        "tiny": (relu * np.float32(1e-33), 1, None), "negative_last_axis": (-relu.reshape(6, -1), -1, None),
+        "sigmoid_saturated": (sig, -1, (0.0, 1.0)), "one_axis": (rng.normal(size=40).astype(np.float32), -1, None),
+        "all_zero": (np.zeros((4, 3), np.float32), -1, None),
+    }
+

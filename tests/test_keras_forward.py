@@ -14,7 +14,7 @@ keras = pytest.importorskip("keras")
 from tb_gradhealth import reader, record  # noqa: E402
 from tb_gradhealth._tf import compat  # noqa: E402
 from tb_gradhealth.keras import GradientHealthCallback  # noqa: E402
-from tests.forward_reference import reference  # noqa: E402
+from tests.forward_reference import check_against, edge_outputs, reference  # noqa: E402
 
 pytestmark = pytest.mark.tf
 
@@ -256,3 +256,22 @@ def test_the_diagnosis_reads_dead_units_of_a_relu_layer_after_a_linear_dense(tmp
         assert by[kernel]["forward"]["activation"] == "relu" and "LeakyReLU" in by[kernel]["fixes"][0]
     else:
         assert measured < 0.5 and all(lj["status"] == "healthy" for lj in by.values())
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["graph", "xla"])
+@pytest.mark.parametrize("name", sorted(edge_outputs()))
+def test_each_outputs_statistics_in_a_compiled_step_match_the_float64_reference(name, jit):
+    """The statistics a recorded layer's output gets inside a traced step (graph and XLA, whose maximum skips a
+    NaN), whichever branch it takes, equal the float64 reference."""
+    from tb_gradhealth import _forwardstats
+    from tb_gradhealth._tf import forward
+
+    a, axis, bounds = edge_outputs()[name]
+
+    @tf.function(jit_compile=jit)
+    def stats(x):
+        return forward.output_stats(x, axis, bounds)
+
+    s = stats(tf.constant(a))
+    rec = _forwardstats.row(s.counts.numpy(), s.values.numpy().astype(np.float64), s.alive.numpy(), bounds)
+    check_against(rec, reference(a, axis, bounds), rtol=2e-6)

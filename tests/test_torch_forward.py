@@ -9,7 +9,7 @@ import pytest
 
 from tb_gradhealth import reader, record
 from tb_gradhealth.writer import Writer
-from tests.forward_reference import check_against, reference
+from tests.forward_reference import check_against, edge_outputs, reference
 
 torch = pytest.importorskip("torch")
 tgh = pytest.importorskip("tb_gradhealth.torch")
@@ -286,31 +286,7 @@ def test_the_diagnosis_reads_dead_relu_units_through_the_relu_module_after_a_lin
         assert all(x["status"] == "healthy" for x in by.values())
 
 
-def _outputs() -> dict[str, tuple[np.ndarray, int, tuple[float, float] | None]]:
-    """Outputs that take each path of the host's statistics: healthy ones (the per-unit extremes and plain sums) and
-    every kind the masked passes are for (NaN, Inf, huge, tiny, subnormal extremes), with dead units among them."""
-    rng = np.random.default_rng(5)
-    relu = np.maximum(rng.normal(size=(6, 8, 5, 5)), 0).astype(np.float32)
-    relu[:, [1, 6]] = 0.0  # two dead channels
-    sub = relu.copy()
-    sub[0, 2, 0, 0] = 1e-41  # a subnormal inside: counted as zero
-    tiny_unit = relu.copy()
-    tiny_unit[:, 3] = 1e-41  # a unit of subnormals only: dead
-    nan = relu.copy()
-    nan[2, 4, 1, 1] = np.nan
-    inf = relu.copy()
-    inf[1, 0, 0, 0], inf[3, 5, 2, 2] = np.inf, -np.inf
-    sig = (1 / (1 + np.exp(-4 * rng.normal(size=(16, 12))))).astype(np.float32)
-    return {
-        "relu": (relu, 1, None), "subnormal_inside": (sub, 1, None), "subnormal_unit": (tiny_unit, 1, None),
-        "nan": (nan, 1, None), "inf": (inf, 1, None), "huge": (relu * np.float32(1e35), 1, None),
-        "tiny": (relu * np.float32(1e-33), 1, None), "negative_last_axis": (-relu.reshape(6, -1), -1, None),
-        "sigmoid_saturated": (sig, -1, (0.0, 1.0)), "one_axis": (rng.normal(size=40).astype(np.float32), -1, None),
-        "all_zero": (np.zeros((4, 3), np.float32), -1, None),
-    }
-
-
-@pytest.mark.parametrize("name", sorted(_outputs()))
+@pytest.mark.parametrize("name", sorted(edge_outputs()))
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_each_outputs_statistics_on_the_host_match_the_float64_reference(name, dtype):
     """The statistics a forward hook takes on the host, whichever path the output takes, equal the float64
@@ -318,7 +294,7 @@ def test_each_outputs_statistics_on_the_host_match_the_float64_reference(name, d
     from tb_gradhealth import _forwardstats
     from tb_gradhealth._torchforward import output_stats
 
-    a, axis, bounds = _outputs()[name]
+    a, axis, bounds = edge_outputs()[name]
     t = torch.from_numpy(a).to(getattr(torch, dtype))
     stats = output_stats(t, axis, bounds)
     rec = _forwardstats.row(stats.counts.numpy(), stats.values.double().numpy(), stats.alive.numpy(), bounds)

@@ -39,12 +39,27 @@ def _divide(x: Any, m: Any) -> Any:
     return (x * c) / (m * c)
 
 
-def _unsupported(*args: Any) -> Any:  # pragma: no cover - the forward statistics need no histogram or cond
+def _unsupported(*args: Any) -> Any:  # pragma: no cover - the forward statistics need no histogram
     raise NotImplementedError
 
 
+def _cond(pred: Any, true_fn: Callable, false_fn: Callable, operands: tuple) -> Any:
+    return tf.cond(pred, lambda: true_fn(*operands), lambda: false_fn(*operands))
+
+
+def _unit_extremes(x: Any, axis: int) -> tuple[Any, Any]:
+    others = [d for d in range(x.shape.rank) if d != axis]
+    return tf.reduce_min(x, axis=others), tf.reduce_max(x, axis=others)
+
+
 BE = _devicestats.Backend(tnp, lambda t: tf.cast(t, tf.float32), _unsupported, lambda a, like: tf.constant(a),
-                          _divide, _unsupported)
+                          _divide, _cond)
+
+
+def output_stats(value: Any, axis: int, bounds: tuple[float, float] | None) -> _forwardstats.OutputStats:
+    """The statistics of one output inside the step: a healthy output of known shape takes the few plain passes of
+    :func:`_forwardstats.one_pass_output_stats`, any other the masked passes (a ``tf.cond`` on its extremes)."""
+    return _forwardstats.output_stats(BE, value, unit_axis=axis, bounds=bounds, unit_extremes=_unit_extremes)
 
 
 def _bits(counts: Any) -> Any:
@@ -183,7 +198,7 @@ class LayerHooks:
         value = tf.stop_gradient(out)
 
         def row() -> Any:
-            stats = _forwardstats.output_stats(BE, value, unit_axis=axis, bounds=target.bounds)
+            stats = output_stats(value, axis, target.bounds)
             return _forwardstats.disk_row(BE, stats, target.bounds, _bits)
 
         if t.logged is True:
