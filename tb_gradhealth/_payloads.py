@@ -236,7 +236,15 @@ def series_payload(series: RunSeries, layer: str, thresholds: health.Thresholds)
         **_window_fields(first, last, count, int(count.sum())),
         "fields": {name: _floats(d[name]) for name in SERIES_FIELDS},
         "thresholds": thresholds.to_dict(),
+        "outputs": output_history(series, layer),
     }
+
+
+def output_history(series: RunSeries, layer: str) -> dict[str, Any] | None:
+    """The layer's output over the logged steps where the writer recorded it (``health.forward.output_history``),
+    None for a run without output records or a layer none of them speaks for."""
+    fw = health.Forward.of(series.activations)
+    return None if fw is None else health.output_history(fw, series.layers, layer, MAX_POINTS)
 
 
 def histograms_payload(series: RunSeries, layer: str) -> dict[str, Any]:

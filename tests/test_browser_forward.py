@@ -16,6 +16,7 @@ from tests.test_browser import (  # noqa: F401 - fixtures used by name
     browser,
     gh,
     open_plugin,
+    painted_pixels,
     panel,
     select_runs,
     shot,
@@ -63,4 +64,29 @@ def test_the_forward_depth_profile_shows_each_outputs_rms_and_dead_units(
     plain = panel(page, PLAIN)
     plain.locator("tr[data-layer]").first.wait_for(timeout=30000)
     assert plain.locator("[data-testid=forward-profile]").count() == 0
+    gh.assert_clean()
+
+
+@pytest.mark.browser
+@pytest.mark.e2e
+def test_the_layer_drawer_draws_its_outputs_history(tensorboard: str, gh: Page,  # noqa: F811
+                                                    logdir: tuple[str, dict]) -> None:
+    """A variable's drawer charts the output that shows its units over the logged steps (RMS and the dead units
+    fraction, here about 22 of 32 after the bias shift); a run written without outputs has no such chart."""
+    page = open_plugin(gh, tensorboard)
+    select_runs(page, [RUN, PLAIN])
+    for run, expected in ((RUN, True), (PLAIN, False)):
+        panel(page, run).locator('tr[data-layer="dense_2/kernel"]').click()
+        drawer = page.locator("[data-testid=detail]")
+        drawer.locator(".heatmap-canvas").wait_for(timeout=30000)
+        titles = drawer.locator(".chart-title").all_inner_texts()
+        charts = [k for k, t in enumerate(titles) if t.startswith("Layer output")]
+        assert (titles[charts[0]] if charts else None) == ("Layer output dense_2 (relu) (log scale)" if expected
+                                                           else None), titles
+        if expected:
+            chart = drawer.locator(".chart", has_text="Layer output")
+            assert painted_pixels(chart.locator("canvas")) > 300
+            assert "dead unit fraction" in chart.inner_text()
+            shot(page, "31_layer_drawer_outputs.png")
+        drawer.locator(".drawer-close").click()
     gh.assert_clean()

@@ -226,3 +226,23 @@ def test_a_live_run_reads_the_outputs_as_the_report_does(tmp_path):
     assert written.loss_trend is not None
     assert live.diagnose(Thresholds()).to_json() == written.to_json()
     assert written.by_layer()["dense_2/kernel"].status == "dead"
+
+
+def test_the_series_route_gives_the_output_that_shows_a_variables_units_at_every_logged_step(tmp_path):
+    """The drawer's output history: for a kernel, its layer's output (after its relu) at every logged step, with
+    the fraction of its units that output 0 for every input, measured here on the outputs the loop made; a run
+    written without its outputs has none."""
+    net = {"widths": [16, 32, 32, 32], "act": "relu", "shift": {2: (22, -100.0)}, "steps": 9}
+    run = train(str(tmp_path / "with"), **net)
+    train(str(tmp_path / "without"), record_outputs=False, **net)
+    (series,) = reader.read_logdir(str(tmp_path / "with")).runs
+    out = _payloads.series_payload(series, "dense_2/kernel", Thresholds())["outputs"]
+    assert out["output"] == "dense_2" and out["steps"] == list(range(net["steps"])) == [int(s) for s in series.steps]
+    for k, seen in enumerate(run.outputs):
+        a = seen["dense_2"].astype(np.float32).astype(np.float64)
+        assert out["dead_fraction"][k] == pytest.approx(np.mean(~np.any(a != 0, axis=0)))
+        assert out["rms"][k] == pytest.approx(np.sqrt(np.mean(a * a)), rel=1e-5)
+    assert out["saturated_fraction"] == [None] * net["steps"] and out["total_steps"] == net["steps"]
+    assert _payloads.series_payload(series, "head/kernel", Thresholds())["outputs"]["output"] == "head"
+    (plain,) = reader.read_logdir(str(tmp_path / "without")).runs
+    assert _payloads.series_payload(plain, "dense_2/kernel", Thresholds())["outputs"] is None

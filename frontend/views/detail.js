@@ -1,7 +1,8 @@
 /**
  * The layer detail drawer: what the layer looks like over time. Magnitudes (RMS, max |g|, norm) on a log axis with
  * the run's vanishing/exploding lines, the update/weight and gradient/weight ratios and gradient noise when they
- * were recorded, NaN/Inf and zero counts when there are any, and the log-magnitude histogram as a heatmap.
+ * were recorded, NaN/Inf and zero counts when there are any, the layer's output (RMS, dead and saturated
+ * fractions) where the writer recorded it, and the log-magnitude histogram as a heatmap.
  */
 
 import { el, replace } from '../dom.js';
@@ -171,6 +172,17 @@ export function detailDrawer(model) {
           series: [
             anyPositive(nonfinite) ? { name: 'NaN+Inf elements', values: nonfinite, color: '#000000', format: count } : null,
             anyPositive(f.zero_fraction) ? { name: 'zero fraction', values: f.zero_fraction, color: C.ratio, dash: [4, 3] } : null,
+          ].filter(Boolean),
+          episodes }));
+      }
+      const out = series.outputs;
+      if (out && out.steps && out.steps.length) {
+        const act = out.activation ? ` (${out.activation})` : '';
+        blocks.push(lineChart({ title: `Layer output ${out.output}${act} (log scale)`, steps: out.steps,
+          series: [
+            { name: 'output RMS', values: out.rms, color: C.rms },
+            anyPositive(out.dead_fraction) ? { name: 'dead unit fraction', values: out.dead_fraction, color: C.max_abs, dash: [6, 3] } : null,
+            anyPositive(out.saturated_fraction) ? { name: 'saturated fraction', values: out.saturated_fraction, color: C.ratio, dash: [4, 3] } : null,
           ].filter(Boolean),
           episodes }));
       }

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from tb_gradhealth.health.diagnose import diagnose_run
 from tb_gradhealth.health.episodes import BLOWN_UP, CHAIN_GAP
-from tb_gradhealth.health.forward import Forward, depth_profile
+from tb_gradhealth.health.forward import Forward, depth_profile, output_history
 from tb_gradhealth.health.levels import REFERENCE_FRACTION, REFERENCE_MIN, layer_groups
 from tb_gradhealth.health.profile import profile
 from tb_gradhealth.health.result import LayerHealth, RunHealth
@@ -51,5 +51,5 @@ __all__ = [
     "NONFINITE",
     "REFERENCE_FRACTION", "REFERENCE_MIN", "STATUSES", "TREND_MIN_SIZE", "VANISHING", "Forward", "LayerHealth",
     "RunHealth", "Status", "ThresholdError", "Thresholds", "depth_profile", "diagnose_run", "layer_groups",
-    "profile",
+    "output_history", "profile",
 ]

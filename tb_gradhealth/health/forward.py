@@ -224,6 +224,31 @@ def with_activations(info: Mapping[str, tuple[str, str]], units: Units | None, v
     return out
 
 
+def output_history(fw: Forward, variables: Sequence[str], variable: str, max_points: int) -> dict[str, Any] | None:
+    """The output that shows ``variable``'s units (:func:`speaks_for` over all the run's ``variables``: after their
+    activation) at each logged step of the forward records, for the layer drawer: ``{"output", "activation",
+    "steps", "rms", "dead_fraction", "saturated_fraction", "total_steps"}`` (None where a value is not known), at
+    most ``max_points`` steps evenly spread with the last one kept; None where no recorded output is its layer's."""
+    _, shown = speaks_for(fw, variables)
+    r = shown[list(variables).index(variable)]
+    if r < 0:
+        return None
+    rows = np.flatnonzero(~np.isnan(fw.records[:, r, record.ACT_INDEX["size"]]))
+    if not rows.size:
+        return None
+    total = int(rows.size)
+    if rows.size > max_points:
+        rows = rows[np.unique(np.linspace(0, rows.size - 1, max_points).round().astype(np.int64))]
+    d = record.act_derived(fw.records[rows, r])
+
+    def nums(x: np.ndarray) -> list[float | None]:
+        return [float(v) if math.isfinite(v) else None for v in np.asarray(x, dtype=np.float64)]
+
+    return {"output": str(fw.layers[r]), "activation": _activation(fw, r), "steps": [int(s) for s in fw.steps[rows]],
+            "rms": nums(d["rms"]), "dead_fraction": nums(d["dead_fraction"]),
+            "saturated_fraction": nums(d["saturated_fraction"]), "total_steps": total}
+
+
 def depth_profile(fw: Forward, step: int) -> dict[str, Any] | None:
     """The forward depth profile at the latest logged step of the forward records at or before ``step``:
     ``{"step", "outputs": [{"output", "activation", "rms", "dead_fraction", "saturated_fraction"}]}`` in forward
