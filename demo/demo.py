@@ -7,8 +7,9 @@ tab shows the cases it exists to tell apart:
 ===================  ===================================================  ===========================================
 run                  network                                              writer
 ===================  ===================================================  ===========================================
-``healthy/train``    He-initialised Dense/BatchNorm/ReLU MLP, Adam        ``keras.GradientHealthCallback``
-``vanishing/train``  12-layer sigmoid MLP, SGD: the first layers vanish   ``keras.GradientHealthCallback``
+``healthy/train``    He-initialised Dense/BatchNorm/ReLU MLP, Adam        ``keras.GradientHealthCallback`` (and the
+                                                                          layers' outputs: ``activations=True``)
+``vanishing/train``  12-layer sigmoid MLP, SGD: the first layers vanish   ``keras.GradientHealthCallback`` (same)
 ``exploding``        deep tanh stack, too-large init, growing step size:  ``summary.compute``/``write`` in a custom
                      gradients grow for a dozen steps, then NaN; where    loop, ``tf_origin.OriginFinder``
                      the NaN was made is replayed and stored
@@ -103,14 +104,15 @@ def run_healthy(logdir: str, steps: int) -> int:
 
 
 def _keras_callbacks(logdir: str) -> list:
-    """Gradient health at every step, plus Keras' own TensorBoard callback for the loss: both write to
-    ``logdir/train``, so they show as one run (``<name>/train``) in TensorBoard."""
+    """Gradient health at every step, with each layer's output beside its gradients (the tab's forward profile),
+    plus Keras' own TensorBoard callback for the loss: both write to ``logdir/train``, so they show as one run
+    (``<name>/train``) in TensorBoard."""
     import keras
 
     from tb_gradhealth.keras import GradientHealthCallback
 
     return [
-        GradientHealthCallback(logdir, update_freq=1),
+        GradientHealthCallback(logdir, update_freq=1, activations=True),
         keras.callbacks.TensorBoard(logdir, update_freq=1, write_graph=False),
     ]
 
