@@ -125,6 +125,12 @@ _BE = _devicestats.Backend(
 )
 
 
+def _unit_extremes(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+    """Each unit's minimum and maximum over the other axes: a healthy output's statistics start from them."""
+    others = tuple(d for d in range(x.ndim) if d != axis)
+    return jnp.min(x, axis=others), jnp.max(x, axis=others)
+
+
 def _is_none(x: Any) -> bool:
     return x is None
 
@@ -358,7 +364,8 @@ def forward_records(outputs: Any, *, activations: Mapping[str, str] | None = Non
     rows = []
     for n, x in zip(names, arrays, strict=True):
         bounds = record.activation_bounds(acts.get(n, ""))
-        stats = _forwardstats.output_stats(_BE, jnp.asarray(x), unit_axis=int(axes.get(n, -1)), bounds=bounds)
+        stats = _forwardstats.output_stats(_BE, jnp.asarray(x), unit_axis=int(axes.get(n, -1)), bounds=bounds,
+                                           unit_extremes=_unit_extremes)
         rows.append(_forwardstats.disk_row(_BE, stats, bounds,
                                            lambda c: lax.bitcast_convert_type(c.astype(jnp.int32), jnp.float32)))
     return jnp.stack(rows) if rows else jnp.zeros((0, record.ACT_NUM_FIELDS), jnp.float32)

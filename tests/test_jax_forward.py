@@ -72,3 +72,24 @@ def test_forward_records_of_a_plain_dict_with_unit_axes_and_a_repeated_call():
     check_against(mem[0], reference(a, 1), rtol=2e-6)
     check_against(mem[1], reference(a * 2, 1), rtol=2e-6)
     assert mem[0, record.ACT_INDEX["dead"]] >= 1
+
+
+def test_each_outputs_forward_record_in_a_jitted_function_matches_the_float64_reference():
+    """Every edge output (NaN, Inf, huge, tiny, subnormal values, dead units, saturation), whichever branch of the
+    conditional it takes inside ``jax.jit``, gets the forward record of the float64 reference."""
+    from tb_gradhealth import record
+    from tests.forward_reference import edge_outputs
+
+    cases = edge_outputs()
+    acts = {name: "sigmoid" for name, (_, _, bounds) in cases.items() if bounds == (0.0, 1.0)}
+    axes = {name: axis for name, (_, axis, _) in cases.items()}
+    stacked = jax.jit(lambda outs: jgh.forward_records(outs, activations=acts, unit_axis=axes))(
+        {name: jnp.asarray(a) for name, (a, _, _) in cases.items()})
+    rows = record.act_from_disk(np.asarray(stacked))
+    names = jgh.forward_names({name: a for name, (a, _, _) in cases.items()})
+    for name, row in zip(names, rows, strict=True):
+        a, axis, bounds = cases[name]
+        try:
+            check_against(row, reference(a, axis, bounds), rtol=2e-6)
+        except AssertionError as e:
+            raise AssertionError(f"{name}: {e}") from e
