@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests import test_browser
 from tests.mlp_numpy import train
 from tests.test_browser import (  # noqa: F401 - fixtures used by name
     Page,
@@ -16,7 +17,6 @@ from tests.test_browser import (  # noqa: F401 - fixtures used by name
     browser,
     gh,
     open_plugin,
-    painted_pixels,
     panel,
     select_runs,
     shot,
@@ -85,7 +85,7 @@ def test_the_layer_drawer_draws_its_outputs_history(tensorboard: str, gh: Page, 
                                                            else None), titles
         if expected:
             chart = drawer.locator(".chart", has_text="Layer output")
-            assert painted_pixels(chart.locator("canvas")) > 300
+            assert test_browser.painted_pixels(chart.locator("canvas")) > 300
             assert "dead unit fraction" in chart.inner_text()
             shot(page, "31_layer_drawer_outputs.png")
         drawer.locator(".drawer-close").click()
