@@ -187,3 +187,13 @@ class ForwardHooks:
         if taken is not None:
             names, rows, info = taken
             writer.add_records(step, names, rows, name=name, kind=record.ACTIVATIONS, layer_info=info, source=source)
+
+
+def release(hooks: ForwardHooks | None, writer: Any) -> tuple[None, None]:
+    """The end of a framework callback's training: its forward hooks removed, its writer closed (either may be None
+    already); ``(None, None)``, for the callback's two attributes, so that a second call does nothing."""
+    if hooks is not None:
+        hooks.arm(False)
+    if writer is not None:
+        writer.close()
+    return None, None

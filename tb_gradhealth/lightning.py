@@ -29,7 +29,7 @@ import torch
 from tb_gradhealth import _storage, _torchparams, metadata, record
 from tb_gradhealth import torch as tgh
 from tb_gradhealth._failsafe import Failsafe
-from tb_gradhealth._torchforward import ForwardHooks
+from tb_gradhealth._torchforward import ForwardHooks, release
 from tb_gradhealth.live import StopCheck, Stoppable
 from tb_gradhealth.progress import SKIPPED_TAG
 from tb_gradhealth.torch_kinds import module_layer_info
@@ -186,12 +186,7 @@ class GradHealth(pl.Callback, Stoppable):
             trainer.should_stop = True
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self._forward is not None:
-            self._forward.arm(False)
-            self._forward = None
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+        self._forward, self.writer = release(self._forward, self.writer)
 
 
 def _scaler(trainer: pl.Trainer) -> Any:

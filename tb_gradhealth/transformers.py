@@ -29,7 +29,7 @@ from transformers import TrainerCallback
 from tb_gradhealth import _storage, _torchparams, metadata, record
 from tb_gradhealth import torch as tgh
 from tb_gradhealth._failsafe import Failsafe
-from tb_gradhealth._torchforward import ForwardHooks
+from tb_gradhealth._torchforward import ForwardHooks, release
 from tb_gradhealth.live import StopCheck, Stoppable
 from tb_gradhealth.progress import SKIPPED_TAG
 from tb_gradhealth.torch_kinds import layer_info_for
@@ -178,12 +178,7 @@ class GradHealthCallback(TrainerCallback, Stoppable):
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._check(control)
-        if self._forward is not None:
-            self._forward.arm(False)
-            self._forward = None
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+        self._forward, self.writer = release(self._forward, self.writer)
 
 
 def _unwrapped(optimizer: Any) -> Any:
