@@ -534,11 +534,14 @@ TWIN_RULE = ("mutation beside its healthy twin ({twin}), same data: {status} whe
 
 
 def _grad_norms(model: Any, x: np.ndarray, y: np.ndarray, loss: Any) -> np.ndarray:
+    """Each variable's gradient norm on ``(x, y)``, in float64 (a float32 norm of values below about 1e-19 squares
+    them to 0: a vanishing gradient would read as no gradient at all)."""
     import tensorflow as tf
 
     with tf.GradientTape() as tape:
         value = loss(y, model(x, training=True))
-    return np.array([float(tf.norm(g)) for g in tape.gradient(value, model.trainable_variables)])
+    return np.array([float(np.linalg.norm(np.asarray(tf.convert_to_tensor(g), np.float64)))
+                     for g in tape.gradient(value, model.trainable_variables)])
 
 
 def _norms_per_batch(model: Any, x: np.ndarray, y: np.ndarray, batch: int, loss: Any) -> np.ndarray:
