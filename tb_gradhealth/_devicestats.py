@@ -109,14 +109,17 @@ def _relative(be: Backend, x: Any, m: Any) -> Any:
     return be.divide(x, be.xp.where(m > 0, m, 1.0))
 
 
-def grad_sums(be: Backend, x: Any, m: Any, nf: Any, plain: bool) -> list[Any]:
+def grad_sums(be: Backend, x: Any, m: Any, nf: Any, plain: bool, known: dict[str, Any] | None = None) -> list[Any]:
     """The :data:`record.GRAD_SUMS` fields of a flat gradient ``x`` with max|x| ``m`` and ``nf`` finite values (the
     one evaluation of that table for these backends), in its order. ``plain``: an all-finite ``x`` whose max|x| is
-    in ``[SAFE_LO, SAFE_HI]``: ``sum(term(x)) / m**power`` (or ``/ nf``), one pass each; else ``x`` holds only its
-    finite unflushed values (0 elsewhere) and each sum is of ``term(x / m)``, right at any magnitude."""
+    in ``[SAFE_LO, SAFE_HI]``: ``sum(term(x)) / m**power`` (or ``/ nf``), one pass each (``known``: the sums
+    ``sum(term(x))`` a caller already has, by field name); else ``x`` holds only its finite unflushed values (0
+    elsewhere) and each sum is of ``term(x / m)``, right at any magnitude."""
     xp = be.xp
     if plain:
-        return [be.term_sum(s.term, x) / (nf if s.mean else record.power_of(m, s.power)) for s in record.GRAD_SUMS]
+        known = known or {}
+        return [(known[s.name] if s.name in known else be.term_sum(s.term, x))
+                / (nf if s.mean else record.power_of(m, s.power)) for s in record.GRAD_SUMS]
     y = _relative(be, x, m)
     fsum = be.fsum or xp.sum
     out = []

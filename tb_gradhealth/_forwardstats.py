@@ -46,6 +46,18 @@ def unit_axis_of(ndim: int, unit_axis: int) -> int | None:
     return unit_axis % ndim
 
 
+def per_unit_extremes(reduce_min: Callable[[Any, tuple[int, ...]], Any],
+                      reduce_max: Callable[[Any, tuple[int, ...]], Any]) -> Callable[[Any, int], tuple[Any, Any]]:
+    """The ``unit_extremes`` of :func:`output_stats` from a library's reductions over several axes
+    (``reduce(x, axes)``): each unit's minimum and maximum over every axis but its own."""
+
+    def unit_extremes(x: Any, axis: int) -> tuple[Any, Any]:
+        others = tuple(d for d in range(len(x.shape)) if d != axis)
+        return reduce_min(x, others), reduce_max(x, others)
+
+    return unit_extremes
+
+
 def output_stats(be: Backend, x: Any, *, unit_axis: int = -1, bounds: tuple[float, float] | None = None,
                  unit_any: Callable[[Any, int], Any] | None = None,
                  unit_extremes: Callable[[Any, int], tuple[Any, Any]] | None = None) -> OutputStats:
@@ -67,11 +79,12 @@ def output_stats(be: Backend, x: Any, *, unit_axis: int = -1, bounds: tuple[floa
             unit_min, unit_max = xp.reshape(lo, (1,)), xp.reshape(hi, (1,))
         else:
             unit_min, unit_max = unit_extremes(x, axis)
-        # a compiled maximum may skip a NaN (XLA's does): the sum of the values sees every one
-        ok = one_pass_ok(xp, xp.min(unit_min), xp.max(unit_max)) & xp.isfinite(xp.sum(x))
-        return be.cond(ok, lambda x, lo, hi: one_pass_output_stats(be, x, lo, hi, bounds=bounds),
-                       lambda x, lo, hi: output_stats(be, x, unit_axis=unit_axis, bounds=bounds, unit_any=unit_any),
-                       (x, unit_min, unit_max))
+        # a compiled maximum may skip a NaN (XLA's does): the sum of the values sees every one (and is the mean's)
+        total = (be.fsum or xp.sum)(xp.reshape(x, (-1,)))
+        ok = one_pass_ok(xp, xp.min(unit_min), xp.max(unit_max)) & xp.isfinite(total)
+        return be.cond(ok, lambda x, lo, hi, s: one_pass_output_stats(be, x, lo, hi, bounds=bounds, total=s),
+                       lambda x, lo, hi, s: output_stats(be, x, unit_axis=unit_axis, bounds=bounds, unit_any=unit_any),
+                       (x, unit_min, unit_max, total))
     flat = xp.reshape(x, (-1,))
     a = xp.abs(flat)
     finite = a <= F32_MAX  # False for NaN and +-Inf
@@ -111,12 +124,13 @@ def output_stats(be: Backend, x: Any, *, unit_axis: int = -1, bounds: tuple[floa
 
 
 def one_pass_output_stats(be: Backend, x: Any, unit_min: Any, unit_max: Any, *,
-                          bounds: tuple[float, float] | None = None) -> OutputStats:
+                          bounds: tuple[float, float] | None = None, total: Any = None) -> OutputStats:
     """The statistics of an output ``x`` (float32) whose values are all finite with max|x| in ``[SAFE_LO, SAFE_HI]``
     and neither extreme subnormal (:func:`tb_gradhealth._devicestats.one_pass_ok` of the extremes), from the
     per-unit extremes ``unit_min``, ``unit_max`` (``[units]``; one entry for an output of fewer than two axes):
     what :func:`output_stats` gives for such an output, in a few plain passes instead of its masked ones (the
-    extremes and the alive bits come from the per-unit extremes; the sums are plain, as the gradient's one pass)."""
+    extremes and the alive bits come from the per-unit extremes; the sums are plain, as the gradient's one pass;
+    ``total``: the sum of ``x`` where the caller has it)."""
     xp = be.xp
     flat = xp.reshape(x, (-1,))
     n = math.prod(int(d) for d in x.shape)
@@ -124,14 +138,14 @@ def one_pass_output_stats(be: Backend, x: Any, unit_min: Any, unit_max: Any, *,
     m = xp.maximum(mx, -mn)
     normal = be.normal_count(flat)
     count = be.count or xp.count_nonzero
-    saturated = normal * 0
-    if bounds is not None:
-        lo, hi = record.saturation_edges(bounds)
-        saturated = count(flat <= float(lo)) + count(flat >= float(hi)) if float(lo) < float(hi) else \
-            count((flat <= float(lo)) | (flat >= float(hi)))
     nothing = normal * 0
+    saturated = nothing
+    if bounds is not None:
+        lo, hi = (float(e) for e in record.saturation_edges(bounds))
+        # edges that meet or cross leave no value between them: every value is saturated
+        saturated = count(flat <= lo) + count(flat >= hi) if lo < hi else nothing + n
     counts = xp.stack([nothing + n, nothing, nothing, nothing, n - normal, saturated * 1 + nothing])
-    sums = grad_sums(be, flat, m, n, plain=True)
+    sums = grad_sums(be, flat, m, n, plain=True, known=None if total is None else {"mean": total})
     alive = (unit_max >= record.FLUSH_BELOW) | (unit_min <= -record.FLUSH_BELOW)
     return OutputStats(counts, be.f32(xp.stack([mn, mx, *sums])), alive)
 

@@ -78,9 +78,7 @@ def _first_tensor(output: Any) -> torch.Tensor | None:
     return None
 
 
-def _unit_extremes(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
-    others = tuple(d for d in range(x.dim()) if d != axis)
-    return torch.amin(x, dim=others), torch.amax(x, dim=others)
+_unit_extremes = _forwardstats.per_unit_extremes(torch.amin, torch.amax)
 
 
 def output_stats(t: torch.Tensor, axis: int, bounds: tuple[float, float] | None) -> _forwardstats.OutputStats:

@@ -125,10 +125,7 @@ _BE = _devicestats.Backend(
 )
 
 
-def _unit_extremes(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
-    """Each unit's minimum and maximum over the other axes: a healthy output's statistics start from them."""
-    others = tuple(d for d in range(x.ndim) if d != axis)
-    return jnp.min(x, axis=others), jnp.max(x, axis=others)
+_unit_extremes = _forwardstats.per_unit_extremes(jnp.min, jnp.max)
 
 
 def _is_none(x: Any) -> bool:

@@ -47,9 +47,7 @@ def _cond(pred: Any, true_fn: Callable, false_fn: Callable, operands: tuple) -> 
     return tf.cond(pred, lambda: true_fn(*operands), lambda: false_fn(*operands))
 
 
-def _unit_extremes(x: Any, axis: int) -> tuple[Any, Any]:
-    others = [d for d in range(x.shape.rank) if d != axis]
-    return tf.reduce_min(x, axis=others), tf.reduce_max(x, axis=others)
+_unit_extremes = _forwardstats.per_unit_extremes(tf.reduce_min, tf.reduce_max)
 
 
 BE = _devicestats.Backend(tnp, lambda t: tf.cast(t, tf.float32), _unsupported, lambda a, like: tf.constant(a),
