@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tb_gradhealth import metadata, record
+from tb_gradhealth import metadata, progress, record
 from tb_gradhealth._tf import compat, records
 from tb_gradhealth._tf.kernels import DeviceRecord, size_rows
 from tb_gradhealth._tf.naming import layer_names, normalize, variable_names
@@ -31,7 +31,7 @@ from tb_gradhealth.record import Delta
 
 __all__ = [
     "DeviceRecord", "Delta", "compute", "layer_names", "normalize", "variable_names", "write", "gradients",
-    "to_disk", "size_rows",
+    "to_disk", "size_rows", "step_skipped", "write_step_skipped",
 ]
 
 
@@ -152,6 +152,9 @@ def gradients(
     names = layer_names(grads_and_vars, weights if not isinstance(weights, bool) else None)
     if isinstance(weights, bool) and weights and all(v is None for v in normalize(grads_and_vars, True)[3]):
         weights = None  # a dict of gradients has no variables to take weights from
+    if updates is not None:
+        write_step_skipped(lambda: step_skipped(records.layer_inputs(grads_and_vars, weights, updates, 0, None)),
+                           step)
     return write(
         lambda: compute(grads_and_vars, weights, updates, hist_sample=hist_sample, seed=seed, jit=jit),
         names,
@@ -159,3 +162,38 @@ def gradients(
         name,
         hist_sample=hist_sample,
     )
+
+
+def step_skipped(inputs: Any) -> tf.Tensor:
+    """Whether the optimizer skipped the step, from its gradients and applied updates (a
+    :class:`tb_gradhealth._core.LayerInputs`): 1.0 when some gradient holds NaN/Inf and every update is exactly zero
+    (the weights are bitwise unchanged: what a loss-scale optimizer does after an overflow); 0.0 when some update is
+    not zero (the step moved the weights, NaN included); NaN when neither, or when no update is given (nothing to
+    tell: a zero update of finite gradients is no skip of an overflow)."""
+
+    def values(t: Any) -> Any:
+        if isinstance(t, tf.IndexedSlices):
+            return t.values
+        if isinstance(t, Delta):
+            return tf.cast(t.after != t.before, tf.float32)  # bitwise: NaN != NaN moves
+        return t
+
+    moved = [tf.reduce_any(values(u) != 0) for u in inputs.updates if u is not None]
+    overflowed = [tf.logical_not(tf.reduce_all(tf.math.is_finite(values(g)))) for g in inputs.grads if g is not None]
+    if not moved:
+        return tf.constant(float("nan"))
+    any_moved = tf.reduce_any(tf.stack(moved))
+    any_overflow = tf.reduce_any(tf.stack(overflowed)) if overflowed else tf.constant(False)
+    return tf.where(any_moved, 0.0, tf.where(any_overflow, 1.0, float("nan")))
+
+
+@tf.autograph.experimental.do_not_convert
+def write_step_skipped(flag: Any, step: Any = None) -> tf.Tensor | bool:
+    """Write the scalar :data:`tb_gradhealth.progress.SKIPPED_TAG` (1 skipped, 0 applied, NaN not known) that the
+    diagnosis reads as the evidence of a skipped step: ``flag`` a float scalar or a callable making one (evaluated
+    only when recording), e.g. :func:`step_skipped`."""
+    from tensorboard.plugins.scalar import metadata as scalar_metadata
+
+    md = scalar_metadata.create_summary_metadata(display_name=None, description=None)
+    return tf.summary.write(progress.SKIPPED_TAG, (lambda: tf.cast(flag(), tf.float32)) if callable(flag)
+                            else tf.cast(flag, tf.float32), step=step, metadata=md)
