@@ -46,9 +46,11 @@ LAYER_INFO_VERSION = 1
 #: Version of the optional ``source`` entry of the content (what the writer knows of the training loop). Additive as
 #: ``info``: content without it, or with a newer version of it, reads as ``source={}``.
 SOURCE_VERSION = 1
-#: The keys of ``source``: the loop that wrote the records (one of :data:`LOOPS`), the optimizer's class name, and
-#: its momentum where it has one (as text, e.g. ``"0.9"``).
-SOURCE_KEYS = ("loop", "optimizer", "momentum")
+#: The keys of ``source``: the loop that wrote the records (one of :data:`LOOPS`), the optimizer's class name, its
+#: momentum where it has one (as text, e.g. ``"0.9"``), and the global norm the loop clips the recorded gradients to
+#: where it clips them (``"1"``: Hugging Face ``Trainer``'s ``max_grad_norm``). A key added later reads in older
+#: readers as absent.
+SOURCE_KEYS = ("loop", "optimizer", "momentum", "clip_norm")
 #: The loops the package's writers name: ``model.fit`` through the Keras callback, a custom TensorFlow loop (the
 #: ``summary`` op, TPU and ``tf.distribute`` helpers), PyTorch's ``StepRecorder``, Lightning, Hugging Face
 #: ``Trainer``, JAX/optax, and the numpy ``Writer`` called by the user's own code.

@@ -4,7 +4,8 @@
 the gradients (mixed precision) and clipped them to ``max_grad_norm``, just before ``optimizer.step()``: the
 recorded gradient is the one the optimizer applies, AFTER clipping (``Trainer`` logs the norm before clipping as
 ``grad_norm``). The callback also writes the scalar ``clip/max_grad_norm`` (``args.max_grad_norm``, 0 when
-not clipping) so a reader can tell, and under mixed precision with a loss scaler (``fp16=True``) the scale and
+not clipping) and states the clip in the tags' metadata (``clip_norm``: a step clipped to it is no evidence of a
+runaway), and under mixed precision with a loss scaler (``fp16=True``) the scale and
 whether the scaler skipped the step (``amp/loss_scale``, ``amp/step_skipped``). The applied update is recorded in
 ``on_optimizer_step``. The loss ``Trainer`` logs (every ``logging_steps``, its mean since the last log) is recorded
 in ``on_log`` at the step of its last batch's record, and each parameter's layer kind and activation
@@ -98,6 +99,8 @@ class GradHealthCallback(TrainerCallback, Stoppable):
             self._stop.rearm()  # a new train() may stop again
         optimizer = kwargs.get("optimizer")
         self.source = metadata.loop_source("transformers", _unwrapped(optimizer) if optimizer is not None else None)
+        if args.max_grad_norm and args.max_grad_norm > 0:  # the recorded gradients are clipped to it
+            self.source["clip_norm"] = f"{float(args.max_grad_norm):g}"
         if self.writer is not None and kwargs.get("model") is not None:
             self._watch = self.failsafe.run("watching which gradients a step produces", _torchparams.GradWatch,
                                             list(kwargs["model"].named_parameters()))

@@ -331,3 +331,31 @@ def test_a_layer_rising_alone_is_dated_where_it_left_the_rest_of_the_network():
                                                                          _records(together, weight, 0.1 * together),
                                                                          at_step=at)))
     assert first == flagged_at
+
+
+def test_a_step_clipped_to_the_global_norm_the_loop_states_is_no_feedback():
+    """SGD at a high learning rate: every gradient grows 3x at two logged steps in a row and each update moves the
+    weights by more than their RMS, the feedback signature. In the loop that clips the global norm (the
+    recorded gradient is the clipped one, as Hugging Face ``Trainer`` records it), the second growth is the clip's:
+    the gradients' global norm is exactly the clip there, and the update is bounded by the learning rate times the clip.
+    With that clip stated, the step is no evidence; without it, the same records are a divergence."""
+    rng = np.random.default_rng(5)
+    names, n, steps, lr = _names(3), 256, 11, 5.0
+    base = [rng.normal(size=n) for _ in names]
+    weights = [rng.normal(size=n) * 0.3 for _ in names]
+    scale = np.full(steps, 1e-2)
+    scale[9], scale[10] = 3e-2, 1e-1
+    grads = [[b * scale[s] * (1 + 0.01 * rng.normal(size=n)) for b in base] for s in range(steps)]
+    clip = 0.9 * np.sqrt(sum(float(np.sum(g ** 2)) for g in grads[10]))
+    grads[10] = [g * (clip / (clip / 0.9)) for g in grads[10]]  # clip_grad_norm_(clip) of a gradient 1.11x above
+    records = np.stack([np.stack([record.compute(g, w, lr * g, hist_sample=None)
+                                  for g, w in zip(grads[s], weights, strict=True)]) for s in range(steps)])
+    stepnums = np.arange(steps)
+    unclipped = diagnose_run(names, stepnums, records, source={"loop": "transformers", "optimizer": "SGD"})
+    assert set(_flagged(unclipped).values()) == {"exploding"}  # the control: the signature alone flags
+    clipped = diagnose_run(names, stepnums, records,
+                           source={"loop": "transformers", "optimizer": "SGD", "clip_norm": repr(float(clip))})
+    assert _flagged(clipped) == {} and clipped.answer is None
+    loose = diagnose_run(names, stepnums, records,
+                         source={"loop": "transformers", "optimizer": "SGD", "clip_norm": repr(float(2 * clip))})
+    assert _flagged(loose) == _flagged(unclipped)  # a clip the gradients never reached clipped nothing

@@ -171,6 +171,7 @@ def test_trainer_callback_records_the_gradient_after_clipping(tmp_path, frozen):
     transformers.Trainer(model=Regressor(), args=args, train_dataset=data, callbacks=[callback, Probe()]).train()
     run = reader.read_logdir(str(tmp_path / "logs")).runs[0]
     assert list(run.steps) == [0, 1, 5] and not run.problems
+    assert run.source.get("clip_norm") == "0.01"  # the clip the records were clipped to, stated for the diagnosis
     for step, rows in zip(run.steps, run.records, strict=True):
         assert_records_close(_reference(seen[int(step)]), rows, list(run.layers))
         assert (rows[:, record.INDEX["missing"]] == record.FROZEN).sum() == 2 * frozen

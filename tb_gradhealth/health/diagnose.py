@@ -72,10 +72,12 @@ def diagnose_run(
     the optimizer applied the step (``amp/step_skipped``: 1 skipped, e.g. by a loss scaler after an overflow; 0
     applied), the only evidence of a skip besides the records that follow it. ``source``: what the writer knew of
     the training loop (:data:`tb_gradhealth.metadata.Content.source`: ``{"loop": "keras.fit", "optimizer": "SGD",
-    ...}``), used to word the fixes for the loop the user runs. ``nan_origin``: ``(step, layer)`` where the writer
-    replayed its first NaN/Inf step and found the layer that made it (:mod:`tb_gradhealth.origin`; ``layer`` None
-    when it was made outside any layer): the answer then names that layer, which every gradient record of that step
-    (NaN in every layer when it was made on the way forward) cannot tell. ``activations``: the layers' outputs
+    ...}``), used to word the fixes for the loop the user runs; its ``clip_norm`` (the global norm the loop clips the
+    recorded gradients to): a step clipped to it is no evidence that the update feeds the next gradient.
+    ``nan_origin``: ``(step, layer)`` where the writer replayed its first NaN/Inf step and found the layer that
+    made it (:mod:`tb_gradhealth.origin`; ``layer`` None when it was made outside any layer): the answer then names
+    that layer, which every gradient record of that step (NaN in every layer when it was made on the way forward)
+    cannot tell. ``activations``: the layers' outputs
     where the writer recorded them (:class:`tb_gradhealth.health.forward.Forward`, a tuple ``(outputs, steps,
     records[, info])`` or a :class:`tb_gradhealth.reader.ActivationSeries`): a layer most of whose rectifier units
     are dead is ``dead``, a saturating layer's vanishing reason quotes its saturated fraction, a forward blow-up is
@@ -93,7 +95,8 @@ def diagnose_run(
     windows = loss_windows(steps, progress, t) if progress is not None else None
     fw = Forward.of(activations)
     units = read_units(fw, layers, steps) if fw is not None else None
-    ev = evaluate(records, layers, t, windows, _told(steps, skipped), units.dead if units is not None else None)
+    ev = evaluate(records, layers, t, windows, _told(steps, skipped), units.dead if units is not None else None,
+                  clip_norm(source))
     out, borrowed, forward, started = _layer_healths(ev, steps, records, layers, t, depth,
                                                      with_activations(layer_info or {}, units, layers),
                                                      Losses.of(progress), _made_in(nan_origin, steps))
@@ -119,6 +122,16 @@ def diagnose_run(
     return RunHealth(step=int(steps[-1]), thresholds=t, layers=ranked, first_bad=first_bad, onset=onset(out),
                      timeline=timeline, cause=cause, loss_trend=trend.to_json() if trend is not None else None,
                      answer=answer, earlier=earlier, loss_nonfinite=blowup)
+
+
+def clip_norm(source: Mapping[str, str] | None) -> float | None:
+    """The global norm the loop clips the recorded gradients to, where its writer states one
+    (``source["clip_norm"]``), else None."""
+    try:
+        value = float((source or {}).get("clip_norm", "nan"))
+    except ValueError:
+        return None
+    return value if value > 0 and np.isfinite(value) else None
 
 
 def _told(steps: np.ndarray, skipped: tuple[np.ndarray, np.ndarray] | None) -> np.ndarray | None:

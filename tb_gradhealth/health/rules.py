@@ -49,12 +49,30 @@ ROUNDOFF = 100 * float(np.finfo(np.float32).eps)
 FEEDBACK_STEPS = 2
 
 
-def _feedback(log_rms: np.ndarray, log_upd: np.ndarray, t: th.Thresholds) -> np.ndarray:
+#: A step whose recorded gradients' global norm is within this fraction of the clip the loop states was clipped to
+#: it (``clip_grad_norm_`` divides by the norm plus 1e-6, and the records hold float32 norms).
+CLIP_REACHED = 1e-3
+
+
+def clipped_steps(norm: np.ndarray, clip_norm: float | None) -> np.ndarray:
+    """``[S]``: the logged steps whose gradients the loop clipped to the global norm ``clip_norm`` (the loop states
+    it: ``source["clip_norm"]``), read from the records (the gradient the optimizer applies, after clipping): their
+    global norm (over every variable's ``norm`` ``[S, L]``) reached the clip. False everywhere without a clip."""
+    if clip_norm is None or not clip_norm > 0:
+        return np.zeros(norm.shape[0], dtype=bool)
+    total = np.sqrt(np.nansum(np.where(np.isfinite(norm), norm, np.nan) ** 2, axis=1))
+    return total >= clip_norm * (1.0 - CLIP_REACHED)
+
+
+def _feedback(log_rms: np.ndarray, log_upd: np.ndarray, t: th.Thresholds,
+              clipped: np.ndarray | None = None) -> np.ndarray:
     """``[S, L]``: the signature of a learning-rate divergence, free of the gradient's scale: each update moves the
     layer's weights by more than ``update_ratio_above`` of their RMS (``log_upd``: update RMS over the layer's weight
     RMS), and the gradient and the update both grew by more than minibatch noise (the trend's own per-step slope,
     ``2 * growth_decades / growth_window``) at each of the last ``FEEDBACK_STEPS`` logged steps: the step makes the
-    next gradient larger. An adaptive optimizer's update does not grow with the gradient, so it never shows this."""
+    next gradient larger. An adaptive optimizer's update does not grow with the gradient, so it never shows this,
+    nor does a step the loop clipped to a global norm (``clipped`` ``[S]``): its size was the clip's, whatever the
+    gradient would have been."""
     rise = 2.0 * t.growth_decades / t.growth_window
 
     def up(x: np.ndarray) -> np.ndarray:
@@ -65,6 +83,8 @@ def _feedback(log_rms: np.ndarray, log_upd: np.ndarray, t: th.Thresholds) -> np.
 
     with np.errstate(invalid="ignore"):
         step = (log_upd > np.log10(t.update_ratio_above)) & up(log_rms) & up(log_upd)
+    if clipped is not None:
+        step &= ~clipped[:, None]
     out = step.copy()
     for j in range(1, FEEDBACK_STEPS):
         out[j:] &= step[:-j]
@@ -138,6 +158,7 @@ class _Levels(NamedTuple):
     upd_ratio: np.ndarray  # ||update|| / ||weight||
     weight_norm: np.ndarray
     clipped: np.ndarray  # the gradient norm sits at its clip (per-variable clipping)
+    global_clipped: np.ndarray  # [S] the loop clipped the step's gradients to the global norm it states
     scale: np.ndarray  # log10 weight RMS of its layer (its largest variable's), NaN where not recorded
 
     def dec(self) -> np.ndarray:
@@ -168,7 +189,7 @@ def _references(ref: np.ndarray, log_rms: np.ndarray, log_upd: np.ndarray, signa
 
 
 def _levels(records: np.ndarray, n_layers: int, v: dict[str, np.ndarray], groups: list[np.ndarray],
-            t: th.Thresholds) -> _Levels:
+            t: th.Thresholds, clip_norm: float | None = None) -> _Levels:
     """Each variable's live log RMS against the reference and its siblings (round-off candidates out of the
     reference), its learning rate against the reference layers', and whether its gradient sits at a clip."""
     live, rms = v["live"], v["rms"]
@@ -184,7 +205,7 @@ def _levels(records: np.ndarray, n_layers: int, v: dict[str, np.ndarray], groups
     log_upd = log10(upd_rms) - scale
     ref, ref_upd = _references(ref, log_rms, log_upd, signal, t)
     return _Levels(log_rms, sibling, inert, signal, ref, log_upd, ref_upd, upd_rms, upd_ratio, weight_norm,
-                   pinned_at_clip(v["norm"]), scale)
+                   pinned_at_clip(v["norm"]), clipped_steps(v["norm"], clip_norm), scale)
 
 
 #: Consecutive steps a dynamic loss scaler may skip while it finds its scale: halving from the default initial scale
@@ -322,7 +343,7 @@ def _exploding(lv: _Levels, v: dict[str, np.ndarray], signal: np.ndarray, g: _Gu
             "exp_rms": live & (v["rms"] > t.explode_rms_above) & ~(dec >= t.explode_decades),
             "exp_max": live & (v["max_abs"] > t.explode_max_abs_above) & ~(dec >= t.explode_decades),
             "exp_update": live & g.big & (lv.upd_ratio > t.explode_update_ratio) & ~g.small,
-            "exp_feedback": live & g.big & ~g.small & _feedback(lv.log_rms, lv.log_upd, t),
+            "exp_feedback": live & g.big & ~g.small & _feedback(lv.log_rms, lv.log_upd, t, lv.global_clipped),
             # A tensor too small for a trend of its own (a one-element bias) grows with its layer: its trend counts
             # while a larger variable of the layer grows by the trend rule too.
             "exp_trend": trend & (g.big | in_layer(trend & g.big, groups)),
@@ -567,17 +588,19 @@ def _units_dead(dead_fraction: np.ndarray | None, live: np.ndarray, t: th.Thresh
 
 
 def evaluate(records: np.ndarray, layers: Sequence[str], t: th.Thresholds, loss: LossWindows | None = None,
-             told_skipped: np.ndarray | None = None, dead_fraction: np.ndarray | None = None) -> Steps:
+             told_skipped: np.ndarray | None = None, dead_fraction: np.ndarray | None = None,
+             clip_norm: float | None = None) -> Steps:
     """Every rule at every (logged step, layer); see docs/DIAGNOSIS.md for each rule's reason. ``loss``: the
     recorded loss around each logged step, where it is recorded (the trend's evidence, a swinging loss).
     ``told_skipped``: ``[S]`` whether the writer says the optimizer skipped the step (1), applied it (0) or does
     not know (NaN). A step the optimizer skipped is no evidence of any status: every layer's record there is left
     out of the episodes (its NaN/Inf stays in the notes). ``dead_fraction``: ``[S, L]`` the fraction of each
     variable's layer's units dead for every input of the batch where its output is recorded after a rectifier
-    (NaN elsewhere; None: no output recorded)."""
+    (NaN elsewhere; None: no output recorded). ``clip_norm``: the global norm the loop clips the recorded
+    gradients to, where it says so (:func:`clipped_steps`)."""
     v = live_stats(records)
     groups = layer_groups(layers)
-    lv = _levels(records, len(layers), v, groups, t)
+    lv = _levels(records, len(layers), v, groups, t, clip_norm)
     g = _guards(lv, v["size"], groups, t)
     exp, base = _exploding(lv, v, lv.signal, g, groups, t, loss)
     # A variable far quieter than an exploding sibling is not receiving round-off: its layer's inputs are huge. It
