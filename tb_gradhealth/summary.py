@@ -165,11 +165,10 @@ def gradients(
 
 
 def step_skipped(inputs: Any) -> tf.Tensor:
-    """Whether the optimizer skipped the step, from its gradients and applied updates (a
-    :class:`tb_gradhealth._core.LayerInputs`): 1.0 when some gradient holds NaN/Inf and every update is exactly zero
-    (the weights are bitwise unchanged: what a loss-scale optimizer does after an overflow); 0.0 when some update is
-    not zero (the step moved the weights, NaN included); NaN when neither, or when no update is given (nothing to
-    tell: a zero update of finite gradients is no skip of an overflow)."""
+    """Whether the optimizer skipped a step whose gradients hold NaN/Inf, from its gradients and applied updates (a
+    :class:`tb_gradhealth._core.LayerInputs`): 1.0 when every update is exactly zero (the weights are bitwise
+    unchanged: what a loss-scale optimizer does after an overflow); 0.0 when some update is not zero (the step moved
+    the weights, NaN included); NaN when every gradient is finite (nothing to forgive) or no update is given."""
 
     def values(t: Any) -> Any:
         if isinstance(t, tf.IndexedSlices):
@@ -180,20 +179,25 @@ def step_skipped(inputs: Any) -> tf.Tensor:
 
     moved = [tf.reduce_any(values(u) != 0) for u in inputs.updates if u is not None]
     overflowed = [tf.logical_not(tf.reduce_all(tf.math.is_finite(values(g)))) for g in inputs.grads if g is not None]
-    if not moved:
+    if not moved or not overflowed:
         return tf.constant(float("nan"))
-    any_moved = tf.reduce_any(tf.stack(moved))
-    any_overflow = tf.reduce_any(tf.stack(overflowed)) if overflowed else tf.constant(False)
-    return tf.where(any_moved, 0.0, tf.where(any_overflow, 1.0, float("nan")))
+    flag = tf.where(tf.reduce_any(tf.stack(moved)), 0.0, 1.0)
+    return tf.where(tf.reduce_any(tf.stack(overflowed)), flag, float("nan"))
 
 
 @tf.autograph.experimental.do_not_convert
 def write_step_skipped(flag: Any, step: Any = None) -> tf.Tensor | bool:
-    """Write the scalar :data:`tb_gradhealth.progress.SKIPPED_TAG` (1 skipped, 0 applied, NaN not known) that the
-    diagnosis reads as the evidence of a skipped step: ``flag`` a float scalar or a callable making one (evaluated
-    only when recording), e.g. :func:`step_skipped`."""
+    """Write the scalar :data:`tb_gradhealth.progress.SKIPPED_TAG` (1 skipped, 0 applied) that the diagnosis reads
+    as the evidence of a skipped step, where ``flag`` is not NaN: a float scalar or a callable making one
+    (evaluated only when recording), e.g. :func:`step_skipped`, which says something only at a step with NaN/Inf
+    gradients (a healthy run's Scalars tab gets no tag of flat zeros)."""
     from tensorboard.plugins.scalar import metadata as scalar_metadata
 
     md = scalar_metadata.create_summary_metadata(display_name=None, description=None)
-    return tf.summary.write(progress.SKIPPED_TAG, (lambda: tf.cast(flag(), tf.float32)) if callable(flag)
-                            else tf.cast(flag, tf.float32), step=step, metadata=md)
+
+    def recorded() -> Any:
+        value = tf.cast(flag() if callable(flag) else flag, tf.float32)
+        return tf.cond(tf.math.is_nan(value), lambda: tf.constant(False),
+                       lambda: tf.summary.write(progress.SKIPPED_TAG, value, step=step, metadata=md))
+
+    return tf.cond(tf.summary.should_record_summaries(), recorded, lambda: tf.constant(False))
