@@ -8,7 +8,8 @@ shows it). Under DDP every rank holds the same all-reduced gradient and global r
 records. On logged steps it also records the loss ``training_step`` returned, under AMP with a loss scaler
 (``precision="16-mixed"``) the scale and whether the scaler skipped the step (``amp/loss_scale``,
 ``amp/step_skipped``), and in the tags' metadata each parameter's layer kind and activation
-(:mod:`tb_gradhealth.torch_kinds`) and the optimizer: evidence the diagnosis weighs; with ``activations=True``, each
+(:mod:`tb_gradhealth.torch_kinds`), the optimizer and the clip (``gradient_clip_val`` as ``clip_norm``): evidence
+the diagnosis weighs; with ``activations=True``, each
 layer's output in the logged steps' batches. A parameter with ``requires_grad=False`` or outside the optimizer is
 recorded frozen, and a ``.grad`` not produced since the last optimizer step missing, as under
 :class:`tb_gradhealth.torch.StepRecorder`. ``stop_on`` stops the trainer at the first logged step whose diagnosis
@@ -112,6 +113,9 @@ class GradHealth(pl.Callback, Stoppable):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         optimizers = trainer.optimizers
         self.source = metadata.loop_source("lightning", optimizers[0] if optimizers else None)
+        algorithm = trainer.gradient_clip_algorithm
+        if getattr(algorithm, "value", algorithm) in (None, "norm"):  # clip_grad_norm_, after the record
+            self.source = metadata.with_clip(self.source, trainer.gradient_clip_val)
         self._watch = self.failsafe.run("watching which gradients a step produces", _torchparams.GradWatch,
                                         list(pl_module.named_parameters()))
         if self._stop is not None:

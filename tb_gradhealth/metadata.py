@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -47,9 +48,9 @@ LAYER_INFO_VERSION = 1
 #: ``info``: content without it, or with a newer version of it, reads as ``source={}``.
 SOURCE_VERSION = 1
 #: The keys of ``source``: the loop that wrote the records (one of :data:`LOOPS`), the optimizer's class name, its
-#: momentum where it has one (as text, e.g. ``"0.9"``), and the global norm the loop clips the recorded gradients to
-#: where it clips them (``"1"``: Hugging Face ``Trainer``'s ``max_grad_norm``). A key added later reads in older
-#: readers as absent.
+#: momentum where it has one (as text, e.g. ``"0.9"``), and the global norm the loop clips the gradients to where it
+#: clips them (``"1"``: Hugging Face ``Trainer``'s ``max_grad_norm``, Lightning's ``gradient_clip_val``, Keras'
+#: ``global_clipnorm``). A key added later reads in older readers as absent.
 SOURCE_KEYS = ("loop", "optimizer", "momentum", "clip_norm")
 #: The loops the package's writers name: ``model.fit`` through the Keras callback, a custom TensorFlow loop (the
 #: ``summary`` op, TPU and ``tf.distribute`` helpers), PyTorch's ``StepRecorder``, Lightning, Hugging Face
@@ -160,7 +161,8 @@ def check_source(source: Mapping[str, object]) -> dict[str, str]:
 def loop_source(loop: str, optimizer: Any = None) -> dict[str, str]:
     """The ``source`` a writer of ``loop`` (one of :data:`LOOPS`) states: the class name of ``optimizer`` (the one
     that applies the updates; ``None``: not known) and its momentum where it has one other than zero (an attribute
-    ``momentum``, as Keras' ``SGD`` and ``RMSprop``, or the first parameter group's, as PyTorch's ``SGD``)."""
+    ``momentum``, as Keras' ``SGD`` and ``RMSprop``, or the first parameter group's, as PyTorch's ``SGD``), and
+    its ``global_clipnorm`` where it has one (Keras): :func:`with_clip`."""
     if loop not in LOOPS:
         raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
     if optimizer is None:
@@ -176,6 +178,19 @@ def loop_source(loop: str, optimizer: Any = None) -> dict[str, str]:
     source = {"loop": loop, "optimizer": type(optimizer).__name__}
     if momentum:
         source["momentum"] = f"{momentum:g}"
+    return with_clip(source, getattr(optimizer, "global_clipnorm", None))  # Keras' optimizers clip by it
+
+
+def with_clip(source: dict[str, str], clip_norm: Any) -> dict[str, str]:
+    """``source`` stating ``clip_norm``, the global norm the loop clips every step's gradients to, where it is a
+    positive number (a step whose gradients' global norm reaches it was clipped, whether the records hold the
+    gradient before the clip or after it)."""
+    try:
+        clip = float(clip_norm) if clip_norm is not None else None
+    except (TypeError, ValueError):  # a schedule or a tensor: not a number the loop states
+        clip = None
+    if clip is not None and clip > 0 and math.isfinite(clip):
+        source["clip_norm"] = f"{clip:g}"
     return source
 
 

@@ -98,9 +98,9 @@ class GradHealthCallback(TrainerCallback, Stoppable):
         if self._stop is not None:
             self._stop.rearm()  # a new train() may stop again
         optimizer = kwargs.get("optimizer")
-        self.source = metadata.loop_source("transformers", _unwrapped(optimizer) if optimizer is not None else None)
-        if args.max_grad_norm and args.max_grad_norm > 0:  # the recorded gradients are clipped to it
-            self.source["clip_norm"] = f"{float(args.max_grad_norm):g}"
+        self.source = metadata.with_clip(
+            metadata.loop_source("transformers", _unwrapped(optimizer) if optimizer is not None else None),
+            args.max_grad_norm)
         if self.writer is not None and kwargs.get("model") is not None:
             self._watch = self.failsafe.run("watching which gradients a step produces", _torchparams.GradWatch,
                                             list(kwargs["model"].named_parameters()))

@@ -134,6 +134,34 @@ def test_lightning_callback_records_a_frozen_layer_frozen_until_it_is_unfrozen(t
     assert not torch.equal(module.net[0].weight.detach(), first)  # it trained once unfrozen
 
 
+@pytest.mark.parametrize(("clip", "algorithm", "stated"),
+                         [(0.5, None, "0.5"), (0.5, "value", None), (None, None, None)], ids=["norm", "value", "none"])
+def test_lightning_callback_states_the_global_norm_the_trainer_clips_to(tmp_path, clip, algorithm, stated):
+    """``gradient_clip_val`` under the norm algorithm is the global norm each step is clipped to (``clip_norm`` in
+    the tags' metadata, evidence the diagnosis weighs); clipping by value clips no norm, and no clip states none."""
+    pl = pytest.importorskip("lightning.pytorch")
+    from tb_gradhealth.lightning import GradHealth
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = _net()
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.TensorDataset(torch.randn(16, 8), torch.randn(16, 1))
+    trainer = pl.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, gradient_clip_val=clip, gradient_clip_algorithm=algorithm,
+                         callbacks=[GradHealth(str(tmp_path), every=1)])
+    trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=8))
+    (run,) = reader.read_logdir(str(tmp_path)).runs
+    assert run.source.get("clip_norm") == stated and run.source["loop"] == "lightning"
+
+
 @pytest.mark.parametrize("frozen", [False, True], ids=["all_trained", "first_layer_frozen"])
 def test_trainer_callback_records_the_gradient_after_clipping(tmp_path, frozen):
     transformers = pytest.importorskip("transformers")

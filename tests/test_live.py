@@ -200,6 +200,15 @@ def test_loop_source_names_the_optimizer_and_its_momentum():
     assert metadata.loop_source("torch", Plain(0.0)) == {"loop": "torch", "optimizer": "Plain"}
     assert metadata.loop_source("torch", Plain(0.5))["momentum"] == "0.5"
     assert metadata.loop_source("jax") == {"loop": "jax"}
+
+    class Clipped:  # Keras' optimizers keep the global clip as an attribute, None without one
+        def __init__(self, clip):
+            self.global_clipnorm = clip
+
+    assert metadata.loop_source("keras.fit", Clipped(1.0))["clip_norm"] == "1"
+    assert "clip_norm" not in metadata.loop_source("keras.fit", Clipped(None))
+    assert "clip_norm" not in metadata.with_clip({"loop": "torch"}, 0.0)
+    assert metadata.with_clip({"loop": "torch"}, "0.25") == {"loop": "torch", "clip_norm": "0.25"}
     with pytest.raises(ValueError, match="loop"):
         metadata.loop_source("mxnet")
 

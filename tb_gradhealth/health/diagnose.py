@@ -73,7 +73,7 @@ def diagnose_run(
     applied), the only evidence of a skip besides the records that follow it. ``source``: what the writer knew of
     the training loop (:data:`tb_gradhealth.metadata.Content.source`: ``{"loop": "keras.fit", "optimizer": "SGD",
     ...}``), used to word the fixes for the loop the user runs; its ``clip_norm`` (the global norm the loop clips the
-    recorded gradients to): a step clipped to it is no evidence that the update feeds the next gradient.
+    gradients to): a step clipped to it is no evidence that the update feeds the next gradient.
     ``nan_origin``: ``(step, layer)`` where the writer replayed its first NaN/Inf step and found the layer that
     made it (:mod:`tb_gradhealth.origin`; ``layer`` None when it was made outside any layer): the answer then names
     that layer, which every gradient record of that step (NaN in every layer when it was made on the way forward)

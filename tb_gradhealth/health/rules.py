@@ -56,8 +56,8 @@ CLIP_REACHED = 1e-3
 
 def clipped_steps(norm: np.ndarray, clip_norm: float | None) -> np.ndarray:
     """``[S]``: the logged steps whose gradients the loop clipped to the global norm ``clip_norm`` (the loop states
-    it: ``source["clip_norm"]``), read from the records (the gradient the optimizer applies, after clipping): their
-    global norm (over every variable's ``norm`` ``[S, L]``) reached the clip. False everywhere without a clip."""
+    it: ``source["clip_norm"]``): their global norm (over every variable's ``norm`` ``[S, L]``) reached the clip,
+    whether the records hold the gradient after the clip (at it) or before (above it). False without a clip."""
     if clip_norm is None or not clip_norm > 0:
         return np.zeros(norm.shape[0], dtype=bool)
     total = np.sqrt(np.nansum(np.where(np.isfinite(norm), norm, np.nan) ** 2, axis=1))
