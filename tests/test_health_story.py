@@ -359,3 +359,35 @@ def test_a_step_clipped_to_the_global_norm_the_loop_states_is_no_feedback():
     loose = diagnose_run(names, stepnums, records,
                          source={"loop": "transformers", "optimizer": "SGD", "clip_norm": repr(float(2 * clip))})
     assert _flagged(loose) == _flagged(unclipped)  # a clip the gradients never reached clipped nothing
+
+
+def test_a_layers_growth_in_steps_clipped_to_the_global_norm_the_loop_states_is_no_trend():
+    """One layer's gradient grows 2.5x a logged step for 7 steps, from two decades below the others to their level,
+    while the minibatch loss rises 10%: the trend rule's blow-up. In a loop that clips the global norm (the recorded
+    gradient the clipped one, as ``Trainer`` records it) those steps' gradients sit at the clip: the clip, not the
+    gradient, sets each step's size, so the growth is the clip's business. With the clip stated there is no flag;
+    without it, or with a clip the gradients never reached, the same records are a blow-up."""
+    rng = np.random.default_rng(11)
+    names, n, steps, lr = _names(3), 256, 20, 0.5
+    base = [rng.normal(size=n) for _ in names]
+    weights = [rng.normal(size=n) * 0.3 for _ in names]
+    scale = np.full((steps, len(names)), 1e-2)
+    scale[:, 2:4] = 1e-4 * 2.5 ** np.clip(np.arange(steps) - 7, 0, 7)[:, None]
+    grads = [[b * scale[s, i] * (1 + 0.05 * rng.normal(size=n)) for i, b in enumerate(base)] for s in range(steps)]
+    total = np.array([np.sqrt(sum(float(np.sum(g ** 2)) for g in gs)) for gs in grads])
+    clip = float(total[8])
+    grads = [[g * min(1.0, clip / t) for g in gs] for gs, t in zip(grads, total, strict=True)]
+    records = np.stack([np.stack([record.compute(g, w, lr * g, hist_sample=None)
+                                  for g, w in zip(grads[s], weights, strict=True)]) for s in range(steps)])
+    stepnums = np.arange(steps)
+    loss = (stepnums, np.where(stepnums < 8, 3.8, 4.2) * (1 + 0.01 * rng.normal(size=steps)))
+
+    def flags(clip_norm: float | None) -> dict[str, str]:
+        source = {"loop": "transformers", "optimizer": "SGD"}
+        if clip_norm is not None:
+            source["clip_norm"] = repr(clip_norm)
+        return _flagged(diagnose_run(names, stepnums, records, source=source, progress=loss))
+
+    assert flags(None) == {"dense_01/kernel": "exploding", "dense_01/bias": "exploding"}  # the control
+    assert flags(clip) == {}
+    assert flags(10 * clip) == flags(None)  # a clip the gradients never reached clipped nothing

@@ -345,8 +345,9 @@ def _exploding(lv: _Levels, v: dict[str, np.ndarray], signal: np.ndarray, g: _Gu
             "exp_update": live & g.big & (lv.upd_ratio > t.explode_update_ratio) & ~g.small,
             "exp_feedback": live & g.big & ~g.small & _feedback(lv.log_rms, lv.log_upd, t, lv.global_clipped),
             # A tensor too small for a trend of its own (a one-element bias) grows with its layer: its trend counts
-            # while a larger variable of the layer grows by the trend rule too.
-            "exp_trend": trend & (g.big | in_layer(trend & g.big, groups)),
+            # while a larger variable of the layer grows by the trend rule too. A step clipped to the global norm
+            # the loop states had the clip's size, whatever one layer's share of it grew to.
+            "exp_trend": trend & (g.big | in_layer(trend & g.big, groups)) & ~lv.global_clipped[:, None],
             "exp_capped": _capped(lv, g, t),
             "exp_inputs": inputs,
             # The relative rule's level condition without its adaptive gate: the state a swinging loss condemns.
