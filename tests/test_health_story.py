@@ -391,3 +391,32 @@ def test_a_layers_growth_in_steps_clipped_to_the_global_norm_the_loop_states_is_
     assert flags(None) == {"dense_01/kernel": "exploding", "dense_01/bias": "exploding"}  # the control
     assert flags(clip) == {}
     assert flags(10 * clip) == flags(None)  # a clip the gradients never reached clipped nothing
+
+
+def test_the_learning_rate_fix_fits_the_clip_the_loop_states():
+    """Updates 100x the weights from step 10 on (a learning rate far too high). A loop that states no clip is told
+    to clip the global norm as a guard; one whose stated clip the gradients reach (Trainer's ``max_grad_norm``) is
+    told that its clip did not hold them, never to add one; one whose clip they never reach, that a lower clip
+    would guard."""
+    names = _names(3)
+    steps = 20
+    grad, weight, update = _sgd(steps, 6)
+    update[10:] = 30.0
+    records = _records(grad, weight, update)
+    norm = float(np.sqrt(sum(record.derived(records[-1, i])["norm"] ** 2 for i in range(len(names)))))
+
+    def advice(clip_norm: float | None) -> set[str]:
+        source = {"loop": "transformers", "optimizer": "SGD"}
+        if clip_norm is not None:
+            source["clip_norm"] = repr(clip_norm)
+        h = diagnose_run(names, np.arange(steps), records, source=source)
+        assert set(_flagged(h).values()) == {"exploding"}
+        return {f for lh in h.layers if lh.status == "exploding" for f in lh.fixes if "learning rate" in f}
+
+    (unstated,) = advice(None)
+    assert "clip the gradient norm" in unstated and "already" not in unstated
+    (reached,) = advice(0.5 * norm)
+    assert "already clips the global gradient norm at" in reached and "did not hold" in reached
+    assert "as a guard" not in reached
+    (loose,) = advice(100 * norm)
+    assert "never reached" in loose and "a lower clip" in loose

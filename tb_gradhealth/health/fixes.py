@@ -13,8 +13,21 @@ from tb_gradhealth.health.kinds import kind_fix
 from tb_gradhealth.health.rules import Steps
 from tb_gradhealth.health.thresholds import DEAD, EXPLODING, INERT, MISSING, NONFINITE, VANISHING
 
-_LEARNING_RATE = ("lower the learning rate (or warm it up over the first steps); clip the gradient norm "
-                  "(clipnorm / global_clipnorm) as a guard")
+_LOWER_LR = "lower the learning rate (or warm it up over the first steps)"
+_LEARNING_RATE = _LOWER_LR + "; clip the gradient norm (clipnorm / global_clipnorm) as a guard"
+
+
+def learning_rate_fix(clip_norm: float | None, clip_reached: bool) -> str:
+    """The learning-rate fix for the loop the writer recorded: a clip of the global norm is advised only to a loop
+    that does not state one; a loop whose stated clip the gradients reached is told the clip did not hold, one
+    whose clip they never reached that a lower clip would guard."""
+    if clip_norm is None:
+        return _LEARNING_RATE
+    if clip_reached:
+        return (f"{_LOWER_LR}: the loop already clips the global gradient norm at {clip_norm:g}, its gradients reached "
+                "that clip, and it did not hold them")
+    return (f"{_LOWER_LR}; the loop clips the global gradient norm at {clip_norm:g}, which these gradients never "
+            "reached: a lower clip would guard")
 _DEPTH_GROWTH = ("the gradient grows through depth: use an initialisation that keeps it level (He for ReLU, "
                  "Glorot for tanh), normalisation (BatchNorm/LayerNorm), or scale down residual branches")
 FORWARD_GROWTH = ("the activations grow on their way forward: keep each layer's gain at or below 1 (orthogonal or "
@@ -43,6 +56,7 @@ def fixes(code: int, ev: Steps, track: Track, i: int, nan_here: bool,
         return [_MISSING]
     chain = [c for c, a, _ in track.runs if a >= track.chain_start()]
     rows = track.rows[track.chain_start():]
+    learning_rate = learning_rate_fix(ev.clip_norm, bool(ev.global_clipped[rows].any()))
     out: list[str] = []
     for c in dict.fromkeys(chain):
         if c == EXPLODING:
@@ -50,7 +64,7 @@ def fixes(code: int, ev: Steps, track: Track, i: int, nan_here: bool,
                   | ev.exp_capped[rows, i]).any()
             depth = ev.exp_rel[rows, i].any()
             forward = ev.exp_inputs[rows, i].any()
-            out += (([FORWARD_GROWTH] if forward else []) + ([_LEARNING_RATE] if lr or not (depth or forward) else [])
+            out += (([FORWARD_GROWTH] if forward else []) + ([learning_rate] if lr or not (depth or forward) else [])
                     + ([_DEPTH_GROWTH] if depth else []))
         elif c == VANISHING:
             out.append(kind_fix(VANISHING, *info) or _VANISHING)
@@ -59,5 +73,5 @@ def fixes(code: int, ev: Steps, track: Track, i: int, nan_here: bool,
         elif c == DEAD:
             out.append(kind_fix(DEAD, *info) or _DEAD)
         elif c == NONFINITE:
-            out.append(_NONFINITE_HERE if nan_here else _LEARNING_RATE)
+            out.append(_NONFINITE_HERE if nan_here else learning_rate)
     return list(dict.fromkeys(out))

@@ -126,6 +126,7 @@ class Steps:
     base: np.ndarray  # log10 RMS the trend is measured from (lowest of the previous window)
     flags: dict[str, np.ndarray]
     proportional: bool = False  # updates are recorded and follow the gradient's size (plain SGD)
+    clip_norm: float | None = None  # the global norm the loop states it clips the gradients to
 
     def __getattr__(self, name: str) -> np.ndarray:
         try:
@@ -638,10 +639,11 @@ def evaluate(records: np.ndarray, layers: Sequence[str], t: th.Thresholds, loss:
         flags["dead_fraction"] = dead_fraction
     exploding = np.logical_or.reduce([flags[k] for k in EXPLODING_RULES])
     flags["clipped"] = lv.clipped
+    flags["global_clipped"] = lv.global_clipped
     flags["loss_rise"] = np.full(v["live"].shape[0], np.nan) if loss is None else loss.rise
     flags["loss_jump"] = np.full(v["live"].shape[0], np.nan) if loss is None or loss.jump is None else loss.jump
     return Steps(raw=_raw(v, flags, exploding), size=v["size"], rms=v["rms"], max_abs=v["max_abs"], norm=v["norm"],
                   log_rms=lv.log_rms, ref=lv.ref, log_upd=lv.log_upd, log_grad=lv.log_rms - lv.scale,
                   upd_ratio=lv.upd_ratio,
                   weight_norm=lv.weight_norm, ref_upd=lv.ref_upd, sibling=lv.sibling, base=base, flags=flags,
-                  proportional=proportional)
+                  proportional=proportional, clip_norm=clip_norm if clip_norm is not None and clip_norm > 0 else None)
