@@ -15,19 +15,6 @@ from tb_gradhealth.health.thresholds import DEAD, EXPLODING, INERT, MISSING, NON
 
 _LOWER_LR = "lower the learning rate (or warm it up over the first steps)"
 _LEARNING_RATE = _LOWER_LR + "; clip the gradient norm (clipnorm / global_clipnorm) as a guard"
-
-
-def learning_rate_fix(clip_norm: float | None, clip_reached: bool) -> str:
-    """The learning-rate fix for the loop the writer recorded: a clip of the global norm is advised only to a loop
-    that does not state one; a loop whose stated clip the gradients reached is told the clip did not hold, one
-    whose clip they never reached that a lower clip would guard."""
-    if clip_norm is None:
-        return _LEARNING_RATE
-    if clip_reached:
-        return (f"{_LOWER_LR}: the loop already clips the global gradient norm at {clip_norm:g}, its gradients reached "
-                "that clip, and it did not hold them")
-    return (f"{_LOWER_LR}; the loop clips the global gradient norm at {clip_norm:g}, which these gradients never "
-            "reached: a lower clip would guard")
 _DEPTH_GROWTH = ("the gradient grows through depth: use an initialisation that keeps it level (He for ReLU, "
                  "Glorot for tanh), normalisation (BatchNorm/LayerNorm), or scale down residual branches")
 FORWARD_GROWTH = ("the activations grow on their way forward: keep each layer's gain at or below 1 (orthogonal or "
@@ -43,6 +30,19 @@ _NONFINITE_HERE = ("NaN/Inf appears first here: check this layer's numerics (log
                    "exp overflow); with float16, use dynamic loss scaling")
 _MISSING = "the variable is not connected to the loss: remove it or set trainable=False"
 _INERT = "the parameter is unused (e.g. a bias before BatchNormalization): use_bias=False removes it"
+
+
+def learning_rate_fix(clip_norm: float | None, clip_reached: bool) -> str:
+    """The learning-rate fix for the loop the writer recorded: a clip of the global norm is advised only to a loop
+    that does not state one; a loop whose stated clip the gradients reached is told the clip did not hold, one
+    whose clip they never reached that a lower clip would guard."""
+    if clip_norm is None:
+        return _LEARNING_RATE
+    if clip_reached:
+        return (f"{_LOWER_LR}: the loop already clips the global gradient norm at {clip_norm:g}, its gradients reached "
+                "that clip, and it did not hold them")
+    return (f"{_LOWER_LR}; the loop clips the global gradient norm at {clip_norm:g}, which these gradients never "
+            "reached: a lower clip would guard")
 
 
 def fixes(code: int, ev: Steps, track: Track, i: int, nan_here: bool,
