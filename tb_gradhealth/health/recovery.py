@@ -39,8 +39,10 @@ class Losses(NamedTuple):
 
 
 class Lasting(NamedTuple):
-    """Why an episode goes on after its rules stopped firing: the loss's level before it and now (log10), or None
-    where the layer's own gradient says so (no loss recorded)."""
+    """Why an episode goes on after its rules stopped firing: the loss's level before it (the median of its values
+    over the ``growth_window`` logged steps before the episode, the level the run's loss trend reads the episode
+    against) and now (log10), or None where the layer's own gradient says so (no loss recorded). The decision reads
+    the level with its noise (:meth:`Recovery.loss_level_before`); these are the figures a person reads."""
 
     before: float | None
     now: float | None
@@ -58,13 +60,19 @@ class Recovery:
         upper quartile of its values over the ``growth_window`` logged steps before it (its first values when the
         episode starts the run: a loss already rising into the episode moves a quartile less than its largest
         value); None without a recorded loss there."""
+        pre = self._before(first)
+        return float(np.quantile(pre, 0.75)) if pre is not None else None
+
+    def _before(self, first: int) -> np.ndarray | None:
+        """log10 of the loss values over the ``growth_window`` logged steps before position ``first`` (its first
+        value when the episode starts the run); None without a recorded loss there."""
         if self.losses is None:
             return None
         w = self.t.growth_window
         pre = self.losses.between(int(self.steps[max(0, first - w)]), int(self.steps[first]) - 1)
         if not pre.size:
             pre = self.losses.between(int(self.steps[0]), int(self.steps[first]))[:1]
-        return float(np.quantile(pre, 0.75)) if pre.size else None
+        return pre if pre.size else None
 
     def loss_now(self, last: int, j: int) -> float | None:
         """log10 of the loss's level at position ``j`` after an episode whose raw flags ended at position ``last``:
@@ -81,7 +89,7 @@ class Recovery:
         before = self.loss_level_before(first)
         now = self.loss_now(last, j) if before is not None else None
         if before is not None and now is not None:
-            return now <= before, Lasting(before, now)
+            return now <= before, Lasting(float(np.log10(np.median(10.0 ** self._before(first)))), now)
         return self._back_in_range(first, j), Lasting(None, None)
 
     def _back_in_range(self, first: int, j: int) -> bool:
