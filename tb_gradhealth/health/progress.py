@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from tb_gradhealth.health.levels import condemned_since, live_stats, median_where, update_stats
+from tb_gradhealth.health.recovery import Losses, level
 from tb_gradhealth.health.result import BASE, LayerHealth
 from tb_gradhealth.health.thresholds import DEAD, EXPLODING, HEALTHY, NONFINITE, VANISHING, Thresholds
 from tb_gradhealth.numbers import format_change
@@ -92,14 +93,12 @@ def against_episode(trend: LossTrend, progress: tuple[np.ndarray, np.ndarray], s
     as that, not as a change from a first quarter that holds the spike."""
     ls, lv = np.asarray(progress[0], dtype=np.int64), np.asarray(progress[1], dtype=np.float64)
     keep = np.isfinite(lv) & (lv > 0) & (ls <= trend.last_step)
-    ls, lv = ls[keep], lv[keep]
-    k = int(np.searchsorted(steps, start))
-    lo = int(steps[max(0, k - t.growth_window)])
-    pre = lv[(ls >= lo) & (ls < start)]
-    now = lv[-t.growth_window:]
+    now = lv[keep][-t.growth_window:]
+    losses = Losses.of(progress)
+    pre = losses.before(steps, int(np.searchsorted(steps, start)), t.growth_window)
     if not pre.size or not now.size:
         return trend
-    before, after = float(np.median(pre)), float(np.median(now))
+    before, after = level(pre), float(np.median(now))
     if not after > before:
         return trend  # back below its level before: the quarters tell how it moved
     since = int(np.count_nonzero((steps >= start) & (steps <= trend.last_step)))

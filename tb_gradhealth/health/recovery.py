@@ -37,12 +37,22 @@ class Losses(NamedTuple):
         """log10 loss of the values with ``lo <= step <= hi``."""
         return self.log[np.searchsorted(self.steps, lo, side="left"):np.searchsorted(self.steps, hi, side="right")]
 
+    def before(self, logged: np.ndarray, first: int, window: int) -> np.ndarray:
+        """log10 loss of the values over the ``window`` logged steps (``logged``) before position ``first``."""
+        return self.between(int(logged[max(0, first - window)]), int(logged[first]) - 1)
+
+
+def level(log: np.ndarray) -> float:
+    """The loss's level over the values ``log`` (log10): the median of the values themselves. The one level an
+    episode's loss is read against, by the run's loss line and by the reason of a layer that has not recovered."""
+    return float(np.median(10.0 ** log))
+
 
 class Lasting(NamedTuple):
     """Why an episode goes on after its rules stopped firing: the loss's level before it (the median of its values
     over the ``growth_window`` logged steps before the episode, the level the run's loss trend reads the episode
     against) and now (log10), or None where the layer's own gradient says so (no loss recorded). The decision reads
-    the level with its noise (:meth:`Recovery.loss_level_before`); these are the figures a person reads."""
+    the level with its noise (:meth:`Recovery.recovered`); these are the figures a person reads."""
 
     before: float | None
     now: float | None
@@ -55,21 +65,13 @@ class Recovery:
                  t: Thresholds) -> None:
         self.steps, self.losses, self.log_rms, self.log_upd, self.t = steps, losses, log_rms, log_upd, t
 
-    def loss_level_before(self, first: int) -> float | None:
-        """log10 of the loss's level before the episode that starts at position ``first``, with its own noise: the
-        upper quartile of its values over the ``growth_window`` logged steps before it (its first values when the
-        episode starts the run: a loss already rising into the episode moves a quartile less than its largest
-        value); None without a recorded loss there."""
-        pre = self._before(first)
-        return float(np.quantile(pre, 0.75)) if pre is not None else None
-
     def _before(self, first: int) -> np.ndarray | None:
         """log10 of the loss values over the ``growth_window`` logged steps before position ``first`` (its first
-        value when the episode starts the run); None without a recorded loss there."""
+        value when the episode starts the run: a loss already rising into the episode moves a quartile less than
+        its largest value); None without a recorded loss there."""
         if self.losses is None:
             return None
-        w = self.t.growth_window
-        pre = self.losses.between(int(self.steps[max(0, first - w)]), int(self.steps[first]) - 1)
+        pre = self.losses.before(self.steps, first, self.t.growth_window)
         if not pre.size:
             pre = self.losses.between(int(self.steps[0]), int(self.steps[first]))[:1]
         return pre if pre.size else None
@@ -85,11 +87,12 @@ class Recovery:
 
     def recovered(self, first: int, last: int, j: int) -> tuple[bool, Lasting]:
         """Whether the episode at positions ``first..last`` has recovered at position ``j > last``, and the figures
-        that say so."""
-        before = self.loss_level_before(first)
-        now = self.loss_now(last, j) if before is not None else None
-        if before is not None and now is not None:
-            return now <= before, Lasting(float(np.log10(np.median(10.0 ** self._before(first)))), now)
+        that say so. With a recorded loss: the loss now (:meth:`loss_now`) at most its level before the episode with
+        that level's own noise, the upper quartile of the values before it."""
+        pre = self._before(first)
+        now = self.loss_now(last, j) if pre is not None else None
+        if pre is not None and now is not None:
+            return now <= float(np.quantile(pre, 0.75)), Lasting(float(np.log10(level(pre))), now)
         return self._back_in_range(first, j), Lasting(None, None)
 
     def _back_in_range(self, first: int, j: int) -> bool:

@@ -600,6 +600,7 @@ def evaluate(records: np.ndarray, layers: Sequence[str], t: th.Thresholds, loss:
     variable's layer's units dead for every input of the batch where its output is recorded after a rectifier
     (NaN elsewhere; None: no output recorded). ``clip_norm``: the global norm the loop clips the recorded
     gradients to, where it says so (:func:`clipped_steps`)."""
+    clip_norm = clip_norm if clip_norm is not None and clip_norm > 0 else None
     v = live_stats(records)
     groups = layer_groups(layers)
     lv = _levels(records, len(layers), v, groups, t, clip_norm)
@@ -646,4 +647,4 @@ def evaluate(records: np.ndarray, layers: Sequence[str], t: th.Thresholds, loss:
                   log_rms=lv.log_rms, ref=lv.ref, log_upd=lv.log_upd, log_grad=lv.log_rms - lv.scale,
                   upd_ratio=lv.upd_ratio,
                   weight_norm=lv.weight_norm, ref_upd=lv.ref_upd, sibling=lv.sibling, base=base, flags=flags,
-                  proportional=proportional, clip_norm=clip_norm if clip_norm is not None and clip_norm > 0 else None)
+                  proportional=proportional, clip_norm=clip_norm)
