@@ -420,6 +420,12 @@ _amp_case(DESIGN, "torch_amp_unscale_clip_mlp", build=lambda: _amp_mlp(461), dat
 _amp_case(HELDOUT, "torch_amp_unscale_clip_cnn", build=lambda: _amp_cnn(463),
           data=_nchw(*image_data(100 * 32, 463, 16)), scale_log2=30, optimizer="SGD", lr=0.05, momentum=0.9,
           steps=100)
+# The same recipe at two other seeds, each trained until its loss sits near float32's floor (1e-8 to 1e-6, its
+# gradients at round-off of where they started): written to study gradients that rise out of round-off.
+for _seed in (473, 475):
+    _amp_case(DESIGN, f"torch_amp_unscale_clip_cnn_s{_seed}", build=lambda s=_seed: _amp_cnn(s),
+              data=_nchw(*image_data(100 * 32, _seed, 16)), scale_log2=30, optimizer="SGD", lr=0.05, momentum=0.9,
+              steps=100)
 
 
 # --- 5. a GAN whose discriminator learns 100x too fast -----------------------------------------------------------
@@ -558,6 +564,10 @@ for _half, _prefix, _seed, _width in ((DESIGN, "torch_gan", 467, 64), (HELDOUT, 
                   d_factor=1.0, steps=300)
         _gan_case(_half, f"{_prefix}_fast_d_{_side}", side=_side, seed=_seed, width=_width, optimizer="Adam",
                   lr=1e-3, d_factor=100.0, steps=300)
+# A generator whose loss, under the fast discriminator, drops by decades for one step and comes back to where it
+# stood (the discriminator fooled for a batch, then not): written to study a swing that is a dip, not a rise.
+_gan_case(DESIGN, "torch_gan_w96_fast_d_generator", side="generator", seed=521, width=96, optimizer="Adam", lr=1e-3,
+          d_factor=100.0, steps=300)
 
 
 # --- 8. a learning rate that grows until NaN ----------------------------------------------------------------------

@@ -18,7 +18,7 @@ import pytest
 
 from tb_gradhealth import health, record
 from tb_gradhealth.health import STATUSES, Thresholds, diagnose_run
-from tb_gradhealth.health.levels import history
+from tb_gradhealth.health.levels import history, window_median
 from tb_gradhealth.health.result import BASE
 
 # --- synthetic records ----------------------------------------------------------------------------------------------
@@ -96,6 +96,37 @@ def test_vanishing_needs_sustain_steps_and_first_step_is_onset():
     rms2 = _healthy_grid(steps=10)
     rms2[4, 3] = 1e-12
     assert _status(_diag(rms2, thresholds=Thresholds(sustain_steps=1)))[3] == "healthy"
+
+
+@pytest.mark.unit
+def test_window_median_is_numpys_median_of_the_previous_rows():
+    rng = np.random.default_rng(7)
+    values = rng.standard_normal((150, 3))
+    values[rng.random(values.shape) < 0.25] = np.nan
+    values[:9, 1] = np.nan  # a column with nothing in its first windows
+    asked = rng.random(values.shape) < 0.7  # only the cells asked for are computed
+    for window in (1, 4, 7):
+        got = window_median(values, window, asked)
+        for s in range(values.shape[0]):
+            for c in range(values.shape[1]):
+                prev = values[max(0, s - window):s, c]
+                prev = prev[~np.isnan(prev)]
+                if prev.size and asked[s, c]:
+                    assert got[s, c] == pytest.approx(float(np.median(prev)), abs=1e-12)
+                else:
+                    assert np.isnan(got[s, c])
+
+
+@pytest.mark.unit
+def test_the_return_from_a_one_batch_dip_is_no_growth():
+    # One batch whose gradient drops by decades pulls the window's mean of logs down with it; the next batch, back
+    # where the layer stood, is no rise: no exploding flag or episode at any step, with or without the dip flagged.
+    rms = _healthy_grid(steps=16)
+    rms[6, 3] = rms[5, 3] * 1e-12
+    for sustain in (1, 5):
+        for at in range(16):
+            h = _diag(rms, thresholds=Thresholds(sustain_steps=sustain), at_step=10 * at)
+            assert not any(e["status"] == "exploding" for lh in h.layers for e in lh.episodes), (sustain, at)
 
 
 @pytest.mark.unit

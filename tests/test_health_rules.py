@@ -662,6 +662,60 @@ def test_uniformly_large_gradients_that_hold_still_are_not_a_blow_up():
     assert _flagged(diagnose_run(names, steps, records)) == {}
 
 
+def _adversarial(excursion: float) -> tuple[list[str], np.ndarray, np.ndarray, tuple]:
+    """Adam records (every update 1e-3 of its layer's weights) of a generator-like network whose loss rises 40x over
+    its first 10 steps (its adversary learning), then holds near 30; at step 12 every gradient and the loss move
+    by ``excursion`` decades for one batch (negative: the adversary fooled, the loss near zero) and come back."""
+    names = ["g0/kernel", "g0/bias", "g1/kernel", "g1/bias", "out/kernel", "out/bias"]
+    steps = np.arange(1, 41)
+    rms, weight, update = np.full((40, 6), 1.0), np.full((40, 6), 0.1), np.full((40, 6), 1e-4)
+    rms *= 10.0 ** np.array([-2.0, -1.5, -1.5, -1.0, -0.5, 0.0])  # a GAN generator's layers, 2 decades apart
+    rise = np.minimum(steps, 10) / 10.0 * np.log10(40.0)
+    rms *= 10.0 ** (0.5 * rise)[:, None]
+    rms[steps == 12] *= 10.0 ** excursion
+    loss = 10.0 ** rise * np.where(steps == 12, 10.0 ** excursion, 1.0) * (1.0 + 0.1 * np.sin(steps))
+    return names, steps, _run(rms, names, weight_rms=weight, update_rms=update), (steps, loss)
+
+
+def _converged_then_rising(floor_decades: float) -> tuple[list[str], np.ndarray, np.ndarray, tuple]:
+    """SGD records (update 0.05x the gradient) of a classifier whose gradients fall ``floor_decades`` below where they
+    started over 30 steps, its loss with them, then rise 3 decades over the last 4 steps (the loss 100x)."""
+    names = _layers(3)
+    steps = np.arange(1, 41)
+    fall = np.minimum(steps - 1, 30) / 30.0 * floor_decades
+    rise = np.clip(steps - 36, 0, 4) * 0.75
+    log_g = -1.0 - fall + rise
+    rms = 10.0 ** log_g[:, None] * np.ones((1, 6)) * 10.0 ** np.array([0.0, 0.2, -0.3, -0.1, 0.3, 0.1])
+    weight = np.full(rms.shape, 0.1)
+    loss = 1.4 * 10.0 ** (-fall + rise * 2.0 / 3.0)
+    return names, steps, _run(rms, names, weight_rms=weight, update_rms=0.05 * rms), (steps, loss)
+
+
+def test_gradients_that_rise_out_of_round_off_are_no_growth():
+    # A model trained to its loss's floor: every gradient 8 decades below where it started (round-off of it, as a
+    # float32 loss of 1e-8 leaves), then a batch or two with a harder example lifts them 3 decades, still 5 below
+    # where they started: measured from round-off, that is no blow-up.
+    names, steps, records, loss = _converged_then_rising(8.0)
+    for at in steps:
+        assert _flagged(diagnose_run(names, steps, records, progress=loss, at_step=int(at))) == {}, at
+    # The same rise from a floor well above round-off (2 decades below the start) is growth.
+    names, steps, records, loss = _converged_then_rising(2.0)
+    assert set(_flagged(diagnose_run(names, steps, records, progress=loss)).values()) == {"exploding"}
+
+
+def test_a_batch_whose_gradients_and_loss_drop_by_decades_and_come_back_is_no_blow_up():
+    # A drop is a swing too (max over min), but no gradient is out of control: neither the batch that dropped nor
+    # the return to where the gradients stood is a blow-up, at any step.
+    names, steps, records, loss = _adversarial(-3.0)
+    for at in steps:
+        h = diagnose_run(names, steps, records, progress=loss, at_step=int(at))
+        assert _flagged(h) == {} and not any(lh.episodes for lh in h.layers), at
+    # The twin whose batch jumps by the same decades upwards is out of control from that batch.
+    names, steps, records, loss = _adversarial(3.0)
+    h = diagnose_run(names, steps, records, progress=loss, at_step=12)
+    assert set(_flagged(h).values()) == {"exploding"}
+
+
 HEAD_NAMES = ["rnn/kernel", "rnn/recurrent_kernel", "rnn/bias", "out/kernel", "out/bias"]
 HEAD_SIZES = [8 * 64, 64 * 64, 64, 64 * 5, 5]  # a 64-unit recurrence over 8 features, 5 classes
 

@@ -335,6 +335,26 @@ def window_range(log_rms: np.ndarray, window: int) -> np.ndarray:
     return np.where(np.isnan(spread), 0.0, spread)
 
 
+#: Cells whose windows are gathered at once by :func:`window_median` (a bounded temporary).
+_MEDIAN_CHUNK = 1 << 16
+
+
+def window_median(values: np.ndarray, window: int, where: np.ndarray) -> np.ndarray:
+    """``[S, L]`` median of each column over the previous ``window`` rows (not the row itself), NaN ignored, at the
+    cells ``where`` (NaN elsewhere, and where the window has no value): where a column typically stood, moved by no
+    single outlier (one batch that dropped by decades pulls a mean of logs down by a decade and more). Only the cells
+    asked for are computed: a rule asks where its other conditions already hold, a few cells of a long run."""
+    out = np.full(values.shape, np.nan)
+    rows, cols = np.nonzero(where)
+    padded = np.concatenate([np.full((window,) + values.shape[1:], np.nan), values])
+    offsets = np.arange(window)
+    for a in range(0, rows.size, _MEDIAN_CHUNK):
+        r, c = rows[a:a + _MEDIAN_CHUNK], cols[a:a + _MEDIAN_CHUNK]
+        win = padded[r[:, None] + offsets[None, :], c[:, None]]  # padded rows r .. r + window - 1: rows before r
+        out[r, c] = _sorted_quantile(np.sort(win, axis=-1), 0.5)
+    return out
+
+
 def window_stats(log_rms: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
     """``[S, L]`` minimum and mean of each column over the previous ``window`` rows (not the row itself), NaN
     ignored (NaN where the window has no value)."""

@@ -31,6 +31,7 @@ from tb_gradhealth.health.levels import (
     reference_top,
     small_weights,
     update_stats,
+    window_median,
     window_range,
     window_stats,
 )
@@ -286,7 +287,9 @@ def _trend(lv: _Levels, signal: np.ndarray, g: _Guards, t: th.Thresholds, loss: 
            ) -> tuple[np.ndarray, np.ndarray]:
     """``[S, L]`` exploding by trend and the base it is measured from (the lowest log RMS of the previous window,
     over the steps with ``signal``): RMS grew ``growth_decades`` above that base and half as much above the window's
-    mean, not rising out of the vanishing zone (a branch whose scale grows by design) and not at round-off, and
+    mean and its median (a return from a one-batch dip to where the layer stood is no growth), a base taken no lower
+    than round-off of the largest the layer has been (a rise out of round-off is no growth), not rising out of the
+    vanishing zone (a branch whose scale grows by design) and not at round-off, and
     growing past where a learning layer goes: above every other reference layer *and* above the largest it had
     been before the window, each by more than minibatch noise (0.4 decades, ``2 * growth_decades / growth_window``;
     a reference layer also by outgrowing the median layer by the growth line), or
@@ -320,8 +323,14 @@ def _trend(lv: _Levels, signal: np.ndarray, g: _Guards, t: th.Thresholds, loss: 
         whole = ref_grew & (not_learning | (loss is None))
         heading = whole | beyond | ((dec >= -1.0) & not_learning)
         out_of_zone = ~(typical - ref_mean <= -t.vanish_decades)
-        trend = (signal & (log_sig - base >= t.growth_decades) & (log_sig - typical >= t.growth_decades / 2)
-                 & heading & g.above_roundoff & out_of_zone)
+        # above the window's mean and its median: one batch that dropped by decades pulls the mean of logs down, and
+        # the return from it to where the layer stood is no growth
+        # grown from no lower than round-off of the largest it has been: a converged model's gradients sit at
+        # round-off, and one harder batch lifts them by decades out of it, still far below where they started
+        roundoff = np.fmax.accumulate(np.where(np.isnan(log_sig), -np.inf, log_sig), axis=0) + np.log10(ROUNDOFF)
+        grew = (signal & (log_sig - np.fmax(base, roundoff) >= t.growth_decades)
+                & (log_sig - typical >= t.growth_decades / 2) & heading & g.above_roundoff & out_of_zone)
+        trend = grew & (log_sig - window_median(log_sig, t.growth_window, grew) >= t.growth_decades / 2)
     return trend, base
 
 
@@ -446,17 +455,21 @@ def _jump_peaks(log_rms: np.ndarray, t: th.Thresholds) -> np.ndarray:
     return out
 
 
-def _volatile(signal: np.ndarray, g: _Guards, groups: list[np.ndarray], swing: np.ndarray,
+def _volatile(signal: np.ndarray, g: _Guards, groups: list[np.ndarray], log_rms: np.ndarray, swing: np.ndarray,
               swings: np.ndarray, t: th.Thresholds) -> tuple[np.ndarray, np.ndarray]:
     """``([S, L]`` exploding, ``[S, L]`` its level condition``)``: a gradient whose RMS swings by ``growth_decades``
     or more (``swing``, over the loss's window) while the loss swings by decades under an adaptive optimizer
     (``swings``). When every layer blows up alike, the layers nearest the loss included, none stands above the
     reference and the optimizer keeps every step small; gradients that jump by decades from batch to batch with the
-    loss are that blow-up. A constant factor on the loss moves neither swing. The level condition (the swing alone)
-    is the state the loss's evidence condemns, back to where it began."""
+    loss are that blow-up. A constant factor on the loss moves neither swing. Only at a batch that stands half the
+    growth line or more above the median of the window's records (a spike above where the layer typically stood):
+    a gradient that drops by decades for a batch and comes back (a GAN's generator while its discriminator is
+    fooled, its loss near zero) spans as many decades, and neither the drop nor the return is a blow-up. The level
+    condition (the swing alone) is the state the loss's evidence condemns, back to where it began."""
     with np.errstate(invalid="ignore"):
         level = signal & (swing >= t.growth_decades) & g.above_roundoff & ~g.converged
-    flag = swings[:, None] & level
+        flag = swings[:, None] & level
+        flag &= log_rms - window_median(log_rms, 2 * t.growth_window, flag) >= t.growth_decades / 2
     return flag & (g.big | in_layer(flag & g.big, groups)), level
 
 
@@ -616,7 +629,7 @@ def evaluate(records: np.ndarray, layers: Sequence[str], t: th.Thresholds, loss:
     # the update follows the gradient's size (plain SGD): recorded, and not rescaled per variable or over time
     proportional = bool(np.isfinite(lv.upd_rms).any()) and not adaptive(lv.upd_rms, v["rms"], v["live"], v["size"])
     swing = window_range(lv.log_rms, 2 * t.growth_window)
-    exp["exp_volatile"], volatile_level = _volatile(v["live"] & ~inert, g, groups, swing, swings, t)
+    exp["exp_volatile"], volatile_level = _volatile(v["live"] & ~inert, g, groups, lv.log_rms, swing, swings, t)
     carried = np.logical_or.reduce([exp[k] for k in (*GRADIENT_RULES, "exp_volatile")])
     exp["exp_swing"] = _swinging(carried, v["live"], swings)
     # Flagged only because the loss swings: the episode is back-dated over the stretch where ``exp_level`` held.
