@@ -127,10 +127,13 @@ def test_a_saturating_layer_vanishing_quotes_its_saturated_fraction(runs):
 
 def test_a_forward_blowup_is_the_cause_of_the_exploding_layers_after_it(runs):
     logdir, run = runs["blowup"]
-    rms = {k: float(np.sqrt(np.mean(v.astype(np.float32).astype(np.float64) ** 2)))
-           for k, v in run.outputs[0].items()}
-    growth = rms["dense_6"] / rms["dense_1"]
-    assert growth >= 100 and list(rms.values())[:6] == sorted(list(rms.values())[:6])  # it climbs
+
+    def output_rms(step: int) -> dict[str, float]:
+        return {k: float(np.sqrt(np.mean(v.astype(np.float32).astype(np.float64) ** 2)))
+                for k, v in run.outputs[step].items()}
+
+    rms = output_rms(0)
+    assert rms["dense_6"] / rms["dense_1"] >= 100 and list(rms.values())[:6] == sorted(list(rms.values())[:6])
     by = _layers(_report(logdir))
     exploding = [n for n, x in by.items() if x["status"] == "exploding"]
     after = [n for n in exploding if not n.startswith("dense_1/")]
@@ -138,10 +141,13 @@ def test_a_forward_blowup_is_the_cause_of_the_exploding_layers_after_it(runs):
     for name in after:
         found = [r for r in by[name]["reasons"] if r.startswith("cause: the activations blow up")]
         assert len(found) == 1, by[name]["reasons"]
-        m = re.search(r"output RMS (\S+) at dense_1 -> (\S+) at (\S+) \(([\d,]+)x over (\d+) layers\) at step 0",
+        m = re.search(r"output RMS (\S+) at dense_1 -> (\S+) at (\S+) \(([\d,]+)x over (\d+) layers\) at step (\d+)",
                       found[0])
         assert m and m.group(3) == "dense_6" and int(m.group(5)) == 6
-        assert float(m.group(4).replace(",", "")) == pytest.approx(growth, rel=1e-3)
+        at = int(m.group(6))  # quoted where the layer's trouble began
+        assert at == by[name]["first_step"]
+        rms = output_rms(at)
+        assert float(m.group(4).replace(",", "")) == pytest.approx(rms["dense_6"] / rms["dense_1"], rel=1e-3)
         assert by[name]["fixes"][0].startswith("the activations grow on their way forward")
     for name in (n for n in exploding if n.startswith("dense_1/")):  # where the climb starts: not after it
         assert not any(r.startswith("cause: the activations blow up") for r in by[name]["reasons"])

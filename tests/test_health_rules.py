@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tb_gradhealth import record
-from tb_gradhealth.health import FLAGS, Thresholds, diagnose_run
+from tb_gradhealth.health import FLAGS, Thresholds, diagnose_run, episodes
 
 pytestmark = pytest.mark.unit
 
@@ -245,6 +245,33 @@ def test_clipping_an_overflowed_norm_leaves_no_dead_episode():
     for at in range(steps):
         h = diagnose_run(names, np.arange(steps), recs, at_step=at, skipped=told)
         assert _flagged(h) == {} and not any(lh.episodes for lh in h.layers), at
+
+
+def test_a_quiet_minibatch_inside_a_blow_up_holds_the_episode_open_as_of_its_own_step():
+    """The bridge joins one quiet record to the blow-up around it once the layer flags again; read live at that
+    record, the episode must already be open (not ended there and back a step later). More quiet records than the
+    bridge spans end it where the layer last flagged."""
+    names = _layers(4)
+    steps = 24
+    rms = np.full((steps, 8), 1e-2)
+    rms[10:18, 0:2] = 1e-2 * 3.0 ** np.arange(1, 9)[:, None]  # grows 3x per step from step 10
+    rms[15, 0:2] = 3e-2  # one quiet minibatch in the middle of it
+    rms[18:, 0:2] = 1e-2  # then back where it stood, for good
+    recs = _run(rms, names)
+    final = diagnose_run(names, np.arange(steps), recs).by_layer()["dense_00/kernel"]
+    assert final.status == "healthy" and len(final.episodes) == 1
+    episode = final.episodes[0]
+    assert episode["status"] == "exploding" and episode["from"] in (10, 11) and episode["to"] == 17
+    live = {at: diagnose_run(names, np.arange(steps), recs, at_step=at).by_layer()["dense_00/kernel"]
+            for at in range(steps)}
+    flagged = min(at for at, lh in live.items() if lh.status != "healthy")
+    assert flagged < 15
+    for at in range(flagged, steps):
+        if at <= 17 + episodes.CHAIN_GAP:
+            assert live[at].status == "exploding" and live[at].first_step == live[flagged].first_step, at
+        else:
+            assert live[at].status == "healthy" and live[at].episodes == [episode], at
+    assert "last record raised no flag" in live[15].reasons[0]
 
 
 def test_the_story_of_a_divergence_exploding_then_dead_then_nonfinite():

@@ -32,6 +32,8 @@ class Track:
     need: int = 1  # logged steps a slow status had to last to be confirmed (shorter on a short run)
     #: runs carried on past their rules because the layer has not recovered, by first position: the loss's figures
     lasting: dict[int, Lasting] = field(default_factory=dict)
+    #: records since the layer last raised a flag, where its exploding run is held open over them (:func:`_hold_open`)
+    quiet: int = 0
 
     @property
     def code(self) -> int:
@@ -107,6 +109,31 @@ def _confirm(runs: list[list[int]], steps: np.ndarray, need: int, sustain: int) 
 
 #: The statuses a short healthy stretch between two flagged runs does not interrupt: a divergence's quiet minibatch.
 _BRIDGED = frozenset({th.EXPLODING, th.NONFINITE})
+
+
+def _quiet_after_blowup(runs: list[list[int]]) -> int:
+    """The length of a trailing healthy stretch of at most ``CHAIN_GAP`` records right after an exploding run (0
+    when there is none): the records since the layer last raised a flag, read before recovery carries the run on."""
+    if len(runs) < 2:
+        return 0
+    last, prev = runs[-1], runs[-2]
+    length = last[2] - last[1] + 1
+    return length if last[0] == th.HEALTHY and prev[0] == th.EXPLODING and length <= CHAIN_GAP else 0
+
+
+def _hold_open(runs: list[list[int]], quiet: int) -> int:
+    """Relabel in place the trailing healthy stretch as exploding where the layer last raised a flag ``quiet``
+    (at most ``CHAIN_GAP``) records ago and its exploding run ended there anyway (recovery read as measured: the
+    loss back to its level, or the run's own end for an episode that began the run); returns ``quiet``, or 0 when
+    nothing is held. The bridge above joins such a stretch to the run when the layer flags again after it, so as
+    of its steps the episode has not ended yet: reading it as ended there and as one episode a step later would
+    tell two stories about the same step (and move the run's answer to another layer and back). The episode ends
+    once the layer has raised no flag for more than ``CHAIN_GAP`` logged steps. Not after a nonfinite run: a finite
+    record is a fact, and nonfinite is judged at the diagnosed step."""
+    if not quiet or len(runs) < 2 or runs[-1][0] != th.HEALTHY or runs[-2][0] != th.EXPLODING:
+        return 0
+    runs[-1][0] = th.EXPLODING
+    return quiet
 
 
 #: Records of a healthy stretch needed for "where a layer typically stood" before an exploding run is back-dated.
@@ -210,14 +237,17 @@ def track(ev: Steps, i: int, t: th.Thresholds, steps: np.ndarray, losses: Losses
     need = sustain_needed(len(rows), t.sustain_steps)
     unconfirmed = _confirm(runs, steps[rows], need, t.sustain_steps)
     runs = _merge_equal(runs)
+    quiet = _quiet_after_blowup(runs)
     _confirmed_late(runs, ev.columns("exp_late")[i, rows], ev.columns("exp_level")[i, rows])
     log_rms = ev.columns("log_rms")[i, rows]
     _backdate(runs, log_rms - ev.columns("others")[i, rows], t, log_rms, ev.columns("exp_late")[i, rows])
     recovery = Recovery(steps[rows], losses, log_rms, ev.columns("log_upd")[i, rows], t)
     carried = _lasting(runs, ev.columns("weight_norm")[i, rows], ev.columns("small")[i, rows], recovery)
     runs = _merge_equal([r for r in runs if r[2] >= r[1]])
+    quiet = _hold_open(runs, quiet)
+    runs = _merge_equal(runs)
     lasting = {a: carried[a] for _, a, _ in runs if a in carried}
-    return Track(rows, [tuple(r) for r in runs], unconfirmed, need=need, lasting=lasting)
+    return Track(rows, [tuple(r) for r in runs], unconfirmed, need=need, lasting=lasting, quiet=quiet)
 
 
 def flagged_episodes(track: Track, steps: np.ndarray) -> list[dict[str, Any]]:

@@ -12,7 +12,7 @@ import numpy as np
 from tb_gradhealth import record
 from tb_gradhealth.health import thresholds as th
 from tb_gradhealth.health.answer import deepest_first
-from tb_gradhealth.health.episodes import Track, flagged_episodes
+from tb_gradhealth.health.episodes import CHAIN_GAP, Track, flagged_episodes
 from tb_gradhealth.health.fixes import fixes
 from tb_gradhealth.health.kinds import RECTIFIERS, SATURATING
 from tb_gradhealth.health.optimizer import optimizer_notes
@@ -43,7 +43,8 @@ def layer_health(ev: Steps, steps: np.ndarray, layers: Sequence[str], i: int, d:
     ctx = _Ctx(ev=ev, steps=steps, s=s, i=i, run_len=last[2] - last[1] + 1,
                run_first_step=int(steps[track.rows[last[1]]]), t=t,
                before_row=int(track.rows[last[1] - 1]) if last[1] > 0 else int(track.rows[0]),
-               status=th.STATUSES[code], activation=info[1], carried=track.lasting.get(last[1]))
+               status=th.STATUSES[code], activation=info[1], carried=track.lasting.get(last[1]),
+               quiet=track.quiet)
     reasons, excess = _reasons(code, ctx, d, i)
     reasons += _confirmation_notes(code, track, ctx, t)
     idle = _idle(ev, track, i)
@@ -260,6 +261,7 @@ class _Ctx:
     status: str = ""  # the layer's current status, named where the text says since when
     activation: str = ""  # the layer's activation where the writer recorded it
     carried: Lasting | None = None  # why the current run goes on past its rules: it has not recovered
+    quiet: int = 0  # trailing quiet records the current exploding run holds pending
 
     def lasting_steps(self) -> str:
         """``for 140 logged steps since`` the current run began (``at step N`` for one)."""
@@ -457,8 +459,19 @@ def _inert_reason(c: _Ctx) -> str:
             f"(use_bias=False removes it)")
 
 
+def _quiet_reason(c: _Ctx) -> str:
+    """An exploding episode whose last records are quiet, held open: a quiet minibatch or two inside a divergence is
+    no recovery (:data:`episodes.CHAIN_GAP`)."""
+    quiet = "its last record" if c.quiet == 1 else f"its last {c.quiet} records"
+    return (f"exploding since step {c.run_first_step}; {quiet} raised no flag, but one or two quiet minibatches "
+            f"inside a blow-up are no recovery: the episode ends once no flag is raised for more than {CHAIN_GAP} "
+            f"logged steps")
+
+
 def _reasons(code: int, c: _Ctx, d: dict[str, np.ndarray], i: int) -> tuple[list[str], float]:
     """Plain-language reasons for the status and the excess (decades beyond the threshold) for the severity."""
+    if c.quiet and code == th.EXPLODING:
+        return [_quiet_reason(c)], 0.0
     if code == th.NONFINITE:
         nan, inf, size = int(d["nan"][i]), int(d["inf"][i]), int(d["size"][i])
         frac = (nan + inf) / size if size else 1.0
