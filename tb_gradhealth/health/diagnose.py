@@ -97,9 +97,10 @@ def diagnose_run(
     units = read_units(fw, layers, steps) if fw is not None else None
     ev = evaluate(records, layers, t, windows, _told(steps, skipped), units.dead if units is not None else None,
                   clip_norm(source))
+    losses = Losses.of(progress)
     out, borrowed, forward, started = _layer_healths(ev, steps, records, layers, t, depth,
                                                      with_activations(layer_info or {}, units, layers),
-                                                     Losses.of(progress), _made_in(nan_origin, steps))
+                                                     losses, _made_in(nan_origin, steps))
     trend = loss_trend(progress[0], progress[1], int(steps[-1])) if progress is not None else None
     out, stalled = _add_evidence(out, ev, records, t, trend, layer_info)
     out = weigh_growth(out, trend, update_growth(steps, records) if trend is not None else None, int(steps[-1]),
@@ -110,8 +111,9 @@ def diagnose_run(
     ranked, is_cause = cause_first(sorted(out, key=lambda lh: (-lh.severity, lh.index)), borrowed, depth, forward,
                                    started, stalled)
     answer = run_answer(ranked, is_cause, (int(steps[0]), int(steps[-1])))
-    if trend is not None and answer is not None and answer["status"] in (EXPLODING.word, NONFINITE.word):
-        trend = against_episode(trend, progress, steps, int(answer["step"]), t)
+    if trend is not None and losses is not None and answer is not None \
+            and answer["status"] in (EXPLODING.word, NONFINITE.word):
+        trend = against_episode(trend, losses, steps, int(answer["step"]), t)
     ranked = assign_ranks(ranked, answer)
     first_bad, cause = legacy_fields(answer)
     timeline, earlier = run_timeline(out, answer, depth)

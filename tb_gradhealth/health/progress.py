@@ -83,22 +83,19 @@ class LossTrend:
                 "episode": dict(self.episode) if self.episode is not None else None}
 
 
-def against_episode(trend: LossTrend, progress: tuple[np.ndarray, np.ndarray], steps: np.ndarray, start: int,
-                    t: Thresholds) -> LossTrend:
-    """``trend`` with the loss read against its level before the episode that began at logged step ``start``
-    (``steps``: the run's logged steps): ``{"step": start, "before"`` (median of the loss over the
-    ``growth_window`` logged steps before it), ``"now"`` (median of the last ``growth_window`` values), ``"ratio"``,
-    ``"since"`` (logged steps since it began)``}``; ``trend`` as it is when the loss has no such values (an episode
-    that began the run has no level before it) or is back below it. A run that never recovered from a blow-up reads
-    as that, not as a change from a first quarter that holds the spike."""
-    ls, lv = np.asarray(progress[0], dtype=np.int64), np.asarray(progress[1], dtype=np.float64)
-    keep = np.isfinite(lv) & (lv > 0) & (ls <= trend.last_step)
-    now = lv[keep][-t.growth_window:]
-    losses = Losses.of(progress)
+def against_episode(trend: LossTrend, losses: Losses, steps: np.ndarray, start: int, t: Thresholds) -> LossTrend:
+    """``trend`` with the loss (``losses``: the recorded loss, as the recovery check reads it) read against its level
+    before the episode that began at logged step ``start`` (``steps``: the run's logged steps): ``{"step": start,
+    "before"`` (median of the loss over the ``growth_window`` logged steps before it), ``"now"`` (median of the last
+    ``growth_window`` values up to the trend's last step), ``"ratio"``, ``"since"`` (logged steps since it
+    began)``}``; ``trend`` as it is when the loss has no such values (an episode that began the run has no level
+    before it) or is back below it. A run that never recovered from a blow-up reads as that, not as a change from a
+    first quarter that holds the spike."""
+    now = losses.log[:np.searchsorted(losses.steps, trend.last_step, side="right")][-t.growth_window:]
     pre = losses.before(steps, int(np.searchsorted(steps, start)), t.growth_window)
     if not pre.size or not now.size:
         return trend
-    before, after = level(pre), float(np.median(now))
+    before, after = level(pre), level(now)
     if not after > before:
         return trend  # back below its level before: the quarters tell how it moved
     since = int(np.count_nonzero((steps >= start) & (steps <= trend.last_step)))

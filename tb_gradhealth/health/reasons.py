@@ -470,7 +470,7 @@ def _quiet_reason(c: _Ctx) -> str:
 
 def _reasons(code: int, c: _Ctx, d: dict[str, np.ndarray], i: int) -> tuple[list[str], float]:
     """Plain-language reasons for the status and the excess (decades beyond the threshold) for the severity."""
-    if c.quiet and code == th.EXPLODING:
+    if c.quiet:  # only an exploding run is held open over quiet records
         return [_quiet_reason(c)], 0.0
     if code == th.NONFINITE:
         nan, inf, size = int(d["nan"][i]), int(d["inf"][i]), int(d["size"][i])

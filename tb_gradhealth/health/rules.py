@@ -253,15 +253,24 @@ class _Guards(NamedTuple):
     layerwise: np.ndarray  # [S] a layer-wise adaptive optimizer (LAMB, LARS)
 
 
+def _running_peak(log_values: np.ndarray) -> np.ndarray:
+    """The largest value of each column up to each row, the row included (NaN ignored; -inf before any value)."""
+    return np.fmax.accumulate(np.where(np.isnan(log_values), -np.inf, log_values), axis=0)
+
+
+def _roundoff_line(log_values: np.ndarray) -> np.ndarray:
+    """Log10 of round-off (``ROUNDOFF``) of the largest value each column has had up to each row: below it, a value
+    is what float32 arithmetic leaves of a zero."""
+    return _running_peak(log_values) + np.log10(ROUNDOFF)
+
+
 def _guards(lv: _Levels, size: np.ndarray, groups: list[np.ndarray], t: th.Thresholds) -> _Guards:
     with np.errstate(invalid="ignore"):
         speed = lv.log_upd - lv.ref_upd[:, None]  # NaN where updates are not recorded: the gradient rules decide
         learns = (t.update_decades > 0) & (speed > -t.update_decades)
         calm = (t.update_decades > 0) & (speed < t.update_decades)
-        peak = np.fmax.accumulate(np.where(np.isnan(lv.log_rms), -np.inf, lv.log_rms), axis=0)
-        above_roundoff = ~(lv.log_rms < peak + np.log10(ROUNDOFF))
-        ref_peak = np.fmax.accumulate(np.where(np.isnan(lv.ref), -np.inf, lv.ref))
-        converged = np.broadcast_to((lv.ref < ref_peak + np.log10(ROUNDOFF))[:, None], lv.log_rms.shape)
+        above_roundoff = ~(lv.log_rms < _roundoff_line(lv.log_rms))
+        converged = np.broadcast_to((lv.ref < _roundoff_line(lv.ref))[:, None], lv.log_rms.shape)
     return _Guards(learns, calm, above_roundoff, small_weights(lv.weight_norm, lv.upd_rms, size, groups), converged,
                    size >= TREND_MIN_SIZE, np.isfinite(layerwise_common(lv.upd_ratio, lv.weight_norm, size)))
 
@@ -269,7 +278,7 @@ def _guards(lv: _Levels, size: np.ndarray, groups: list[np.ndarray], t: th.Thres
 def _peak_before(log_sig: np.ndarray, window: int) -> np.ndarray:
     """``[S, L]`` the largest log RMS of each column before the previous ``window`` rows (-inf where none): the
     scale the variable had reached before the stretch a trend is measured over."""
-    peak = np.fmax.accumulate(np.where(np.isnan(log_sig), -np.inf, log_sig), axis=0)
+    peak = _running_peak(log_sig)
     out = np.full(log_sig.shape, -np.inf)
     out[window + 1:] = peak[:-window - 1]
     return out
@@ -323,13 +332,12 @@ def _trend(lv: _Levels, signal: np.ndarray, g: _Guards, t: th.Thresholds, loss: 
         whole = ref_grew & (not_learning | (loss is None))
         heading = whole | beyond | ((dec >= -1.0) & not_learning)
         out_of_zone = ~(typical - ref_mean <= -t.vanish_decades)
-        # above the window's mean and its median: one batch that dropped by decades pulls the mean of logs down, and
-        # the return from it to where the layer stood is no growth
         # grown from no lower than round-off of the largest it has been: a converged model's gradients sit at
         # round-off, and one harder batch lifts them by decades out of it, still far below where they started
-        roundoff = np.fmax.accumulate(np.where(np.isnan(log_sig), -np.inf, log_sig), axis=0) + np.log10(ROUNDOFF)
-        grew = (signal & (log_sig - np.fmax(base, roundoff) >= t.growth_decades)
+        grew = (signal & (log_sig - np.fmax(base, _roundoff_line(log_sig)) >= t.growth_decades)
                 & (log_sig - typical >= t.growth_decades / 2) & heading & g.above_roundoff & out_of_zone)
+        # above the window's median as well as its mean: one batch that dropped by decades pulls the mean of logs
+        # down, and the return from it to where the layer stood is no growth
         trend = grew & (log_sig - window_median(log_sig, t.growth_window, grew) >= t.growth_decades / 2)
     return trend, base
 
