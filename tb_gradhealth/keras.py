@@ -317,6 +317,8 @@ class GradientHealthCallback(keras.callbacks.Callback, Stoppable):
                                  failsafe=self._failsafe)
         self._book: StepBook | None = None
         self._loss = LossBook()
+        #: the last step a loss was written at under a loss scaler (:meth:`_record_loss`)
+        self._loss_step = 0
         self._capture: Capture | None = None
         self._origin: FitOrigin | None = None
         #: ``stop_on``: the live diagnosis of the records this callback writes, kept across fits as the logdir is
@@ -377,6 +379,7 @@ class GradientHealthCallback(keras.callbacks.Callback, Stoppable):
         # The optimizer step as the host predicts it (no device read per batch); a later fit continues the count.
         epoch_steps = self.params.get("steps") if self.params else None
         self._book = StepBook(period, spe, epoch_steps, calls_per_read, host_step=kit.ring.device_step())
+        self._loss_step = self._book.host_step
         # fit() made (and may have traced) its train function before this call: the path's fresh ones trace with
         # the hooks in place. Calls that contain no logged step run the plain step, so they cost nothing, even
         # under XLA where a conditional on the gradients would keep them from fusing into the update.
@@ -475,7 +478,23 @@ class GradientHealthCallback(keras.callbacks.Callback, Stoppable):
                 book.resync(cap.kit.ring.device_step())
 
     def _record_loss(self, mean: Any) -> None:
-        self._sink.writer.add_loss(self._book.host_step, self._loss.batch_loss(mean))
+        """This call's loss at the step its update was applied as. Under a loss scaler the host's count runs ahead
+        of the optimizer's by every step it skipped, so the step is read from the device (one read of a counter,
+        after a loss already read): a call that applied no update since the last loss written (its gradients
+        overflowed) has no step of its own, and its loss is not written."""
+        step = self._book.host_step
+        if self._scaled:
+            step = self._capture.kit.ring.device_step()
+            self._book.resync(step)
+            if step <= self._loss_step:
+                return
+            self._loss_step = step
+        self._sink.writer.add_loss(step, self._loss.batch_loss(mean))
+
+    @property
+    def _scaled(self) -> bool:
+        """The model's optimizer is a loss scaler: a step whose gradients overflow is skipped, not counted."""
+        return isinstance(self.model.optimizer, keras.optimizers.LossScaleOptimizer)
 
     def on_epoch_end(self, epoch: int, logs: Mapping[str, Any] | None = None) -> None:
         self._flush_captures(latest_only=self.update_freq == "epoch")
@@ -503,7 +522,7 @@ class GradientHealthCallback(keras.callbacks.Callback, Stoppable):
             return 0
         self._book.take_pending()
         read, new = self._sink.read(self._capture.kit.ring)
-        scaled = isinstance(self.model.optimizer, keras.optimizers.LossScaleOptimizer)
+        scaled = self._scaled
         hooks = self._capture.kit.forward
         for step, rows, forward in new[-1:] if latest_only else new:
             self._sink.write(step, rows)

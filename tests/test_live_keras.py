@@ -95,6 +95,19 @@ def test_stop_on_decides_as_the_report_reads_and_halts_a_divergence_before_its_n
     assert series.source == {"loop": "keras.fit", "optimizer": "SGD", "momentum": "0.5"}
 
 
+class Seen(keras.callbacks.Callback):
+    """After each batch: the updates the wrapped optimizer applied so far and Keras' running mean of the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: list[int] = []
+        self.means: list[float] = []
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self.steps.append(int(self.model.optimizer.inner_optimizer.iterations.numpy()))
+        self.means.append(float(logs["loss"]))
+
+
 def test_under_a_loss_scaler_every_logged_step_was_applied(tmp_path):
     previous = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy("mixed_float16")
@@ -106,8 +119,9 @@ def test_under_a_loss_scaler_every_logged_step_was_applied(tmp_path):
         assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
         scale0 = float(model.optimizer.initial_scale)
         y = y * 30  # gradients of ~1e2 times the loss scale (2**15) overflow float16: the first steps are skipped
+        seen = Seen()
         model.fit(x[:320], y[:320], batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
-                  callbacks=[GradientHealthCallback(str(tmp_path), update_freq=1)])
+                  callbacks=[GradientHealthCallback(str(tmp_path), update_freq=1), seen])
         # The steps that applied an update: the wrapped optimizer's count (Keras 3.0's LossScaleOptimizer keeps an
         # `iterations` of its own that never advances; newer ones forward it to the wrapped optimizer's).
         applied = int(model.optimizer.inner_optimizer.iterations.numpy())
@@ -119,4 +133,12 @@ def test_under_a_loss_scaler_every_logged_step_was_applied(tmp_path):
     (series,) = reader.read_logdir(str(tmp_path)).runs
     assert series.steps.tolist() == list(range(1, applied + 1))  # a skipped step has no record, no step
     assert found.skipped[0].tolist() == series.steps.tolist() and not found.skipped[1].any()
+    # Each logged step's loss is the loss of the batch whose update it applied: Keras' running mean after batch b,
+    # times b + 1, less the mean before it, times b. A skipped batch's loss has no step of its own.
+    means = [0.0, *seen.means]
+    before = [0, *seen.steps]
+    applied_loss = {step: (b + 1) * means[b + 1] - b * means[b]
+                    for b, step in enumerate(seen.steps) if step > before[b]}
+    assert found.loss[0].tolist() == series.steps.tolist() == sorted(applied_loss)
+    np.testing.assert_allclose(found.loss[1], [applied_loss[s] for s in series.steps.tolist()], rtol=1e-4)
     assert series.source["optimizer"] == "SGD" and metadata.SOURCE_KEYS[0] in series.source
