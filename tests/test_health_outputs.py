@@ -30,6 +30,15 @@ DEAD = {**RELU, "shift": {2: (22, -100.0)}}
 SATURATED = {"widths": [16] + [32] * 6, "act": "tanh", "shift": {k: (32, 3.0) for k in range(1, 7)}}
 #: Each ReLU layer's weights at 10x He scale: every layer multiplies the activations' RMS by about 10.
 BLOWUP = {"widths": [16] + [32] * 6, "act": "relu", "scale": 10.0, "lr": 0.0}
+#: Under Adam, which keeps every layer's update at pace whatever its gradient: the tanh stack saturated as above, and
+#: a 10-layer sigmoid stack with every bias at +5, beside twins without the shift.
+ADAM = {"adam": True, "lr": 1e-3}
+SIGMOID = {"widths": [16] + [32] * 10, "act": "sigmoid", **ADAM}
+ADAM_RUNS = {"saturated_adam": {**SATURATED, **ADAM}, "tanh_adam_twin": {**SATURATED, "shift": None, **ADAM},
+             "sigmoid_adam": {**SIGMOID, "shift": {k: (32, 5.0) for k in range(1, 11)}}, "sigmoid_adam_twin": SIGMOID}
+#: A variable whose gradient is this many decades or more below its healthy twin's is vanishing (the zoo's twin
+#: rule): the label, measured on the twins, never from the diagnosis' own lines.
+TWIN_DECADES = 4.0
 
 
 def _report(logdir, *flags) -> dict:
@@ -60,7 +69,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("outputs")
     made = {}
     for name, kw in (("dead", DEAD), ("twin", RELU), ("saturated", SATURATED), ("blowup", BLOWUP),
-                     ("blowup_twin", {**BLOWUP, "scale": 1.0})):
+                     ("blowup_twin", {**BLOWUP, "scale": 1.0}), *ADAM_RUNS.items()):
         made[name] = (root / name, train(str(root / name), steps=STEPS, **kw))
         train(str(root / f"{name}_plain"), steps=STEPS, record_outputs=False, **kw)
     return made
@@ -95,7 +104,7 @@ def test_dead_units_need_their_line_and_sustain_steps(runs):
                in r for r in x["reasons"])
 
 
-@pytest.mark.parametrize("twin", ["twin", "blowup_twin"])
+@pytest.mark.parametrize("twin", ["twin", "blowup_twin", "tanh_adam_twin", "sigmoid_adam_twin"])
 def test_a_healthy_twin_reads_as_without_its_outputs(runs, twin):
     logdir, run = runs[twin]
     assert max(_dead_fraction(h) for out in run.outputs for h in out.values()) < 0.5
@@ -123,6 +132,23 @@ def test_a_saturating_layer_vanishing_quotes_its_saturated_fraction(runs):
         assert any(f"forward: {measured:.0%} of its tanh outputs ({layer}) within 1% of their range from a bound at "
                    f"step {STEPS - 1}" in r for r in by[name]["reasons"]), by[name]["reasons"]
         assert by[name]["forward"]["saturated_fraction"] == pytest.approx(measured)
+
+
+@pytest.mark.parametrize("sick, twin, act", [("saturated_adam", "tanh_adam_twin", "tanh"),
+                                             ("sigmoid_adam", "sigmoid_adam_twin", "sigmoid")])
+def test_saturated_units_make_a_layer_vanishing_under_adam(runs, sick, twin, act):
+    """Adam keeps a saturated layer's updates at pace, so its records alone read healthy; its outputs show why its
+    gradient is decades below its twin's, and make it vanishing."""
+    (logdir, run), (_, healthy) = runs[sick], runs[twin]
+    by, plain = _layers(_report(logdir)), _layers(_report(logdir.parent / f"{sick}_plain"))
+    far = [v for v in run.grads[-1] if v.startswith("dense_") and np.log10(
+        np.sqrt(np.mean(healthy.grads[-1][v] ** 2)) / np.sqrt(np.mean(run.grads[-1][v] ** 2))) >= TWIN_DECADES]
+    assert len(far) >= 4
+    assert [v for v in far if plain[v]["status"] == "healthy"]  # what only the outputs tell
+    for v in far:
+        assert by[v]["status"] == "vanishing", (v, by[v]["reasons"])
+        assert any(f"of its {act} outputs ({v.split('/')[0]}) within 1% of their range" in r
+                   for r in by[v]["reasons"]), by[v]["reasons"]
 
 
 def test_a_forward_blowup_is_the_cause_of_the_exploding_layers_after_it(runs):

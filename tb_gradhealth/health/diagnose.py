@@ -96,7 +96,7 @@ def diagnose_run(
     fw = Forward.of(activations)
     units = read_units(fw, layers, steps) if fw is not None else None
     ev = evaluate(records, layers, t, windows, _told(steps, skipped), units.dead if units is not None else None,
-                  clip_norm(source))
+                  clip_norm(source), units.saturated if units is not None else None)
     losses = Losses.of(progress)
     out, borrowed, forward, started = _layer_healths(ev, steps, records, layers, t, depth,
                                                      with_activations(layer_info or {}, units, layers),

@@ -514,10 +514,19 @@ GRADIENT_RULES = ("exp_rel", "exp_rms", "exp_max", "exp_update", "exp_feedback",
 EXPLODING_RULES = (*GRADIENT_RULES, "exp_runaway", "exp_volatile", "exp_swing")
 
 
-def _vanishing(lv: _Levels, rms: np.ndarray, g: _Guards, t: th.Thresholds) -> dict[str, np.ndarray]:
+def _vanishing(lv: _Levels, rms: np.ndarray, g: _Guards, t: th.Thresholds,
+               saturated: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """The vanishing rules. ``saturated``: ``[S, L]`` the fraction of the variable's layer's outputs pinned near a
+    bound of its saturating activation, where they are recorded (NaN elsewhere)."""
     with np.errstate(invalid="ignore"):
+        far_below = lv.signal & (lv.dec() <= -t.vanish_decades) & ~g.converged
+        # Units pinned near a bound pass almost nothing back (tanh' and sigmoid' there are at most 4% of their
+        # largest): with as many of its outputs there as ``dead_units`` asks of dead rectifier units, a layer far
+        # below the reference is vanishing even where an adaptive optimizer keeps its updates at pace, which it
+        # does whatever the gradient's size.
+        pinned = far_below & (saturated >= t.dead_units) if saturated is not None else np.zeros_like(far_below)
         return {
-            "van_rel": lv.signal & (lv.dec() <= -t.vanish_decades) & ~g.learns & ~g.converged,
+            "van_rel": far_below & (~g.learns | pinned),
             # Under LAMB/LARS every layer moves by the same fraction of its weights whatever its gradient, so
             # "learns" is no evidence below the floor: there the direction is Adam's epsilon, not the gradient.
             "van_abs": lv.signal & (rms < t.vanish_rms_below) & (~g.learns | g.layerwise[:, None]) & ~g.converged,
@@ -612,7 +621,7 @@ def _units_dead(dead_fraction: np.ndarray | None, live: np.ndarray, t: th.Thresh
 
 def evaluate(records: np.ndarray, layers: Sequence[str], t: th.Thresholds, loss: LossWindows | None = None,
              told_skipped: np.ndarray | None = None, dead_fraction: np.ndarray | None = None,
-             clip_norm: float | None = None) -> Steps:
+             clip_norm: float | None = None, saturated_fraction: np.ndarray | None = None) -> Steps:
     """Every rule at every (logged step, layer); see docs/DIAGNOSIS.md for each rule's reason. ``loss``: the
     recorded loss around each logged step, where it is recorded (the trend's evidence, a swinging loss).
     ``told_skipped``: ``[S]`` whether the writer says the optimizer skipped the step (1), applied it (0) or does
@@ -620,7 +629,8 @@ def evaluate(records: np.ndarray, layers: Sequence[str], t: th.Thresholds, loss:
     out of the episodes (its NaN/Inf stays in the notes). ``dead_fraction``: ``[S, L]`` the fraction of each
     variable's layer's units dead for every input of the batch where its output is recorded after a rectifier
     (NaN elsewhere; None: no output recorded). ``clip_norm``: the global norm the loop clips the recorded
-    gradients to, where it says so (:func:`clipped_steps`)."""
+    gradients to, where it says so (:func:`clipped_steps`). ``saturated_fraction``: ``[S, L]`` the fraction of each
+    variable's layer's outputs near a bound of its saturating activation, where it is recorded (NaN elsewhere)."""
     clip_norm = clip_norm if clip_norm is not None and clip_norm > 0 else None
     v = live_stats(records)
     groups = layer_groups(layers)
@@ -656,7 +666,7 @@ def evaluate(records: np.ndarray, layers: Sequence[str], t: th.Thresholds, loss:
              "stopped": stopped(idle, v["live"], kept, t.sustain_steps),
              "routed": np.full(idle.shape[0], routed(idle, v["live"], v["missing"], kept, t.sustain_steps)),
              "units_dead": _units_dead(dead_fraction, v["live"], t),
-             **exp, **_vanishing(lv, v["rms"], g, t)}
+             **exp, **_vanishing(lv, v["rms"], g, t, saturated_fraction)}
     if dead_fraction is not None:
         flags["dead_fraction"] = dead_fraction
     exploding = np.logical_or.reduce([flags[k] for k in EXPLODING_RULES])
