@@ -175,8 +175,20 @@ def test_a_forward_blowup_is_the_cause_of_the_exploding_layers_after_it(runs):
         rms = output_rms(at)
         assert float(m.group(4).replace(",", "")) == pytest.approx(rms["dense_6"] / rms["dense_1"], rel=1e-3)
         assert by[name]["fixes"][0].startswith("the activations grow on their way forward")
-    for name in (n for n in exploding if n.startswith("dense_1/")):  # where the climb starts: not after it
-        assert not any(r.startswith("cause: the activations blow up") for r in by[name]["reasons"])
+    # Where the climb starts the inputs are the data, yet the gradient is as far above the twin's as the layers'
+    # after it (measured): the backward pass crosses the same too-large weights.
+    healthy = runs["blowup_twin"][1]
+
+    def above_twin(v: str) -> float:
+        return float(np.log10(np.sqrt(np.mean(run.grads[0][v] ** 2)) / np.sqrt(np.mean(healthy.grads[0][v] ** 2))))
+
+    assert above_twin("dense_1/kernel") >= min(above_twin(f"dense_{k}/kernel") for k in range(2, 7)) - 0.5
+    first = [n for n in exploding if n.startswith("dense_1/")]
+    assert first
+    for name in first:
+        found = [r for r in by[name]["reasons"] if r.startswith("cause: the activations blow up")]
+        assert len(found) == 1 and found[0].endswith("the layers after it multiply its gradient on the way back as "
+                                                     "they multiply the activations on the way forward"), found
     twin = _report(runs["blowup_twin"][0])
     assert not any("blow up on their way forward" in r for x in twin["layers"] for r in x["reasons"])
 

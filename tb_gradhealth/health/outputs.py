@@ -35,8 +35,8 @@ def explain_outputs(out: Sequence[LayerHealth], fw: Forward, units: Units, t: Th
             if lh.first_step not in blowups:
                 blowups[lh.first_step] = first_blowup(fw, units.position, lh.first_step, step, t.forward_growth)
             found = blowups[lh.first_step]
-            if found is not None and units.position[lh.index] > found.first:
-                reasons.append(_blowup_reason(fw, found))
+            if found is not None and units.position[lh.index] >= found.first:
+                reasons.append(_blowup_reason(fw, found, units.position[lh.index] == found.first))
                 fixes = [FORWARD_GROWTH, *(f for f in fixes if f != FORWARD_GROWTH)]
         healed.append(dataclasses.replace(lh, reasons=reasons, fixes=fixes,
                                           forward=layer_fields(fw, a, rows[shown])))
@@ -53,7 +53,12 @@ def _saturated_reason(fw: Forward, r: int, act: str, step: int) -> str:
             f"their range from a bound at step {int(fw.steps[a])}, where {act}' is at most 4% of its largest")
 
 
-def _blowup_reason(fw: Forward, b: Blowup) -> str:
+def _blowup_reason(fw: Forward, b: Blowup, starts: bool) -> str:
+    """The climb as the cause of an exploding layer's gradient: after the climb's first layer, through its inputs;
+    at that layer (``starts``), whose inputs are the data, through the layers after it, whose weights multiply the
+    gradient on its way back as they multiply the activations on their way forward."""
+    how = ("the layers after it multiply its gradient on the way back as they multiply the activations on the way "
+           "forward" if starts else "this layer's gradient is large because its inputs are")
     return (f"cause: the activations blow up on their way forward: output RMS {b.first_rms:.2g} at "
             f"{fw.layers[b.first]} -> {b.peak_rms:.2g} at {fw.layers[b.peak]} ({b.growth:,.0f}x over {b.layers} "
-            f"layers) at step {b.step}; this layer's gradient is large because its inputs are")
+            f"layers) at step {b.step}; {how}")
