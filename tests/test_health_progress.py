@@ -55,6 +55,34 @@ def test_a_learning_rate_too_small_to_move_the_weights_with_a_flat_loss_is_flagg
     assert not set(diagnose_run(NAMES, STEPS, _records(0.1), progress=_loss("flat")).statuses()) & set(FLAGS)
 
 
+def _layers(lr: float, bias: float, seed: int = 0) -> np.ndarray:
+    """SGD records of the same network with 64-value kernels (weights 0.1) and 8-value biases whose weights are all
+    ``bias``, every gradient of RMS ~1e-2, at learning rate ``lr``."""
+    rng = np.random.default_rng(seed)
+    out = np.empty((STEPS.size, len(NAMES), record.NUM_FIELDS))
+    for s in range(STEPS.size):
+        for i, name in enumerate(NAMES):
+            n = 8 if name.endswith("bias") else 64
+            g = rng.standard_normal(n) * 1e-2
+            w = np.full(n, bias) if name.endswith("bias") else rng.standard_normal(n) * 0.1
+            out[s, i] = record.compute(g, w, lr * g, hist_sample=None)
+    return out
+
+
+def test_whether_a_layer_barely_learns_is_read_from_its_kernel():
+    # lr 1e-2 with a flat loss: each kernel moves by ~1e-3 of itself a step, a bias set at 40 by ~2.5e-6 of itself.
+    # The layers learn: none is flagged, whatever a bias far from zero says of itself.
+    records = _layers(1e-2, bias=40.0)
+    d = record.derived(records[-1])
+    assert (d["update_to_weight"][1::2] < 1e-5).all() and (d["update_to_weight"][::2] > 1e-4).all()
+    assert not set(diagnose_run(NAMES, STEPS, records, progress=_loss("flat")).statuses()) & set(FLAGS)
+    # lr 1e-6: the kernels move by ~1e-7 of themselves; biases near zero (1e-6) move by ~1e-2 of themselves. Nothing
+    # learns: every variable is flagged, its bias with its kernel.
+    records = _layers(1e-6, bias=1e-6)
+    assert (record.derived(records[-1])["update_to_weight"][1::2] > 1e-3).all()
+    assert diagnose_run(NAMES, STEPS, records, progress=_loss("flat")).statuses() == ["vanishing"] * len(NAMES)
+
+
 @pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3])
 def test_the_loss_times_a_constant_reads_the_same(scale):
     assert diagnose_run(NAMES, STEPS, _records(1e-6), progress=_loss("flat", scale)).statuses() == \

@@ -13,7 +13,7 @@ from tb_gradhealth.health.answer import assign_ranks, deepest_first, group_depth
 from tb_gradhealth.health.episodes import follow_siblings, onset, run_timeline, track
 from tb_gradhealth.health.forward import Forward, read_units, with_activations
 from tb_gradhealth.health.kinds import explain_kinds
-from tb_gradhealth.health.levels import in_named_layer
+from tb_gradhealth.health.levels import in_named_layer, layer_groups
 from tb_gradhealth.health.optimizer import global_clip_note
 from tb_gradhealth.health.outputs import explain_outputs
 from tb_gradhealth.health.progress import (
@@ -242,6 +242,21 @@ def _last_finite(out: list[LayerHealth], steps: np.ndarray, records: np.ndarray)
     return healed
 
 
+def _layer_pace(d: dict[str, np.ndarray], never: np.ndarray, groups: list[np.ndarray]
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """``([L]`` ||update|| / ||weight||, ``[L]`` ||gradient|| / ||weight||``)`` of each variable's layer: those of
+    its largest variable (its kernel: the bulk of its parameters), each at its last record with a gradient (``d``;
+    NaN where it never had one). Whether a layer barely learns is the layer's figure: a bias set far from zero
+    moves little beside itself while its kernel learns, and one that starts at zero moves a lot beside itself while
+    its kernel does not."""
+    upd, grad = (np.where(never, np.nan, d[k]) for k in ("update_to_weight", "grad_to_weight"))
+    for cols in groups:
+        main = cols[int(np.argmax(d["size"][cols]))]
+        if not never[main]:
+            upd[cols], grad[cols] = upd[main], grad[main]
+    return upd, grad
+
+
 def _add_evidence(out: list[LayerHealth], ev: Steps, records: np.ndarray, t: Thresholds, trend: LossTrend | None,
                   layer_info: Mapping[str, tuple[str, str]] | None) -> tuple[list[LayerHealth], frozenset[str]]:
     """The layers with what the records alone do not hold: the training loss, the layers' kinds, the optimizer's
@@ -252,7 +267,7 @@ def _add_evidence(out: list[LayerHealth], ev: Steps, records: np.ndarray, t: Thr
         rows, cols = _last_rows(active), np.arange(ev.present.shape[1])
         d = record.derived(records[rows, cols])
         never = ~active.any(axis=0)
-        own = tuple(np.where(never, np.nan, d[k]) for k in ("update_to_weight", "grad_to_weight"))
+        own = _layer_pace(d, never, layer_groups([lh.layer for lh in sorted(out, key=lambda lh: lh.index)]))
         out, stalled = weigh_progress(out, trend, t, proportional=ev.proportional,
                                       scaled=(10.0 ** ev.log_grad[rows, cols], 10.0 ** ev.log_upd[rows, cols]),
                                       own=own)
