@@ -280,6 +280,7 @@ def _gpt2_case(half: dict, name: str, *, seed: int, clipped: bool, lr: float, st
 
 
 for _half, _name, _kw in ((DESIGN, "hf_gpt2_sgd", {"seed": 521, "lr": 5.0}),
+                          (DESIGN, "hf_gpt2_sgd_s563", {"seed": 563, "lr": 4.0}),
                           (HELDOUT, "hf_gpt2_sgd_s547", {"seed": 547, "lr": 4.0}),
                           (HELDOUT, "hf_gpt2_sgd_w24", {"seed": 547, "lr": 3.0, "width": 24})):
     _gpt2_case(_half, f"{_name}_unclipped", clipped=False, **_kw)
