@@ -83,6 +83,17 @@ def test_whether_a_layer_barely_learns_is_read_from_its_kernel():
     assert diagnose_run(NAMES, STEPS, records, progress=_loss("flat")).statuses() == ["vanishing"] * len(NAMES)
 
 
+@pytest.mark.parametrize("bias", [40.0, 1e-6])
+def test_the_ratio_notes_read_the_layers_figures(bias):
+    # At lr 1e-2 each kernel moves by ~1e-3 of itself a step: no note. A bias at 40 moves by ~2.5e-6 of itself, one
+    # near zero by ~100x itself; neither says its layer barely learns, or learns too fast.
+    records = _layers(1e-2, bias=bias)
+    own = record.derived(records[-1])["update_to_weight"][1::2]
+    assert (own < 1e-5).all() if bias > 1 else (own > 0.1).all()
+    h = diagnose_run(NAMES, STEPS, records)
+    assert not [r for lh in h.layers for r in lh.reasons if "update/weight" in r]
+
+
 @pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3])
 def test_the_loss_times_a_constant_reads_the_same(scale):
     assert diagnose_run(NAMES, STEPS, _records(1e-6), progress=_loss("flat", scale)).statuses() == \

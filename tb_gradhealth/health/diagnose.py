@@ -173,6 +173,7 @@ def _layer_healths(ev: Steps, steps: np.ndarray, records: np.ndarray, layers: Se
     layers whose onset is that of a larger variable of their layer; those whose current chain the huge-inputs rule
     flagged (the activations blew up on their way forward); the one where the first NaN/Inf started."""
     d = record.derived(records[_last_rows(ev.present), np.arange(len(layers))])
+    pace = _layer_pace(d, ~ev.present.any(axis=0), layer_groups(layers))
     tracks = [track(ev, i, t, steps, losses) if ev.columns("present")[i].any() else None
               for i in range(len(layers))]
     began = np.array([tr.rows[tr.chain_start()] if tr is not None and tr.runs else np.inf for tr in tracks])
@@ -182,7 +183,7 @@ def _layer_healths(ev: Steps, steps: np.ndarray, records: np.ndarray, layers: Se
     forward = frozenset(layers[i] for i, tr in enumerate(tracks)
                         if tr is not None and tr.runs and ev.exp_inputs[tr.rows[tr.chain_start():], i].any())
     started = frozenset({layers[origin[1]]}) if origin is not None else frozenset()
-    return [layer_health(ev, steps, layers, i, d, origin, t, tracks[i], info.get(layers[i], ("", "")))
+    return [layer_health(ev, steps, layers, i, d, origin, t, tracks[i], info.get(layers[i], ("", "")), pace)
             for i in range(len(layers))], borrowed, forward, started
 
 

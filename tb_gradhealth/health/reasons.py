@@ -23,9 +23,10 @@ from tb_gradhealth.health.rules import ROUNDOFF, Steps
 
 def layer_health(ev: Steps, steps: np.ndarray, layers: Sequence[str], i: int, d: dict[str, np.ndarray],
                   origin: tuple[int, int, int] | None, t: th.Thresholds, track: Track | None,
-                  info: tuple[str, str] = ("", "")) -> LayerHealth:
+                  info: tuple[str, str] = ("", ""), pace: tuple[np.ndarray, np.ndarray] | None = None) -> LayerHealth:
     """One layer's diagnosis: status, reasons, severity, fixes (for its kind and activation ``info`` where the writer
-    recorded them), chain start and the onset of its current status."""
+    recorded them), chain start and the onset of its current status. ``pace``: ``([L]`` update/weight, ``[L]``
+    grad/weight``)`` of each variable's layer, which its ratio notes read (default: its own, in ``d``)."""
     name = layers[i]
     if track is None and ev.recorded[:, i].any():  # recorded only at steps the optimizer skipped
         note = (_past_nonfinite_note(ev.nonfinite[:, i], ev.skipped[:, i], steps) if ev.skipped[:, i].any() else
@@ -58,7 +59,7 @@ def layer_health(ev: Steps, steps: np.ndarray, layers: Sequence[str], i: int, d:
     # a dead, NaN or missing gradient (now, or at an unconfirmed last step) makes the ratios moot
     if code in (th.EXPLODING, th.VANISHING, th.HEALTHY) and not ev.idle[s, i] and (
             ev.raw[s, i] not in (th.MISSING, th.DEAD, th.NONFINITE) or _units_dead_at(ev, s, i)):
-        reasons.extend(_ratio_notes(d, i, t))
+        reasons.extend(_ratio_notes(d, i, t, pace))
         reasons.extend(optimizer_notes(ev, s, i))
     flagged = code in th.FLAG_CODES
     severity = _severity(code, excess, last[2] - chain + 1, origin is not None and origin[1] == i
@@ -558,12 +559,17 @@ _RATIO_RULES = (
 )
 
 
-def _ratio_notes(d: dict[str, np.ndarray], i: int, t: th.Thresholds) -> list[str]:
+def _ratio_notes(d: dict[str, np.ndarray], i: int, t: th.Thresholds,
+                 pace: tuple[np.ndarray, np.ndarray] | None = None) -> list[str]:
+    """The update/weight and grad/weight notes, read from the layer's figures (``pace``, in ``_RATIO_RULES``'
+    order) where given: a bias that starts at zero has huge ratios of its own, one set far from zero tiny ones."""
     notes = []
     if not float(d["weight_norm"][i]) > 0:
         return notes
-    for key, label, above_field, below_field, why_above, why_below in _RATIO_RULES:
-        v = float(d[key][i])
+    for k, (key, label, above_field, below_field, why_above, why_below) in enumerate(_RATIO_RULES):
+        v = float(pace[k][i]) if pace is not None else float(d[key][i])
+        if v != float(d[key][i]):  # its layer's largest variable's: say so beside the variable's own figure
+            label = f"its layer's {label}"
         if not math.isfinite(v):
             continue
         above, below = getattr(t, above_field), getattr(t, below_field)
