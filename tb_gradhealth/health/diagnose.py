@@ -91,18 +91,18 @@ def diagnose_run(
                            reasons=["no record of this layer"], first_step=None, step=None)
                for i, name in enumerate(layers)]
         return RunHealth(step=None, thresholds=t, layers=out)
-    depth = group_depth(layers)
+    depth, groups = group_depth(layers), layer_groups(layers)
     windows = loss_windows(steps, progress, t) if progress is not None else None
     fw = Forward.of(activations)
     units = read_units(fw, layers, steps) if fw is not None else None
     ev = evaluate(records, layers, t, windows, _told(steps, skipped), units.dead if units is not None else None,
                   clip_norm(source), units.saturated if units is not None else None)
     losses = Losses.of(progress)
-    out, borrowed, forward, started = _layer_healths(ev, steps, records, layers, t, depth,
+    out, borrowed, forward, started = _layer_healths(ev, steps, records, layers, t, depth, groups,
                                                      with_activations(layer_info or {}, units, layers),
                                                      losses, _made_in(nan_origin, steps))
     trend = loss_trend(progress[0], progress[1], int(steps[-1])) if progress is not None else None
-    out, stalled = _add_evidence(out, ev, records, t, trend, layer_info)
+    out, stalled = _add_evidence(out, ev, records, t, trend, layer_info, groups)
     out = weigh_growth(out, trend, update_growth(steps, records) if trend is not None else None, int(steps[-1]),
                        source)
     if fw is not None and units is not None:
@@ -166,14 +166,14 @@ def _made_in(nan_origin: tuple[int, str | None] | None, steps: np.ndarray) -> tu
 
 
 def _layer_healths(ev: Steps, steps: np.ndarray, records: np.ndarray, layers: Sequence[str], t: Thresholds,
-                   depth: np.ndarray, info: Mapping[str, tuple[str, str]], losses: Losses | None,
-                   made_in: tuple[int, str] | None = None
+                   depth: np.ndarray, groups: list[np.ndarray], info: Mapping[str, tuple[str, str]],
+                   losses: Losses | None, made_in: tuple[int, str] | None = None
                    ) -> tuple[list[LayerHealth], frozenset[str], frozenset[str], frozenset[str]]:
     """Each layer's episodes, status, reasons, severity and fixes (for its kind, ``info``), in network order; the
     layers whose onset is that of a larger variable of their layer; those whose current chain the huge-inputs rule
     flagged (the activations blew up on their way forward); the one where the first NaN/Inf started."""
     d = record.derived(records[_last_rows(ev.present), np.arange(len(layers))])
-    pace = _layer_pace(d, ~ev.present.any(axis=0), layer_groups(layers))
+    pace = _layer_pace(d, ~ev.present.any(axis=0), groups)
     tracks = [track(ev, i, t, steps, losses) if ev.columns("present")[i].any() else None
               for i in range(len(layers))]
     began = np.array([tr.rows[tr.chain_start()] if tr is not None and tr.runs else np.inf for tr in tracks])
@@ -259,16 +259,18 @@ def _layer_pace(d: dict[str, np.ndarray], never: np.ndarray, groups: list[np.nda
 
 
 def _add_evidence(out: list[LayerHealth], ev: Steps, records: np.ndarray, t: Thresholds, trend: LossTrend | None,
-                  layer_info: Mapping[str, tuple[str, str]] | None) -> tuple[list[LayerHealth], frozenset[str]]:
-    """The layers with what the records alone do not hold: the training loss, the layers' kinds, the optimizer's
-    global clip; and those the loss found exploding under a learning rate far too small for their gradients."""
+                  layer_info: Mapping[str, tuple[str, str]] | None, groups: list[np.ndarray]
+                  ) -> tuple[list[LayerHealth], frozenset[str]]:
+    """The layers with what the records alone do not hold: the training loss (read per layer, ``groups``: the
+    columns of each layer's variables), the layers' kinds, the optimizer's global clip; and those the loss found
+    exploding under a learning rate far too small for their gradients."""
     stalled: frozenset[str] = frozenset()
     if trend is not None:
         active = ev.present & ~ev.idle  # a step a layer sat out moved nothing by design
         rows, cols = _last_rows(active), np.arange(ev.present.shape[1])
         d = record.derived(records[rows, cols])
         never = ~active.any(axis=0)
-        own = _layer_pace(d, never, layer_groups([lh.layer for lh in sorted(out, key=lambda lh: lh.index)]))
+        own = _layer_pace(d, never, groups)
         out, stalled = weigh_progress(out, trend, t, proportional=ev.proportional,
                                       scaled=(10.0 ** ev.log_grad[rows, cols], 10.0 ** ev.log_upd[rows, cols]),
                                       own=own)

@@ -524,7 +524,7 @@ def _vanishing(lv: _Levels, rms: np.ndarray, g: _Guards, t: th.Thresholds,
         # largest): with as many of its outputs there as ``dead_units`` asks of dead rectifier units, a layer far
         # below the reference is vanishing even where an adaptive optimizer keeps its updates at pace, which it
         # does whatever the gradient's size.
-        pinned = far_below & (saturated >= t.dead_units) if saturated is not None else np.zeros_like(far_below)
+        pinned = saturated >= t.dead_units if saturated is not None else False
         return {
             "van_rel": far_below & (~g.learns | pinned),
             # Under LAMB/LARS every layer moves by the same fraction of its weights whatever its gradient, so
