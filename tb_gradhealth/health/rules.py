@@ -55,14 +55,22 @@ FEEDBACK_STEPS = 2
 CLIP_REACHED = 1e-3
 
 
-def clipped_steps(norm: np.ndarray, clip_norm: float | None) -> np.ndarray:
-    """``[S]``: the logged steps whose gradients the loop clipped to the global norm ``clip_norm`` (the loop states
-    it: ``source["clip_norm"]``): their global norm (over every variable's ``norm`` ``[S, L]``) reached the clip,
-    whether the records hold the gradient after the clip (at it) or before (above it). False without a clip."""
+def clip_room(norm: np.ndarray, clip_norm: float | None) -> np.ndarray:
+    """``[S]``: the decades by which each logged step's gradients could still grow before the global norm
+    ``clip_norm`` the loop states (``source["clip_norm"]``) holds them: ``log10(clip / global norm)`` over every
+    variable's ``norm`` ``[S, L]``, at most ``log10(1 / (1 - CLIP_REACHED))`` at a step the loop clipped (the
+    records hold the gradient after the clip, at it, or before, above it). Infinite without a clip."""
     if clip_norm is None or not clip_norm > 0:
-        return np.zeros(norm.shape[0], dtype=bool)
+        return np.full(norm.shape[0], np.inf)
     total = np.sqrt(np.nansum(np.where(np.isfinite(norm), norm, np.nan) ** 2, axis=1))
-    return total >= clip_norm * (1.0 - CLIP_REACHED)
+    with np.errstate(divide="ignore"):
+        return np.log10(clip_norm) - np.log10(total)
+
+
+def clipped_steps(room: np.ndarray) -> np.ndarray:
+    """``[S]``: the logged steps whose gradients the loop clipped to the global norm it states: their global norm
+    reached the clip (``room`` from :func:`clip_room`). False without a clip."""
+    return room <= -np.log10(1.0 - CLIP_REACHED)
 
 
 def _feedback(log_rms: np.ndarray, log_upd: np.ndarray, t: th.Thresholds,
@@ -72,8 +80,9 @@ def _feedback(log_rms: np.ndarray, log_upd: np.ndarray, t: th.Thresholds,
     RMS), and the gradient and the update both grew by more than minibatch noise (the trend's own per-step slope,
     ``2 * growth_decades / growth_window``) at each of the last ``FEEDBACK_STEPS`` logged steps: the step makes the
     next gradient larger. An adaptive optimizer's update does not grow with the gradient, so it never shows this,
-    nor does a step the loop clipped to a global norm (``clipped`` ``[S]``): its size was the clip's, whatever the
-    gradient would have been."""
+    nor does a step whose gradients sit within ``growth_decades`` of the global norm the loop clips to
+    (``clipped`` ``[S]``, the steps clipped included): the clip holds every later step's size before the gradient
+    grows by what the trend rule calls growth, so the loop the signature predicts cannot run away."""
     rise = 2.0 * t.growth_decades / t.growth_window
 
     def up(x: np.ndarray) -> np.ndarray:
@@ -161,6 +170,7 @@ class _Levels(NamedTuple):
     weight_norm: np.ndarray
     clipped: np.ndarray  # the gradient norm sits at its clip (per-variable clipping)
     global_clipped: np.ndarray  # [S] the loop clipped the step's gradients to the global norm it states
+    clip_room: np.ndarray  # [S] decades the gradients could grow before that clip holds them (inf: none stated)
     scale: np.ndarray  # log10 weight RMS of its layer (its largest variable's), NaN where not recorded
 
     def dec(self) -> np.ndarray:
@@ -206,8 +216,9 @@ def _levels(records: np.ndarray, n_layers: int, v: dict[str, np.ndarray], groups
     scale = layer_weight_scale(weight_norm, v["size"], groups)
     log_upd = log10(upd_rms) - scale
     ref, ref_upd = _references(ref, log_rms, log_upd, signal, t)
+    room = clip_room(v["norm"], clip_norm)
     return _Levels(log_rms, sibling, inert, signal, ref, log_upd, ref_upd, upd_rms, upd_ratio, weight_norm,
-                   pinned_at_clip(v["norm"]), clipped_steps(v["norm"], clip_norm), scale)
+                   pinned_at_clip(v["norm"]), clipped_steps(room), room, scale)
 
 
 #: Consecutive steps a dynamic loss scaler may skip while it finds its scale: halving from the default initial scale
@@ -350,6 +361,7 @@ def _exploding(lv: _Levels, v: dict[str, np.ndarray], signal: np.ndarray, g: _Gu
     inputs, head_gap, head_quiet = _huge_inputs(lv, signal, g, v["size"], groups, t)
     swings = _adaptive_swings(lv, v, loss, t)[:, None]
     behind = _judged_by_relative(lv.log_rms.shape[1], groups)
+    near_clip = lv.clip_room < t.growth_decades
     with np.errstate(invalid="ignore"):
         flags = {
             # An adaptive optimizer keeps the steps of a layer far above the reference at the others' pace, which
@@ -361,7 +373,7 @@ def _exploding(lv: _Levels, v: dict[str, np.ndarray], signal: np.ndarray, g: _Gu
             "exp_rms": live & (v["rms"] > t.explode_rms_above) & ~(dec >= t.explode_decades),
             "exp_max": live & (v["max_abs"] > t.explode_max_abs_above) & ~(dec >= t.explode_decades),
             "exp_update": live & g.big & (lv.upd_ratio > t.explode_update_ratio) & ~g.small,
-            "exp_feedback": live & g.big & ~g.small & _feedback(lv.log_rms, lv.log_upd, t, lv.global_clipped),
+            "exp_feedback": live & g.big & ~g.small & _feedback(lv.log_rms, lv.log_upd, t, near_clip),
             # A tensor too small for a trend of its own (a one-element bias) grows with its layer: its trend counts
             # while a larger variable of the layer grows by the trend rule too. A step clipped to the global norm
             # the loop states had the clip's size, whatever one layer's share of it grew to.
