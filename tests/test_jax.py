@@ -41,6 +41,18 @@ def test_jitted_records_match_reference_named_by_pytree_paths():
     assert_records_close(ref, jgh.to_memory(packed), names)
 
 
+def test_a_leaf_of_millions_of_values_matches_reference():
+    """A leaf of 2.1 million values whose length leaves a part row and a tail beside the bulk rows: the record of
+    the whole, its magnitudes from 1e-20 to 3e30 (the scaled pass), equals the float64 reference."""
+    n = 2 * (1 << 20) + 3 * 8192 + 77
+    rng = np.random.default_rng(3)
+    g = (rng.normal(size=n) * 1e-20).astype(np.float32)
+    g[::7], g[5], g[-1] = 0.0, 3e30, -2e30
+    w = rng.normal(size=n).astype(np.float32)
+    packed = jax.jit(lambda a, b: jgh.compute({"g": a}, {"g": b}, hist_sample=0))(jnp.asarray(g), jnp.asarray(w))
+    assert_records_close(record.compute(g, w, hist_sample=None)[None], jgh.to_memory(packed), ["g"])
+
+
 def test_missing_leaf_and_updates():
     grads = {"a": jnp.arange(6.0) - 2.5, "b": None}
     params = {"a": jnp.ones(6), "b": jnp.ones((2, 3))}
