@@ -74,14 +74,14 @@ def clipped_steps(room: np.ndarray) -> np.ndarray:
 
 
 def _feedback(log_rms: np.ndarray, log_upd: np.ndarray, t: th.Thresholds,
-              clipped: np.ndarray | None = None) -> np.ndarray:
+              near_clip: np.ndarray | None = None) -> np.ndarray:
     """``[S, L]``: the signature of a learning-rate divergence, free of the gradient's scale: each update moves the
     layer's weights by more than ``update_ratio_above`` of their RMS (``log_upd``: update RMS over the layer's weight
     RMS), and the gradient and the update both grew by more than minibatch noise (the trend's own per-step slope,
     ``2 * growth_decades / growth_window``) at each of the last ``FEEDBACK_STEPS`` logged steps: the step makes the
     next gradient larger. An adaptive optimizer's update does not grow with the gradient, so it never shows this,
     nor does a step whose gradients sit within ``growth_decades`` of the global norm the loop clips to
-    (``clipped`` ``[S]``, the steps clipped included): the clip holds every later step's size before the gradient
+    (``near_clip`` ``[S]``, the steps clipped included): the clip holds every later step's size before the gradient
     grows by what the trend rule calls growth, so the loop the signature predicts cannot run away."""
     rise = 2.0 * t.growth_decades / t.growth_window
 
@@ -93,8 +93,8 @@ def _feedback(log_rms: np.ndarray, log_upd: np.ndarray, t: th.Thresholds,
 
     with np.errstate(invalid="ignore"):
         step = (log_upd > np.log10(t.update_ratio_above)) & up(log_rms) & up(log_upd)
-    if clipped is not None:
-        step &= ~clipped[:, None]
+    if near_clip is not None:
+        step &= ~near_clip[:, None]
     out = step.copy()
     for j in range(1, FEEDBACK_STEPS):
         out[j:] &= step[:-j]
