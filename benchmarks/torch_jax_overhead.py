@@ -15,6 +15,9 @@ Every method runs once per round, rounds interleaved (so machine load hits all a
 * ``train step``: forward, backward, SGD step; ``train step, again`` the same step timed as a second method: its
   ratio to the first is the run's noise floor; ``StepRecorder`` rows are that step with the recorder: logging
   every step, and at the default cadence (first 10 steps, then every 100th: (99 unlogged + 1 logged) / 100);
+* a logged step by part: the calls ``StepRecorder(every=1)`` makes, each timed on its own (the records of the
+  gradients and weights with the weights' copy, the optimizer step, the update and its record, the write), beside
+  what the every-step goal allows and what the gradients' record alone costs at its own goal (6x the norm pass);
 * peers, each on the same model and batch, added to the train step: ``wandb.watch(model, log="gradients",
   log_freq=1)`` offline, ``SummaryWriter.add_histogram`` of every gradient, Lightning's ``grad_norm`` logged as
   scalars; bytes per layer-step are what each leaves on disk, divided by the steps and layers it logged.
@@ -209,7 +212,48 @@ def _recorder_methods(name: str, model, opt, fwd_bwd, tmp: str, info: dict) -> d
     info["finish"] = lambda: (writer.close(), info["bytes"].__setitem__(
         "StepRecorder, every step", _dir_bytes(os.path.join(tmp, f"{name}-record")) / counter["every"]))
     return {"StepRecorder, every step": recorder_every,
-            "StepRecorder, unlogged step": lambda: (fwd_bwd(), default.step(50))}
+            "StepRecorder, unlogged step": lambda: (fwd_bwd(), default.step(50)),
+            "logged step, by part": _parts_method(name, model, opt, fwd_bwd, tmp, info)}
+
+
+#: The parts of a logged step that :func:`torch_report` prints, in ``StepRecorder``'s order.
+PARTS = ("records of the gradients and weights, weights copied", "optimizer step",
+         "update (copy - weights) and its record", "write")
+
+
+def _parts_method(name: str, model, opt, fwd_bwd, tmp: str, info: dict):
+    """A logged step as ``StepRecorder(every=1)`` runs it (the functions it calls, its reused float32 copy of the
+    weights), each part timed on its own into ``info["parts"]``: where the recorder's time goes."""
+    import torch
+
+    import tb_gradhealth.torch as tgh
+    from tb_gradhealth import Writer
+
+    writer = Writer(os.path.join(tmp, f"{name}-parts"))
+    params = list(model.named_parameters())
+    names = [n for n, _ in params]
+    buffers = [torch.empty_like(p.detach()) for _, p in params]
+    times: dict[str, list[float]] = {k: [] for k in PARTS}
+    info["parts"] = times
+    info["finish parts"] = writer.close
+    counter = {"step": 0}
+
+    def run():
+        fwd_bwd()
+        marks = [time.perf_counter()]
+        pending = tgh.before_step(params, counter["step"], writer.hist_sample, True, buffers)
+        marks.append(time.perf_counter())
+        opt.step()
+        marks.append(time.perf_counter())
+        rows = tgh.after_step(pending, params, in_place=True)
+        marks.append(time.perf_counter())
+        writer.add_records(counter["step"], names, rows)
+        marks.append(time.perf_counter())
+        for k, a, b in zip(PARTS, marks[:-1], marks[1:], strict=True):
+            times[k].append(b - a)
+        counter["step"] += 1
+
+    return run
 
 
 def _peer_methods(name: str, model, trainer, tmp: str, info: dict) -> dict:
@@ -299,7 +343,7 @@ def torch_report(name: str, med: dict[str, float], info: dict) -> bool:
           f"{'bytes / layer-step':>18} | {'goal':>10} |")
     print(f"|{'-' * 34}|{'-' * 10}:|{'-' * 12}:|{'-' * 13}:|{'-' * 19}:|{'-' * 11}:|")
     for k, v in rows.items():
-        if k == "StepRecorder, unlogged step":
+        if k in ("StepRecorder, unlogged step", "logged step, by part"):
             continue
         b = info["bytes"].get(k)
         vs_step = v / step if k not in ("norm pass",) and not k.startswith("record") else float("nan")
@@ -311,7 +355,24 @@ def torch_report(name: str, med: dict[str, float], info: dict) -> bool:
             mark = f"<= {goal:g}x (+{noise:.1%}) " + ("met" if ok else "NOT met")
         print(f"| {k:<32} | {v * 1e3:>9.2f} | {v / base:>11.2f} | {vs_step:>12.3f} | "
               f"{'-' if b is None else f'{b / n:,.0f}':>18} | {mark:>10} |")
+    _print_parts(info["parts"], base, step)
     return met
+
+
+def _print_parts(parts: dict[str, list[float]], base: float, step: float) -> None:
+    """Where a logged step's recorder time goes, beside what the every-step goal allows it (the goal's fraction of
+    the train step) and the gradients' record at its own goal (``record_floor.py``'s 6x the norm pass)."""
+    med = {k: float(np.median(v)) for k, v in parts.items()}
+    recorder = sum(v for k, v in med.items() if k != "optimizer step")
+    allowed = (GOALS["StepRecorder, every step"] - 1.0) * step
+    print(f"\nA logged step by part (StepRecorder(every=1)'s calls, timed one by one; the optimizer step is the "
+          f"train step's own): the recorder's parts {recorder * 1e3:.2f} ms, {recorder / base:.1f}x the norm "
+          f"pass; the every-step goal allows {allowed * 1e3:.2f} ms, and the gradients' record alone at its goal "
+          f"of 6x the norm pass takes {6 * base * 1e3:.2f} ms")
+    print(f"| {'part':<52} | {'median ms':>9} | {'x norm pass':>11} | {'x train step':>12} |")
+    print(f"|{'-' * 54}|{'-' * 10}:|{'-' * 12}:|{'-' * 13}:|")
+    for k, v in med.items():
+        print(f"| {k:<52} | {v * 1e3:>9.2f} | {v / base:>11.2f} | {v / step:>12.3f} |")
 
 
 # --- JAX -------------------------------------------------------------------------------------------------------
