@@ -169,9 +169,13 @@ class _Levels(NamedTuple):
     upd_ratio: np.ndarray  # ||update|| / ||weight||
     weight_norm: np.ndarray
     clipped: np.ndarray  # the gradient norm sits at its clip (per-variable clipping)
-    global_clipped: np.ndarray  # [S] the loop clipped the step's gradients to the global norm it states
-    clip_room: np.ndarray  # [S] decades the gradients could grow before that clip holds them (inf: none stated)
+    clip_room: np.ndarray  # [S] decades the gradients could grow before the global clip the loop states holds them
     scale: np.ndarray  # log10 weight RMS of its layer (its largest variable's), NaN where not recorded
+
+    @property
+    def global_clipped(self) -> np.ndarray:
+        """``[S]`` the loop clipped the step's gradients to the global norm it states."""
+        return clipped_steps(self.clip_room)
 
     def dec(self) -> np.ndarray:
         """``[S, L]`` decades above (+) or below (-) the reference."""
@@ -216,9 +220,8 @@ def _levels(records: np.ndarray, n_layers: int, v: dict[str, np.ndarray], groups
     scale = layer_weight_scale(weight_norm, v["size"], groups)
     log_upd = log10(upd_rms) - scale
     ref, ref_upd = _references(ref, log_rms, log_upd, signal, t)
-    room = clip_room(v["norm"], clip_norm)
     return _Levels(log_rms, sibling, inert, signal, ref, log_upd, ref_upd, upd_rms, upd_ratio, weight_norm,
-                   pinned_at_clip(v["norm"]), clipped_steps(room), room, scale)
+                   pinned_at_clip(v["norm"]), clip_room(v["norm"], clip_norm), scale)
 
 
 #: Consecutive steps a dynamic loss scaler may skip while it finds its scale: halving from the default initial scale
