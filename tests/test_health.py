@@ -69,15 +69,30 @@ def test_healthy_network_has_no_flags():
 @pytest.mark.unit
 def test_vanishing_layer_relative_to_median():
     rms = _healthy_grid()
-    rms[:, 2] = 1e-3 * 10.0**-5  # 5 decades below the others, every step
+    rms[:, :3] = 1e-3 * 10.0**-5  # the three layers at the input end 5 decades below the others, every step
     h = _diag(rms)
     lh = h.by_layer()["layer_2/kernel"]
     assert lh.status == "vanishing"
     assert lh.first_step == 0 and lh.step == 70
     assert "decades below the layers nearest the loss" in lh.reasons[0] and "last 8 logged steps" in lh.reasons[0]
-    assert _status(h).count("healthy") == 5
+    assert _status(h) == ["vanishing"] * 3 + ["healthy"] * 3
+    # the cut: the deepest layer of the vanished stack, where the gradient stopped getting through
     assert h.layers[0].layer == "layer_2/kernel"
     assert h.first_bad == {"layer": "layer_2/kernel", "status": "vanishing", "step": 0}
+
+
+@pytest.mark.unit
+def test_a_small_gradient_with_a_sound_one_below_it_is_not_vanishing():
+    # A gradient vanishing on its way back from the loss is small in every layer it has still to reach. One layer 5
+    # decades below the others while the layer before it gets a sound gradient passed the backward pass on: its
+    # small gradient is its own parameters' or inputs' scale (a normalisation's gain), not a vanishing gradient.
+    rms = _healthy_grid()
+    rms[:, 2] = 1e-3 * 10.0**-5
+    assert _status(_diag(rms)) == ["healthy"] * 6
+    # the first layer has no layer before it: far below the rest, it is where the gradient vanished
+    rms = _healthy_grid()
+    rms[:, 0] = 1e-3 * 10.0**-5
+    assert _status(_diag(rms)) == ["vanishing"] + ["healthy"] * 5
 
 
 @pytest.mark.unit
@@ -440,7 +455,7 @@ def test_thresholds_bad_values_name_the_key(params, named):
 @pytest.mark.unit
 def test_thresholds_change_the_diagnosis():
     rms = _healthy_grid()
-    rms[:, 2] = 1e-3 * 10**-3.5
+    rms[:, :3] = 1e-3 * 10**-3.5
     assert _status(_diag(rms))[2] == "vanishing"
     assert _status(_diag(rms, thresholds=Thresholds.from_mapping({"vanish_decades": "4"})))[2] == "healthy"
     h = _diag(rms, thresholds=Thresholds(vanish_decades=4.0)).to_json()

@@ -197,6 +197,22 @@ def layer_groups(layers: Sequence[str]) -> list[np.ndarray]:
     return [np.array(v) for v in by.values() if len(v) > 1]
 
 
+def layer_below(layers: Sequence[str]) -> list[np.ndarray]:
+    """Per variable, the column indices of the layer before its own in the records' order (the network's, input
+    first): the layer its backward pass reaches next. Empty for the first layer and for a name without a layer."""
+    order: list[str] = []
+    cols: dict[str, list[int]] = {}
+    for i, name in enumerate(layers):
+        layer = layer_of(name)
+        if layer is not None and layer not in cols:
+            order.append(layer)
+        if layer is not None:
+            cols.setdefault(layer, []).append(i)
+    prev = {layer: np.array(cols[order[k - 1]]) if k else np.array([], dtype=np.int64)
+            for k, layer in enumerate(order)}
+    return [prev[layer_of(n)] if layer_of(n) is not None else np.array([], dtype=np.int64) for n in layers]
+
+
 def output_group(groups: list[np.ndarray], n_layers: int) -> np.ndarray | None:
     """The column indices of the output layer (the group holding the last variable), None when it has one variable:
     its variables feed the loss directly, nothing after them can cancel their gradient."""

@@ -16,6 +16,7 @@ from tb_gradhealth.health.levels import (
     adaptive,
     in_layer,
     in_runs_of,
+    layer_below,
     layer_groups,
     layer_weight_scale,
     layerwise_common,
@@ -529,12 +530,30 @@ GRADIENT_RULES = ("exp_rel", "exp_rms", "exp_max", "exp_update", "exp_feedback",
 EXPLODING_RULES = (*GRADIENT_RULES, "exp_runaway", "exp_volatile", "exp_swing")
 
 
-def _vanishing(lv: _Levels, rms: np.ndarray, g: _Guards, t: th.Thresholds,
+def _reached_below(dec: np.ndarray, signal: np.ndarray, below: list[np.ndarray], t: th.Thresholds) -> np.ndarray:
+    """``[S, L]``: some variable of the layer before this one (:func:`layer_below`) has a gradient within
+    ``vanish_decades`` of the reference. A gradient that vanishes on its way back from the loss is small in every
+    layer it has still to reach: where the layer below gets a sound one, the backward pass went through this layer,
+    and its own small gradient is its parameters' scale (a normalisation's gain, a bias) or its inputs', not a
+    vanishing gradient."""
+    out = np.zeros(dec.shape, dtype=bool)
+    with np.errstate(invalid="ignore"):
+        sound = signal & (dec > -t.vanish_decades)
+    for c, cols in enumerate(below):
+        if cols.size:
+            out[:, c] = sound[:, cols].any(axis=1)
+    return out
+
+
+def _vanishing(lv: _Levels, rms: np.ndarray, g: _Guards, t: th.Thresholds, below: list[np.ndarray],
                saturated: np.ndarray | None = None) -> dict[str, np.ndarray]:
-    """The vanishing rules. ``saturated``: ``[S, L]`` the fraction of the variable's layer's outputs pinned near a
+    """The vanishing rules. ``below``: per variable, the columns of the layer before its own
+    (:func:`layer_below`). ``saturated``: ``[S, L]`` the fraction of the variable's layer's outputs pinned near a
     bound of its saturating activation, where they are recorded (NaN elsewhere)."""
     with np.errstate(invalid="ignore"):
-        far_below = lv.signal & (lv.dec() <= -t.vanish_decades) & ~g.converged
+        dec = lv.dec()
+        far_below = lv.signal & (dec <= -t.vanish_decades) & ~g.converged
+        far_below &= ~_reached_below(dec, lv.signal, below, t)
         # Units pinned near a bound pass almost nothing back (tanh' and sigmoid' there are at most 4% of their
         # largest): with as many of its outputs there as ``dead_units`` asks of dead rectifier units, a layer far
         # below the reference is vanishing even where an adaptive optimizer keeps its updates at pace, which it
@@ -681,7 +700,7 @@ def evaluate(records: np.ndarray, layers: Sequence[str], t: th.Thresholds, loss:
              "stopped": stopped(idle, v["live"], kept, t.sustain_steps),
              "routed": np.full(idle.shape[0], routed(idle, v["live"], v["missing"], kept, t.sustain_steps)),
              "units_dead": _units_dead(dead_fraction, v["live"], t),
-             **exp, **_vanishing(lv, v["rms"], g, t, saturated_fraction)}
+             **exp, **_vanishing(lv, v["rms"], g, t, layer_below(layers), saturated_fraction)}
     if dead_fraction is not None:
         flags["dead_fraction"] = dead_fraction
     exploding = np.logical_or.reduce([flags[k] for k in EXPLODING_RULES])
