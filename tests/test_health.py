@@ -88,7 +88,11 @@ def test_a_small_gradient_with_a_sound_one_below_it_is_not_vanishing():
     # small gradient is its own parameters' or inputs' scale (a normalisation's gain), not a vanishing gradient.
     rms = _healthy_grid()
     rms[:, 2] = 1e-3 * 10.0**-5
-    assert _status(_diag(rms)) == ["healthy"] * 6
+    h = _diag(rms)
+    assert _status(h) == ["healthy"] * 6
+    note = h.by_layer()["layer_2/kernel"].reasons
+    assert any("decades below the layers nearest the loss" in r and "the backward pass goes through this layer" in r
+               for r in note), note
     # the first layer has no layer before it: far below the rest, it is where the gradient vanished
     rms = _healthy_grid()
     rms[:, 0] = 1e-3 * 10.0**-5

@@ -499,6 +499,11 @@ def _reasons(code: int, c: _Ctx, d: dict[str, np.ndarray], i: int) -> tuple[list
     if c.ev.learns[c.s, i] and dec <= -c.t.vanish_decades:
         return [f"note: {_rms_text(c, d)} is {-dec:.1f} decades below {c.ref_text()}, but its updates keep pace "
                 f"with theirs (an adaptive optimizer rescales it): it still learns"], 0.0
+    if c.ev.van_passed[c.s, i]:
+        return [f"note: {_rms_text(c, d)} is {-dec:.1f} decades below {c.ref_text()}, but the layer before it gets a "
+                f"gradient within {c.t.vanish_decades:g} decades of theirs: the backward pass goes through this layer, "
+                f"so its small gradient is its own parameters' or inputs' scale (a normalisation's gain), not a "
+                f"vanishing one"], 0.0
     if c.ev.converged[c.s, i]:
         return ["note: the layers nearest the loss receive only round-off (their RMS is below "
                 f"{ROUNDOFF:.1e} of the largest it has been): the model has converged, so vanishing is not judged"], 0.0

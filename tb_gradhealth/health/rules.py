@@ -553,14 +553,16 @@ def _vanishing(lv: _Levels, rms: np.ndarray, g: _Guards, t: th.Thresholds, below
     with np.errstate(invalid="ignore"):
         dec = lv.dec()
         far_below = lv.signal & (dec <= -t.vanish_decades) & ~g.converged
-        far_below &= ~_reached_below(dec, lv.signal, below, t)
+        reached = _reached_below(dec, lv.signal, below, t)
         # Units pinned near a bound pass almost nothing back (tanh' and sigmoid' there are at most 4% of their
         # largest): with as many of its outputs there as ``dead_units`` asks of dead rectifier units, a layer far
         # below the reference is vanishing even where an adaptive optimizer keeps its updates at pace, which it
         # does whatever the gradient's size.
         pinned = saturated >= t.dead_units if saturated is not None else False
         return {
-            "van_rel": far_below & (~g.learns | pinned),
+            "van_rel": far_below & ~reached & (~g.learns | pinned),
+            # far below and not learning, but the backward pass went through it: a note, not a flag
+            "van_passed": far_below & reached & (~g.learns | pinned),
             # Under LAMB/LARS every layer moves by the same fraction of its weights whatever its gradient, so
             # "learns" is no evidence below the floor: there the direction is Adam's epsilon, not the gradient.
             "van_abs": lv.signal & (rms < t.vanish_rms_below) & (~g.learns | g.layerwise[:, None]) & ~g.converged,
