@@ -186,31 +186,31 @@ def in_named_layer(name: str, layer: str) -> bool:
     return own is not None and (own == layer or own.endswith(("/" + layer, "." + layer)))
 
 
-def layer_groups(layers: Sequence[str]) -> list[np.ndarray]:
-    """Column indices of the variables of one layer (:func:`layer_of`), for layers with two or more variables:
-    ``conv1/kernel`` and ``conv1/bias`` receive the same upstream gradient."""
+def _columns_by_layer(layers: Sequence[str]) -> dict[str, list[int]]:
+    """Column indices of each layer's variables (:func:`layer_of`), layers in the order they first appear."""
     by: dict[str, list[int]] = {}
     for i, name in enumerate(layers):
         layer = layer_of(name)
         if layer is not None:
             by.setdefault(layer, []).append(i)
-    return [np.array(v) for v in by.values() if len(v) > 1]
+    return by
+
+
+def layer_groups(layers: Sequence[str]) -> list[np.ndarray]:
+    """Column indices of the variables of one layer (:func:`layer_of`), for layers with two or more variables:
+    ``conv1/kernel`` and ``conv1/bias`` receive the same upstream gradient."""
+    return [np.array(v) for v in _columns_by_layer(layers).values() if len(v) > 1]
 
 
 def layer_below(layers: Sequence[str]) -> list[np.ndarray]:
     """Per variable, the column indices of the layer before its own in the records' order (the network's, input
     first): the layer its backward pass reaches next. Empty for the first layer and for a name without a layer."""
-    order: list[str] = []
-    cols: dict[str, list[int]] = {}
-    for i, name in enumerate(layers):
-        layer = layer_of(name)
-        if layer is not None and layer not in cols:
-            order.append(layer)
-        if layer is not None:
-            cols.setdefault(layer, []).append(i)
-    prev = {layer: np.array(cols[order[k - 1]]) if k else np.array([], dtype=np.int64)
-            for k, layer in enumerate(order)}
-    return [prev[layer_of(n)] if layer_of(n) is not None else np.array([], dtype=np.int64) for n in layers]
+    empty = np.array([], dtype=np.int64)
+    prev: dict[str, np.ndarray] = {}
+    before = empty
+    for layer, cols in _columns_by_layer(layers).items():
+        prev[layer], before = before, np.array(cols)
+    return [prev.get(layer_of(name), empty) for name in layers]
 
 
 def output_group(groups: list[np.ndarray], n_layers: int) -> np.ndarray | None:

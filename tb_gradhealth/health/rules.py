@@ -559,10 +559,11 @@ def _vanishing(lv: _Levels, rms: np.ndarray, g: _Guards, t: th.Thresholds, below
         # below the reference is vanishing even where an adaptive optimizer keeps its updates at pace, which it
         # does whatever the gradient's size.
         pinned = saturated >= t.dead_units if saturated is not None else False
+        stalled = far_below & (~g.learns | pinned)
         return {
-            "van_rel": far_below & ~reached & (~g.learns | pinned),
+            "van_rel": stalled & ~reached,
             # far below and not learning, but the backward pass went through it: a note, not a flag
-            "van_passed": far_below & reached & (~g.learns | pinned),
+            "van_passed": stalled & reached,
             # Under LAMB/LARS every layer moves by the same fraction of its weights whatever its gradient, so
             # "learns" is no evidence below the floor: there the direction is Adam's epsilon, not the gradient.
             "van_abs": lv.signal & (rms < t.vanish_rms_below) & (~g.learns | g.layerwise[:, None]) & ~g.converged,
