@@ -200,6 +200,37 @@ def test_trend_catches_divergence_before_nan_and_backstops():
 
 
 @pytest.mark.unit
+def test_layers_reached_by_a_blow_up_going_on_are_dated_where_their_gradient_left_its_range():
+    # One layer's gradient blows up from step 30 (x10 a logged step); from step 33 the whole network follows (x10 a
+    # step too), and the rules flag those layers only from step 34, when they have grown past their lines. Each is
+    # dated where its own gradient left its range within the blow-up (step 33), not where a rule first saw it; the
+    # layer it began in stays the answer.
+    rms = _healthy_grid(steps=40, layers=6, seed=3)
+    rms[30:, 2] *= 10.0 ** (np.arange(10) + 1)
+    rms[33:, :] *= 10.0 ** (np.arange(7)[:, None] + 1)
+    h = _diag(rms)
+    assert set(_status(h)) == {"exploding"} and h.cause["layer"] == "layer_2/kernel"
+    by = h.by_layer()
+    assert by["layer_2/kernel"].first_step == 300
+    followers = [lh for lh in h.layers if lh.layer != "layer_2/kernel"]
+    assert {lh.first_step for lh in followers} == {330} and {lh.status_since for lh in followers} == {340}
+    assert all(any("the same blow-up reached it there" in r for r in lh.reasons) for lh in followers)
+    # A layer whose gradient stays in its range until a rule flags it keeps that onset: the blow-up going on
+    # elsewhere is no evidence that it was reached before.
+    rms = _healthy_grid(steps=40, layers=6, seed=3)
+    rms[30:, 2] *= 10.0 ** (np.arange(10) + 1)
+    rms[36:, 4] *= 10.0 ** (3 * (np.arange(4) + 1))
+    assert _diag(rms).by_layer()["layer_4/kernel"].first_step == 360
+    # A spike in one layer that is over before another layer blows up is another event: each keeps its own onset.
+    rms = _healthy_grid(steps=40, layers=6, seed=3)
+    rms[10:13, 2] *= 1e4
+    rms[30:, 4] *= 10.0 ** (np.arange(10) + 1)
+    by = _diag(rms).by_layer()
+    assert by["layer_4/kernel"].status == "exploding" and by["layer_4/kernel"].first_step == 300
+    assert by["layer_2/kernel"].status == "healthy" and by["layer_2/kernel"].episodes[0]["from"] == 100
+
+
+@pytest.mark.unit
 def test_trend_ignores_recovery_toward_the_median():
     rms = _healthy_grid(steps=10)
     rms[:, 0] = 1e-3 * np.logspace(-6, -2.5, 10)  # climbing back from 6 to 2.5 decades below: recovery

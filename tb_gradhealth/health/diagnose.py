@@ -10,7 +10,7 @@ import numpy as np
 
 from tb_gradhealth import record
 from tb_gradhealth.health.answer import assign_ranks, deepest_first, group_depth, legacy_fields, run_answer
-from tb_gradhealth.health.episodes import follow_siblings, onset, run_timeline, track
+from tb_gradhealth.health.episodes import follow_siblings, join_blowup, onset, run_timeline, track
 from tb_gradhealth.health.forward import Forward, read_units, with_activations
 from tb_gradhealth.health.kinds import explain_kinds
 from tb_gradhealth.health.levels import in_named_layer, layer_groups
@@ -179,7 +179,7 @@ def _layer_healths(ev: Steps, steps: np.ndarray, records: np.ndarray, layers: Se
     began = np.array([tr.rows[tr.chain_start()] if tr is not None and tr.runs else np.inf for tr in tracks])
     origin = _first_nonfinite(ev.nonfinite & ~ev.skipped, depth, ev.size.max(axis=0), began,
                               _replayed(made_in, steps, layers))
-    borrowed = follow_siblings(tracks, ev, layers)
+    borrowed = follow_siblings(tracks, ev, layers) | join_blowup(tracks, ev, layers, t)
     forward = frozenset(layers[i] for i, tr in enumerate(tracks)
                         if tr is not None and tr.runs and ev.exp_inputs[tr.rows[tr.chain_start():], i].any())
     started = frozenset({layers[origin[1]]}) if origin is not None else frozenset()

@@ -3,6 +3,8 @@ explosions back-dated to where they left their floor), and the run-wide onset an
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +31,7 @@ class Track:
     runs: list[tuple[int, int, int]]  # (code, first position, last position) into ``rows``
     unconfirmed: tuple[int, int] | None  # (code, length) of a trailing slow run not yet confirmed
     chain_from: int | None = None  # a position where the chain starts instead (a small tensor follows its layer)
+    joined: bool = False  # the chain is dated where another variable's blow-up, going on when it began, began
     need: int = 1  # logged steps a slow status had to last to be confirmed (shorter on a short run)
     #: runs carried on past their rules because the layer has not recovered, by first position: the loss's figures
     lasting: dict[int, Lasting] = field(default_factory=dict)
@@ -165,16 +168,22 @@ def _backdate(runs: list[list[int]], col: np.ndarray, t: th.Thresholds, own: np.
         before = read[prev[1]:lo]  # where it stood over the healthy stretch, before the steps searched
         if np.count_nonzero(np.isfinite(before)) < TYPICAL_POINTS:
             continue
-        line = np.nanmax(before) + noise
-        j, gap = first, 0
-        for r in range(first - 1, lo - 1, -1):
-            if read[r] > line:
-                j, gap = r, 0
-            else:
-                gap += 1
-                if gap > CHAIN_GAP:
-                    break
+        j = _rise_start(read, first, lo, np.nanmax(before) + noise)
         runs[k][1], prev[2] = j, min(prev[2], j - 1)
+
+
+def _rise_start(read: np.ndarray, first: int, lo: int, line: float) -> int:
+    """The first position of the stretch before ``first`` (down to ``lo``) over which ``read`` stood above
+    ``line``, no more than ``CHAIN_GAP`` positions in a row falling back; ``first`` when the one before it did not."""
+    j, gap = first, 0
+    for r in range(first - 1, lo - 1, -1):
+        if read[r] > line:
+            j, gap = r, 0
+        else:
+            gap += 1
+            if gap > CHAIN_GAP:
+                break
+    return j
 
 
 def _confirmed_late(runs: list[list[int]], late: np.ndarray, level: np.ndarray) -> None:
@@ -285,6 +294,46 @@ def follow_siblings(tracks: list[Track | None], ev: Steps, layers: Sequence[str]
                 tracks[c].chain_from = pos
             moves.update(found)
     return frozenset(layers[c] for c in moves)
+
+
+def join_blowup(tracks: list[Track | None], ev: Steps, layers: Sequence[str], t: th.Thresholds) -> frozenset[str]:
+    """One blow-up, one onset: a variable whose current chain begins exploding while another variable's exploding
+    chain is going on (begun earlier, not over yet) was reached by that blow-up where its own gradient left its
+    range: its chain starts at the first of the steps from the blow-up's start at which its RMS stood more than
+    minibatch noise (twice the trend's per-step slope) above the highest it stood before the blow-up began, no more
+    than ``CHAIN_GAP`` steps in a row falling back (``Track.joined``). A network that diverges reaches its layers
+    one after another, and a layer crosses a rule's line later than its gradient starts to grow; the search never
+    goes before the first chain's start, which is dated where that layer's records left their range, so no chain
+    moves into steps the diagnosis calls clean. A layer whose gradient did not rise before its own flag keeps its
+    onset; chains that begin with another status (NaN/Inf injected in one layer, units that died) keep theirs too.
+    Returns the variables whose onset moved that way."""
+    chains = sorted((int(tr.rows[tr.chain_start()]), int(tr.rows[tr.runs[-1][2]]), c) for c, tr in enumerate(tracks)
+                    if tr is not None and tr.code in th.FLAG_CODES and chain_code(tr) == th.EXPLODING)
+    began: dict[int, int] = {}  # column -> the row where the blow-up it is part of began
+    going: list[tuple[int, int]] = []  # heap of (row its blow-up began, last row) of the chains begun so far
+    for _, group in itertools.groupby(chains, key=lambda chain: chain[0]):
+        group = list(group)
+        start = group[0][0]
+        while going and going[0][1] < start:  # over before this start, so before every later one too
+            heapq.heappop(going)
+        for _, _, c in group:
+            if going:
+                began[c] = going[0][0]
+        for s, e, c in group:
+            heapq.heappush(going, (began.get(c, s), e))
+    noise = 2.0 * t.growth_decades / t.growth_window
+    moved = []
+    for c, row in began.items():
+        track = tracks[c]
+        own = ev.columns("log_rms")[c, track.rows]
+        lo, first = int(np.searchsorted(track.rows, row)), track.chain_start()
+        if not np.isfinite(own[:lo]).any():
+            continue
+        j = _rise_start(own, first, lo, np.nanmax(own[:lo]) + noise)
+        if j < first:
+            track.chain_from, track.joined = j, True
+            moved.append(c)
+    return frozenset(layers[c] for c in moved)
 
 
 def _overlapping_start(track: Track, others: Sequence[Track]) -> int | None:

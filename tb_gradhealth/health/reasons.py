@@ -70,6 +70,9 @@ def layer_health(ev: Steps, steps: np.ndarray, layers: Sequence[str], i: int, d:
     episodes = flagged_episodes(track, steps)
     if flagged and first_step is not None and since is not None and first_step < since:
         reasons.append(_chain_note(episodes, first_step, th.STATUSES[code], since))
+        if track.joined:
+            reasons.append(f"note: dated from step {first_step}, where its gradient began to rise out of its "
+                           f"range while another layer's blow-up went on: the same blow-up reached it there")
     return LayerHealth(
         layer=name, index=i, status=th.STATUSES[code], severity=float(severity), reasons=reasons,
         fixes=fixes(code, ev, track, i, nan_here, info) if code not in (th.HEALTHY, th.FROZEN) else [],
