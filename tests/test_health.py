@@ -215,6 +215,16 @@ def test_layers_reached_by_a_blow_up_going_on_are_dated_where_their_gradient_lef
     followers = [lh for lh in h.layers if lh.layer != "layer_2/kernel"]
     assert {lh.first_step for lh in followers} == {330} and {lh.status_since for lh in followers} == {340}
     assert all(any("the same blow-up reached it there" in r for r in lh.reasons) for lh in followers)
+    # A layer that rises too slowly for a rule (x4 a step from step 33) and overflows to NaN at step 35 is reached
+    # by the same blow-up: its chain begins NaN/Inf, dated where its gradient rose.
+    rms = _healthy_grid(steps=40, layers=6, seed=3)
+    rms[30:, 2] *= 10.0 ** (np.arange(10) + 1)
+    rms[33:35, 5] *= 4.0 ** np.arange(1, 3)
+    rms[35:, 5] = np.nan
+    records = _records(rms)
+    records[35:, 5] = [record.compute(np.full(64, np.nan)) for _ in range(5)]
+    lh = diagnose_run(_names(6), np.arange(40) * 10, records).by_layer()["layer_5/kernel"]
+    assert lh.status == "nonfinite" and lh.status_since == 350 and lh.first_step == 330
     # A layer whose gradient stays in its range until a rule flags it keeps that onset: the blow-up going on
     # elsewhere is no evidence that it was reached before.
     rms = _healthy_grid(steps=40, layers=6, seed=3)

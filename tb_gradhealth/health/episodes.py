@@ -297,18 +297,20 @@ def follow_siblings(tracks: list[Track | None], ev: Steps, layers: Sequence[str]
 
 
 def join_blowup(tracks: list[Track | None], ev: Steps, layers: Sequence[str], t: th.Thresholds) -> frozenset[str]:
-    """One blow-up, one onset: a variable whose current chain begins exploding while another variable's exploding
-    chain is going on (begun earlier, not over yet) was reached by that blow-up where its own gradient left its
-    range: its chain starts at the first of the steps from the blow-up's start at which its RMS stood more than
-    minibatch noise (twice the trend's per-step slope) above the highest it stood before the blow-up began, no more
-    than ``CHAIN_GAP`` steps in a row falling back (``Track.joined``). A network that diverges reaches its layers
-    one after another, and a layer crosses a rule's line later than its gradient starts to grow; the search never
-    goes before the first chain's start, which is dated where that layer's records left their range, so no chain
-    moves into steps the diagnosis calls clean. A layer whose gradient did not rise before its own flag keeps its
-    onset; chains that begin with another status (NaN/Inf injected in one layer, units that died) keep theirs too.
+    """One blow-up, one onset: a variable whose current chain begins exploding, or NaN/Inf, while another
+    variable's exploding chain is going on (begun earlier, not over yet) was reached by that blow-up where its own
+    gradient left its range: its chain starts at the first of the steps from the blow-up's start at which its RMS
+    stood more than minibatch noise (twice the trend's per-step slope) above the highest it stood before the blow-up
+    began, no more than ``CHAIN_GAP`` steps in a row falling back (``Track.joined``). A network that diverges
+    reaches its layers one after another, and a layer crosses a rule's line (or overflows) later than its gradient
+    starts to grow; the search never goes before the first chain's start, which is dated where that layer's records
+    left their range, so no chain moves into steps the diagnosis calls clean. A layer whose gradient did not rise
+    before its own flag keeps its onset; only an exploding chain starts a blow-up (NaN/Inf injected in one layer,
+    units that died, are other events).
     Returns the variables whose onset moved that way."""
-    chains = sorted((int(tr.rows[tr.chain_start()]), int(tr.rows[tr.runs[-1][2]]), c) for c, tr in enumerate(tracks)
-                    if tr is not None and tr.code in th.FLAG_CODES and chain_code(tr) == th.EXPLODING)
+    chains = sorted((int(tr.rows[tr.chain_start()]), int(tr.rows[tr.runs[-1][2]]), c, chain_code(tr))
+                    for c, tr in enumerate(tracks) if tr is not None and tr.code in th.FLAG_CODES
+                    and chain_code(tr) in (th.EXPLODING, th.NONFINITE))
     began: dict[int, int] = {}  # column -> the row where the blow-up it is part of began
     going: list[tuple[int, int]] = []  # heap of (row its blow-up began, last row) of the chains begun so far
     for _, group in itertools.groupby(chains, key=lambda chain: chain[0]):
@@ -316,11 +318,12 @@ def join_blowup(tracks: list[Track | None], ev: Steps, layers: Sequence[str], t:
         start = group[0][0]
         while going and going[0][1] < start:  # over before this start, so before every later one too
             heapq.heappop(going)
-        for _, _, c in group:
+        for _, _, c, _ in group:
             if going:
                 began[c] = going[0][0]
-        for s, e, c in group:
-            heapq.heappush(going, (began.get(c, s), e))
+        for s, e, c, code in group:
+            if code == th.EXPLODING:
+                heapq.heappush(going, (began.get(c, s), e))
     noise = 2.0 * t.growth_decades / t.growth_window
     moved = []
     for c, row in began.items():
