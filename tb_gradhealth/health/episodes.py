@@ -157,7 +157,6 @@ def _backdate(runs: list[list[int]], col: np.ndarray, t: th.Thresholds, own: np.
     twin's, until the first step its clip bites) has no episode there, and a cause acting on every layer at once is
     dated where its first rule fires. A run flagged by a loss that swings by decades (``late``) is no clean run's:
     there the layer's own RMS (``own``) is read, for a blow-up alike in every layer."""
-    noise = 2.0 * t.growth_decades / t.growth_window
     for k in range(1, len(runs)):
         code, first, last = runs[k]
         prev = runs[k - 1]
@@ -168,7 +167,7 @@ def _backdate(runs: list[list[int]], col: np.ndarray, t: th.Thresholds, own: np.
         before = read[prev[1]:lo]  # where it stood over the healthy stretch, before the steps searched
         if np.count_nonzero(np.isfinite(before)) < TYPICAL_POINTS:
             continue
-        j = _rise_start(read, first, lo, np.nanmax(before) + noise)
+        j = _rise_start(read, first, lo, np.nanmax(before) + t.step_noise)
         runs[k][1], prev[2] = j, min(prev[2], j - 1)
 
 
@@ -308,9 +307,9 @@ def join_blowup(tracks: list[Track | None], ev: Steps, layers: Sequence[str], t:
     before its own flag keeps its onset; only an exploding chain starts a blow-up (NaN/Inf injected in one layer,
     units that died, are other events).
     Returns the variables whose onset moved that way."""
-    chains = sorted((int(tr.rows[tr.chain_start()]), int(tr.rows[tr.runs[-1][2]]), c, chain_code(tr))
-                    for c, tr in enumerate(tracks) if tr is not None and tr.code in th.FLAG_CODES
-                    and chain_code(tr) in (th.EXPLODING, th.NONFINITE))
+    flagged = [(c, tr, chain_code(tr)) for c, tr in enumerate(tracks) if tr is not None and tr.code in th.FLAG_CODES]
+    chains = sorted((int(tr.rows[tr.chain_start()]), int(tr.rows[tr.runs[-1][2]]), c, code)
+                    for c, tr, code in flagged if code in (th.EXPLODING, th.NONFINITE))
     began: dict[int, int] = {}  # column -> the row where the blow-up it is part of began
     going: list[tuple[int, int]] = []  # heap of (row its blow-up began, last row) of the chains begun so far
     for _, group in itertools.groupby(chains, key=lambda chain: chain[0]):
@@ -324,7 +323,6 @@ def join_blowup(tracks: list[Track | None], ev: Steps, layers: Sequence[str], t:
         for s, e, c, code in group:
             if code == th.EXPLODING:
                 heapq.heappush(going, (began.get(c, s), e))
-    noise = 2.0 * t.growth_decades / t.growth_window
     moved = []
     for c, row in began.items():
         track = tracks[c]
@@ -332,7 +330,7 @@ def join_blowup(tracks: list[Track | None], ev: Steps, layers: Sequence[str], t:
         lo, first = int(np.searchsorted(track.rows, row)), track.chain_start()
         if not np.isfinite(own[:lo]).any():
             continue
-        j = _rise_start(own, first, lo, np.nanmax(own[:lo]) + noise)
+        j = _rise_start(own, first, lo, np.nanmax(own[:lo]) + t.step_noise)
         if j < first:
             track.chain_from, track.joined = j, True
             moved.append(c)

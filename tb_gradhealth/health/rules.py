@@ -84,7 +84,7 @@ def _feedback(log_rms: np.ndarray, log_upd: np.ndarray, t: th.Thresholds,
     nor does a step whose gradients sit within ``growth_decades`` of the global norm the loop clips to
     (``near_clip`` ``[S]``, the steps clipped included): the clip holds every later step's size before the gradient
     grows by what the trend rule calls growth, so the loop the signature predicts cannot run away."""
-    rise = 2.0 * t.growth_decades / t.growth_window
+    rise = t.step_noise
 
     def up(x: np.ndarray) -> np.ndarray:
         out = np.zeros(x.shape, dtype=bool)
@@ -331,7 +331,7 @@ def _trend(lv: _Levels, signal: np.ndarray, g: _Guards, t: th.Thresholds, loss: 
         # the layers nearest the loss rise by decades too (half the growth line): the whole network grows
         ref_grew = (lv.ref - ref_low[:, 0] >= t.growth_decades / 2)[:, None]
         # past a scale by more than minibatch noise (twice the trend's own per-step slope, as the onset reads it)
-        noise = 2.0 * t.growth_decades / t.growth_window
+        noise = t.step_noise
         near_loss = reference_layers(signal)
         top = np.fmax(reference_top(lv.log_rms, near_loss), _peak_before(log_sig, t.growth_window))
         beyond = log_sig > top + noise

@@ -140,6 +140,12 @@ class Thresholds:
             _check_value(f, value)
             object.__setattr__(self, f.name, int(value) if _is_int_field(f) else float(value))
 
+    @property
+    def step_noise(self) -> float:
+        """Minibatch noise of a log RMS, in decades: twice the trend's per-step slope (``2 * growth_decades /
+        growth_window``, 0.4 by default). A rise by more than this is a rise, not a batch's jitter."""
+        return 2.0 * self.growth_decades / self.growth_window
+
     @classmethod
     def from_mapping(cls, params: Mapping[str, Any]) -> Thresholds:
         """Thresholds from string (HTTP query, CLI) or numeric values; defaults for keys not given.
