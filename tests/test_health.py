@@ -240,6 +240,66 @@ def test_layers_reached_by_a_blow_up_going_on_are_dated_where_their_gradient_lef
     assert by["layer_2/kernel"].status == "healthy" and by["layer_2/kernel"].episodes[0]["from"] == 100
 
 
+def _blow_up_run(rise: bool = True, recover: bool = False, at_step: int | None = None) -> health.RunHealth:
+    """One layer (``layer_2``) blows up from step 280 (x10 a logged step for three steps) and stays 10x up; the loss
+    jumps 10x at step 300 and stays there (``recover``: for three steps only). ``rise``: four other layers rise
+    20-30x with it from step 280 and stay there, too little for any rule of their own; ``layer_5`` never moves."""
+    rms = _healthy_grid(steps=40, layers=6, seed=3)
+    rms[28:31, 2] *= [10.0, 1e2, 1e3]
+    rms[31:, 2] *= 10.0
+    if rise:
+        rms[28:30, [0, 1, 3, 4]] *= [[20.0], [30.0]]
+        rms[30:, [0, 1, 3, 4]] *= 30.0
+    loss = 3.0 * np.exp(np.random.default_rng(0).normal(scale=0.05, size=40))
+    loss[30:33 if recover else 40] *= 10.0
+    steps = np.arange(40) * 10
+    return diagnose_run(_names(6), steps, _records(rms), progress=(steps, loss), at_step=at_step)
+
+
+@pytest.mark.unit
+def test_layers_whose_gradient_rose_with_a_blow_up_are_part_of_it_while_it_goes_on():
+    h = _blow_up_run()
+    by = h.by_layer()
+    assert h.answer["layer"] == "layer_2/kernel" and by["layer_2/kernel"].first_step == 290
+    risen = [by[f"layer_{i}/kernel"] for i in (0, 1, 3, 4)]
+    assert {lh.status for lh in risen} == {"exploding"} and {lh.first_step for lh in risen} == {290}
+    assert all("where layer_2/kernel's blow-up began" in lh.reasons[0] and "it rose with that blow-up" in lh.reasons[0]
+               for lh in risen)
+    assert by["layer_5/kernel"].status == "healthy" and by["layer_5/kernel"].episodes == []
+    # Before the blow-up nothing is flagged; once the loss is back, the episode is over for every layer it reached,
+    # and each keeps it in its history, with the same span as the layer it began in.
+    assert set(_status(_blow_up_run(at_step=270))) == {"healthy"}
+    by = _blow_up_run(recover=True).by_layer()
+    assert set(lh.status for lh in by.values()) == {"healthy"}
+    spans = {name: lh.episodes for name, lh in by.items() if lh.episodes}
+    assert set(spans) == {f"layer_{i}/kernel" for i in (0, 1, 2, 3, 4)}
+    assert len({str(e) for e in spans.values()}) == 1
+    # The same blow-up where no other layer's gradient rose: they stay healthy, with no episode.
+    by = _blow_up_run(rise=False).by_layer()
+    assert by["layer_2/kernel"].status == "exploding"
+    assert all(lh.status == "healthy" and lh.episodes == [] for name, lh in by.items() if name != "layer_2/kernel")
+
+
+@pytest.mark.unit
+def test_a_head_bias_the_blow_up_only_reached_does_not_move_the_cause_to_the_head():
+    # layer_2 and the output kernel blow up together from step 280; the output bias rises 20-30x with them (swept
+    # into the blow-up, no rule of its own) and blows up by itself from step 330. An output kernel exploding beside
+    # a calm bias is large because its inputs are: the cause is layer_2 at every step, before the bias's own flags
+    # and after them.
+    names = [f"layer_{i}/kernel" for i in range(4)] + ["head/kernel", "head/bias"]
+    rms = _healthy_grid(steps=40, layers=6, seed=3)
+    rms[28:31, [2, 4]] *= np.array([30.0, 1e3, 3e4])[:, None]
+    rms[31:, [2, 4]] *= 10.0
+    rms[28:30, [0, 1, 3, 5]] *= [[20.0], [30.0]]
+    rms[30:, [0, 1, 3, 5]] *= 30.0
+    rms[33:, 5] *= 10.0 ** (np.arange(7) + 1)
+    loss = 3.0 * np.exp(np.random.default_rng(0).normal(scale=0.05, size=40))
+    loss[30:] *= 10.0
+    steps, records = np.arange(40) * 10, _records(rms)
+    answers = [diagnose_run(names, steps, records, progress=(steps, loss), at_step=s).answer for s in steps[29:]]
+    assert {(a["layer"], a["step"]) for a in answers} == {("layer_2/kernel", 290)}
+
+
 @pytest.mark.unit
 def test_trend_ignores_recovery_toward_the_median():
     rms = _healthy_grid(steps=10)

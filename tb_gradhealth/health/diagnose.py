@@ -10,7 +10,7 @@ import numpy as np
 
 from tb_gradhealth import record
 from tb_gradhealth.health.answer import assign_ranks, deepest_first, group_depth, legacy_fields, run_answer
-from tb_gradhealth.health.episodes import follow_siblings, join_blowup, onset, run_timeline, track
+from tb_gradhealth.health.episodes import follow_siblings, join_blowup, onset, run_timeline, sweep_blowup, track
 from tb_gradhealth.health.forward import Forward, read_units, with_activations
 from tb_gradhealth.health.kinds import explain_kinds
 from tb_gradhealth.health.levels import in_named_layer, layer_groups
@@ -98,9 +98,9 @@ def diagnose_run(
     ev = evaluate(records, layers, t, windows, _told(steps, skipped), units.dead if units is not None else None,
                   clip_norm(source), units.saturated if units is not None else None)
     losses = Losses.of(progress)
-    out, borrowed, forward, started = _layer_healths(ev, steps, records, layers, t, depth, groups,
-                                                     with_activations(layer_info or {}, units, layers),
-                                                     losses, _made_in(nan_origin, steps))
+    out, borrowed, forward, started, reached = _layer_healths(ev, steps, records, layers, t, depth, groups,
+                                                              with_activations(layer_info or {}, units, layers),
+                                                              losses, _made_in(nan_origin, steps))
     trend = loss_trend(progress[0], progress[1], int(steps[-1])) if progress is not None else None
     out, stalled = _add_evidence(out, ev, records, t, trend, layer_info, groups)
     out = weigh_growth(out, trend, update_growth(steps, records) if trend is not None else None, int(steps[-1]),
@@ -109,7 +109,7 @@ def diagnose_run(
         out = explain_outputs(out, fw, units, t, int(steps[-1]))
     out = _last_finite(out, steps, records)
     ranked, is_cause = cause_first(sorted(out, key=lambda lh: (-lh.severity, lh.index)), borrowed, depth, forward,
-                                   started, stalled)
+                                   started, stalled, reached)
     answer = run_answer(ranked, is_cause, (int(steps[0]), int(steps[-1])))
     if trend is not None and losses is not None and answer is not None \
             and answer["status"] in (EXPLODING.word, NONFINITE.word):
@@ -168,10 +168,12 @@ def _made_in(nan_origin: tuple[int, str | None] | None, steps: np.ndarray) -> tu
 def _layer_healths(ev: Steps, steps: np.ndarray, records: np.ndarray, layers: Sequence[str], t: Thresholds,
                    depth: np.ndarray, groups: list[np.ndarray], info: Mapping[str, tuple[str, str]],
                    losses: Losses | None, made_in: tuple[int, str] | None = None
-                   ) -> tuple[list[LayerHealth], frozenset[str], frozenset[str], frozenset[str]]:
+                   ) -> tuple[list[LayerHealth], frozenset[str], frozenset[str], frozenset[str],
+                              dict[str, frozenset[int]]]:
     """Each layer's episodes, status, reasons, severity and fixes (for its kind, ``info``), in network order; the
-    layers whose onset is that of a larger variable of their layer; those whose current chain the huge-inputs rule
-    flagged (the activations blew up on their way forward); the one where the first NaN/Inf started."""
+    layers whose onset is another variable's (of their layer, or of a blow-up that reached them); those whose current
+    chain the huge-inputs rule flagged (the activations blew up on their way forward); the one where the first NaN/Inf
+    started; and the first steps of each layer's episodes that are another layer's blow-up, which reached it."""
     d = record.derived(records[_last_rows(ev.present), np.arange(len(layers))])
     pace = _layer_pace(d, ~ev.present.any(axis=0), groups)
     tracks = [track(ev, i, t, steps, losses) if ev.columns("present")[i].any() else None
@@ -180,11 +182,14 @@ def _layer_healths(ev: Steps, steps: np.ndarray, records: np.ndarray, layers: Se
     origin = _first_nonfinite(ev.nonfinite & ~ev.skipped, depth, ev.size.max(axis=0), began,
                               _replayed(made_in, steps, layers))
     borrowed = follow_siblings(tracks, ev, layers) | join_blowup(tracks, ev, layers, t)
+    borrowed |= sweep_blowup(tracks, ev, layers, t)
+    reached = {layers[c]: frozenset(int(steps[tr.rows[a]]) for a in tr.swept)
+               for c, tr in enumerate(tracks) if tr is not None and tr.swept}
     forward = frozenset(layers[i] for i, tr in enumerate(tracks)
                         if tr is not None and tr.runs and ev.exp_inputs[tr.rows[tr.chain_start():], i].any())
     started = frozenset({layers[origin[1]]}) if origin is not None else frozenset()
     return [layer_health(ev, steps, layers, i, d, origin, t, tracks[i], info.get(layers[i], ("", "")), pace)
-            for i in range(len(layers))], borrowed, forward, started
+            for i in range(len(layers))], borrowed, forward, started, reached
 
 
 def _last_rows(present: np.ndarray) -> np.ndarray:

@@ -32,6 +32,9 @@ class Track:
     unconfirmed: tuple[int, int] | None  # (code, length) of a trailing slow run not yet confirmed
     chain_from: int | None = None  # a position where the chain starts instead (a small tensor follows its layer)
     joined: bool = False  # the chain is dated where another variable's blow-up, going on when it began, began
+    #: exploding runs that are another variable's blow-up, which no rule of this one flagged (:func:`sweep_blowup`),
+    #: by first position: (row the blow-up began, the variable it began in, decades this one's gradient rose by then)
+    swept: dict[int, tuple[int, int, float]] = field(default_factory=dict)
     need: int = 1  # logged steps a slow status had to last to be confirmed (shorter on a short run)
     #: runs carried on past their rules because the layer has not recovered, by first position: the loss's figures
     lasting: dict[int, Lasting] = field(default_factory=dict)
@@ -335,6 +338,70 @@ def join_blowup(tracks: list[Track | None], ev: Steps, layers: Sequence[str], t:
             track.chain_from, track.joined = j, True
             moved.append(c)
     return frozenset(layers[c] for c in moved)
+
+
+def sweep_blowup(tracks: list[Track | None], ev: Steps, layers: Sequence[str], t: th.Thresholds) -> frozenset[str]:
+    """One blow-up, every layer it reached. A blow-up spans the exploding chains of any variables that overlap (from
+    the first one's start to the last one's end, carried on while the run has not recovered). A variable that no
+    rule flagged over that span but whose gradient rose with it, standing at the blow-up's first step half the
+    growth line or more above its lowest over the ``growth_window`` logged steps before (the runaway-loss rule's reading
+    of a gradient that rose with a runaway loss), is exploding over the span (``Track.swept``). A network that
+    diverges does not flag every layer: the rules' lines sit above what the first layers to blow up show, and the
+    rest rise with them by a decade or so and then look ordinary while the loss stays where the blow-up left it. A
+    variable whose gradient did not rise keeps its status, and nothing moves before a blow-up's start, so a run the
+    diagnosis calls clean there stays clean. Returns the variables swept up that way."""
+    log_rms = ev.columns("log_rms")
+    swept = set()
+    for start, end, first in _blowups(tracks):
+        for c, tr in enumerate(tracks):
+            if tr is None or c == first:
+                continue
+            a, b = int(np.searchsorted(tr.rows, start)), int(np.searchsorted(tr.rows, end, side="right")) - 1
+            if a > b or tr.rows[a] != start:
+                continue
+            k = next(k for k, (_, lo, hi) in enumerate(tr.runs) if lo <= a <= hi)
+            if tr.runs[k][0] != th.HEALTHY or tr.runs[k][2] < b:
+                continue
+            own = log_rms[c, tr.rows]
+            before = own[max(0, a - t.growth_window):a]
+            before = before[np.isfinite(before)]
+            if not before.size or not own[a] - before.min() >= t.growth_decades / 2:
+                continue
+            code, lo, hi = tr.runs[k]
+            tr.runs[k:k + 1] = ([(code, lo, a - 1)] if a > lo else []) + [(th.EXPLODING, a, b)] + (
+                [(code, b + 1, hi)] if b < hi else [])
+            tr.swept[a] = (start, first, float(own[a] - before.min()))
+            swept.add(c)
+    return frozenset(layers[c] for c in swept)
+
+
+def _blowups(tracks: list[Track | None]) -> list[tuple[int, int, int]]:
+    """``(first row, last row, variable it began in)`` of each blow-up: the flagged chains that begin exploding,
+    overlapping ones taken together, by start."""
+    chains = []
+    for c, tr in enumerate(tracks):
+        if tr is None:
+            continue
+        k = 0
+        while k < len(tr.runs):
+            if tr.runs[k][0] not in th.FLAG_CODES:
+                k += 1
+                continue
+            j = k
+            while j + 1 < len(tr.runs) and tr.runs[j + 1][0] in th.FLAG_CODES:
+                j += 1
+            a = tr.chain_start() if j == len(tr.runs) - 1 else tr.runs[k][1]
+            code = next(code for code, lo, hi in tr.runs if lo <= a <= hi)
+            if (code if code in th.FLAG_CODES else tr.runs[k][0]) == th.EXPLODING:  # a start moved into the runs before
+                chains.append((int(tr.rows[a]), int(tr.rows[tr.runs[j][2]]), c))
+            k = j + 1
+    out: list[tuple[int, int, int]] = []
+    for start, end, c in sorted(chains):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end), out[-1][2])
+        else:
+            out.append((start, end, c))
+    return out
 
 
 def _overlapping_start(track: Track, others: Sequence[Track]) -> int | None:

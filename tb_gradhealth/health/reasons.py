@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +45,7 @@ def layer_health(ev: Steps, steps: np.ndarray, layers: Sequence[str], i: int, d:
                run_first_step=int(steps[track.rows[last[1]]]), t=t,
                before_row=int(track.rows[last[1] - 1]) if last[1] > 0 else int(track.rows[0]),
                status=th.STATUSES[code], activation=info[1], carried=track.lasting.get(last[1]),
-               quiet=track.quiet)
+               quiet=track.quiet, swept=_swept(track, last[1], steps, layers))
     reasons, excess = _reasons(code, ctx, d, i)
     reasons += _confirmation_notes(code, track, ctx, t)
     idle = _idle(ev, track, i)
@@ -82,6 +82,15 @@ def layer_health(ev: Steps, steps: np.ndarray, layers: Sequence[str], i: int, d:
                                        "update_to_weight", "noise", "weight_norm")},
         nan=int(d["nan"][i]), inf=int(d["inf"][i]), idle_steps=idle, logged_steps=len(track.rows),
     )
+
+
+def _swept(track: Track, run: int, steps: np.ndarray, layers: Sequence[str]) -> tuple[int, str, float] | None:
+    """The blow-up the layer's run starting at position ``run`` belongs to (:func:`episodes.sweep_blowup`), as its
+    reason names it."""
+    if run not in track.swept:
+        return None
+    row, first, rose = track.swept[run]
+    return int(steps[row]), layers[first], rose
 
 
 def _idle_note(idle: int, n: int, routed: bool) -> str:
@@ -141,7 +150,8 @@ def chain_worst(lh: LayerHealth) -> th.Status:
 
 def cause_first(ranked: list[LayerHealth], borrowed: frozenset[str] = frozenset(), depth: np.ndarray | None = None,
                 forward: frozenset[str] = frozenset(), started: frozenset[str] = frozenset(),
-                stalled: frozenset[str] = frozenset()) -> tuple[list[LayerHealth], bool]:
+                stalled: frozenset[str] = frozenset(), reached: Mapping[str, frozenset[int]] | None = None
+                ) -> tuple[list[LayerHealth], bool]:
     """The ranking with the cause first, and whether it has one: among the flagged layers whose chain of episodes
     reached the most severe status (:func:`chain_worst`), the one whose chain began first (ties: see
     :func:`_culprit`). A learning rate that explodes every layer at step 1 and kills their ReLUs by step 3 is told as
@@ -155,7 +165,8 @@ def cause_first(ranked: list[LayerHealth], borrowed: frozenset[str] = frozenset(
     saw the layer that made it, or backprop's order), the answer of a chain that reached NaN/Inf wherever another
     began; then, among those tied, ``stalled``, layers exploding under a learning
     rate far too small for their gradients (among the tied, the highest severity: the gradient largest beside its
-    weights). The answer's words are
+    weights). ``reached``: the first steps of each layer's episodes that are another layer's blow-up
+    (:func:`episodes.sweep_blowup`), no evidence of its own. The answer's words are
     :func:`tb_gradhealth.health.answer.run_answer`'s."""
     if not ranked or not ranked[0].code.is_flag:
         return ranked, False
@@ -174,7 +185,7 @@ def cause_first(ranked: list[LayerHealth], borrowed: frozenset[str] = frozenset(
     elif any(lh.layer in stalled for lh in tied):
         top = max(tied, key=lambda lh: (lh.severity, -lh.index))
     else:
-        top = _culprit(tied, worst, ranked, depth, forward, began) if chains else ranked[0]
+        top = _culprit(tied, worst, ranked, depth, forward, began, reached or {}) if chains else ranked[0]
     return [top] + [lh for lh in ranked if lh is not top], True
 
 
@@ -184,7 +195,8 @@ PLATEAU_DECADES = 1.0
 
 
 def _culprit(tied: list[LayerHealth], status: th.Status, ranked: list[LayerHealth], depth: np.ndarray,
-             forward: frozenset[str] = frozenset(), began: int | None = None) -> LayerHealth:
+             forward: frozenset[str] = frozenset(), began: int | None = None,
+             reached: Mapping[str, frozenset[int]] | None = None) -> LayerHealth:
     """Where a chain that began at one step on several layers started, named by that layer's largest tied variable
     (:func:`deepest_first`). Exploding, NaN and the rest: the deepest layer, which backprop reaches first; but an
     explosion the huge-inputs rule read (``forward``: the activations blew up on their way forward, and every later
@@ -200,18 +212,20 @@ def _culprit(tied: list[LayerHealth], status: th.Status, ranked: list[LayerHealt
         first = min(int(depth[lh.index]) for lh in ahead)
         tied = [lh for lh in ahead if int(depth[lh.index]) == first]
     elif status == th.EXPLODING:
-        tied = _behind_the_head(tied, ranked, depth, began) or tied
+        tied = _behind_the_head(tied, ranked, depth, began, reached or {}) or tied
     return max(tied, key=lambda lh: deepest_first(depth, size, lh.index))
 
 
 def _behind_the_head(tied: list[LayerHealth], ranked: list[LayerHealth], depth: np.ndarray,
-                     began: int | None = None) -> list[LayerHealth]:
+                     began: int | None = None, reached: Mapping[str, frozenset[int]] | None = None
+                     ) -> list[LayerHealth]:
     """The tied variables outside the output layer, when its smallest variable (its bias) was not exploding at the
     step the tied chains began (``began``; None: its chain at all): a weight's gradient is its bias's times the
     layer's inputs, and the output bias's is the loss's own, which nothing amplifies; an output weight exploding
     beside a calm bias is large because its inputs are, and the layer before made them. Read at the onset, so a
-    bias that joins the blow-up later does not move the cause to the head. Empty when the model is one layer or
-    nothing else ties."""
+    bias that joins the blow-up later does not move the cause to the head, nor does an episode of the bias that is
+    only the blow-up reaching it (``reached``: its own gradient flagged nothing there). Empty when the model is one
+    layer or nothing else ties."""
     last = int(depth.max())
     head = [lh for lh in ranked if int(depth[lh.index]) == last]
     if len(head) < 2:
@@ -220,7 +234,8 @@ def _behind_the_head(tied: list[LayerHealth], ranked: list[LayerHealth], depth: 
     blown = (th.EXPLODING.word, th.NONFINITE.word)
     if began is None and chain_worst(bias) in (th.EXPLODING, th.NONFINITE):
         return []
-    if began is not None and any(e["status"] in blown and e["from"] <= began <= e["to"] for e in bias.episodes):
+    own = [e for e in bias.episodes if e["from"] not in (reached or {}).get(bias.layer, ())]
+    if began is not None and any(e["status"] in blown and e["from"] <= began <= e["to"] for e in own):
         return []
     return [lh for lh in tied if int(depth[lh.index]) != last]
 
@@ -266,6 +281,9 @@ class _Ctx:
     activation: str = ""  # the layer's activation where the writer recorded it
     carried: Lasting | None = None  # why the current run goes on past its rules: it has not recovered
     quiet: int = 0  # trailing quiet records the current exploding run holds pending
+    #: ``(step, variable, decades)``: the current run is the blow-up that began in that variable at that step, which
+    #: this one's gradient rose with by that many decades (no rule of its own flagged it)
+    swept: tuple[int, str, float] | None = None
 
     def lasting_steps(self) -> str:
         """``for 140 logged steps since`` the current run began (``at step N`` for one)."""
@@ -399,6 +417,11 @@ def _exploding_reasons(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], fl
             excess = max(excess, x)
     if reasons:
         return reasons, excess
+    if c.swept is not None:
+        step, first, rose = c.swept
+        return ([f"at step {step}, where {first}'s blow-up began, its gradient stood {10.0 ** rose:,.3g}x above its "
+                 f"lowest of the logged steps before (at most {c.t.growth_window}): it rose with that blow-up, which "
+                 f"goes on, {c.lasting_steps()}"], 0.0)
     if c.carried is not None and c.carried.before is not None and c.carried.now is not None:
         ratio = 10.0 ** (c.carried.now - c.carried.before)
         return ([f"exploded at step {c.run_first_step} and has not recovered: the loss is {ratio:,.3g}x its level "
