@@ -263,8 +263,8 @@ def test_layers_whose_gradient_rose_with_a_blow_up_are_part_of_it_while_it_goes_
     assert h.answer["layer"] == "layer_2/kernel" and by["layer_2/kernel"].first_step == 290
     risen = [by[f"layer_{i}/kernel"] for i in (0, 1, 3, 4)]
     assert {lh.status for lh in risen} == {"exploding"} and {lh.first_step for lh in risen} == {290}
-    assert all("where layer_2/kernel's blow-up began" in lh.reasons[0] and "it rose with that blow-up" in lh.reasons[0]
-               for lh in risen)
+    assert all("where the blow-up of layer_2/kernel began" in lh.reasons[0] and "it rose with that blow-up"
+               in lh.reasons[0] for lh in risen)
     assert by["layer_5/kernel"].status == "healthy" and by["layer_5/kernel"].episodes == []
     # Before the blow-up nothing is flagged; once the loss is back, the episode is over for every layer it reached,
     # and each keeps it in its history, with the same span as the layer it began in.

@@ -32,9 +32,9 @@ class Track:
     unconfirmed: tuple[int, int] | None  # (code, length) of a trailing slow run not yet confirmed
     chain_from: int | None = None  # a position where the chain starts instead (a small tensor follows its layer)
     joined: bool = False  # the chain is dated where another variable's blow-up, going on when it began, began
-    #: exploding runs that are another variable's blow-up, which no rule of this one flagged (:func:`sweep_blowup`),
-    #: by first position: (row the blow-up began, the variable it began in, decades this one's gradient rose by then)
-    swept: dict[int, tuple[int, int, float]] = field(default_factory=dict)
+    #: exploding runs that are other variables' blow-up, which no rule of this one flagged (:func:`sweep_blowup`), by
+    #: first position: (row the blow-up began, the variables it began in, decades this one's gradient rose by then)
+    swept: dict[int, tuple[int, tuple[int, ...], float]] = field(default_factory=dict)
     need: int = 1  # logged steps a slow status had to last to be confirmed (shorter on a short run)
     #: runs carried on past their rules because the layer has not recovered, by first position: the loss's figures
     lasting: dict[int, Lasting] = field(default_factory=dict)
@@ -352,9 +352,9 @@ def sweep_blowup(tracks: list[Track | None], ev: Steps, layers: Sequence[str], t
     diagnosis calls clean there stays clean. Returns the variables swept up that way."""
     log_rms = ev.columns("log_rms")
     swept = set()
-    for start, end, first in _blowups(tracks):
+    for start, end, began in _blowups(tracks):
         for c, tr in enumerate(tracks):
-            if tr is None or c == first:
+            if tr is None or c in began:
                 continue
             a, b = int(np.searchsorted(tr.rows, start)), int(np.searchsorted(tr.rows, end, side="right")) - 1
             if a > b or tr.rows[a] != start:
@@ -370,14 +370,14 @@ def sweep_blowup(tracks: list[Track | None], ev: Steps, layers: Sequence[str], t
             code, lo, hi = tr.runs[k]
             tr.runs[k:k + 1] = ([(code, lo, a - 1)] if a > lo else []) + [(th.EXPLODING, a, b)] + (
                 [(code, b + 1, hi)] if b < hi else [])
-            tr.swept[a] = (start, first, float(own[a] - before.min()))
+            tr.swept[a] = (start, began, float(own[a] - before.min()))
             swept.add(c)
     return frozenset(layers[c] for c in swept)
 
 
-def _blowups(tracks: list[Track | None]) -> list[tuple[int, int, int]]:
-    """``(first row, last row, variable it began in)`` of each blow-up: the flagged chains that begin exploding,
-    overlapping ones taken together, by start."""
+def _blowups(tracks: list[Track | None]) -> list[tuple[int, int, tuple[int, ...]]]:
+    """``(first row, last row, the variables it began in, last in network order first)`` of each blow-up: the
+    flagged chains that begin exploding, overlapping ones taken together, by start."""
     chains = []
     for c, tr in enumerate(tracks):
         if tr is None:
@@ -395,13 +395,15 @@ def _blowups(tracks: list[Track | None]) -> list[tuple[int, int, int]]:
             if (code if code in th.FLAG_CODES else tr.runs[k][0]) == th.EXPLODING:  # a start moved into the runs before
                 chains.append((int(tr.rows[a]), int(tr.rows[tr.runs[j][2]]), c))
             k = j + 1
-    out: list[tuple[int, int, int]] = []
+    out: list[tuple[int, int, tuple[int, ...]]] = []
     for start, end, c in sorted(chains):
-        if out and start <= out[-1][1]:
+        if out and start == out[-1][0]:
+            out[-1] = (start, max(out[-1][1], end), (c, *out[-1][2]))
+        elif out and start <= out[-1][1]:
             out[-1] = (out[-1][0], max(out[-1][1], end), out[-1][2])
         else:
-            out.append((start, end, c))
-    return out
+            out.append((start, end, (c,)))
+    return [(start, end, tuple(sorted(began, reverse=True))) for start, end, began in out]
 
 
 def _overlapping_start(track: Track, others: Sequence[Track]) -> int | None:

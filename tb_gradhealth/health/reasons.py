@@ -86,11 +86,14 @@ def layer_health(ev: Steps, steps: np.ndarray, layers: Sequence[str], i: int, d:
 
 def _swept(track: Track, run: int, steps: np.ndarray, layers: Sequence[str]) -> tuple[int, str, float] | None:
     """The blow-up the layer's run starting at position ``run`` belongs to (:func:`episodes.sweep_blowup`), as its
-    reason names it."""
+    reason names it: its step, the variables it began in (the last in network order first, two named) and how far
+    this one's gradient had risen there."""
     if run not in track.swept:
         return None
-    row, first, rose = track.swept[run]
-    return int(steps[row]), layers[first], rose
+    row, began, rose = track.swept[run]
+    names = " and ".join(layers[c] for c in began[:2])
+    more = len(began) - 2
+    return int(steps[row]), names + (f" and {more} other variable{'s' if more > 1 else ''}" if more > 0 else ""), rose
 
 
 def _idle_note(idle: int, n: int, routed: bool) -> str:
@@ -281,8 +284,8 @@ class _Ctx:
     activation: str = ""  # the layer's activation where the writer recorded it
     carried: Lasting | None = None  # why the current run goes on past its rules: it has not recovered
     quiet: int = 0  # trailing quiet records the current exploding run holds pending
-    #: ``(step, variable, decades)``: the current run is the blow-up that began in that variable at that step, which
-    #: this one's gradient rose with by that many decades (no rule of its own flagged it)
+    #: ``(step, variables, decades)``: the current run is the blow-up that began in those variables at that step,
+    #: which this one's gradient rose with by that many decades (no rule of its own flagged it)
     swept: tuple[int, str, float] | None = None
 
     def lasting_steps(self) -> str:
@@ -419,9 +422,9 @@ def _exploding_reasons(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], fl
         return reasons, excess
     if c.swept is not None:
         step, first, rose = c.swept
-        return ([f"at step {step}, where {first}'s blow-up began, its gradient stood {10.0 ** rose:,.3g}x above its "
-                 f"lowest of the logged steps before (at most {c.t.growth_window}): it rose with that blow-up, which "
-                 f"goes on, {c.lasting_steps()}"], 0.0)
+        return ([f"at step {step}, where the blow-up of {first} began, its gradient stood {10.0 ** rose:,.3g}x above "
+                 f"its lowest of the logged steps before (at most {c.t.growth_window}): it rose with that blow-up, "
+                 f"which goes on, {c.lasting_steps()}"], 0.0)
     if c.carried is not None and c.carried.before is not None and c.carried.now is not None:
         ratio = 10.0 ** (c.carried.now - c.carried.before)
         return ([f"exploded at step {c.run_first_step} and has not recovered: the loss is {ratio:,.3g}x its level "
