@@ -188,7 +188,7 @@ def cause_first(ranked: list[LayerHealth], borrowed: frozenset[str] = frozenset(
     elif any(lh.layer in stalled for lh in tied):
         top = max(tied, key=lambda lh: (lh.severity, -lh.index))
     else:
-        top = _culprit(tied, worst, ranked, depth, forward, began, reached or {}) if chains else ranked[0]
+        top = _culprit(tied, worst, ranked, depth, forward, began, reached) if chains else ranked[0]
     return [top] + [lh for lh in ranked if lh is not top], True
 
 
@@ -215,7 +215,7 @@ def _culprit(tied: list[LayerHealth], status: th.Status, ranked: list[LayerHealt
         first = min(int(depth[lh.index]) for lh in ahead)
         tied = [lh for lh in ahead if int(depth[lh.index]) == first]
     elif status == th.EXPLODING:
-        tied = _behind_the_head(tied, ranked, depth, began, reached or {}) or tied
+        tied = _behind_the_head(tied, ranked, depth, began, reached) or tied
     return max(tied, key=lambda lh: deepest_first(depth, size, lh.index))
 
 
@@ -421,8 +421,8 @@ def _exploding_reasons(c: _Ctx, d: dict[str, np.ndarray]) -> tuple[list[str], fl
     if reasons:
         return reasons, excess
     if c.swept is not None:
-        step, first, rose = c.swept
-        return ([f"at step {step}, where the blow-up of {first} began, its gradient stood {10.0 ** rose:,.3g}x above "
+        step, began, rose = c.swept
+        return ([f"at step {step}, where the blow-up of {began} began, its gradient stood {10.0 ** rose:,.3g}x above "
                  f"its lowest of the logged steps before (at most {c.t.growth_window}): it rose with that blow-up, "
                  f"which goes on, {c.lasting_steps()}"], 0.0)
     if c.carried is not None and c.carried.before is not None and c.carried.now is not None:
