@@ -1,14 +1,15 @@
 """The eager PyTorch record: a few device passes over each dense tensor, one host copy for the whole model, the
 rest on the host.
 
-On the device each tensor of more than :data:`_SMALL` values is read :data:`CHUNK` values at a time, every pass of
-a piece before the next piece: its extremes (``aminmax``), its count of normal values (the exponent bits masked
-into a scratch buffer kept from call to call, clamped at the smallest normal number and summed: exact), its sum
-and the norms of its rows of :data:`_ROW` values (a weight or an update: its extremes and row norms); its
-histogram sample is gathered and every sample binned at once. The small tensors are concatenated. One copy brings
-the pieces' numbers, the row norms, the bins and the small tensors' values to the host, where numpy adds up the
-sums of squares in float64, reduces the small tensors, and assembles the records: a tensor whose extremes are not
-finite or leave :mod:`tb_gradhealth._devicestats`' safe range is computed again by the scaled per-layer passes of
+On the device each tensor of more than :data:`_SMALL` values is read a piece at a time (:func:`chunk`: one that
+stays in a CPU core's L2 cache, larger on an accelerator), every pass of a piece before the next piece: its
+extremes (``aminmax``), its count of normal values (the exponent bits masked into a scratch buffer kept from call
+to call, clamped at the smallest normal number and summed: exact), its sum and the norms of its rows of
+:data:`_ROW` values (a weight or an update: its extremes and row norms); its histogram sample is gathered and
+every sample binned at once. The small tensors are concatenated. One copy brings the pieces' numbers, the row
+norms, the bins and the small tensors' values to the host, where numpy adds up the sums of squares in float64,
+reduces the small tensors, and assembles the records: a tensor whose extremes are not finite or leave
+:mod:`tb_gradhealth._devicestats`' safe range is computed again by the scaled per-layer passes of
 ``tb_gradhealth._torchstats``, and a sample that does not describe its tensor gives way to the exact histogram.
 The numbers are those of :func:`_devicestats.grad_stats` and :func:`_devicestats.norm_stats`.
 
@@ -32,9 +33,13 @@ from tb_gradhealth import _core, _devicestats, record
 from tb_gradhealth import _torchstats as ts
 from tb_gradhealth._core import LayerInputs
 
-#: Values a pass reads at a time: its scratch (4 MB of float32) is reused from piece to piece, and the float32 sum
-#: of a piece's normal-value flags stays exact (below 2**24).
+#: Values a pass reads at a time on an accelerator, where every op is a kernel launch: its scratch (4 MB of
+#: float32) is reused from piece to piece, and the float32 sum of a piece's normal-value flags stays exact (below
+#: 2**24).
 CHUNK = 1 << 20
+#: Values a pass reads at a time on a CPU: a piece and the scratch its count writes (1 MB together) stay in one
+#: core's L2 cache through the piece's six passes, which then read it from there rather than from memory or L3.
+CPU_CHUNK = 1 << 17
 #: Tensors of at most this many values are reduced on the host (their values come with the one copy).
 _SMALL = 1 << 13
 #: Values a sum of squares adds in float32 before the host adds the rows in float64 (the norm of a row of them:
@@ -51,13 +56,19 @@ _UNFLAG = 2.0**126
 _local = threading.local()
 
 
+def chunk(device: torch.device) -> int:
+    """The values a pass reads at a time on ``device`` (:data:`CPU_CHUNK` on a CPU, else :data:`CHUNK`)."""
+    return CPU_CHUNK if device.type == "cpu" else CHUNK
+
+
 def _scratch(n: int, device: torch.device) -> torch.Tensor:
-    """``n <= CHUNK`` float32 values of a buffer kept per thread and device (written and read within one pass)."""
+    """``n <= chunk(device)`` float32 values of a buffer kept per thread and device (written and read within one
+    pass)."""
     buffers = _local.__dict__.setdefault("buffers", {})
     buf = buffers.get(device)
     if buf is None:
-        buf = buffers[device] = torch.empty(CHUNK, device=device)
-    return buf[:n]
+        buf = buffers[device] = torch.empty(chunk(device), device=device)
+    return buf if n == buf.numel() else buf[:n]
 
 
 def _normal_flags(c: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
@@ -74,7 +85,7 @@ def _normal_flags(c: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
 def count_normal(x: torch.Tensor) -> torch.Tensor:
     """The number of normal values (neither zero nor subnormal) of a flat float32 ``x``, as int64."""
     total = torch.zeros((), dtype=torch.int64, device=x.device)
-    for c in x.split(CHUNK):
+    for c in x.split(chunk(x.device)):
         total += (_normal_flags(c, _scratch(c.numel(), c.device)) * _UNFLAG).long()
     return total
 
@@ -137,7 +148,7 @@ def _device_pass(xs: Sequence[torch.Tensor], kind: _Kind, device: torch.device,
     owner, nrows = [], []
     zero = _zero(device)
     for i in big:
-        for c in xs[i].split(CHUNK):
+        for c in xs[i].split(chunk(xs[i].device)):
             n = c.numel()
             k = n - n % _ROW
             mn, mx = torch.aminmax(c)

@@ -200,9 +200,10 @@ def test_step_recorder_default_cadence_logs_the_first_steps_then_every_hundredth
     assert list(reader.read_logdir(str(tmp_path)).runs[0].steps) == [*range(10), 100, 200]
 
 
-@pytest.mark.parametrize("n", [0, 1, 2039, 2040, 2041, 3 * 2040 + 7, 100_003])
+@pytest.mark.parametrize("n", [0, 1, 2039, 2040, 2041, 3 * 2040 + 7, 100_003, 2 * (1 << 17) + 3])
 def test_batched_count_of_normal_values_is_exact(n):
-    """The eager passes count normal values eight flag bytes at a time: every length around the row block."""
+    """The eager passes count normal values eight flag bytes at a time: every length around the row block, and one
+    over several of the CPU's pieces."""
     from tb_gradhealth import _torcheager
 
     rng = np.random.default_rng(n)
