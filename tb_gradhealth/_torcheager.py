@@ -147,8 +147,9 @@ def _device_pass(xs: Sequence[torch.Tensor], kind: _Kind, device: torch.device,
     out = _Device([], [], [])
     owner, nrows = [], []
     zero = _zero(device)
+    size = chunk(device)
     for i in big:
-        for c in xs[i].split(chunk(xs[i].device)):
+        for c in xs[i].split(size):
             n = c.numel()
             k = n - n % _ROW
             mn, mx = torch.aminmax(c)
