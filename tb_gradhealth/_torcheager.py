@@ -22,6 +22,7 @@ small tensors and device-side bookkeeping would pay many times over.
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -61,46 +62,65 @@ def chunk(device: torch.device) -> int:
     return CPU_CHUNK if device.type == "cpu" else CHUNK
 
 
-def _scratch(n: int, device: torch.device) -> torch.Tensor:
-    """``n <= chunk(device)`` float32 values of a buffer kept per thread and device (written and read within one
-    pass)."""
+class _Scratch(NamedTuple):
+    """A buffer kept per thread and device, written and read within one pass: ``flat`` float32 values and the same
+    memory as int64 ``words`` (views made once, not at every piece)."""
+
+    flat: torch.Tensor
+    words: torch.Tensor
+
+
+def _scratch(device: torch.device) -> _Scratch:
+    """The :class:`_Scratch` of ``device``, :func:`chunk` values long."""
     buffers = _local.__dict__.setdefault("buffers", {})
     buf = buffers.get(device)
     if buf is None:
-        buf = buffers[device] = torch.empty(chunk(device), device=device)
-    return buf if n == buf.numel() else buf[:n]
+        flat = torch.empty(chunk(device), device=device)
+        buf = buffers[device] = _Scratch(flat, flat.view(torch.int64))
+    return buf
 
 
-def _normal_flags(c: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+def _as_words(x: torch.Tensor, pieces: Sequence[torch.Tensor]) -> Sequence[torch.Tensor | None]:
+    """The ``pieces`` of the flat ``x`` (consecutive, of an even size but the last) as int64 words (two values
+    each), where its length and offset allow; else ``None`` for each piece."""
+    if x.numel() and x.numel() % 2 == 0 and x.storage_offset() % 2 == 0:
+        return x.view(torch.int64).split(pieces[0].numel() // 2)
+    return [None] * len(pieces)
+
+
+def _normal_flags(c: torch.Tensor, word: torch.Tensor | None, buf: _Scratch) -> torch.Tensor:
     """The float32 sum of ``_FLAG`` for each normal value (or Inf/NaN) of the piece ``c``, 0 for each zero or
-    subnormal: its exponent bits masked into ``buf`` (as int64 words, two values an op, where ``c`` allows),
-    read as float32 (0 or a power of two at least ``_FLAG``) and clamped at ``_FLAG``."""
-    if c.numel() and c.numel() % 2 == 0 and c.storage_offset() % 2 == 0:
-        torch.bitwise_and(c.view(torch.int64), _EXPONENTS, out=buf.view(torch.int64))
+    subnormal: its exponent bits masked into ``buf`` (as int64 words, two values an op, where ``word``, the piece's
+    words, is given), read as float32 (0 or a power of two at least ``_FLAG``) and clamped at ``_FLAG``."""
+    n = c.numel()
+    if word is not None:
+        torch.bitwise_and(word, _EXPONENTS, out=buf.words if n == buf.flat.numel() else buf.words[: n // 2])
     else:
-        torch.bitwise_and(c.view(torch.int32), _EXPONENT, out=buf.view(torch.int32))
-    return torch.clamp_max_(buf, _FLAG).sum()
+        torch.bitwise_and(c.view(torch.int32), _EXPONENT, out=buf.flat[:n].view(torch.int32))
+    return torch.clamp_max_(buf.flat if n == buf.flat.numel() else buf.flat[:n], _FLAG).sum()
 
 
 def count_normal(x: torch.Tensor) -> torch.Tensor:
     """The number of normal values (neither zero nor subnormal) of a flat float32 ``x``, as int64."""
     total = torch.zeros((), dtype=torch.int64, device=x.device)
-    for c in x.split(chunk(x.device)):
-        total += (_normal_flags(c, _scratch(c.numel(), c.device)) * _UNFLAG).long()
+    size, buf = chunk(x.device), _scratch(x.device)
+    pieces = x.split(size)
+    for c, word in zip(pieces, _as_words(x, pieces), strict=True):
+        total += (_normal_flags(c, word, buf) * _UNFLAG).long()
     return total
 
 
 class _Kind(NamedTuple):
     """What the device reduces of each piece beside its extremes: ``scalars`` names the 0-d results of
-    ``piece(c, buf)`` (in its order), ``rows`` whether the row norms of the piece follow (a sum of squares)."""
+    ``piece(c, word, buf)`` (in its order), ``rows`` whether the row norms of the piece follow (a sum of squares)."""
 
     scalars: tuple[str, ...]
     piece: Any
     rows: bool
 
 
-def _grad_piece(c: torch.Tensor, buf: torch.Tensor) -> list[torch.Tensor]:
-    out = [_normal_flags(c, buf)]
+def _grad_piece(c: torch.Tensor, word: torch.Tensor | None, buf: _Scratch) -> list[torch.Tensor]:
+    out = [_normal_flags(c, word, buf)]
     for s in record.GRAD_SUMS:
         if s.term is record.identity:
             out.append(c.sum())
@@ -112,7 +132,7 @@ def _grad_piece(c: torch.Tensor, buf: torch.Tensor) -> list[torch.Tensor]:
 #: A gradient: its count of normal values and each :data:`record.GRAD_SUMS` term's sum but the squares'; a weight
 #: or an update: its extremes and row norms only.
 GRAD = _Kind(("normal", *(s.name for s in record.GRAD_SUMS if s.term is not record.square)), _grad_piece, True)
-NORM = _Kind((), lambda c, buf: [], True)
+NORM = _Kind((), lambda c, word, buf: [], True)
 #: The record's name of the sum of squares (:data:`record.GRAD_SUMS`), filled from the row norms.
 _SQUARES = next(s.name for s in record.GRAD_SUMS if s.term is record.square)
 
@@ -147,16 +167,20 @@ def _device_pass(xs: Sequence[torch.Tensor], kind: _Kind, device: torch.device,
     out = _Device([], [], [])
     owner, nrows = [], []
     zero = _zero(device)
-    size = chunk(device)
+    size, buf = chunk(device), _scratch(device)
     for i in big:
-        for c in xs[i].split(size):
+        x = xs[i]
+        whole = x.numel() - x.numel() % _ROW
+        rows = x[:whole].view(-1, _ROW).split(size // _ROW)  # each piece's rows (none in a last piece of a tail)
+        pieces = x.split(size)
+        for c, word, r in itertools.zip_longest(pieces, _as_words(x, pieces), rows):
             n = c.numel()
-            k = n - n % _ROW
+            k = 0 if r is None else r.shape[0] * _ROW
             mn, mx = torch.aminmax(c)
             tail = torch.linalg.vector_norm(c[k:]) if k < n else zero
-            out.scalars.extend([mn, mx, tail, *kind.piece(c, _scratch(n, c.device))])
+            out.scalars.extend([mn, mx, tail, *kind.piece(c, word, buf)])
             if k:
-                out.rows.append(torch.linalg.vector_norm(c[:k].view(-1, _ROW), dim=1))
+                out.rows.append(torch.linalg.vector_norm(r, dim=1))
             owner.append(i)
             nrows.append(k // _ROW)
         if i in index:
