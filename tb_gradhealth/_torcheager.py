@@ -93,11 +93,13 @@ def _normal_flags(c: torch.Tensor, word: torch.Tensor | None, buf: _Scratch) -> 
     subnormal: its exponent bits masked into ``buf`` (as int64 words, two values an op, where ``word``, the piece's
     words, is given), read as float32 (0 or a power of two at least ``_FLAG``) and clamped at ``_FLAG``."""
     n = c.numel()
+    whole = n == buf.flat.numel()
+    flags = buf.flat if whole else buf.flat[:n]
     if word is not None:
-        torch.bitwise_and(word, _EXPONENTS, out=buf.words if n == buf.flat.numel() else buf.words[: n // 2])
+        torch.bitwise_and(word, _EXPONENTS, out=buf.words if whole else buf.words[: n // 2])
     else:
-        torch.bitwise_and(c.view(torch.int32), _EXPONENT, out=buf.flat[:n].view(torch.int32))
-    return torch.clamp_max_(buf.flat if n == buf.flat.numel() else buf.flat[:n], _FLAG).sum()
+        torch.bitwise_and(c.view(torch.int32), _EXPONENT, out=flags.view(torch.int32))
+    return torch.clamp_max_(flags, _FLAG).sum()
 
 
 def count_normal(x: torch.Tensor) -> torch.Tensor:
@@ -117,6 +119,11 @@ class _Kind(NamedTuple):
     scalars: tuple[str, ...]
     piece: Any
     rows: bool
+
+    @property
+    def counts(self) -> bool:
+        """Whether ``piece`` counts normal values (reads the piece's int64 words)."""
+        return "normal" in self.scalars
 
 
 def _grad_piece(c: torch.Tensor, word: torch.Tensor | None, buf: _Scratch) -> list[torch.Tensor]:
@@ -173,7 +180,8 @@ def _device_pass(xs: Sequence[torch.Tensor], kind: _Kind, device: torch.device,
         whole = x.numel() - x.numel() % _ROW
         rows = x[:whole].view(-1, _ROW).split(size // _ROW)  # each piece's rows (none in a last piece of a tail)
         pieces = x.split(size)
-        for c, word, r in itertools.zip_longest(pieces, _as_words(x, pieces), rows):
+        words = _as_words(x, pieces) if kind.counts else [None] * len(pieces)
+        for c, word, r in itertools.zip_longest(pieces, words, rows):
             n = c.numel()
             k = 0 if r is None else r.shape[0] * _ROW
             mn, mx = torch.aminmax(c)
