@@ -60,7 +60,8 @@ setup(
     python_requires=">=3.10",
     packages=["tb_gradhealth", "tb_gradhealth._tf", "tb_gradhealth.health", "tb_gradhealth.static"],
     package_dir={"tb_gradhealth": "tb_gradhealth", "tb_gradhealth.static": "frontend"},
-    package_data={"tb_gradhealth.static": STATIC_PATTERNS},
+    # The C source of the CPU statistics, compiled on first use by tb_gradhealth/_cpustats.py (the wheel stays pure).
+    package_data={"tb_gradhealth": ["_cpustats.c"], "tb_gradhealth.static": STATIC_PATTERNS},
     include_package_data=False,
     zip_safe=False,
     install_requires=["tensorboard>=2.12", "numpy", "werkzeug", "google-crc32c"],

@@ -82,6 +82,13 @@ def clean_venv(work: Path, wheel: Path) -> Path:
     if missing.stdout.strip() != "True":
         raise SystemExit("[wheel-check] FAILED: TensorFlow is installed in the clean environment: the wheel's "
                          "requirements pulled it in")
+    # The C source of the CPU statistics ships in the wheel and builds from there (into a cache of this check's own).
+    code = ("from tb_gradhealth import _cpustats as c\n"
+            "print(c._SOURCE.exists() and (c._compiler() is None or c.library() is not None))")
+    built = run([str(py), "-c", code], cwd=work, env={**os.environ, "XDG_CACHE_HOME": str(work / "cache")})
+    if built.stdout.strip() != "True":
+        raise SystemExit("[wheel-check] FAILED: the installed package could not build its CPU statistics "
+                         f"(tb_gradhealth/_cpustats.c missing from the wheel?):\n{built.stdout}{built.stderr}")
     return env / "bin"
 
 

@@ -46,8 +46,9 @@ WIDTHS = (512, 1024, 1024, 1024, 1024, 10)
 HIST_SAMPLE = 4096
 #: The ratio of each record to its norm pass that the goal rows accept (times 1 + the run's noise). On a GPU, where
 #: a pass costs memory bandwidth and a kernel launch, the fused records (one loop a tensor) should cost about one
-#: read. On a CPU the eager record's goal is the one users asked for (6x); the others guard against a regression:
-#: the figures docs/PERFORMANCE.md gives for this machine (2 shared cores, one thread), rounded up by about a fifth.
+#: read. On a CPU every goal guards against a regression: the figures docs/PERFORMANCE.md gives for this machine (2
+#: shared cores, one thread), rounded up by about a fifth; the eager record's (its compiled loop: 3.5x-3.6x) is
+#: well inside the 6x users asked for.
 GOALS = {
     "gpu": {
         ("torch", "record (eager)"): 6.0, ("torch", "record + weights (eager)"): 6.0,
@@ -56,7 +57,7 @@ GOALS = {
         ("tf", "record (XLA packed)"): 3.0, ("tf", "record + weights (XLA packed)"): 3.0,
     },
     "cpu": {
-        ("torch", "record (eager)"): 6.0, ("torch", "record + weights (eager)"): 5.0,
+        ("torch", "record (eager)"): 4.5, ("torch", "record + weights (eager)"): 3.2,
         ("torch", "record (compile=True)"): 5.0, ("torch", "record + weights (compile=True)"): 3.0,
         ("jax", "record (jit)"): 7.0, ("jax", "record + weights (jit)"): 5.0,
         ("tf", "record (XLA packed)"): 3.0, ("tf", "record + weights (XLA packed)"): 1.5,
@@ -152,7 +153,18 @@ def torch_device(args: argparse.Namespace) -> tuple[str, str]:
         torch.set_num_threads(args.threads)
     args.torch_device = "cuda" if args.device == "auto" and torch.cuda.is_available() else "cpu"
     name = torch.cuda.get_device_name() if args.torch_device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    if args.torch_device == "cpu":
+        name += f", eager record by {_cpu_path()}"
     return ("gpu" if args.torch_device == "cuda" else "cpu"), f"{name}, PyTorch {torch.__version__}"
+
+
+def _cpu_path() -> str:
+    """What computes the eager record on a CPU in the tree under test: its compiled loop or torch ops."""
+    try:
+        from tb_gradhealth import _cpustats
+    except ImportError:  # a tree from before the compiled loop
+        return "torch ops"
+    return "the compiled loop" if _cpustats.library() is not None else "torch ops (the compiled loop did not load)"
 
 
 def jax_methods(name: str, args: argparse.Namespace) -> dict:

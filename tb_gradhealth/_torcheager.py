@@ -13,6 +13,10 @@ reduces the small tensors, and assembles the records: a tensor whose extremes ar
 ``tb_gradhealth._torchstats``, and a sample that does not describe its tensor gives way to the exact histogram.
 The numbers are those of :func:`_devicestats.grad_stats` and :func:`_devicestats.norm_stats`.
 
+On a CPU where :mod:`tb_gradhealth._cpustats` loads, every tensor is read once by its compiled loop instead of the
+passes, its sample gathered in place, and an update ``before - after`` (or the weights being copied into the
+snapshot) read without a temporary: the same numbers within the record's float32 tolerance.
+
 Why so (docs/DEVELOPMENT.md, *Why the writers' statistics are built as they are*): on a CPU each such pass costs
 about what ``torch._foreach_norm`` costs, a fresh temporary the size of a tensor costs more than the pass that
 writes it, a comparison that writes booleans costs several passes, and every device op has a fixed cost that
@@ -30,9 +34,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from tb_gradhealth import _core, _devicestats, record
+from tb_gradhealth import _core, _cpustats, _devicestats, record
 from tb_gradhealth import _torchstats as ts
 from tb_gradhealth._core import LayerInputs
+from tb_gradhealth.record import Delta
 
 #: Values a pass reads at a time on an accelerator, where every op is a kernel launch: its scratch (4 MB of
 #: float32) is reused from piece to piece, and the float32 sum of a piece's normal-value flags stays exact (below
@@ -218,10 +223,13 @@ class _Host(NamedTuple):
     bins: np.ndarray | None
 
 
-def _reduce(xs: Sequence[torch.Tensor], kind: _Kind, device: torch.device,
-            positions: Sequence[np.ndarray | None] | None = None) -> _Host:
-    """Every statistic of the nonempty flat float32 tensors ``xs`` and (``positions`` given: each tensor's sample
-    positions, ``None`` for all its values) the bins of their samples, through one copy to the host."""
+def _reduce(xs: Sequence[torch.Tensor], kind: _Kind, device: torch.device, sample: _Sample | None = None) -> _Host:
+    """Every statistic of the nonempty flat float32 tensors ``xs`` and (``sample`` given) the bins of their
+    histogram samples, through one copy to the host (on a CPU with the compiled statistics: one read of each
+    tensor, :func:`_reduce_cpu`)."""
+    if device.type == "cpu" and _CPU_SUMS is not None and _cpustats.library() is not None:
+        return _reduce_cpu(xs, kind, sample)
+    positions = None if sample is None else sample.positions()
     plan, dev = _device_pass(xs, kind, device, positions)
     small_values = [xs[i] for i in plan.small]
     parts = []
@@ -248,6 +256,75 @@ def _reduce(xs: Sequence[torch.Tensor], kind: _Kind, device: torch.device,
     bins = _host_bins(binned, len(xs))
     bins[plan.whole] = whole_bins
     return _Host(stats, bins)
+
+
+def _cpu_sums() -> dict[str, str] | None:
+    """Which column of :data:`_cpustats.FIELDS` holds each :data:`record.GRAD_SUMS` field, or ``None`` where a term
+    is neither a plain sum nor a sum of squares (then the framework ops compute it)."""
+    columns = {record.identity: "sum", record.square: "squares"}
+    if any(s.term not in columns for s in record.GRAD_SUMS):
+        return None
+    return {s.name: columns[s.term] for s in record.GRAD_SUMS}
+
+
+_CPU_SUMS = _cpu_sums()
+
+
+def _reduce_cpu(xs: Sequence[torch.Tensor], kind: _Kind, sample: _Sample | None) -> _Host:
+    """:func:`_reduce` of CPU tensors: their statistics from one read of each (:func:`_cpu_stats`), their samples
+    read and binned in place (:func:`_cpustats.bins`)."""
+    xs = [x.resolve_neg().contiguous() for x in xs]  # views of the values as they are (copies only if strided)
+    stats = _cpu_stats(xs, kind)
+    if sample is None:
+        return _Host(stats, None)
+    sizes = np.array([x.numel() for x in xs], np.int64)
+    steps, offsets, samples = np.zeros(len(xs), np.uint64), np.zeros(len(xs), np.int64), sizes.copy()
+    if sample.big:
+        table = _steps64(sample.sizes, sample.steps.shape[1])
+        steps[sample.big] = table.ctypes.data + np.arange(len(sample.big), dtype=np.uint64) * np.uint64(
+            table.strides[0])
+        offsets[sample.big] = sample.offsets
+        samples[sample.big] = table.shape[1]
+    width = record.HIST_BINS + 2
+    bins = _cpustats.bins(np.array([x.data_ptr() for x in xs], np.uint64), sizes, steps, offsets, samples,
+                          _core.EXPONENT_BASE, _core.EXPONENT_EDGE_BITS, width)
+    return _Host(stats, bins[:, : record.HIST_BINS])
+
+
+@functools.lru_cache(maxsize=64)
+def _steps64(ns: tuple[int, ...], k: int) -> np.ndarray:
+    """:func:`_reduced_steps` as int64 (kept, read-only: the compiled binning reads int64)."""
+    out = np.ascontiguousarray(_reduced_steps(ns, k), np.int64)
+    out.flags.writeable = False
+    return out
+
+
+def _cpu_stats(xs: Sequence[torch.Tensor], kind: _Kind, minus: Sequence[torch.Tensor] | None = None,
+               copy_to: Sequence[torch.Tensor] | None = None) -> dict[str, np.ndarray]:
+    """``min``, ``max``, the sum of squares and ``kind``'s scalars (float64) of each nonempty flat float32 CPU
+    tensor, or of ``xs[i] - minus[i]`` (never written), from one read of each (:mod:`tb_gradhealth._cpustats`, on
+    as many threads as torch's); ``copy_to``: contiguous float32 tensors the values are copied into as they are
+    read."""
+    sizes = np.array([x.numel() for x in xs], np.int64)
+    owner, offset, size = _cpustats.runs(sizes)
+
+    def addresses(ts: Sequence[torch.Tensor]) -> np.ndarray:
+        return np.array([t.data_ptr() for t in ts], np.uint64)[owner] + (offset * 4).astype(np.uint64)
+
+    second = copies = None
+    if minus is not None:
+        minus = [m.resolve_neg().contiguous() for m in minus]
+        second = addresses(minus)
+    if copy_to is not None:
+        copies = addresses(copy_to)
+    out = _cpustats.stats(addresses(xs), size, torch.get_num_threads(), second, copies)
+    col = {name: out[:, j] for j, name in enumerate(_cpustats.FIELDS)}
+    first = np.flatnonzero(np.diff(owner, prepend=-1))
+    stats = {"min": np.minimum.reduceat(col["min"], first), "max": np.maximum.reduceat(col["max"], first),
+             _SQUARES: np.add.reduceat(col["squares"], first)}
+    for name in kind.scalars:
+        stats[name] = np.add.reduceat(col["normal" if name == "normal" else _CPU_SUMS[name]], first)
+    return stats
 
 
 def _split(a: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
@@ -299,15 +376,45 @@ def _small_stats(stats: dict[str, np.ndarray], small: list[int], values: list[np
 # --- the histogram -------------------------------------------------------------------------------------------
 
 
-def _positions(xs: Sequence[torch.Tensor], layers: np.ndarray, offsets: Sequence[int] | None,
-               hist_sample: int) -> list[np.ndarray | None]:
-    """Each tensor's histogram sample positions by the sampling rule: ``None`` where every value is binned. The
-    offsets from ``offsets`` (the seed's), else from each tensor's four probes (:func:`_torchstats.data_offset`'s
-    rule, on the host: one small copy for all)."""
-    out: list[np.ndarray | None] = [None] * len(xs)
+class _Sample(NamedTuple):
+    """Which of ``count`` tensors have a sampled histogram and where: ``big`` (their indices), their ``sizes``, each
+    one's offset modulo its size (int64) and the steps of its size modulo it (``[len(big), k]``,
+    :func:`_reduced_steps`): the sampling rule's positions ``(offset + i * stride) % n``. The others bin every
+    value."""
+
+    count: int
+    big: list[int]
+    sizes: tuple[int, ...]
+    offsets: np.ndarray
+    steps: np.ndarray
+
+    def positions(self) -> list[np.ndarray | None]:
+        """Each tensor's sample positions, ``None`` where every value is binned."""
+        out: list[np.ndarray | None] = [None] * self.count
+        if not self.big:
+            return out
+        n = np.array(self.sizes, self.steps.dtype)[:, None]
+        pos = self.steps + self.offsets[:, None].astype(self.steps.dtype)  # both terms below n
+        np.subtract(pos, n, out=pos, where=pos >= n)
+        for row, j in zip(pos, self.big, strict=True):
+            out[j] = row
+        return out
+
+    def sampled(self) -> np.ndarray:
+        """Whether each tensor's histogram is sampled."""
+        out = np.zeros(self.count, bool)
+        out[self.big] = True
+        return out
+
+
+def _sample(xs: Sequence[torch.Tensor], layers: np.ndarray, offsets: Sequence[int] | None,
+            hist_sample: int) -> _Sample:
+    """Where each tensor's histogram sample lies by the sampling rule (every value of a tensor of at most
+    ``hist_sample``). The offsets from ``offsets`` (the seed's), else from each tensor's four probes
+    (:func:`_torchstats.data_offset`'s rule, on the host: one small copy for all)."""
     big = [j for j, x in enumerate(xs) if hist_sample and x.numel() > hist_sample]
     if not big:
-        return out
+        return _Sample(len(xs), [], (), np.zeros(0, np.int64), np.zeros((0, 0), np.int64))
     ids = np.asarray(layers)[big]
     if offsets is None:
         probes = torch.stack([xs[j].index_select(0, torch.tensor(_core.probe_indices(xs[j].numel()),
@@ -317,13 +424,7 @@ def _positions(xs: Sequence[torch.Tensor], layers: np.ndarray, offsets: Sequence
     else:
         offs = np.array([offsets[i] for i in ids], np.int64)
     ns = tuple(xs[j].numel() for j in big)
-    steps = _reduced_steps(ns, hist_sample)
-    n = np.array(ns, steps.dtype)[:, None]
-    pos = steps + (offs[:, None] % n).astype(steps.dtype)  # (offset + i * stride) % n: both terms below n
-    np.subtract(pos, n, out=pos, where=pos >= n)
-    for row, j in zip(pos, big, strict=True):
-        out[j] = row
-    return out
+    return _Sample(len(xs), big, ns, offs % np.array(ns, np.int64), _reduced_steps(ns, hist_sample))
 
 
 @functools.lru_cache(maxsize=64)
@@ -404,15 +505,16 @@ def compute(inputs: LayerInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
     tensors are on more than one device (then each layer is computed on its own). ``inputs.offsets``: ints."""
     dense = [ts.flat(g) if g is not None and not g.is_sparse and g.numel() else None for g in inputs.grads]
     weights = [None if t is None else ts.norm_input(t) for t in inputs.weights]
-    updates = [None if t is None else ts.norm_input(t) for t in inputs.updates]
-    tensors = [x for x in (*dense, *weights, *updates) if x is not None]
+    given = [t for t in inputs.updates if t is not None]
+    parts = [x for t in given for x in ((t.before, t.after) if isinstance(t, Delta) else (t,))]
+    tensors = [x for x in (*dense, *weights, *parts) if x is not None]
     if len({x.device for x in tensors}) > 1:
         return None
     device = tensors[0].device if tensors else torch.device("cpu")
     counts, gvec = _grad_rows(inputs, dense, device)
     missing = np.array([g is None for g in inputs.grads], np.float32)
-    values = _devicestats.assemble_table(_HOST, gvec, _norm_rows(weights, device), _norm_rows(updates, device),
-                                         missing)
+    values = _devicestats.assemble_table(_HOST, gvec, _norm_rows(weights, device),
+                                         _update_rows(inputs.updates, device), missing)
     return torch.from_numpy(counts).to(device), torch.from_numpy(np.asarray(values, np.float32)).to(device)
 
 
@@ -427,12 +529,12 @@ def _grad_rows(inputs: LayerInputs, dense: Sequence[torch.Tensor | None],
     fast = np.zeros(len(grads), bool)
     if len(rows):
         xs = [dense[i] for i in rows]
-        positions = _positions(xs, rows, offsets, hs)
-        red = _reduce(xs, GRAD, device, positions)
+        sample = _sample(xs, rows, offsets, hs)
+        red = _reduce(xs, GRAD, device, sample)
         st = red.stats
         n = np.array([x.numel() for x in xs], np.float64)
         ok = _devicestats.one_pass_ok(np, st["min"], st["max"])
-        sampled = np.array([p is not None for p in positions])
+        sampled = sample.sampled()
         hist, due = _hist_rows(sampled, red.bins, st["normal"], hs)
         for j in np.flatnonzero(ok & due):  # a sparse tensor whose sample missed its nonzeros: every value binned
             hist[j] = _devicestats.kept_hist(ts.BE, xs[j]).double().cpu().numpy()
@@ -450,21 +552,75 @@ def _grad_rows(inputs: LayerInputs, dense: Sequence[torch.Tensor | None],
     return counts, vec
 
 
-def _norm_rows(xs: Sequence[torch.Tensor | None], device: torch.device) -> np.ndarray:
+def _norm_rows(xs: Sequence[torch.Tensor | None], device: torch.device,
+               minus: Sequence[torch.Tensor | None] | None = None,
+               copy_to: Sequence[torch.Tensor] | None = None) -> np.ndarray:
     """:func:`_devicestats.norm_stats` ``[L, 2]`` float64 of each weight or update on the host (NaN where a layer
-    has none)."""
+    has none). CPU tensors and the compiled statistics only: with ``minus``, of each update ``xs[i] - minus[i]``;
+    with ``copy_to`` (no ``None`` in ``xs``), copying each ``xs[i]`` into ``copy_to[i]`` as it is read."""
     out = np.full((len(xs), 2), np.nan)
     present = np.array([i for i, x in enumerate(xs) if x is not None and x.numel()], np.int64)
     redo = [i for i, x in enumerate(xs) if x is not None and not x.numel()]
     if len(present):
-        st = _reduce([xs[i] for i in present], NORM, device).stats
+        if minus is None and copy_to is None:
+            st = _reduce([xs[i] for i in present], NORM, device).stats
+        else:
+            st = _cpu_stats([xs[i].resolve_neg().contiguous() for i in present], NORM,
+                            None if minus is None else [minus[i] for i in present],
+                            None if copy_to is None else [copy_to[i] for i in present])
         m = np.maximum(st["max"], -st["min"])
         with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
             out[present] = np.stack([m, st[_SQUARES] / (m * m)], 1)
         redo += list(present[~_devicestats.norm_one_pass_ok(m)])
     for i in redo:  # NaN/Inf or extreme magnitudes; empty tensors
-        out[i] = _devicestats.norm_stats(ts.BE, xs[i]).double().cpu().numpy()
+        x = xs[i] if minus is None else xs[i] - minus[i]
+        out[i] = _devicestats.norm_stats(ts.BE, x).double().cpu().numpy()
     return out
+
+
+def _update_rows(updates: Sequence[Any], device: torch.device) -> np.ndarray:
+    """:func:`_norm_rows` of each update (a tensor, a :class:`Delta` or ``None``): where every given one is a
+    ``Delta`` of CPU tensors and the compiled statistics load, from one read of ``before`` and ``after``."""
+    deltas = [t for t in updates if t is not None]
+    if (deltas and device.type == "cpu" and all(isinstance(t, Delta) for t in deltas) and _CPU_SUMS is not None
+            and _cpustats.library() is not None):
+        xs = [None if t is None else ts.flat(t.before) for t in updates]
+        ys = [None if t is None else ts.flat(t.after) for t in updates]
+        if all(x is None or x.numel() == y.numel() for x, y in zip(xs, ys, strict=True)):
+            return _norm_rows(xs, device, ys)
+    return _norm_rows([None if t is None else ts.norm_input(t) for t in updates], device)
+
+
+def copies_on_cpu(weights: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> bool:
+    """Whether :func:`copy_norms` can read ``weights`` into ``buffers``: plain float32 CPU tensors, each buffer
+    contiguous and of its weight's size, and the compiled statistics loaded."""
+    if not weights or _cpustats.library() is None or _CPU_SUMS is None:
+        return False
+    return all(type(w) in (torch.Tensor, torch.nn.Parameter) and type(b) is torch.Tensor and w.device.type == "cpu"
+               and b.device.type == "cpu" and w.dtype == b.dtype == torch.float32 and b.is_contiguous()
+               and w.numel() == b.numel() for w, b in zip(weights, buffers, strict=True))
+
+
+def copy_norms(weights: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> torch.Tensor:
+    """:func:`_devicestats.norm_stats` ``[L, 2]`` float32 of each weight, copying it into its buffer in the same
+    read (the snapshot of the weights before a step); only where :func:`copies_on_cpu`."""
+    xs = [ts.flat(w) for w in weights]
+    return torch.from_numpy(_norm_rows(xs, torch.device("cpu"), copy_to=[b.view(-1) for b in buffers])
+                            .astype(np.float32))
+
+
+def difference_norms(befores: Sequence[torch.Tensor], afters: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """:func:`_devicestats.norm_stats` ``[L, 2]`` float32 of each update ``before - after`` from one read of both
+    and no tensor written, where every tensor is on the CPU and the compiled statistics load; else ``None`` (the
+    caller subtracts and calls :func:`norms`)."""
+    if not befores or _cpustats.library() is None or _CPU_SUMS is None:
+        return None
+    xs, ys = [ts.flat(b) for b in befores], [ts.flat(a) for a in afters]
+    if any(t.device.type != "cpu" for t in (*xs, *ys)):
+        return None
+    if any(x.numel() != y.numel() for x, y in zip(xs, ys, strict=True)):
+        return None
+    return torch.from_numpy(_norm_rows(xs, xs[0].device, ys).astype(np.float32))
 
 
 def norms(xs: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -7,8 +7,9 @@ without TensorFlow.
   layer).
   No gradient is copied to the host; :func:`to_memory` copies only the stacked tensor.
 * Eagerly (``tb_gradhealth._torcheager``) each tensor's statistics take a few cheap passes, a piece of the tensor
-  at a time, and one host read of them all decides which tensors take the plain sums (all finite, max|g| in a safe
-  range); the others are computed again tensor by tensor. ``compile=True`` (``tb_gradhealth._torchfused``) reads
+  at a time (on a CPU one read, by the compiled loop of ``tb_gradhealth._cpustats`` where it builds), and one host
+  read of them all decides which tensors take the plain sums (all finite, max|g| in a safe range); the others are
+  computed again tensor by tensor. ``compile=True`` (``tb_gradhealth._torchfused``) reads
   each tensor once: one compiled function whose reductions of a tensor inductor fuses into one loop, and no host
   read before the record is copied (with its flags: the layers whose plain sums do not hold, or whose histogram
   sample missed a sparse tensor's nonzeros, are computed again eagerly, on the steps that have one). Traced inside
@@ -74,6 +75,8 @@ _log = logging.getLogger("tb_gradhealth")
 
 #: The stacked columns of the applied update's norms (:func:`after_step` fills them in).
 _UPDATE_COLUMNS = [_core.stacked_column("update_max_abs"), _core.stacked_column("update_ssq_rel")]
+#: The weights' (:func:`before_step` fills them in where it reads them as it copies them).
+_WEIGHT_COLUMNS = [_core.stacked_column("weight_max_abs"), _core.stacked_column("weight_ssq_rel")]
 
 
 # --- inputs -------------------------------------------------------------------------------------------------
@@ -376,14 +379,19 @@ def before_step(params: Sequence[tuple[str, torch.nn.Parameter]], step: int, his
     nor copied, and the stale ones, read as missing. Shared by :class:`StepRecorder` and the Lightning / Hugging
     Face callbacks."""
     selection = _torchparams.select(params) if selection is None else selection
-    stacked = _records(params, True, None, selection, hist_sample=hist_sample, seed=step)
-    if not updates:
-        return Pending(stacked, None, selection)
     live = [params[i] for i in selection.live]
     weights = [p.detach() for _, p in live]
+    # on a CPU the weights' norms are taken as the snapshot copies them: one read of the weights, not two
+    fused = updates and buffers is not None and _torcheager.copies_on_cpu(weights, buffers)
+    stacked = _records(params, not fused, None, selection, hist_sample=hist_sample, seed=step)
+    if not updates:
+        return Pending(stacked, None, selection)
     if buffers is None:
         return Pending(stacked, {n: w.clone() for (n, _), w in zip(live, weights, strict=True)}, selection)
-    torch._foreach_copy_(list(buffers), weights)
+    if fused:
+        stacked[:, _WEIGHT_COLUMNS] = _torcheager.copy_norms(weights, buffers)
+    else:
+        torch._foreach_copy_(list(buffers), weights)
     return Pending(stacked, {n: b for (n, _), b in zip(live, buffers, strict=True)}, selection)
 
 
@@ -391,12 +399,17 @@ def after_step(pending: Pending, params: Sequence[tuple[str, torch.nn.Parameter]
                group: Any = None, in_place: bool = False) -> np.ndarray | None:
     """Just after the step: the applied update ``before - after`` joins the records, shards are merged
     (``sharded``), and the memory-form rows of every parameter (the frozen ones filled on the host) are returned
-    on rank 0 (``None`` on the others). ``in_place``: the snapshot (float32) becomes the update, computed in it;
-    otherwise it is kept and the update is a new tensor."""
+    on rank 0 (``None`` on the others). On a CPU with the compiled statistics the update is read as the difference
+    of the two, never written; elsewhere with ``in_place`` the snapshot (float32) becomes the update, computed in
+    it, and otherwise it is kept and the update is a new tensor."""
     stacked, before, selection = pending
     if before is not None and selection.live:
         live = [params[i] for i in selection.live]
         after = [p.detach() for _, p in live]
+        fused = _torcheager.difference_norms([before[n] for n, _ in live], after)
+        if fused is not None:  # on a CPU: read once, never written
+            stacked[:, _UPDATE_COLUMNS] = fused
+            return _rows(stacked, selection, sharded, group)
         if in_place:
             snapshot = [before[n] for n, _ in live]
             torch._foreach_sub_(snapshot, after)

@@ -101,3 +101,11 @@ def test_the_bytes_a_layer_of_a_device_record_match_the_layout():
               and "on disk" not in line.split("bytes")[0][-40:]]
     stated = {int(n) for line in claims for n in re.findall(r"\b(\d+) bytes\b(?! (?:per layer-step|on disk))", line)}
     assert claims and stated == {record.NUM_FIELDS * 4}, (stated, claims)
+
+
+def test_the_switch_of_the_compiled_cpu_statistics_is_the_one_documented():
+    from tb_gradhealth import _cpustats
+
+    for doc in ("README.md", "docs/TORCH_JAX.md"):
+        named = set(re.findall(r"`(TB_GRADHEALTH_\w+)=0`", (REPO / doc).read_text(encoding="utf-8")))
+        assert named == {_cpustats.ENV}, f"{doc} names {named}, the code reads {_cpustats.ENV}"

@@ -6,11 +6,15 @@ whenever the rule says so, its bins always add up to the finite nonzero count, a
 
 from __future__ import annotations
 
+import os
+from unittest import mock
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tb_gradhealth import _cpustats
 from tests.device_cases import SETTINGS, SLOW_SIZES, build, check_recipe, check_record, gradients, sizes_near
 
 torch = pytest.importorskip("torch")
@@ -37,6 +41,14 @@ def _eager(t: torch.Tensor, hs: int, seed: int) -> np.ndarray:
 @given(gradients(FAST_SIZES), st.sampled_from([HS, 0, 4096]), st.integers(0, 1000))
 def test_eager_records_match_reference(recipe, hs, seed):
     check_recipe(recipe, _tensor, lambda t: _eager(t, hs, seed), hs)
+
+
+@settings(SETTINGS, max_examples=200)
+@given(gradients(FAST_SIZES), st.sampled_from([HS, 0, 4096]), st.integers(0, 1000))
+def test_eager_records_through_torch_ops_match_reference(recipe, hs, seed):
+    """The same through torch ops alone: an accelerator's path, and a CPU's where the compiled loop is not built."""
+    with mock.patch.dict(os.environ, {_cpustats.ENV: "0"}):
+        check_recipe(recipe, _tensor, lambda t: _eager(t, hs, seed), hs)
 
 
 @settings(SETTINGS, max_examples=24)
