@@ -227,7 +227,7 @@ def _reduce(xs: Sequence[torch.Tensor], kind: _Kind, device: torch.device, sampl
     """Every statistic of the nonempty flat float32 tensors ``xs`` and (``sample`` given) the bins of their
     histogram samples, through one copy to the host (on a CPU with the compiled statistics: one read of each
     tensor, :func:`_reduce_cpu`)."""
-    if device.type == "cpu" and _CPU_SUMS is not None and _cpustats.library() is not None:
+    if device.type == "cpu" and _CPU_SUMS is not None and _plain(xs) and _cpustats.library() is not None:
         return _reduce_cpu(xs, kind, sample)
     positions = None if sample is None else sample.positions()
     plan, dev = _device_pass(xs, kind, device, positions)
@@ -268,6 +268,13 @@ def _cpu_sums() -> dict[str, str] | None:
 
 
 _CPU_SUMS = _cpu_sums()
+
+
+def _plain(xs: Sequence[torch.Tensor | None]) -> bool:
+    """Whether every tensor given is a plain CPU tensor, whose memory the compiled loop may read (not a subclass,
+    a sparse or a meta tensor)."""
+    return all(x is None or (type(x) is torch.Tensor and x.device.type == "cpu" and x.layout == torch.strided)
+               for x in xs)
 
 
 def _reduce_cpu(xs: Sequence[torch.Tensor], kind: _Kind, sample: _Sample | None) -> _Host:
@@ -582,11 +589,11 @@ def _update_rows(updates: Sequence[Any], device: torch.device) -> np.ndarray:
     """:func:`_norm_rows` of each update (a tensor, a :class:`Delta` or ``None``): where every given one is a
     ``Delta`` of CPU tensors and the compiled statistics load, from one read of ``before`` and ``after``."""
     deltas = [t for t in updates if t is not None]
-    if (deltas and device.type == "cpu" and all(isinstance(t, Delta) for t in deltas) and _CPU_SUMS is not None
-            and _cpustats.library() is not None):
+    loop = device.type == "cpu" and _cpustats.library() is not None
+    if deltas and loop and all(isinstance(t, Delta) for t in deltas):
         xs = [None if t is None else ts.flat(t.before) for t in updates]
         ys = [None if t is None else ts.flat(t.after) for t in updates]
-        if all(x is None or x.numel() == y.numel() for x, y in zip(xs, ys, strict=True)):
+        if _plain(xs) and _plain(ys) and all(x is None or x.numel() == y.numel() for x, y in zip(xs, ys, strict=True)):
             return _norm_rows(xs, device, ys)
     return _norm_rows([None if t is None else ts.norm_input(t) for t in updates], device)
 
@@ -594,7 +601,7 @@ def _update_rows(updates: Sequence[Any], device: torch.device) -> np.ndarray:
 def copies_on_cpu(weights: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> bool:
     """Whether :func:`copy_norms` can read ``weights`` into ``buffers``: plain float32 CPU tensors, each buffer
     contiguous and of its weight's size, and the compiled statistics loaded."""
-    if not weights or _cpustats.library() is None or _CPU_SUMS is None:
+    if not weights or _cpustats.library() is None:
         return False
     return all(type(w) in (torch.Tensor, torch.nn.Parameter) and type(b) is torch.Tensor and w.device.type == "cpu"
                and b.device.type == "cpu" and w.dtype == b.dtype == torch.float32 and b.is_contiguous()
@@ -613,10 +620,10 @@ def difference_norms(befores: Sequence[torch.Tensor], afters: Sequence[torch.Ten
     """:func:`_devicestats.norm_stats` ``[L, 2]`` float32 of each update ``before - after`` from one read of both
     and no tensor written, where every tensor is on the CPU and the compiled statistics load; else ``None`` (the
     caller subtracts and calls :func:`norms`)."""
-    if not befores or _cpustats.library() is None or _CPU_SUMS is None:
+    if not befores or _cpustats.library() is None:
         return None
     xs, ys = [ts.flat(b) for b in befores], [ts.flat(a) for a in afters]
-    if any(t.device.type != "cpu" for t in (*xs, *ys)):
+    if not (_plain(xs) and _plain(ys)):
         return None
     if any(x.numel() != y.numel() for x, y in zip(xs, ys, strict=True)):
         return None

@@ -214,3 +214,20 @@ def test_a_forked_child_computes_on_threads_of_its_own():
     with ctx.Pool(1) as pool:
         got = pool.apply_async(_stats, (values, 2, 1 << 16)).get(timeout=60)
     np.testing.assert_array_equal(expected, got)
+
+
+@needs_compiler
+def test_a_tensor_subclass_goes_through_torch_ops():
+    """A subclass (a wrapper, a quantized or a traced tensor) may hold no memory of its own to read."""
+    torch = pytest.importorskip("torch")
+    tgh = pytest.importorskip("tb_gradhealth.torch")
+    from tb_gradhealth import _torcheager
+
+    class Wrapped(torch.Tensor):
+        pass
+
+    values = np.random.default_rng(3).normal(size=20_000).astype(np.float32)
+    t = torch.from_numpy(values).as_subclass(Wrapped)
+    assert not _torcheager._plain([t.reshape(-1)])
+    got = tgh.to_memory(tgh.compute({"g": t}, {"g": t}, {"g": tgh.Delta(t, t * 0.5)}, hist_sample=0))
+    assert_records_close(record.compute(values, values, values - values * np.float32(0.5), hist_sample=None), got)
