@@ -306,17 +306,27 @@ def _steps64(ns: tuple[int, ...], k: int) -> np.ndarray:
     return out
 
 
+@functools.lru_cache(maxsize=64)
+def _layout(sizes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(owner, byte offset, size, each tensor's first run)`` of the runs of float32 tensors of ``sizes`` values
+    (:func:`_cpustats.runs`; kept, read-only: a model's sizes come back at every logged step)."""
+    owner, offset, size = _cpustats.runs(np.array(sizes, np.int64))
+    out = (owner, (offset * 4).astype(np.uint64), size, np.flatnonzero(np.diff(owner, prepend=-1)))
+    for a in out:
+        a.flags.writeable = False
+    return out
+
+
 def _cpu_stats(xs: Sequence[torch.Tensor], kind: _Kind, minus: Sequence[torch.Tensor] | None = None,
                copy_to: Sequence[torch.Tensor] | None = None) -> dict[str, np.ndarray]:
     """``min``, ``max``, the sum of squares and ``kind``'s scalars (float64) of each nonempty flat float32 CPU
     tensor, or of ``xs[i] - minus[i]`` (never written), from one read of each (:mod:`tb_gradhealth._cpustats`, on
     as many threads as torch's); ``copy_to``: contiguous float32 tensors the values are copied into as they are
     read."""
-    sizes = np.array([x.numel() for x in xs], np.int64)
-    owner, offset, size = _cpustats.runs(sizes)
+    owner, offset, size, first = _layout(tuple(x.numel() for x in xs))
 
     def addresses(ts: Sequence[torch.Tensor]) -> np.ndarray:
-        return np.array([t.data_ptr() for t in ts], np.uint64)[owner] + (offset * 4).astype(np.uint64)
+        return np.array([t.data_ptr() for t in ts], np.uint64)[owner] + offset
 
     second = copies = None
     if minus is not None:
@@ -326,7 +336,6 @@ def _cpu_stats(xs: Sequence[torch.Tensor], kind: _Kind, minus: Sequence[torch.Te
         copies = addresses(copy_to)
     out = _cpustats.stats(addresses(xs), size, torch.get_num_threads(), second, copies)
     col = {name: out[:, j] for j, name in enumerate(_cpustats.FIELDS)}
-    first = np.flatnonzero(np.diff(owner, prepend=-1))
     stats = {"min": np.minimum.reduceat(col["min"], first), "max": np.maximum.reduceat(col["max"], first),
              _SQUARES: np.add.reduceat(col["squares"], first)}
     for name in kind.scalars:
