@@ -277,10 +277,16 @@ def _plain(xs: Sequence[torch.Tensor | None]) -> bool:
                for x in xs)
 
 
+def _readable(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The values as they are, in memory the compiled loop can read: views where they already are (a negated view
+    or a strided one is copied)."""
+    return [x.resolve_neg().contiguous() for x in xs]
+
+
 def _reduce_cpu(xs: Sequence[torch.Tensor], kind: _Kind, sample: _Sample | None) -> _Host:
     """:func:`_reduce` of CPU tensors: their statistics from one read of each (:func:`_cpu_stats`), their samples
     read and binned in place (:func:`_cpustats.bins`)."""
-    xs = [x.resolve_neg().contiguous() for x in xs]  # views of the values as they are (copies only if strided)
+    xs = _readable(xs)
     stats = _cpu_stats(xs, kind)
     if sample is None:
         return _Host(stats, None)
@@ -320,9 +326,9 @@ def _layout(sizes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray,
 def _cpu_stats(xs: Sequence[torch.Tensor], kind: _Kind, minus: Sequence[torch.Tensor] | None = None,
                copy_to: Sequence[torch.Tensor] | None = None) -> dict[str, np.ndarray]:
     """``min``, ``max``, the sum of squares and ``kind``'s scalars (float64) of each nonempty flat float32 CPU
-    tensor, or of ``xs[i] - minus[i]`` (never written), from one read of each (:mod:`tb_gradhealth._cpustats`, on
-    as many threads as torch's); ``copy_to``: contiguous float32 tensors the values are copied into as they are
-    read."""
+    tensor (:func:`_readable`), or of ``xs[i] - minus[i]`` (never written), from one read of each
+    (:mod:`tb_gradhealth._cpustats`, on as many threads as torch's); ``copy_to``: contiguous float32 tensors the
+    values are copied into as they are read."""
     owner, offset, size, first = _layout(tuple(x.numel() for x in xs))
 
     def addresses(ts: Sequence[torch.Tensor]) -> np.ndarray:
@@ -330,7 +336,7 @@ def _cpu_stats(xs: Sequence[torch.Tensor], kind: _Kind, minus: Sequence[torch.Te
 
     second = copies = None
     if minus is not None:
-        minus = [m.resolve_neg().contiguous() for m in minus]
+        minus = _readable(minus)
         second = addresses(minus)
     if copy_to is not None:
         copies = addresses(copy_to)
@@ -581,7 +587,7 @@ def _norm_rows(xs: Sequence[torch.Tensor | None], device: torch.device,
         if minus is None and copy_to is None:
             st = _reduce([xs[i] for i in present], NORM, device).stats
         else:
-            st = _cpu_stats([xs[i].resolve_neg().contiguous() for i in present], NORM,
+            st = _cpu_stats(_readable([xs[i] for i in present]), NORM,
                             None if minus is None else [minus[i] for i in present],
                             None if copy_to is None else [copy_to[i] for i in present])
         m = np.maximum(st["max"], -st["min"])
@@ -598,23 +604,35 @@ def _update_rows(updates: Sequence[Any], device: torch.device) -> np.ndarray:
     """:func:`_norm_rows` of each update (a tensor, a :class:`Delta` or ``None``): where every given one is a
     ``Delta`` of CPU tensors and the compiled statistics load, from one read of ``before`` and ``after``."""
     deltas = [t for t in updates if t is not None]
-    loop = device.type == "cpu" and _cpustats.library() is not None
-    if deltas and loop and all(isinstance(t, Delta) for t in deltas):
-        xs = [None if t is None else ts.flat(t.before) for t in updates]
-        ys = [None if t is None else ts.flat(t.after) for t in updates]
-        if _plain(xs) and _plain(ys) and all(x is None or x.numel() == y.numel() for x, y in zip(xs, ys, strict=True)):
-            return _norm_rows(xs, device, ys)
+    if deltas and device.type == "cpu" and all(isinstance(t, Delta) for t in deltas):
+        rows = _difference_rows([None if t is None else t.before for t in updates],
+                                [None if t is None else t.after for t in updates])
+        if rows is not None:
+            return rows
     return _norm_rows([None if t is None else ts.norm_input(t) for t in updates], device)
+
+
+def _difference_rows(befores: Sequence[torch.Tensor | None],
+                     afters: Sequence[torch.Tensor | None]) -> np.ndarray | None:
+    """:func:`_norm_rows` of each ``before - after`` (``None``: a layer without one) from one read of both, where
+    they are plain CPU tensors of equal sizes and the compiled statistics load; else ``None``."""
+    if _cpustats.library() is None:
+        return None
+    xs = [None if b is None else ts.flat(b) for b in befores]
+    ys = [None if a is None else ts.flat(a) for a in afters]
+    if not (_plain(xs) and _plain(ys)) or any(x is not None and x.numel() != y.numel()
+                                              for x, y in zip(xs, ys, strict=True)):
+        return None
+    return _norm_rows(xs, torch.device("cpu"), ys)
 
 
 def copies_on_cpu(weights: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> bool:
     """Whether :func:`copy_norms` can read ``weights`` into ``buffers``: plain float32 CPU tensors, each buffer
     contiguous and of its weight's size, and the compiled statistics loaded."""
-    if not weights or _cpustats.library() is None:
+    if not weights or not (_plain(weights) and _plain(buffers)) or _cpustats.library() is None:
         return False
-    return all(type(w) in (torch.Tensor, torch.nn.Parameter) and type(b) is torch.Tensor and w.device.type == "cpu"
-               and b.device.type == "cpu" and w.dtype == b.dtype == torch.float32 and b.is_contiguous()
-               and w.numel() == b.numel() for w, b in zip(weights, buffers, strict=True))
+    return all(w.dtype == b.dtype == torch.float32 and b.is_contiguous() and w.numel() == b.numel()
+               for w, b in zip(weights, buffers, strict=True))
 
 
 def copy_norms(weights: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -629,14 +647,8 @@ def difference_norms(befores: Sequence[torch.Tensor], afters: Sequence[torch.Ten
     """:func:`_devicestats.norm_stats` ``[L, 2]`` float32 of each update ``before - after`` from one read of both
     and no tensor written, where every tensor is on the CPU and the compiled statistics load; else ``None`` (the
     caller subtracts and calls :func:`norms`)."""
-    if not befores or _cpustats.library() is None:
-        return None
-    xs, ys = [ts.flat(b) for b in befores], [ts.flat(a) for a in afters]
-    if not (_plain(xs) and _plain(ys)):
-        return None
-    if any(x.numel() != y.numel() for x, y in zip(xs, ys, strict=True)):
-        return None
-    return torch.from_numpy(_norm_rows(xs, xs[0].device, ys).astype(np.float32))
+    rows = _difference_rows(befores, afters) if befores else None
+    return None if rows is None else torch.from_numpy(rows.astype(np.float32))
 
 
 def norms(xs: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -406,17 +406,15 @@ def after_step(pending: Pending, params: Sequence[tuple[str, torch.nn.Parameter]
     if before is not None and selection.live:
         live = [params[i] for i in selection.live]
         after = [p.detach() for _, p in live]
-        fused = _torcheager.difference_norms([before[n] for n, _ in live], after)
-        if fused is not None:  # on a CPU: read once, never written
-            stacked[:, _UPDATE_COLUMNS] = fused
-            return _rows(stacked, selection, sharded, group)
-        if in_place:
+        norms = _torcheager.difference_norms([before[n] for n, _ in live], after)  # on a CPU: never written
+        if norms is None and in_place:
             snapshot = [before[n] for n, _ in live]
             torch._foreach_sub_(snapshot, after)
-            update = [ts.flat(u) for u in snapshot]
-        else:
-            update = [ts.norm_input(Delta(before[n], a)) for (n, _), a in zip(live, after, strict=True)]
-        stacked[:, _UPDATE_COLUMNS] = _torcheager.norms(update)
+            norms = _torcheager.norms([ts.flat(u) for u in snapshot])
+        elif norms is None:
+            norms = _torcheager.norms([ts.norm_input(Delta(before[n], a)) for (n, _), a in zip(live, after,
+                                                                                               strict=True)])
+        stacked[:, _UPDATE_COLUMNS] = norms
     return _rows(stacked, selection, sharded, group)
 
 
